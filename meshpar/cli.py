@@ -1,0 +1,83 @@
+"""`meshpar train` and `meshpar inspect`.
+
+    meshpar train [--config FILE] [--devices N] [--metrics-out FILE] [KEY=VALUE ...]
+    meshpar inspect [--config FILE] [--devices N] [--json] [KEY=VALUE ...]
+
+KEY=VALUE are dotted config overrides: steps=20 strategy=fsdp mesh.tensor=2 mesh.data=-1
+precision=fp32 model.layers=2 batch.global_size=16 train.log_every=1.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from meshpar.errors import MeshparError
+
+
+def _parser() -> argparse.ArgumentParser:
+    from meshpar.rules import PRESETS
+    p = argparse.ArgumentParser(prog="meshpar", description="Sharded training of Flax NNX models on a named device mesh.",
+                                epilog="strategies: " + ", ".join(PRESETS))
+    sub = p.add_subparsers(dest="command", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--config", help="YAML config (default: the embedded configs/tiny.yaml)")
+    common.add_argument("--devices", type=int, help="devices to fake on a CPU-only host (default: config `devices`)")
+    common.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides, e.g. mesh.tensor=2")
+    t = sub.add_parser("train", parents=[common], help="train a model (default: the tiny LM on 8 fake CPU devices)")
+    t.add_argument("--metrics-out", help="write JSON Lines metrics (start/step/end records) to this file")
+    i = sub.add_parser("inspect", parents=[common],
+                       help="compile one train step without running it: shardings, collectives, memory, FLOPs")
+    i.add_argument("--json", action="store_true", help="print one JSON object (mesh, params, collectives, memory, flops)")
+    return p
+
+
+def _setup_devices(cfg, devices_flag: int | None) -> None:
+    """Fake host devices before JAX initialises (only CPU-only hosts are affected)."""
+    from meshpar.mesh import fake_cpu_devices
+    n = devices_flag if devices_flag is not None else cfg.devices
+    if n < 1:
+        raise MeshparError(f"--devices must be >= 1, got {n}")
+    cfg.devices = n
+    if os.environ.get("JAX_PLATFORMS", "cpu") in ("cpu", "") or not _has_accelerator():
+        fake_cpu_devices(n)
+
+
+def _has_accelerator() -> bool:
+    import importlib.util
+    return any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "libtpu"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        from meshpar.config import load_config
+        cfg = load_config(args.config, args.overrides)
+        _setup_devices(cfg, args.devices)
+        import jax
+        if jax.device_count() < cfg.devices and jax.default_backend() == "cpu":
+            raise MeshparError(f"asked for {cfg.devices} devices but JAX already initialised with {jax.device_count()}")
+        if args.command == "train":
+            from meshpar.train import run
+            run(cfg, metrics_out=args.metrics_out)
+        else:
+            from meshpar.inspect import render_report, report
+            rep = report(cfg)
+            if args.json:
+                json.dump(rep, sys.stdout, default=str)
+                sys.stdout.write("\n")
+            else:
+                from rich.console import Console
+                render_report(rep, Console())
+    except MeshparError as e:
+        print(f"meshpar: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("meshpar: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,302 @@
+"""Run configuration: a typed schema, YAML files that compose, and dotted KEY=VALUE overrides.
+
+    cfg = load_config("configs/tiny.yaml", ["steps=20", "mesh.tensor=2", "strategy=fsdp"])
+
+Every key is a dataclass field below; an unknown key, a wrong type or an impossible value raises
+`ConfigError` naming the dotted key and, for typos, the closest valid one. A YAML file may say
+`base: other.yaml` (relative to itself) to start from another file.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from meshpar.errors import ConfigError, suggest
+
+def _config_dir() -> Path:
+    """`configs/` of a source checkout, else the copy installed as the package `meshpar.configs`."""
+    src = Path(__file__).resolve().parent.parent / "configs"
+    if (src / "tiny.yaml").exists():
+        return src
+    import importlib.resources
+    return Path(str(importlib.resources.files("meshpar.configs")))
+
+
+CONFIG_DIR = _config_dir()
+DEFAULT_CONFIG = CONFIG_DIR / "tiny.yaml"
+
+
+@dataclass
+class ModelConfig:
+    name: str = "decoder"             # models registry key: decoder | moe
+    size: str = "tiny"                # tiny | 125m | 1b | 7b: dimensions below default from this
+    layers: int | None = None
+    embed: int | None = None
+    heads: int | None = None
+    kv_heads: int | None = None       # grouped-query attention; = heads for plain MHA
+    head_dim: int | None = None
+    mlp: int | None = None
+    vocab: int | None = None
+    scan_layers: bool = True          # stack layers on a `layers` axis and lax.scan them
+    remat: str = "full"               # none | full | save_dots | offload
+    attention: str = "xla"            # jax.nn.dot_product_attention implementation: xla | cudnn | auto
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+
+
+@dataclass
+class MeshConfig:
+    """Sizes of the named mesh axes (ICI, within a slice/node); one may be -1 (fill)."""
+    data: int = 1
+    fsdp: int = 1
+    tensor: int = 1
+    pipeline: int = 1
+    expert: int = 1
+    dcn: dict[str, int] = field(default_factory=dict)   # multi-slice/multi-node sizes, e.g. {data: 2}
+
+
+@dataclass
+class BatchConfig:
+    global_size: int = 16             # sequences per optimizer step, over all devices
+    length: int = 64                  # tokens per sequence
+    microbatches: int = 1             # gradient accumulation steps inside one optimizer step
+
+
+@dataclass
+class TrainConfig:
+    lr: float = 3e-3
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1         # cosine decays to lr * min_lr_ratio
+    weight_decay: float = 0.01
+    b1: float = 0.9
+    b2: float = 0.95
+    clip_norm: float = 1.0
+    seed: int = 0
+    log_every: int = 10
+    peak_tflops: float | None = None  # per device; None: from the device kind (a quick matmul probe on CPU)
+
+
+@dataclass
+class DataConfig:
+    kind: str = "synthetic"           # synthetic | tokens | text
+    path: str | None = None           # token file (.bin, uint16/uint32) or text file/folder
+    dtype: str = "uint16"             # token file dtype
+    branching: int = 4                # synthetic: successors per state of the Markov chain
+    seed: int = 1234
+
+
+@dataclass
+class PipelineConfig:
+    schedule: str = "gpipe"           # gpipe | 1f1b | interleaved
+    microbatches: int = 4
+    virtual_stages: int = 1
+
+
+@dataclass
+class MoEConfig:
+    routing: str = "top2"             # top1 | top2
+    capacity_factor: float | None = 1.25   # None: dropless
+    num_experts: int = 4
+    every: int = 2                    # MoE feed-forward in every k-th layer
+    aux_loss_weight: float = 0.01
+    z_loss_weight: float = 0.001
+    group_size: int | None = None     # tokens per routing group S; None: one sequence per group
+    second_expert_policy: str = "all"  # all | random (GShard's random routing of the 2nd expert)
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str | None = None
+    every: int = 0                    # 0: only at the end / on preemption
+    keep: int = 3
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    strategy: str = "fsdp_tp"         # a preset of meshpar.rules.PRESETS
+    rules: list[list[Any]] = field(default_factory=list)  # user rules, [[logical, [mesh axes...]], ...], tried first
+    precision: str = "bf16"           # bf16 | fp32 (meshpar.precision.POLICIES)
+    steps: int = 200
+    devices: int = 8                  # devices to fake on a CPU-only host
+
+
+# ----------------------------------------------------------------------------------------------
+# Building a dataclass tree from plain dicts, with typed errors.
+
+def _field_types(cls) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check/convert `value` to type `tp`; `key` is the dotted name for errors."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, key)
+            except ConfigError as e:
+                errors.append(e)
+        raise errors[0]
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"config key '{key}' must be a mapping, got {value!r}")
+        return _build(tp, value, key + ".")
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"config key '{key}' must be a mapping, got {value!r}")
+        _, vt = typing.get_args(tp)
+        return {k: _coerce(v, vt, f"{key}.{k}") for k, v in value.items()}
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"config key '{key}' must be a list, got {value!r}")
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"config key '{key}' must be true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"config key '{key}' must be an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"config key '{key}' must be a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"config key '{key}' must be a string, got {value!r}")
+    return value
+
+
+def _build(cls, data: dict, prefix: str = ""):
+    types_ = _field_types(cls)
+    for k in data:
+        if k not in types_:
+            raise ConfigError(f"unknown config key '{prefix}{k}'" + suggest(k, types_))
+    kwargs = {k: _coerce(v, types_[k], prefix + k) for k, v in data.items()}
+    return cls(**kwargs)
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict) and k != "dcn":
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def _read_yaml(path: Path) -> dict:
+    if not path.exists():
+        raise ConfigError(f"config file '{path}' does not exist")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file '{path}' is not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file '{path}' must hold a mapping at the top level")
+    base = data.pop("base", None)
+    if base is not None:
+        base_path = (path.parent / base) if not Path(base).is_absolute() else Path(base)
+        if not base_path.exists() and (CONFIG_DIR / base).exists():
+            base_path = CONFIG_DIR / base
+        data = _merge(_read_yaml(base_path), data)
+    return data
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """'mesh.tensor=2' -> (['mesh', 'tensor'], 2); values are parsed as YAML scalars/lists."""
+    if "=" not in item:
+        raise ConfigError(f"override '{item}' must look like KEY=VALUE (e.g. mesh.tensor=2)")
+    key, raw = item.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    data = _merge({}, data)
+    for item in overrides:
+        keys, value = parse_override(item)
+        node = data
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override '{item}': '{k}' is not a section")
+        node[keys[-1]] = value
+    return data
+
+
+def from_dict(data: dict) -> Config:
+    cfg = _build(Config, data)
+    validate(cfg)
+    return cfg
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    data = _read_yaml(Path(path) if path else DEFAULT_CONFIG)
+    return from_dict(apply_overrides(data, overrides or []))
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def _choice(key: str, value: str, choices) -> None:
+    if value not in choices:
+        raise ConfigError(f"config key '{key}' has unknown value '{value}'" + suggest(value, choices))
+
+
+def validate(cfg: Config) -> None:
+    """Value checks that need no devices (mesh/rule checks happen when the mesh is built)."""
+    from meshpar import precision, rules  # local: avoid import cycles
+
+    _choice("strategy", cfg.strategy, rules.PRESETS)
+    _choice("precision", cfg.precision, precision.POLICIES)
+    _choice("model.remat", cfg.model.remat, ("none", "full", "save_dots", "offload"))
+    _choice("model.attention", cfg.model.attention, ("xla", "cudnn", "auto"))
+    _choice("data.kind", cfg.data.kind, ("synthetic", "tokens", "text"))
+    _choice("data.dtype", cfg.data.dtype, ("uint16", "uint32"))
+    _choice("pipeline.schedule", cfg.pipeline.schedule, ("gpipe", "1f1b", "interleaved"))
+    _choice("moe.routing", cfg.moe.routing, ("top1", "top2"))
+    for key, v in [("steps", cfg.steps), ("devices", cfg.devices), ("batch.global_size", cfg.batch.global_size),
+                   ("batch.length", cfg.batch.length), ("batch.microbatches", cfg.batch.microbatches),
+                   ("train.log_every", cfg.train.log_every), ("pipeline.microbatches", cfg.pipeline.microbatches),
+                   ("pipeline.virtual_stages", cfg.pipeline.virtual_stages), ("moe.num_experts", cfg.moe.num_experts),
+                   ("moe.every", cfg.moe.every), ("data.branching", cfg.data.branching)]:
+        if v < 1:
+            raise ConfigError(f"config key '{key}' must be >= 1, got {v}")
+    if cfg.train.lr <= 0:
+        raise ConfigError(f"config key 'train.lr' must be > 0, got {cfg.train.lr}")
+    if cfg.moe.capacity_factor is not None and cfg.moe.capacity_factor <= 0:
+        raise ConfigError(f"config key 'moe.capacity_factor' must be > 0 or null (dropless), got {cfg.moe.capacity_factor}")
+    if cfg.data.kind != "synthetic" and not cfg.data.path:
+        raise ConfigError(f"config key 'data.path' is required when data.kind={cfg.data.kind}")
+    for i, rule in enumerate(cfg.rules):
+        if not (isinstance(rule, list) and len(rule) == 2 and isinstance(rule[0], str)):
+            raise ConfigError(f"config key 'rules[{i}]' must be [logical_name, [mesh_axis, ...]], got {rule!r}")

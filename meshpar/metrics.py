@@ -1,0 +1,96 @@
+"""Run output: a progress bar (rich) for people, JSON Lines for programs.
+
+JSON Lines records (one object a line, `--metrics-out FILE`):
+  {"event": "start", "mesh": {...}, "strategy": ..., "entropy_floor": ..., ...}
+  {"event": "step", "step": n, "loss": ..., "step_time_s": ..., "tokens_per_s": ..., "mfu": ..., ...}
+  {"event": "end", "final_loss": ..., "gap_closed": ..., ...}
+Only process 0 writes or prints.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import jax
+
+
+def _is_main() -> bool:
+    return jax.process_index() == 0
+
+
+class MetricsLogger:
+    def __init__(self, path: str | None, total_steps: int, console=None):
+        from rich.console import Console
+        self.console = console or Console(stderr=False)
+        self.main = _is_main()
+        self.file = open(Path(path), "w") if (path and self.main) else None  # noqa: SIM115
+        self.total = total_steps
+        self.progress = None
+        self.task = None
+
+    def _write(self, rec: dict) -> None:
+        if self.file:
+            self.file.write(json.dumps(rec, default=_default) + "\n")
+            self.file.flush()
+
+    def info(self, msg: str) -> None:
+        if self.main:
+            self.console.print(msg)
+
+    def start(self, facts: dict, trainer=None) -> None:
+        cfg = facts.pop("config", None)
+        self._write({"event": "start", **facts, **({"config": dataclasses.asdict(cfg)} if cfg else {})})
+        if not self.main:
+            return
+        floor = facts.get("entropy_floor")
+        self.console.print(f"[bold]meshpar[/] {facts['strategy']} on {facts['mesh_str']} ({facts['devices']} devices), "
+                           f"{facts['params'] / 1e6:.2f}M params, precision {facts['precision']}"
+                           + (f", entropy floor {floor:.4f} nats/token" if floor is not None else ""))
+        if trainer is not None:
+            from meshpar.inspect import render_sharding_table
+            from meshpar.sharding import sharding_table
+            self.console.print(render_sharding_table(sharding_table(trainer.spec, trainer.layout)))
+        if self.console.is_terminal:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+            self.progress = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
+                                     TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=self.console)
+            self.task = self.progress.add_task("train", total=self.total, info="")
+            self.progress.start()
+
+    def step(self, rec: dict) -> None:
+        self._write({"event": "step", **rec})
+        if not self.main:
+            return
+        extra = "".join(f" {k} {_fmt(rec[k])}" for k in ("drop_fraction", "load_min", "load_max", "loss_scale")
+                        if k in rec)
+        info = (f"loss {rec['loss']:.4f} | {rec['tokens_per_s']:,.0f} tok/s | MFU {100 * rec['mfu']:.2f}%" + extra)
+        if self.progress is not None:
+            self.progress.update(self.task, completed=rec["step"], info=info)
+        else:
+            self.console.print(f"step {rec['step']:>5}/{self.total} | {info}")
+
+    def end(self, rec: dict) -> None:
+        self._write({"event": "end", **rec})
+        if self.progress is not None:
+            self.progress.stop()
+        if self.main:
+            msg = f"done: loss {rec['initial_loss']:.4f} -> {rec['final_loss']:.4f}"
+            if rec.get("entropy_floor") is not None:
+                msg += f" (floor {rec['entropy_floor']:.4f}, {100 * rec['gap_closed']:.1f}% of the gap closed)"
+            self.console.print(msg + f" in {rec['wall_s']:.1f}s")
+        if self.file:
+            self.file.close()
+
+
+def _fmt(v) -> str:
+    if isinstance(v, list):
+        return "[" + ",".join(f"{x:.3g}" for x in v) + "]"
+    return f"{v:.3g}"
+
+
+def _default(o):
+    try:
+        return float(o)
+    except Exception:  # noqa: BLE001
+        return str(o)

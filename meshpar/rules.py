@@ -1,0 +1,251 @@
+"""Logical axis rules: what a tensor dimension *means* -> which mesh axes split it.
+
+Models name dimensions with the logical names of `LOGICAL_AXES`; a strategy is nothing but rule
+tables mapping those names to ordered mesh-axis *candidates*. A candidate is one mesh axis or a
+tuple of axes that split the dimension jointly (e.g. `batch` over `("data", "fsdp")`).
+
+Resolution (t5x / Flax Linen semantics, owned here because Flax NNX resolves rules as a dict):
+for each dimension, walk its candidates in order and take the first one that, after dropping mesh
+axes of size 1 and axes already used by an earlier dimension of the same tensor, is non-empty.
+A dimension that is not divisible by the product of the chosen axes is an error, never a silent
+replication. Because an axis is used at most once per spec, no tensor can map two dimensions to
+`expert` (the mistake that makes XLA all-gather expert weights instead of all-to-all).
+
+Presets (rule tables), after Megatron-LM (Shoeybi et al. 2019), ZeRO (Rajbhandari et al. 2020):
+
+| preset  | parameters                  | optimizer state        | gradients          | activations                  |
+|---------|-----------------------------|------------------------|--------------------|------------------------------|
+| dp      | replicated                  | replicated             | all-reduced        | batch over data/fsdp/expert  |
+| zero1   | replicated                  | embed/mlp/vocab / N    | all-reduced        | as dp                        |
+| zero2   | replicated                  | as zero1               | reduce-scattered   | as dp                        |
+| fsdp    | embed over (data, fsdp)     | as params (ZeRO-3)     | reduce-scattered   | as dp                        |
+| hsdp    | embed over fsdp only        | as params              | RS in fsdp, AR data| as dp                        |
+| tp      | heads/mlp/vocab over tensor | as params              | as params          | heads/mlp/vocab over tensor  |
+| tp_sp   | as tp                       | as params              | as params          | tp + residual length/tensor  |
+| fsdp_tp | fsdp + tp (2D)              | as params              | as params          | tp                           |
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from meshpar.errors import ShardingError, suggest
+from meshpar.mesh import MESH_AXES
+
+# The vocabulary models may use. Activations and parameters share names where they share meaning.
+LOGICAL_AXES: dict[str, str] = {
+    "batch": "sequences in a (micro)batch",
+    "length": "sequence positions of the residual stream between blocks (Megatron-SP splits this)",
+    "seq": "sequence positions inside attention / MLP (always whole under sequence parallelism)",
+    "embed": "model width d_model",
+    "heads": "attention query heads",
+    "kv_heads": "attention key/value heads (grouped-query attention)",
+    "kv": "per-head width d_head",
+    "mlp": "feed-forward hidden width d_ff",
+    "vocab": "vocabulary entries",
+    "layers": "stacked decoder layers (scanned)",
+    "norm": "scale vector of a normalisation layer",
+    "stage": "pipeline stages",
+    "expert": "mixture-of-experts experts (E)",
+    "group": "MoE token groups (G)",
+    "capacity": "MoE expert capacity (C)",
+    "expert_mlp": "MoE expert hidden width (H)",
+}
+
+BATCH_AXES = ("data", "fsdp", "expert")
+
+Candidate = str | tuple[str, ...]
+RuleTable = tuple[tuple[str, tuple[Candidate, ...]], ...]
+
+
+def table(**rules: Candidate | Sequence[Candidate] | None) -> RuleTable:
+    """table(batch=[("data", "fsdp")], heads="tensor") -> normalised RuleTable."""
+    out = []
+    for name, cands in rules.items():
+        if cands is None:
+            cands = ()
+        elif isinstance(cands, (str, tuple)):
+            cands = (cands,)
+        out.append((name, tuple(c if isinstance(c, str) else tuple(c) for c in cands)))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A parallelism strategy = rule tables. `params` also lays out activations and gradients."""
+    name: str
+    doc: str
+    params: RuleTable
+    opt_state: RuleTable | None = None   # ZeRO-1/2: optimizer state sharded although params are not
+    shard_grads: bool = False            # ZeRO-2: gradients constrained to the opt_state layout (reduce-scatter)
+    extra: RuleTable = field(default=())  # rules every strategy shares (stage, expert, groups)
+
+    def param_rules(self) -> RuleTable:
+        return self.params + self.extra
+
+    def opt_rules(self) -> RuleTable:
+        return (self.opt_state + self.params + self.extra) if self.opt_state is not None else self.param_rules()
+
+
+_COMMON = table(batch=[BATCH_AXES], group=[BATCH_AXES], expert="expert", stage="pipeline")
+_TP = table(heads="tensor", kv_heads="tensor", mlp="tensor", vocab="tensor", expert_mlp="tensor")
+_ZERO_STATE = table(embed=[("data", "fsdp")], mlp=[("data", "fsdp")], vocab=[("data", "fsdp")],
+                    expert_mlp=[("data", "fsdp")])
+
+PRESETS: dict[str, Strategy] = {s.name: s for s in [
+    Strategy("dp", "data parallel: params replicated, gradients all-reduced", table(), extra=_COMMON),
+    Strategy("zero1", "ZeRO-1: optimizer state sharded over data, params replicated", table(),
+             opt_state=_ZERO_STATE, extra=_COMMON),
+    Strategy("zero2", "ZeRO-2: ZeRO-1 + gradients reduce-scattered", table(),
+             opt_state=_ZERO_STATE, shard_grads=True, extra=_COMMON),
+    Strategy("fsdp", "ZeRO-3/FSDP: params, grads, optimizer state sharded over data x fsdp",
+             table(embed=[("data", "fsdp")], expert_mlp=[("data", "fsdp")]), extra=_COMMON),
+    Strategy("hsdp", "hybrid sharded DP: FSDP inside `fsdp`, replicas over `data`",
+             table(embed="fsdp", expert_mlp="fsdp"), extra=_COMMON),
+    Strategy("tp", "Megatron 1D tensor parallel over `tensor`", _TP, extra=_COMMON),
+    Strategy("tp_sp", "Megatron TP + sequence parallel on the residual stream", _TP + table(length="tensor"),
+             extra=_COMMON),
+    Strategy("fsdp_tp", "2D: FSDP over data x fsdp, Megatron TP over tensor",
+             _TP + table(embed=[("data", "fsdp")]), extra=_COMMON),
+]}
+
+
+def get_strategy(name: str) -> Strategy:
+    if name not in PRESETS:
+        raise ShardingError(f"unknown strategy '{name}'" + suggest(name, PRESETS))
+    return PRESETS[name]
+
+
+def parse_user_rules(rules: Sequence) -> RuleTable:
+    """YAML `rules: [[heads, [tensor]], [batch, [[data, fsdp]]], [vocab, null]]` -> RuleTable.
+
+    A user rule goes before the preset's, so it wins; `null` / `[]` forces replication.
+    """
+    out = []
+    for i, item in enumerate(rules):
+        name, cands = item
+        if name not in LOGICAL_AXES:
+            raise ShardingError(f"rules[{i}]: unknown logical axis '{name}'" + suggest(name, LOGICAL_AXES))
+        if cands is None:
+            cands = []
+        if isinstance(cands, str):
+            cands = [cands]
+        norm = []
+        for c in cands:
+            axes = (c,) if isinstance(c, str) else tuple(c)
+            for a in axes:
+                if a not in MESH_AXES:
+                    raise ShardingError(f"rules[{i}] ({name}): unknown mesh axis '{a}'" + suggest(a, MESH_AXES))
+            norm.append(axes[0] if len(axes) == 1 else axes)
+        out.append((name, tuple(norm)))
+    return tuple(out)
+
+
+def resolve(logical: Sequence[str | None], rules: RuleTable, mesh_shape: dict[str, int],
+            shape: Sequence[int] | None = None, what: str = "tensor"):
+    """Logical axes of one tensor -> `PartitionSpec` (first match, skip size-1 and used axes).
+
+    `what` names the tensor in errors ("parameter 'layers.attn.wq'"). With `shape`, every sharded
+    dimension is checked for divisibility by the product of its mesh axes.
+    """
+    from jax.sharding import PartitionSpec
+
+    if shape is not None and len(shape) != len(logical):
+        raise ShardingError(f"{what}: {len(logical)} logical axes {tuple(logical)} for a rank-{len(shape)} "
+                            f"array of shape {tuple(shape)}")
+    lookup: dict[str, list[tuple[Candidate, ...]]] = {}
+    for name, cands in rules:
+        lookup.setdefault(name, []).append(cands)
+    used: set[str] = set()
+    parts = []
+    for dim, name in enumerate(logical):
+        if name is None:
+            parts.append(None)
+            continue
+        if name not in LOGICAL_AXES:
+            raise ShardingError(f"{what}: unknown logical axis '{name}'" + suggest(name, LOGICAL_AXES))
+        chosen: tuple[str, ...] = ()
+        for cands in lookup.get(name, []):   # user rules first, then the preset's
+            for cand in cands:
+                axes = (cand,) if isinstance(cand, str) else cand
+                axes = tuple(a for a in axes if mesh_shape.get(a, 1) > 1 and a not in used)
+                if axes:
+                    chosen = axes
+                    break
+            if chosen or not cands:          # an explicit empty rule means "replicate"
+                break
+        if chosen and shape is not None:
+            n = math.prod(mesh_shape[a] for a in chosen)
+            if shape[dim] % n:
+                sizes = " x ".join(f"{a}={mesh_shape[a]}" for a in chosen)
+                raise ShardingError(
+                    f"{what}: dimension {dim} ('{name}', size {shape[dim]}) is not divisible by mesh axes "
+                    f"{sizes} (= {n}); change the size to a multiple of {n}, resize those mesh axes, or add "
+                    f"a rule [{name}, null] to replicate it")
+        used.update(chosen)
+        parts.append(None if not chosen else chosen[0] if len(chosen) == 1 else chosen)
+    while parts and parts[-1] is None:
+        parts.pop()
+    return PartitionSpec(*parts)
+
+
+# ----------------------------------------------------------------------------------------------
+# The active layout: which mesh and rules `constrain` uses while a model is traced.
+
+@dataclass(frozen=True)
+class Layout:
+    """A mesh plus the rule tables in force. `for_params`/`for_opt_state` pick the table."""
+    mesh: object
+    strategy: Strategy
+    user_rules: RuleTable = ()
+
+    @property
+    def shape(self) -> dict[str, int]:
+        return dict(zip(self.mesh.axis_names, self.mesh.devices.shape))
+
+    def rules(self, kind: str = "params") -> RuleTable:
+        base = self.strategy.opt_rules() if kind == "opt_state" else self.strategy.param_rules()
+        return self.user_rules + base
+
+    def spec(self, logical, shape=None, what="tensor", kind="params"):
+        return resolve(logical, self.rules(kind), self.shape, shape, what)
+
+    def sharding(self, logical, shape=None, what="tensor", kind="params"):
+        from jax.sharding import NamedSharding
+        return NamedSharding(self.mesh, self.spec(logical, shape, what, kind))
+
+
+_ACTIVE: contextvars.ContextVar[Layout | None] = contextvars.ContextVar("meshpar_layout", default=None)
+
+
+@contextlib.contextmanager
+def use_layout(layout: Layout | None) -> Iterator[Layout | None]:
+    """Make `layout` the one `constrain` uses (while tracing a jitted function)."""
+    token = _ACTIVE.set(layout)
+    try:
+        yield layout
+    finally:
+        _ACTIVE.reset(token)
+
+
+def active_layout() -> Layout | None:
+    return _ACTIVE.get()
+
+
+def constrain(x, logical: Sequence[str | None], what: str = "activation"):
+    """Pin activation `x` to the layout its logical axes resolve to (no-op outside a layout).
+
+    This is the only sharding call model code makes: it names logical axes, never mesh axes.
+    """
+    layout = _ACTIVE.get()
+    if layout is None:
+        return x
+    import jax
+    spec = layout.spec(logical, x.shape, what)
+    if jax.sharding.get_abstract_mesh().axis_names:  # under jax.set_mesh / inside shard_map: bare spec
+        return jax.lax.with_sharding_constraint(x, spec)
+    from jax.sharding import NamedSharding
+    return jax.lax.with_sharding_constraint(x, NamedSharding(layout.mesh, spec))

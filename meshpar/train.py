@@ -1,0 +1,257 @@
+"""Training: optimizer, sharded init, the jitted step, and the loop (read top to bottom).
+
+    trainer = Trainer(cfg)                 # mesh, layout, abstract model, shardings, compiled step
+    state = trainer.init()                 # every array born in its shard (jit with out_shardings)
+    state, metrics = trainer.step(state, batch)
+
+The step: microbatches (gradient accumulation, `lax.scan`) -> grads -> (ZeRO-2: constrain grads to
+the sharded optimizer layout, turning the all-reduce into a reduce-scatter) -> clip -> AdamW.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from meshpar import precision as precision_lib
+from meshpar.errors import ShardingError
+from meshpar.mesh import describe, make_mesh, mesh_shape
+from meshpar.rules import Layout, get_strategy, parse_user_rules, use_layout
+from meshpar.sharding import ModelSpec, model_spec, opt_state_shardings, param_shardings, state_shardings
+
+
+def make_optimizer(cfg, spec: ModelSpec) -> optax.GradientTransformation:
+    """AdamW (Loshchilov & Hutter 2019), linear warmup + cosine decay, global-norm clipping.
+    Weight decay skips normalisation scales (logical axis `norm`)."""
+    t = cfg.train
+    schedule = optax.warmup_cosine_decay_schedule(0.0, t.lr, t.warmup_steps, max(cfg.steps, t.warmup_steps + 1),
+                                                  end_value=t.lr * t.min_lr_ratio)
+    decay_mask = jax.tree.map(lambda names: "norm" not in names, spec.logical, is_leaf=lambda x: isinstance(x, tuple))
+    return optax.chain(optax.clip_by_global_norm(t.clip_norm),
+                       optax.adamw(schedule, t.b1, t.b2, weight_decay=t.weight_decay, mask=decay_mask))
+
+
+def lr_schedule(cfg):
+    t = cfg.train
+    return optax.warmup_cosine_decay_schedule(0.0, t.lr, t.warmup_steps, max(cfg.steps, t.warmup_steps + 1),
+                                              end_value=t.lr * t.min_lr_ratio)
+
+
+def data_parallel_size(layout: Layout) -> tuple[int, str]:
+    """Product (and description) of the mesh axes the `batch` dimension is split over."""
+    spec = layout.spec(("batch",))
+    axes = spec[0] if len(spec) else None
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    sizes = layout.shape
+    return math.prod(sizes[a] for a in axes), " x ".join(f"{a}={sizes[a]}" for a in axes) or "none"
+
+
+def check_batch(cfg, layout: Layout) -> None:
+    b, m = cfg.batch.global_size, cfg.batch.microbatches
+    if b % m:
+        raise ShardingError(f"batch.global_size={b} is not divisible by batch.microbatches={m}")
+    dp, axes = data_parallel_size(layout)
+    if (b // m) % dp:
+        what = f"batch.global_size={b}" if m == 1 else f"the microbatch size {b // m} (batch.global_size={b} / batch.microbatches={m})"
+        raise ShardingError(f"{what} is not divisible by the data-parallel size {dp} ({axes}); "
+                            f"use a multiple of {dp * m} for batch.global_size")
+
+
+def loss_and_aux(model, tokens, policy) -> tuple[jax.Array, dict]:
+    """Next-token cross-entropy of tokens [B, T+1]; auxiliary losses that layers return under the key
+    `loss` (already weighted, e.g. MoE load balancing) are added; the rest are metrics."""
+    logits, aux = model(tokens[:, :-1], dtype=policy.compute_dtype)
+    ce = precision_lib.cross_entropy(logits, tokens[:, 1:])
+    aux = dict(aux)
+    extra = jnp.sum(aux.pop("loss")) if "loss" in aux else 0.0
+    return ce + extra, {"ce": ce, **aux}
+
+
+@dataclass
+class Trainer:
+    """Everything a run needs that is not an array: mesh, layout, shardings, the compiled step."""
+    cfg: Any
+    devices: list | None = None
+    mesh: Any = field(init=False)
+    layout: Layout = field(init=False)
+
+    def __post_init__(self):
+        cfg = self.cfg
+        self.mesh = make_mesh(cfg.mesh, self.devices)
+        self.layout = Layout(self.mesh, get_strategy(cfg.strategy), parse_user_rules(cfg.rules))
+        self.policy = precision_lib.get_policy(cfg.precision)
+        self.spec = model_spec(cfg)
+        check_batch(cfg, self.layout)
+        self.tx = make_optimizer(cfg, self.spec)
+        replicated = NamedSharding(self.mesh, P())
+        self.param_shardings = param_shardings(self.spec, self.layout)
+        self.grad_shardings = (state_shardings(self.spec, self.layout) if self.layout.strategy.shard_grads
+                               else self.param_shardings)
+        self.state_shardings = {"step": replicated, "params": self.param_shardings,
+                                "opt": opt_state_shardings(self.tx, self.spec, self.layout)}
+        self.batch_shape = (cfg.batch.global_size, cfg.batch.length + 1)
+        self.batch_sharding = self.layout.sharding(("batch", None), self.batch_shape, "batch")
+        self._init = jax.jit(self._init_fn, out_shardings=self.state_shardings)
+        self._step = jax.jit(self._step_fn, in_shardings=(self.state_shardings, self.batch_sharding),
+                             out_shardings=(self.state_shardings, replicated), donate_argnums=(0,))
+        self._compiled = None
+
+    # -- init ------------------------------------------------------------------------------------
+    def _init_fn(self, key):
+        from flax import nnx
+        import models
+        model = models.build(self.cfg, nnx.Rngs(params=key))
+        params = nnx.split(model)[1].to_pure_dict()
+        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt": self.tx.init(params)}
+
+    def init(self, seed: int | None = None):
+        """Sharded init: the jitted constructor writes each parameter straight into its shard."""
+        key = jax.random.key(self.cfg.train.seed if seed is None else seed)
+        return self._init(key)
+
+    def abstract_state(self):
+        key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
+        out = jax.eval_shape(self._init_fn, key)
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), out, self.state_shardings)
+
+    # -- step ------------------------------------------------------------------------------------
+    def _grads(self, params, tokens):
+        def loss_fn(p, t):
+            with use_layout(self.layout):
+                return loss_and_aux(self.spec.merge(p), t, self.policy)
+        return jax.value_and_grad(loss_fn, has_aux=True)(params, tokens)
+
+    def _step_fn(self, state, batch):
+        m = self.cfg.batch.microbatches
+        params = state["params"]
+        if m == 1:
+            (loss, aux), grads = self._grads(params, batch)
+        else:
+            b, t = batch.shape
+            # row i*m + k -> microbatch k: every device keeps its own rows (no data movement)
+            mbs = batch.reshape(b // m, m, t).swapaxes(0, 1)
+            mbs = jax.lax.with_sharding_constraint(mbs, NamedSharding(self.mesh, P(None, *self.batch_sharding.spec)))
+
+            def acc(carry, mb):
+                (l, a), g = self._grads(params, mb)
+                return jax.tree.map(jnp.add, carry, (l, a, g)), None
+
+            (l0, a0), g0 = jax.eval_shape(self._grads, params, mbs[0])
+            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (l0, a0, g0))
+            (loss, aux, grads), _ = jax.lax.scan(acc, zeros, mbs)
+            loss, aux, grads = jax.tree.map(lambda x: x / m, (loss, aux, grads))
+        if self.layout.strategy.shard_grads:     # ZeRO-2: gradients live sharded -> reduce-scatter
+            grads = jax.lax.with_sharding_constraint(grads, self.grad_shardings)
+        updates, opt = self.tx.update(grads, state["opt"], params)
+        params = optax.apply_updates(params, updates)
+        metrics = {"loss": aux.pop("ce"), "total_loss": loss, "grad_norm": optax.global_norm(grads),
+                   "lr": lr_schedule(self.cfg)(state["step"]), **aux}
+        return {"step": state["step"] + 1, "params": params, "opt": opt}, metrics
+
+    def lower(self):
+        batch = jax.ShapeDtypeStruct(self.batch_shape, jnp.int32, sharding=self.batch_sharding)
+        return self._step.lower(self.abstract_state(), batch)
+
+    def compile(self):
+        """Compile the step ahead of time (once); `step` then never retraces."""
+        if self._compiled is None:
+            self._compiled = self.lower().compile()
+        return self._compiled
+
+    def step(self, state, batch):
+        return self.compile()(state, batch)
+
+    # -- facts for logs --------------------------------------------------------------------------
+    def describe(self) -> dict:
+        return {"mesh": mesh_shape(self.mesh), "mesh_str": describe(self.mesh), "strategy": self.cfg.strategy,
+                "precision": self.cfg.precision, "devices": self.mesh.devices.size,
+                "params": self.spec.num_params, "tokens_per_step": self.cfg.batch.global_size * self.cfg.batch.length}
+
+
+def flops_per_token(model_cfg, num_params: int, length: int) -> float:
+    """PaLM (Chowdhery et al. 2022) appendix B: 6N + 12*L*H*Q*T per token, N the parameters that take
+    part in matmuls (all but the input embedding table). Convention: the attention term counts the
+    full T x T score matrix (no causal halving), as PaLM does."""
+    n = num_params - model_cfg.vocab * model_cfg.embed
+    return 6.0 * n + 12.0 * model_cfg.layers * model_cfg.heads * model_cfg.head_dim * length
+
+
+_PEAK_BF16 = [("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("B200", 2250e12), ("L4", 121e12),
+              ("TPU v6", 918e12), ("TPU v5p", 459e12), ("TPU v5", 197e12), ("TPU v4", 275e12)]
+
+
+def peak_flops_per_device(cfg) -> tuple[float, str]:
+    """Dense bf16 peak per device: config, then a table of device kinds, else a measured CPU matmul rate."""
+    if cfg.train.peak_tflops:
+        return cfg.train.peak_tflops * 1e12, "train.peak_tflops"
+    dev = jax.devices()[0]
+    for key, peak in _PEAK_BF16:
+        if key in dev.device_kind:
+            return peak, f"{dev.device_kind} datasheet"
+    n = 512
+    a = jax.device_put(jnp.ones((n, n), jnp.float32), dev)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    reps, t0 = 20, time.perf_counter()
+    for _ in range(reps):
+        r = f(a)
+    r.block_until_ready()
+    host = 2 * n ** 3 * reps / (time.perf_counter() - t0)
+    return host / jax.device_count(), "measured host matmul / fake devices"
+
+
+def run(cfg, metrics_out: str | None = None, console=None) -> dict:
+    """Train `cfg.steps` steps; returns the end record. The loop a newcomer reads in one sitting."""
+    from meshpar.data import Batches, make_source
+    from meshpar.metrics import MetricsLogger
+
+    trainer = Trainer(cfg)
+    source = make_source(cfg, trainer.spec.cfg.vocab)
+    facts = trainer.describe()
+    log = MetricsLogger(metrics_out, cfg.steps, console=console)
+    floor = getattr(source, "entropy_rate", None)
+    log.start({**facts, "entropy_floor": floor, "config": cfg}, trainer)
+
+    t0 = time.perf_counter()
+    compiled = trainer.compile()
+    compile_s = time.perf_counter() - t0
+    state = trainer.init()
+    data = Batches(source, trainer.batch_sharding, cfg.batch.global_size, cfg.batch.length, cfg.data.seed)
+    peak, peak_src = peak_flops_per_device(cfg)
+    fpt = flops_per_token(trainer.spec.cfg, trainer.spec.num_params, cfg.batch.length)
+    log.info(f"compiled train step in {compile_s:.1f}s; MFU against {peak / 1e12:.3g} TFLOP/s/device ({peak_src})")
+
+    first_loss, last = None, None
+    window_start, window_steps = time.perf_counter(), 0
+    for step in range(int(state["step"]), cfg.steps):
+        state, metrics = compiled(state, next(data))
+        window_steps += 1
+        if (step + 1) % cfg.train.log_every == 0 or step + 1 == cfg.steps or step == 0:
+            metrics = jax.device_get(metrics)
+            dt = (time.perf_counter() - window_start) / window_steps
+            tps = facts["tokens_per_step"] / dt
+            rec = {"step": step + 1, **{k: _jsonable(v) for k, v in metrics.items()}, "step_time_s": dt,
+                   "tokens_per_s": tps, "mfu": fpt * tps / (peak * facts["devices"])}
+            first_loss = rec["loss"] if first_loss is None else first_loss
+            last = rec
+            log.step(rec)
+            window_start, window_steps = time.perf_counter(), 0
+    end = {"steps": cfg.steps, "initial_loss": first_loss, "final_loss": last and last["loss"],
+           "entropy_floor": floor, "compile_s": compile_s, "wall_s": time.perf_counter() - t0}
+    if floor is not None and first_loss is not None:
+        from meshpar.data import floor_gap_closed
+        end["gap_closed"] = floor_gap_closed(first_loss, last["loss"], floor)
+    log.end(end)
+    return end
+
+
+def _jsonable(v):
+    a = np.asarray(v)
+    return float(a) if a.ndim == 0 else a.tolist()

@@ -1,0 +1,90 @@
+"""Llama-style decoder-only language model in Flax NNX (RMSNorm, RoPE, SwiGLU, grouped KV heads).
+
+tokens [B, T] -> embed [B, T, E] -> stacked blocks (scanned over `layers`) -> norm -> logits [B, T, V].
+Parameters and activations carry logical axis names only; meshpar's rules decide the layout.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from meshpar.rules import constrain
+from models.layers import RESIDUAL, Block, RMSNorm, param, scan_layers, stacked
+
+# name: (layers, embed, heads, kv_heads, head_dim, mlp, vocab)
+SIZES = {
+    "tiny": (2, 64, 8, 4, 8, 256, 128),
+    "125m": (12, 768, 12, 12, 64, 3072, 32000),
+    "1b": (16, 2048, 32, 8, 64, 8192, 32000),
+    "7b": (32, 4096, 32, 32, 128, 11008, 32000),
+}
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    layers: int
+    embed: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    mlp: int
+    vocab: int
+    remat: str = "full"
+    scan_layers: bool = True
+    attention: str = "xla"
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+
+    @classmethod
+    def from_config(cls, m) -> "DecoderConfig":
+        """From a `meshpar.config.ModelConfig`: size preset, then explicit fields."""
+        from meshpar.errors import ConfigError, suggest
+        if m.size not in SIZES:
+            raise ConfigError(f"unknown model size '{m.size}'" + suggest(m.size, SIZES))
+        base = dict(zip(("layers", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab"), SIZES[m.size]))
+        for k in base:
+            v = getattr(m, k)
+            if v is not None:
+                base[k] = v
+        if base["heads"] % base["kv_heads"]:
+            raise ConfigError(f"model.heads={base['heads']} must be a multiple of model.kv_heads={base['kv_heads']}")
+        if base["head_dim"] % 2:
+            raise ConfigError(f"model.head_dim={base['head_dim']} must be even (rotary embedding)")
+        return cls(**base, remat=m.remat, scan_layers=m.scan_layers, attention=m.attention,
+                   rope_theta=m.rope_theta, norm_eps=m.norm_eps)
+
+    def replace(self, **kw) -> "DecoderConfig":
+        return dataclasses.replace(self, **kw)
+
+
+class Decoder(nnx.Module):
+    """The dense reference LM. `__call__(tokens) -> (logits [B, T, V], aux)`."""
+
+    def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs, block=None):
+        self.cfg = cfg
+        self.embedding = param(rngs, (cfg.vocab, cfg.embed), ("vocab", "embed"), 1.0)
+        self.layers = stacked(block or (lambda r: Block(cfg, r)), cfg.layers, rngs)
+        self.final_norm = RMSNorm(cfg.embed, cfg.norm_eps, rngs)
+        self.lm_head = param(rngs, (cfg.embed, cfg.vocab), ("embed", "vocab"), 1.0 / math.sqrt(cfg.embed))
+
+    def embed(self, tokens, dtype):
+        """tokens [B, T] int -> [B, T, E] (row gather of a vocab-parallel table)."""
+        x = jnp.take(self.embedding[...].astype(dtype), tokens, axis=0)
+        return constrain(x, RESIDUAL)
+
+    def head(self, x, dtype):
+        """[B, T, E] -> logits [B, T, V] (vocab-parallel LM head under TP)."""
+        x = self.final_norm(x)
+        logits = jnp.einsum("bte,ev->btv", x, self.lm_head[...].astype(dtype))
+        return constrain(logits, ("batch", "seq", "vocab"))
+
+    def __call__(self, tokens, dtype=jnp.float32):
+        positions = jnp.arange(tokens.shape[1])
+        x = self.embed(tokens, dtype)
+        x, aux = scan_layers(self.layers, x, positions, self.cfg.remat, self.cfg.scan_layers)
+        return self.head(x, dtype), aux
