@@ -31,17 +31,19 @@ def make_optimizer(cfg, spec: ModelSpec) -> optax.GradientTransformation:
     """AdamW (Loshchilov & Hutter 2019), linear warmup + cosine decay, global-norm clipping.
     Weight decay skips normalisation scales (logical axis `norm`)."""
     t = cfg.train
-    schedule = optax.warmup_cosine_decay_schedule(0.0, t.lr, t.warmup_steps, max(cfg.steps, t.warmup_steps + 1),
-                                                  end_value=t.lr * t.min_lr_ratio)
+    schedule = lr_schedule(cfg)
     decay_mask = jax.tree.map(lambda names: "norm" not in names, spec.logical, is_leaf=lambda x: isinstance(x, tuple))
     return optax.chain(optax.clip_by_global_norm(t.clip_norm),
                        optax.adamw(schedule, t.b1, t.b2, weight_decay=t.weight_decay, mask=decay_mask))
 
 
 def lr_schedule(cfg):
+    """Linear warmup to `train.lr` over `warmup_steps`, cosine decay to `lr * min_lr_ratio` at `steps`.
+    Evaluated at count + 1, so the first update already moves (lr / warmup_steps)."""
     t = cfg.train
-    return optax.warmup_cosine_decay_schedule(0.0, t.lr, t.warmup_steps, max(cfg.steps, t.warmup_steps + 1),
-                                              end_value=t.lr * t.min_lr_ratio)
+    sched = optax.warmup_cosine_decay_schedule(0.0, t.lr, t.warmup_steps, max(cfg.steps, t.warmup_steps + 1),
+                                               end_value=t.lr * t.min_lr_ratio)
+    return lambda count: sched(count + 1)
 
 
 def data_parallel_size(layout: Layout) -> tuple[int, str]:
