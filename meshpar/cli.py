@@ -27,21 +27,28 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides, e.g. mesh.tensor=2")
     t = sub.add_parser("train", parents=[common], help="train a model (default: the tiny LM on 8 fake CPU devices)")
     t.add_argument("--metrics-out", help="write JSON Lines metrics (start/step/end records) to this file")
+    mp = t.add_argument_group("multi-process (see meshpar/distributed.py; srun/mpirun/TPU pods are detected)")
+    mp.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address (env MESHPAR_COORDINATOR)")
+    mp.add_argument("--num-processes", type=int, metavar="N", help="processes in the job (env MESHPAR_NUM_PROCESSES)")
+    mp.add_argument("--process-id", type=int, metavar="I", help="this process, 0..N-1 (env MESHPAR_PROCESS_ID)")
     i = sub.add_parser("inspect", parents=[common],
                        help="compile one train step without running it: shardings, collectives, memory, FLOPs")
     i.add_argument("--json", action="store_true", help="print one JSON object (mesh, params, collectives, memory, flops)")
     return p
 
 
-def _setup_devices(cfg, devices_flag: int | None) -> None:
-    """Fake host devices before JAX initialises (only CPU-only hosts are affected)."""
+def _setup_devices(cfg, devices_flag: int | None, processes: int = 1) -> None:
+    """Fake host devices before JAX initialises (only CPU-only hosts are affected). `devices` counts
+    all processes together; each of `processes` fakes its share."""
     from meshpar.mesh import fake_cpu_devices
     n = devices_flag if devices_flag is not None else cfg.devices
     if n < 1:
         raise MeshparError(f"--devices must be >= 1, got {n}")
+    if n % processes:
+        raise MeshparError(f"--devices {n} (all processes) is not divisible by the {processes} processes")
     cfg.devices = n
     if os.environ.get("JAX_PLATFORMS", "cpu") in ("cpu", "") or not _has_accelerator():
-        fake_cpu_devices(n)
+        fake_cpu_devices(n // processes)
 
 
 def _has_accelerator() -> bool:
@@ -54,7 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from meshpar.config import load_config
         cfg = load_config(args.config, args.overrides)
-        _setup_devices(cfg, args.devices)
+        from meshpar import distributed
+        multi = distributed.resolve(getattr(args, "coordinator", None), getattr(args, "num_processes", None),
+                                    getattr(args, "process_id", None))
+        _setup_devices(cfg, args.devices, (multi.num_processes or 1) if multi else 1)
+        if multi:
+            distributed.initialize(multi)
         import jax
         if jax.device_count() < cfg.devices and jax.default_backend() == "cpu":
             raise MeshparError(f"asked for {cfg.devices} devices but JAX already initialised with {jax.device_count()}")
@@ -71,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
                 from rich.console import Console
                 render_report(rep, Console())
     except MeshparError as e:
+        from meshpar.distributed import Preempted
+        if isinstance(e, Preempted):     # saved and stopped on SIGTERM/SIGINT: 128 + signal, like a shell
+            print(f"meshpar: {e}", file=sys.stderr)
+            return 128 + e.signum
         print(f"meshpar: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -80,6 +80,7 @@ class TrainConfig:
     seed: int = 0
     log_every: int = 10
     peak_tflops: float | None = None  # per device; None: from the device kind (a quick matmul probe on CPU)
+    on_nan: str = "stop"              # non-finite loss/gradients: skip (drop the update) | stop (error naming the step)
 
 
 @dataclass
@@ -114,7 +115,7 @@ class MoEConfig:
 class CheckpointConfig:
     dir: str | None = None
     every: int = 0                    # 0: only at the end / on preemption
-    keep: int = 3
+    keep: int = 3                     # newest checkpoints kept; older ones are deleted only after a newer one is complete
 
 
 @dataclass
@@ -129,7 +130,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     strategy: str = "fsdp_tp"         # a preset of meshpar.rules.PRESETS
     rules: list[list[Any]] = field(default_factory=list)  # user rules, [[logical, [mesh axes...]], ...], tried first
-    precision: str = "bf16"           # bf16 | fp32 (meshpar.precision.POLICIES)
+    precision: str = "bf16"           # bf16 | fp32 | fp16 (meshpar.precision.POLICIES; fp16 scales the loss)
     steps: int = 200
     devices: int = 8                  # devices to fake on a CPU-only host
 
@@ -182,6 +183,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):   # YAML 1.1 reads '1e-3' (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         raise ConfigError(f"config key '{key}' must be a number, got {value!r}")
     if tp is str:
         if isinstance(value, str):
@@ -284,6 +290,11 @@ def validate(cfg: Config) -> None:
     _choice("data.dtype", cfg.data.dtype, ("uint16", "uint32"))
     _choice("pipeline.schedule", cfg.pipeline.schedule, ("gpipe", "1f1b", "interleaved"))
     _choice("moe.routing", cfg.moe.routing, ("top1", "top2"))
+    _choice("train.on_nan", cfg.train.on_nan, ("skip", "stop"))
+    if cfg.checkpoint.every < 0:
+        raise ConfigError(f"config key 'checkpoint.every' must be >= 0 (0: only at the end), got {cfg.checkpoint.every}")
+    if cfg.checkpoint.keep < 1:
+        raise ConfigError(f"config key 'checkpoint.keep' must be >= 1, got {cfg.checkpoint.keep}")
     for key, v in [("steps", cfg.steps), ("devices", cfg.devices), ("batch.global_size", cfg.batch.global_size),
                    ("batch.length", cfg.batch.length), ("batch.microbatches", cfg.batch.microbatches),
                    ("train.log_every", cfg.train.log_every), ("pipeline.microbatches", cfg.pipeline.microbatches),
@@ -295,6 +306,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"config key 'train.lr' must be > 0, got {cfg.train.lr}")
     if cfg.moe.capacity_factor is not None and cfg.moe.capacity_factor <= 0:
         raise ConfigError(f"config key 'moe.capacity_factor' must be > 0 or null (dropless), got {cfg.moe.capacity_factor}")
+    from meshpar.moe import check_config as check_moe
+    check_moe(cfg)
     if cfg.data.kind != "synthetic" and not cfg.data.path:
         raise ConfigError(f"config key 'data.path' is required when data.kind={cfg.data.kind}")
     for i, rule in enumerate(cfg.rules):

@@ -1,8 +1,8 @@
 """Look inside a compiled step: collectives in the HLO, memory per device, FLOPs, the sharding table.
 
 Collectives are read from the optimized HLO text. Each op's `bytes` is the size of the *whole*
-tensor it moves (the larger of operand and result: the gathered tensor of an all-gather, the
-pre-scatter tensor of a reduce-scatter), so an all-reduce and the all-gather + reduce-scatter pair
+tensor it moves (the gathered result of an all-gather, the result x group size of a
+reduce-scatter, the operand of an all-reduce), so an all-reduce and the all-gather + reduce-scatter pair
 that replaces it under sequence parallelism compare directly. Ops inside a `while` body (scanned
 layers, gradient accumulation) are multiplied by the loop's known trip count: numbers are per step.
 Replica groups are mapped back to the mesh axes they span.
@@ -23,20 +23,18 @@ _COMP = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s(" + "|".join(COLLECTIVES) + r")(-start)?\((.*)$")
 
 
-def _bytes(text: str) -> int:
-    return sum(_DTYPE_BYTES[d] * math.prod(int(x) for x in dims.split(",") if x) for d, dims in _SHAPE.findall(text))
-
-
 def _split_computations(hlo: str) -> tuple[dict[str, list[str]], str]:
+    """Computation name -> its instruction lines. Headers are the unindented lines ending in '{'."""
     comps, entry, cur = {}, None, None
     for line in hlo.splitlines():
-        m = _COMP.match(line)
-        if m and "=" not in line.split("{")[0]:
-            cur = m.group(2)
-            comps[cur] = []
-            if m.group(1):
-                entry = cur
-            continue
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):
+            m = _COMP.match(line)
+            if m:
+                cur = m.group(2)
+                comps[cur] = []
+                if m.group(1):
+                    entry = cur
+                continue
         if cur is not None:
             if line.strip() == "}":
                 cur = None
@@ -77,20 +75,35 @@ def _multipliers(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
 
 
 def _groups(line: str) -> list[list[int]] | None:
+    """Replica groups (or permute pairs) as lists of partition ids, from any of XLA's notations."""
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:T\(([\d,]+)\))?"
+                  r"(?:,\s*device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?\s*\{([^}]*)\}", line)
+    if m:   # mesh['axis_0'=2,'axis_1'=4] {'axis_1'}: an iota mesh; groups vary along the named axes
+        axes = re.findall(r"'?([\w]+)'?=(\d+)", m.group(1))
+        names, sizes = [a for a, _ in axes], [int(s) for _, s in axes]
+        ids = np.arange(math.prod(sizes))
+        if m.group(3):   # device_ids=([dims]T(perm)): the mesh holds this permuted iota device list
+            ids = ids.reshape([int(x) for x in m.group(3).split(",")])
+            if m.group(4):
+                ids = ids.transpose([int(x) for x in m.group(4).split(",")])
+        ids = ids.reshape(sizes)
+        if m.group(2):
+            ids = ids.transpose([int(x) for x in m.group(2).split(",")])
+        grouped = [names.index(a) for a in re.findall(r"'?([\w]+)'?", m.group(5)) if a in names]
+        rest = [i for i in range(len(names)) if i not in grouped]
+        size = math.prod(sizes[i] for i in grouped)
+        return ids.transpose(rest + grouped).reshape(-1, size).tolist()
     m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
-    if m:
+    if m:   # [G,S]<=[dims]T(perm): iota device list, transposed, cut into G groups of S
         shape = [int(x) for x in m.group(1).split(",")]
         dims = [int(x) for x in m.group(2).split(",")]
         ids = np.arange(math.prod(dims)).reshape(dims)
         if m.group(3):
             ids = ids.transpose([int(x) for x in m.group(3).split(",")])
         return ids.reshape(shape).tolist()
-    m = re.search(r"replica_groups=\{(\{[\d,{} ]*\})\}", line)
+    m = re.search(r"(?:replica_groups|source_target_pairs)=\{(\{[\d,{} ]*\})\}", line)
     if m:
         return [[int(x) for x in g.split(",") if x.strip()] for g in re.findall(r"\{([\d, ]*)\}", m.group(1))]
-    m = re.search(r"source_target_pairs=\{(\{[\d,{} ]*\})\}", line)
-    if m:
-        return [[int(x) for x in g.split(",")] for g in re.findall(r"\{([\d, ]*)\}", m.group(1))]
     return None
 
 
@@ -107,8 +120,64 @@ def _axes_of_groups(groups, mesh_shape: dict[str, int]) -> list[str]:
     return [names[i] for i in sorted(varying)]
 
 
+def _result_shapes(result: str) -> list[int]:
+    return [_DTYPE_BYTES[d] * math.prod(int(x) for x in dims.split(",") if x) for d, dims in _SHAPE.findall(result)]
+
+
+def _users(lines: list[str], name: str) -> list[str]:
+    pat = re.compile(r"[(, ]%" + re.escape(name) + r"[,) ]")
+    return [ln for ln in lines if pat.search(ln) and not ln.lstrip().startswith("%" + name + " ")]
+
+
+_PASS_THROUGH = ("bitcast(", "copy(", "reshape(", "transpose(", "convert(")
+
+
+def _sliced_in(comp_lines: list[str], name: str, depth: int = 0) -> bool:
+    """Inside one computation: does value `name` reach a dynamic-slice (through reshapes/copies)?"""
+    users = _users(comp_lines, name)
+    if not users or depth > 4:
+        return False
+    for u in users:
+        if "dynamic-slice(" in u:
+            continue
+        if any(p in u for p in _PASS_THROUGH):
+            if _sliced_in(comp_lines, u.split("=")[0].strip().lstrip("%"), depth + 1):
+                continue
+        return False
+    return True
+
+
+def _is_scattered(lines: list[str], name: str, comps: dict[str, list[str]]) -> bool:
+    """True if every use of value `name` keeps only a per-device slice of it: a dynamic-slice, or a
+    fusion whose fused computation dynamic-slices that operand. This is the all-reduce +
+    dynamic-slice pattern that GPU/TPU compilers turn into a reduce-scatter (the CPU backend keeps it)."""
+    users = _users(lines, name)
+    if not users:
+        return False
+    for u in users:
+        if "dynamic-slice(" in u:
+            continue
+        fused = re.search(r"calls=%?([\w.\-]+)", u)
+        args = re.search(r"\bfusion\((.*?)\), kind=", u)
+        if fused and args and fused.group(1) in comps:
+            operands = [a.strip().lstrip("%") for a in args.group(1).split(",")]
+            body = comps[fused.group(1)]
+            idx = [i for i, a in enumerate(operands) if a == name]
+            params = [re.match(r"\s*%?([\w.\-]+) = .*parameter\((\d+)\)", ln) for ln in body]
+            pnames = {int(p.group(2)): p.group(1) for p in params if p}
+            if idx and all(i in pnames and _sliced_in(body, pnames[i]) for i in idx):
+                continue
+        return False
+    return True
+
+
 def collectives(hlo: str, mesh_shape: dict[str, int] | None = None) -> list[dict]:
-    """Every collective op in optimized HLO text: kind, bytes (whole tensor), runs per step, axes."""
+    """Every collective op in optimized HLO text: kind, bytes (whole tensor), runs per step, axes.
+
+    An all-reduce whose results are only ever sliced per device is reported as kind
+    `reduce-scatter` with `lowered_as: "all-reduce+dynamic-slice"` (what it is on GPU/TPU, what it
+    means for memory, and honest about what runs on CPU); tuple all-reduces are split per element.
+    """
     comps, entry = _split_computations(hlo)
     mult = _multipliers(comps, entry)
     out = []
@@ -117,16 +186,34 @@ def collectives(hlo: str, mesh_shape: dict[str, int] | None = None) -> list[dict
             m = _INSTR.match(line)
             if not m:
                 continue
-            result, kind, _, rest = m.groups()
-            operands = rest.split(")")[0]
-            nbytes = max(_bytes(result), _bytes(operands))
-            if "-start" in line and kind in ("all-gather", "collective-permute", "all-reduce"):
-                nbytes = max(_bytes(result) // 2 if result.startswith("(") and kind != "all-reduce" else _bytes(result),
-                             _bytes(operands))
+            result, kind, start, _ = m.groups()
+            shapes = _result_shapes(result)
+            if start and result.startswith("(") and kind != "all-reduce":
+                shapes = shapes[len(shapes) // 2:]          # async start: (operands..., outputs...)
             groups = _groups(line)
-            out.append({"kind": kind, "bytes": nbytes, "times": max(mult.get(comp, 1), 1), "computation": comp,
-                        "axes": _axes_of_groups(groups, mesh_shape) if mesh_shape else [],
-                        "group_size": len(groups[0]) if groups else None})
+            group_size = len(groups[0]) if groups and kind != "collective-permute" else 1
+            base = {"times": max(mult.get(comp, 1), 1), "computation": comp,
+                    "axes": _axes_of_groups(groups, mesh_shape) if mesh_shape else [],
+                    "group_size": group_size if groups else None}
+            if kind == "all-reduce" and not start and group_size > 1:
+                name = line.split("=")[0].strip().removeprefix("ROOT").strip().lstrip("%")
+                if result.startswith("("):
+                    parts = {}
+                    for u in _users(lines, name):
+                        gte = re.match(r"\s*%?([\w.\-]+) = .*get-tuple-element\(.*index=(\d+)", u)
+                        if gte:
+                            parts[int(gte.group(2))] = _is_scattered(lines, gte.group(1), comps)
+                    scattered = [parts.get(i, False) for i in range(len(shapes))]
+                else:
+                    scattered = [_is_scattered(lines, name, comps)]
+                rs = sum(s for s, sc in zip(shapes, scattered) if sc)
+                if rs:
+                    out.append({"kind": "reduce-scatter", "bytes": rs, "lowered_as": "all-reduce+dynamic-slice", **base})
+                if sum(shapes) - rs:
+                    out.append({"kind": "all-reduce", "bytes": sum(shapes) - rs, **base})
+                continue
+            nbytes = sum(shapes) * (group_size if kind == "reduce-scatter" else 1)
+            out.append({"kind": kind, "bytes": nbytes, **base})
     return out
 
 

@@ -74,7 +74,9 @@ class MetricsLogger:
         self._write({"event": "end", **rec})
         if self.progress is not None:
             self.progress.stop()
-        if self.main:
+        if self.main and rec.get("final_loss") is None:   # e.g. resumed at the last step: nothing to train
+            self.console.print(f"done: no steps left to train ({rec.get('steps')} steps)")
+        elif self.main:
             msg = f"done: loss {rec['initial_loss']:.4f} -> {rec['final_loss']:.4f}"
             if rec.get("entropy_floor") is not None:
                 msg += f" (floor {rec['entropy_floor']:.4f}, {100 * rec['gap_closed']:.1f}% of the gap closed)"

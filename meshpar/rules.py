@@ -90,7 +90,8 @@ class Strategy:
         return (self.opt_state + self.params + self.extra) if self.opt_state is not None else self.param_rules()
 
 
-_COMMON = table(batch=[BATCH_AXES], group=[BATCH_AXES], expert="expert", stage="pipeline")
+_COMMON = table(batch=[BATCH_AXES], group=[BATCH_AXES], expert="expert", stage="pipeline",
+                layers="pipeline")   # stacked layers live at rest on their pipeline stage
 _TP = table(heads="tensor", kv_heads="tensor", mlp="tensor", vocab="tensor", expert_mlp="tensor")
 _ZERO_STATE = table(embed=[("data", "fsdp")], mlp=[("data", "fsdp")], vocab=[("data", "fsdp")],
                     expert_mlp=[("data", "fsdp")])
@@ -244,8 +245,27 @@ def constrain(x, logical: Sequence[str | None], what: str = "activation"):
     if layout is None:
         return x
     import jax
-    spec = layout.spec(logical, x.shape, what)
-    if jax.sharding.get_abstract_mesh().axis_names:  # under jax.set_mesh / inside shard_map: bare spec
-        return jax.lax.with_sharding_constraint(x, spec)
+    return jax.lax.with_sharding_constraint(x, _sharding_for(layout, layout.spec(logical, x.shape, what)))
+
+
+def _sharding_for(layout: Layout, spec):
+    """A bare spec under an active (abstract) mesh context, else a NamedSharding on the layout's mesh."""
+    import jax
+    if jax.sharding.get_abstract_mesh().axis_names:
+        return spec
     from jax.sharding import NamedSharding
-    return jax.lax.with_sharding_constraint(x, NamedSharding(layout.mesh, spec))
+    return NamedSharding(layout.mesh, spec)
+
+
+def constrain_param(x, logical: Sequence[str | None], what: str = "parameter"):
+    """Pin a parameter used inside a layer loop to its at-rest layout.
+
+    Under FSDP this keeps the weight sharded until its use (an all-gather per layer) and, by
+    transposition, makes its gradient a per-layer reduce-scatter inside the backward loop instead
+    of a full all-reduce whose result is sliced after the loop. No-op outside a layout.
+    """
+    layout = _ACTIVE.get()
+    if layout is None:
+        return x
+    import jax
+    return jax.lax.with_sharding_constraint(x, _sharding_for(layout, layout.spec(logical, x.shape, what)))

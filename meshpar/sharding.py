@@ -48,7 +48,7 @@ def model_spec(cfg, build=None) -> ModelSpec:
     build = build or models.build
     abstract = nnx.eval_shape(lambda: build(cfg, nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
-    shapes = state.to_pure_dict()
+    shapes = nnx.to_pure_dict(state)
     leaves = jax.tree.leaves(state, is_leaf=_is_var)
     missing = [jax.tree_util.keystr(p) for p, v in jax.tree_util.tree_leaves_with_path(state, is_leaf=_is_var)
                if "logical_axes" not in v.get_metadata()]

@@ -4,8 +4,10 @@
     state = trainer.init()                 # every array born in its shard (jit with out_shardings)
     state, metrics = trainer.step(state, batch)
 
-The step: microbatches (gradient accumulation, `lax.scan`) -> grads -> (ZeRO-2: constrain grads to
-the sharded optimizer layout, turning the all-reduce into a reduce-scatter) -> clip -> AdamW.
+The step: microbatches (gradient accumulation, `lax.scan`) -> grads -> clip -> AdamW. Gradients
+take the parameters' layout, except under ZeRO-2, where each microbatch's gradients are pinned to
+the sharded optimizer-state layout (a reduce-scatter) so the accumulator holds 1/N per device;
+ZeRO-1 accumulates whole gradients and reduces them once.
 """
 from __future__ import annotations
 
@@ -89,15 +91,24 @@ class Trainer:
         self.mesh = make_mesh(cfg.mesh, self.devices)
         self.layout = Layout(self.mesh, get_strategy(cfg.strategy), parse_user_rules(cfg.rules))
         self.policy = precision_lib.get_policy(cfg.precision)
+        if self.policy.loss_scaling and self.layout.shape.get("pipeline", 1) > 1:
+            from meshpar.errors import ConfigError
+            raise ConfigError("precision=fp16 (dynamic loss scaling) is not supported with mesh.pipeline > 1 yet; "
+                              "use precision=bf16 there")
         self.spec = model_spec(cfg)
         check_batch(cfg, self.layout)
+        if self.layout.shape.get("pipeline", 1) > 1:
+            from meshpar import pipeline
+            pipeline.check(cfg, self.layout, self.spec.shapes)
         self.tx = make_optimizer(cfg, self.spec)
         replicated = NamedSharding(self.mesh, P())
         self.param_shardings = param_shardings(self.spec, self.layout)
         self.grad_shardings = (state_shardings(self.spec, self.layout) if self.layout.strategy.shard_grads
                                else self.param_shardings)
         self.state_shardings = {"step": replicated, "params": self.param_shardings,
-                                "opt": opt_state_shardings(self.tx, self.spec, self.layout)}
+                                "opt": opt_state_shardings(self.tx, self.spec, self.layout),
+                                "numerics": jax.tree.map(lambda _: replicated, jax.eval_shape(
+                                    lambda: precision_lib.LOSS_SCALE.init(self.policy)))}
         self.batch_shape = (cfg.batch.global_size, cfg.batch.length + 1)
         self.batch_sharding = self.layout.sharding(("batch", None), self.batch_shape, "batch")
         self._init = jax.jit(self._init_fn, out_shardings=self.state_shardings)
@@ -110,8 +121,9 @@ class Trainer:
         from flax import nnx
         import models
         model = models.build(self.cfg, nnx.Rngs(params=key))
-        params = nnx.split(model)[1].to_pure_dict()
-        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt": self.tx.init(params)}
+        params = nnx.to_pure_dict(nnx.split(model)[1])
+        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt": self.tx.init(params),
+                "numerics": precision_lib.LOSS_SCALE.init(self.policy)}
 
     def init(self, seed: int | None = None):
         """Sharded init: the jitted constructor writes each parameter straight into its shard."""
@@ -124,17 +136,26 @@ class Trainer:
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), out, self.state_shardings)
 
     # -- step ------------------------------------------------------------------------------------
-    def _grads(self, params, tokens):
+    def _grads(self, params, tokens, loss_scale=None):
+        """((loss, aux), grads) of one (micro)batch. With `loss_scale` S (fp16) the grads are those of
+        loss * S, for the caller to unscale; loss and aux are never scaled."""
+        if self.layout.shape.get("pipeline", 1) > 1:   # hand-written schedule (meshpar/pipeline.py)
+            from meshpar import pipeline
+            return pipeline.value_and_grad(self.spec, params, tokens, self.cfg, self.layout, self.policy)
+
         def loss_fn(p, t):
-            with use_layout(self.layout):
-                return loss_and_aux(self.spec.merge(p), t, self.policy)
-        return jax.value_and_grad(loss_fn, has_aux=True)(params, tokens)
+            loss, aux = loss_and_aux(self.spec.merge(p), t, self.policy)
+            return precision_lib.LossScale.scale(loss, loss_scale), (loss, aux)
+        with use_layout(self.layout):   # forward and backward are traced with the layout active
+            (_, (loss, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, tokens)
+        return (loss, aux), grads
 
     def _step_fn(self, state, batch):
         m = self.cfg.batch.microbatches
         params = state["params"]
+        scale = state["numerics"]["loss_scale"] if self.policy.loss_scaling else None
         if m == 1:
-            (loss, aux), grads = self._grads(params, batch)
+            (loss, aux), grads = self._grads(params, batch, scale)
         else:
             b, t = batch.shape
             # row i*m + k -> microbatch k: every device keeps its own rows (no data movement)
@@ -142,20 +163,29 @@ class Trainer:
             mbs = jax.lax.with_sharding_constraint(mbs, NamedSharding(self.mesh, P(None, *self.batch_sharding.spec)))
 
             def acc(carry, mb):
-                (l, a), g = self._grads(params, mb)
+                (l, a), g = self._grads(params, mb, scale)
+                if self.layout.strategy.shard_grads:   # ZeRO-2: reduce-scatter each microbatch's grads,
+                    g = jax.lax.with_sharding_constraint(g, self.grad_shardings)   # accumulate 1/N shards
                 return jax.tree.map(jnp.add, carry, (l, a, g)), None
 
-            (l0, a0), g0 = jax.eval_shape(self._grads, params, mbs[0])
+            (l0, a0), g0 = jax.eval_shape(self._grads, params, mbs[0], scale)
             zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (l0, a0, g0))
+            zeros = (zeros[0], zeros[1], jax.lax.with_sharding_constraint(zeros[2], self.grad_shardings))
             (loss, aux, grads), _ = jax.lax.scan(acc, zeros, mbs)
             loss, aux, grads = jax.tree.map(lambda x: x / m, (loss, aux, grads))
-        if self.layout.strategy.shard_grads:     # ZeRO-2: gradients live sharded -> reduce-scatter
-            grads = jax.lax.with_sharding_constraint(grads, self.grad_shardings)
+        grads = jax.lax.with_sharding_constraint(precision_lib.LossScale.unscale(grads, scale), self.grad_shardings)
+        # a non-finite loss or gradient (or an fp16 overflow) skips the update: params and optimizer
+        # state stay bitwise as they were; `numerics` counts it and adapts the fp16 loss scale
+        apply, bad, numerics = precision_lib.LOSS_SCALE.update(self.policy, state["numerics"], loss, grads)
         updates, opt = self.tx.update(grads, state["opt"], params)
-        params = optax.apply_updates(params, updates)
-        metrics = {"loss": aux.pop("ce"), "total_loss": loss, "grad_norm": optax.global_norm(grads),
-                   "lr": lr_schedule(self.cfg)(state["step"]), **aux}
-        return {"step": state["step"] + 1, "params": params, "opt": opt}, metrics
+        new_params = optax.apply_updates(params, updates)
+        params, opt = precision_lib.select(apply, (new_params, opt), (params, state["opt"]))
+        metrics = {"loss": aux.pop("ce"), "total_loss": loss, "grad_norm": optax.tree.norm(grads),
+                   "lr": lr_schedule(self.cfg)(state["step"]), **aux,
+                   "nonfinite": bad.astype(jnp.int32), "skipped_steps": numerics["skipped_steps"]}
+        if self.policy.loss_scaling:
+            metrics.update(loss_scale=state["numerics"]["loss_scale"], overflows=numerics["overflows"])
+        return {"step": state["step"] + 1, "params": params, "opt": opt, "numerics": numerics}, metrics
 
     def lower(self):
         batch = jax.ShapeDtypeStruct(self.batch_shape, jnp.int32, sharding=self.batch_sharding)
@@ -193,7 +223,7 @@ def peak_flops_per_device(cfg) -> tuple[float, str]:
     """Dense bf16 peak per device: config, then a table of device kinds, else a measured CPU matmul rate."""
     if cfg.train.peak_tflops:
         return cfg.train.peak_tflops * 1e12, "train.peak_tflops"
-    dev = jax.devices()[0]
+    dev = jax.local_devices()[0]      # this process's own (jax.devices()[0] may be another process's)
     for key, peak in _PEAK_BF16:
         if key in dev.device_kind:
             return peak, f"{dev.device_kind} datasheet"
@@ -206,12 +236,20 @@ def peak_flops_per_device(cfg) -> tuple[float, str]:
         r = f(a)
     r.block_until_ready()
     host = 2 * n ** 3 * reps / (time.perf_counter() - t0)
-    return host / jax.device_count(), "measured host matmul / fake devices"
+    return host / jax.local_device_count(), "measured host matmul / fake devices"
 
 
 def run(cfg, metrics_out: str | None = None, console=None) -> dict:
-    """Train `cfg.steps` steps; returns the end record. The loop a newcomer reads in one sitting."""
+    """Train to `cfg.steps` steps; returns the end record. The loop a newcomer reads in one sitting.
+
+    With `checkpoint.dir`: resume from its newest usable checkpoint (saved on any mesh/strategy),
+    save every `checkpoint.every` steps (asynchronously) and at the end; SIGTERM/SIGINT save at the
+    step reached and raise `Preempted`. A non-finite step never reaches the state (the compiled step
+    skips it); with `train.on_nan=stop` the loop raises naming the step before any later save.
+    """
+    from meshpar.checkpoint import Checkpointer
     from meshpar.data import Batches, make_source
+    from meshpar.distributed import Preempted, PreemptionGuard, progress
     from meshpar.metrics import MetricsLogger
 
     trainer = Trainer(cfg)
@@ -219,39 +257,84 @@ def run(cfg, metrics_out: str | None = None, console=None) -> dict:
     facts = trainer.describe()
     log = MetricsLogger(metrics_out, cfg.steps, console=console)
     floor = getattr(source, "entropy_rate", None)
-    log.start({**facts, "entropy_floor": floor, "config": cfg}, trainer)
+    ckpt = Checkpointer(cfg, trainer, info=log.info) if cfg.checkpoint.dir else None
+    found = ckpt.restore_latest() if ckpt else None
+    resumed = {} if found is None else {"resumed_from": found.step, "resumed_path": found.path,
+                                        "damaged_checkpoints": found.damaged}
+    log.start({**facts, "processes": jax.process_count(), "entropy_floor": floor, **resumed, "config": cfg}, trainer)
+    if found:
+        log.info(f"resumed from step {found.step} ({found.path}; saved with {found.meta.get('strategy')} on "
+                 f"{found.meta.get('mesh')}, {found.meta.get('processes')} process(es))")
 
     t0 = time.perf_counter()
     compiled = trainer.compile()
     compile_s = time.perf_counter() - t0
-    state = trainer.init()
+    state = found.state if found else trainer.init()
     data = Batches(source, trainer.batch_sharding, cfg.batch.global_size, cfg.batch.length, cfg.data.seed)
+    if found:
+        data.restore(found.data)
     peak, peak_src = peak_flops_per_device(cfg)
     fpt = flops_per_token(trainer.spec.cfg, trainer.spec.num_params, cfg.batch.length)
     log.info(f"compiled train step in {compile_s:.1f}s; MFU against {peak / 1e12:.3g} TFLOP/s/device ({peak_src})")
 
-    first_loss, last = None, None
+    start = int(state["step"])
+    first_loss, last, pending, stop = None, None, None, None
     window_start, window_steps = time.perf_counter(), 0
-    for step in range(int(state["step"]), cfg.steps):
-        state, metrics = compiled(state, next(data))
-        window_steps += 1
-        if (step + 1) % cfg.train.log_every == 0 or step + 1 == cfg.steps or step == 0:
-            metrics = jax.device_get(metrics)
-            dt = (time.perf_counter() - window_start) / window_steps
-            tps = facts["tokens_per_step"] / dt
-            rec = {"step": step + 1, **{k: _jsonable(v) for k, v in metrics.items()}, "step_time_s": dt,
-                   "tokens_per_s": tps, "mfu": fpt * tps / (peak * facts["devices"])}
-            first_loss = rec["loss"] if first_loss is None else first_loss
-            last = rec
-            log.step(rec)
-            window_start, window_steps = time.perf_counter(), 0
+    try:
+        with PreemptionGuard() as guard:
+            for step in range(start, cfg.steps):
+                state, metrics = compiled(state, next(data))
+                window_steps += 1
+                if pending is not None:          # the previous step's flag, read while this one runs
+                    _check_finite(cfg, *pending)
+                pending = (step + 1, metrics["nonfinite"], metrics["loss"])
+                progress["step"] = step + 1
+                if (step + 1) % cfg.train.log_every == 0 or step + 1 == cfg.steps or step == start:
+                    metrics = jax.device_get(metrics)
+                    dt = (time.perf_counter() - window_start) / window_steps
+                    tps = facts["tokens_per_step"] / dt
+                    rec = {"step": step + 1, **{k: _jsonable(v) for k, v in metrics.items()}, "step_time_s": dt,
+                           "tokens_per_s": tps, "mfu": fpt * tps / (peak * facts["devices"])}
+                    first_loss = rec["loss"] if first_loss is None else first_loss
+                    last = rec
+                    log.step(rec)
+                    window_start, window_steps = time.perf_counter(), 0
+                stop = guard.reached(step + 1)
+                if ckpt and (ckpt.due(step + 1) or stop or step + 1 == cfg.steps):
+                    _check_finite(cfg, *pending)  # never save past a step that must stop the run
+                    path = ckpt.save(step + 1, state, data.state(), wait=bool(stop))
+                    log.info(f"checkpoint step {step + 1} -> {path}" + (" (written)" if stop else " (writing)"))
+                if stop:
+                    break
+            if pending is not None:
+                _check_finite(cfg, *pending)
+    finally:
+        if ckpt:
+            ckpt.close()     # finish the writes in flight: they hold good states
     end = {"steps": cfg.steps, "initial_loss": first_loss, "final_loss": last and last["loss"],
-           "entropy_floor": floor, "compile_s": compile_s, "wall_s": time.perf_counter() - t0}
+           "entropy_floor": floor, "compile_s": compile_s, "wall_s": time.perf_counter() - t0, **resumed}
     if floor is not None and first_loss is not None:
         from meshpar.data import floor_gap_closed
         end["gap_closed"] = floor_gap_closed(first_loss, last["loss"], floor)
+    if stop:
+        import signal as signal_lib
+        name = signal_lib.Signals(stop).name
+        end.update(preempted=name, stopped_at=progress["step"], checkpoint=ckpt.path(progress["step"]) if ckpt else None)
+        log.end(end)
+        where = (f"saved checkpoint {ckpt.path(progress['step'])}; rerun the same command to resume" if ckpt
+                 else "no checkpoint.dir, nothing saved")
+        raise Preempted(stop, f"stopped by {name} after step {progress['step']}; {where}")
     log.end(end)
     return end
+
+
+def _check_finite(cfg, step: int, nonfinite, loss) -> None:
+    """`train.on_nan=stop`: raise if `step` had a non-finite loss or gradients (its update was skipped)."""
+    if cfg.train.on_nan == "stop" and int(nonfinite):
+        from meshpar.errors import MeshparError
+        raise MeshparError(f"non-finite loss or gradients at step {step} (loss {float(loss)}); its update was "
+                           "not applied and no checkpoint was written after it (train.on_nan=stop). Lower "
+                           "train.lr, check the data, or set train.on_nan=skip to skip such steps")
 
 
 def _jsonable(v):

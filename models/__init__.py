@@ -9,7 +9,12 @@ def _decoder(cfg, rngs):
     return Decoder(DecoderConfig.from_config(cfg.model), rngs)
 
 
-REGISTRY = {"decoder": _decoder}
+def _moe(cfg, rngs):
+    from models.moe import build
+    return build(cfg, rngs)
+
+
+REGISTRY = {"decoder": _decoder, "moe": _moe}
 
 
 def build(cfg, rngs: nnx.Rngs):

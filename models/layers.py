@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from meshpar.rules import constrain
+from meshpar.precision import attention_dtype
+from meshpar.rules import constrain, constrain_param
 
 
 def param(rngs: nnx.Rngs, shape, logical, std: float | None = None, init: str = "normal") -> nnx.Param:
@@ -49,30 +50,35 @@ def rope(x, positions, theta: float):
 
 
 class Attention(nnx.Module):
-    """Causal multi-head attention with grouped KV heads (Ainslie et al. 2023).
+    """Causal multi-head attention with grouped KV heads (Ainslie et al. 2023), fused QKV.
 
-    Megatron §3: wq/wk/wv are column-parallel (split on heads), wo is row-parallel (split on heads),
-    so a tensor-parallel layer needs one all-reduce forward (and one backward) of [B, T, E].
+    The QKV weight [E, K, G + 2, D] holds, for each of the K KV groups, its G = N / K query heads
+    followed by its key and value head; splitting `kv_heads` over `tensor` keeps a group on one
+    device. Megatron §3: QKV is column-parallel and wo [N, D, E] row-parallel, so a tensor-parallel
+    layer needs exactly one all-reduce of [B, T, E] forward and one backward (one fused matmul
+    gives one partial input gradient).
     """
 
     def __init__(self, cfg, rngs: nnx.Rngs):
         e, n, k, d = cfg.embed, cfg.heads, cfg.kv_heads, cfg.head_dim
-        std = 1.0 / math.sqrt(e)
-        self.wq = param(rngs, (e, n, d), ("embed", "heads", "kv"), std)
-        self.wk = param(rngs, (e, k, d), ("embed", "kv_heads", "kv"), std)
-        self.wv = param(rngs, (e, k, d), ("embed", "kv_heads", "kv"), std)
+        self.wqkv = param(rngs, (e, k, n // k + 2, d), ("embed", "kv_heads", None, "kv"), 1.0 / math.sqrt(e))
         self.wo = param(rngs, (n, d, e), ("heads", "kv", "embed"), 1.0 / math.sqrt(n * d * 2 * cfg.layers))
         self.cfg = cfg
 
     def __call__(self, x, positions):
         """x [B, T, E] -> [B, T, E]."""
         cfg, dt = self.cfg, x.dtype
-        q = constrain(jnp.einsum("bte,end->btnd", x, self.wq[...].astype(dt)), ("batch", "seq", "heads", "kv"))
-        k = constrain(jnp.einsum("bte,ekd->btkd", x, self.wk[...].astype(dt)), ("batch", "seq", "kv_heads", "kv"))
-        v = constrain(jnp.einsum("bte,ekd->btkd", x, self.wv[...].astype(dt)), ("batch", "seq", "kv_heads", "kv"))
+        b, t, _ = x.shape
+        g = cfg.heads // cfg.kv_heads
+        qkv = jnp.einsum("bte,ekgd->btkgd", x, self.wqkv[...].astype(dt))              # [B, T, K, G+2, D]
+        qkv = constrain(qkv, ("batch", "seq", "kv_heads", None, "kv"))
+        q = qkv[:, :, :, :g].reshape(b, t, cfg.heads, cfg.head_dim)                     # head n = k*G + j
+        k, v = qkv[:, :, :, g], qkv[:, :, :, g + 1]                                     # [B, T, K, D]
         q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
         impl = None if cfg.attention == "auto" else cfg.attention
-        o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)   # [B, T, N, D]
+        adt = attention_dtype(dt)   # = dt, except fp16 on CPU (see meshpar.precision.attention_dtype)
+        o = jax.nn.dot_product_attention(q.astype(adt), k.astype(adt), v.astype(adt), is_causal=True,
+                                         implementation=impl).astype(dt)                  # [B, T, N, D]
         o = constrain(o, ("batch", "seq", "heads", "kv"))
         return jnp.einsum("btnd,nde->bte", o, self.wo[...].astype(dt))
 
@@ -80,20 +86,19 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     """SwiGLU feed-forward (Shazeer 2020): (silu(x Wg) * x Wu) Wd. [B, T, E] -> [B, T, E].
 
-    Megatron §3: Wg/Wu column-parallel (split on F), Wd row-parallel: one all-reduce per direction.
+    Wg and Wu are one fused weight [E, 2, F] (column-parallel, split on F) and Wd [F, E] is
+    row-parallel (Megatron §3): one all-reduce of [B, T, E] per direction under tensor parallelism.
     """
 
     def __init__(self, cfg, rngs: nnx.Rngs):
         e, f = cfg.embed, cfg.mlp
-        self.w_gate = param(rngs, (e, f), ("embed", "mlp"), 1.0 / math.sqrt(e))
-        self.w_up = param(rngs, (e, f), ("embed", "mlp"), 1.0 / math.sqrt(e))
+        self.w_in = param(rngs, (e, 2, f), ("embed", None, "mlp"), 1.0 / math.sqrt(e))
         self.w_down = param(rngs, (f, e), ("mlp", "embed"), 1.0 / math.sqrt(f * 2 * cfg.layers))
 
     def __call__(self, x):
         dt = x.dtype
-        g = jnp.einsum("bte,ef->btf", x, self.w_gate[...].astype(dt))
-        u = jnp.einsum("bte,ef->btf", x, self.w_up[...].astype(dt))
-        h = constrain(jax.nn.silu(g) * u, ("batch", "seq", "mlp"))
+        h = jnp.einsum("bte,ecf->btcf", x, self.w_in[...].astype(dt))                 # [B, T, 2, F]
+        h = constrain(jax.nn.silu(h[:, :, 0]) * h[:, :, 1], ("batch", "seq", "mlp"))
         return jnp.einsum("btf,fe->bte", h, self.w_down[...].astype(dt))
 
 
@@ -152,7 +157,12 @@ def scan_layers(layers_mod, x, positions, remat: str = "full", scan: bool = True
     """
     graphdef, state = nnx.split(layers_mod)
 
+    def pin(v):   # one layer's slice: its logical axes without the leading `layers`
+        names = v.get_metadata().get("logical_axes")
+        return v.replace(constrain_param(v.get_value(), names[1:])) if names else v
+
     def body(carry, layer_state):
+        layer_state = jax.tree.map(pin, layer_state, is_leaf=lambda v: isinstance(v, nnx.Variable))
         y, aux = nnx.merge(graphdef, layer_state)(carry, positions)
         return y, aux
 

@@ -1,0 +1,266 @@
+"""Checkpoints: Orbax `CheckpointManager`, asynchronous, atomic, restorable onto any mesh.
+
+    ckpt = Checkpointer(cfg, trainer)
+    found = ckpt.restore_latest()           # None, or Restored(step, state, data, meta, path)
+    ckpt.save(step, state, data.state())     # returns once arrays are on the host; writes go on in the background
+    ckpt.close()                             # waits for the last write
+
+One checkpoint is the folder `checkpoint.dir/<step>/` with three items:
+
+    state/   the whole train state (params, optimizer state, step, loss-scale numerics), each
+             process writing only the shards it holds (OCDBT + Zarr, via TensorStore)
+    data/    JSON: the data iterator's position (`Batches.state()`)
+    meta/    JSON: the resolved config, the RNG seeds, the saving mesh / strategy / process count,
+             and a fingerprint of every state leaf
+
+What it guarantees:
+
+* Atomic: Orbax writes `<step>.orbax-checkpoint-tmp-*` and renames it to `<step>` only after every
+  item of every process is written, so a crash mid-save leaves no folder that looks complete.
+* The last good checkpoint survives a new one: steps beyond `checkpoint.keep` are deleted by the
+  manager's finalisation of the *newer* save, which runs only after that save committed.
+* Asynchronous: `save` blocks only for the device -> host copy; the writes overlap the next steps.
+  The train step donates its input state, which is safe because the copy is already done.
+* Exact resume: the state, the data position and the config are everything a step depends on; the
+  RNG is a pure function of `train.seed` / `data.seed` and the step (batch s is built from
+  (data.seed, s, row), per-step keys are folded from the step), so the seeds are the RNG state.
+* Restore onto any mesh: the target is `Trainer.abstract_state()`, `ShapeDtypeStruct`s carrying the
+  *new* shardings; each process reads only the slices its devices hold and nothing is gathered on
+  one device (ZeRO-style sharded states, Rajbhandari et al. 2020, stay sharded end to end).
+* Damage is detected, not trusted: besides Orbax/TensorStore read errors, every leaf's fingerprint
+  (a position-weighted hash of its bits, summed mod 2^32, so it does not depend on the sharding)
+  is recomputed after the restore and compared.
+* Fallback order: newest to oldest. A damaged checkpoint is reported by step, path and reason; once
+  an older one restores cleanly the damaged folders are renamed `<step>.damaged-<time>` (kept for
+  inspection, never deleted) so the run can write that step again. If none is usable the run stops
+  with `CheckpointError` and touches nothing.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from meshpar.errors import MeshparError
+
+ITEMS = ("state", "data", "meta")
+FORMAT = 1
+
+
+class CheckpointError(MeshparError):
+    """No usable checkpoint, or one that does not fit this run."""
+
+
+@dataclass
+class Restored:
+    step: int
+    state: Any
+    data: dict
+    meta: dict
+    path: str
+    damaged: list[dict]       # newer checkpoints that could not be used: {"step", "path", "reason"}
+
+
+# ----------------------------------------------------------------------------------------------
+# Fingerprints: sharding-independent per-leaf hashes, checked after every restore.
+
+_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+
+
+def _leaf_hash(x: jax.Array) -> jax.Array:
+    """uint32 sum over elements of mix(bits, flat position). Integer addition mod 2^32 is associative,
+    so the result is the same whatever the sharding and the order of the partial sums."""
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    if x.dtype == jnp.bool_:
+        bits = x.astype(jnp.uint32)
+    elif x.dtype.itemsize == 8:     # only with jax_enable_x64: fold the two halves
+        b = jax.lax.bitcast_convert_type(x, jnp.uint32)
+        bits = b[..., 0] ^ b[..., 1]
+    else:
+        bits = jax.lax.bitcast_convert_type(x, _UINT[x.dtype.itemsize]).astype(jnp.uint32)
+    pos = jnp.zeros(bits.shape, jnp.uint32)
+    stride = 1
+    for d in reversed(range(bits.ndim)):
+        pos = pos + jax.lax.broadcasted_iota(jnp.uint32, bits.shape, d) * jnp.uint32(stride & 0xFFFFFFFF)
+        stride *= bits.shape[d]
+    h = (bits + pos * jnp.uint32(0x9E3779B9)) * jnp.uint32(0x85EBCA6B)
+    h = h ^ (h >> 16)
+    return jnp.sum(h, dtype=jnp.uint32)
+
+
+def fingerprint(state) -> dict[str, int]:
+    """{leaf path: uint32 hash} of a (sharded) state: one small jitted reduction, replicated result."""
+    leaves = jax.tree_util.tree_leaves_with_path(state)
+    arrays = [x for _, x in leaves]
+    mesh = next((x.sharding.mesh for x in arrays if isinstance(x.sharding, NamedSharding)), None)
+    hashes = _hash_fn(NamedSharding(mesh, PartitionSpec()) if mesh is not None else None)(arrays)
+    values = np.asarray(hashes.addressable_data(0))
+    return {jax.tree_util.keystr(p): int(v) for (p, _), v in zip(leaves, values)}
+
+
+@functools.lru_cache(maxsize=8)
+def _hash_fn(out_sharding):
+    return jax.jit(lambda xs: jnp.stack([_leaf_hash(x) for x in xs]), out_shardings=out_sharding)
+
+
+def tree_signature(abstract_state) -> dict[str, list]:
+    """{leaf path: [shape, dtype]}: what a checkpoint must match to be restored into this run."""
+    return {jax.tree_util.keystr(p): [list(a.shape), str(a.dtype)]
+            for p, a in jax.tree_util.tree_leaves_with_path(abstract_state)}
+
+
+# ----------------------------------------------------------------------------------------------
+
+class Checkpointer:
+    """Save / restore the train state of one run in `cfg.checkpoint.dir` (see the module docstring)."""
+
+    def __init__(self, cfg, trainer, info: Callable[[str], None] = print):
+        import orbax.checkpoint as ocp
+        self.ocp = ocp
+        self.cfg, self.trainer, self.info = cfg, trainer, info
+        c = cfg.checkpoint
+        self.directory = str(c.dir) if "://" in str(c.dir) else str(Path(c.dir).expanduser().absolute())
+        self.every = c.every
+        options = ocp.CheckpointManagerOptions(max_to_keep=c.keep, create=True, enable_async_checkpointing=True)
+        self.manager = ocp.CheckpointManager(self.directory, item_names=ITEMS, options=options)
+        self.last_saved: int | None = None
+
+    # -- paths -----------------------------------------------------------------------------------
+    def path(self, step: int) -> str:
+        return f"{self.directory}/{step}"
+
+    def steps(self) -> list[int]:
+        """Complete checkpoints (temporary folders of unfinished saves are never listed)."""
+        self.manager.reload()
+        return sorted(self.manager.all_steps())
+
+    # -- save ------------------------------------------------------------------------------------
+    def due(self, step: int) -> bool:
+        return bool(self.every) and step % self.every == 0
+
+    def save(self, step: int, state, data_state: dict, *, wait: bool = False) -> str:
+        """Start an asynchronous save of `state` at `step` (all processes call it). Returns the path.
+        The previous save, if still writing, is finished first (Orbax), so at most one is in flight."""
+        if step in self.manager.all_steps():       # e.g. the end of a run that resumed at its last step
+            return self.path(step)
+        ocp = self.ocp
+        meta = {"format": FORMAT, "step": step, "time": time.time(),
+                "config": dataclasses.asdict(self.cfg),
+                "rng": {"train.seed": self.cfg.train.seed, "data.seed": self.cfg.data.seed},
+                "mesh": self.trainer.describe()["mesh"], "strategy": self.cfg.strategy,
+                "precision": self.cfg.precision, "processes": jax.process_count(),
+                "signature": tree_signature(self.trainer.abstract_state()),
+                "fingerprint": fingerprint(state)}
+        self.manager.save(step, force=True, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(dict(data_state)),
+            meta=ocp.args.JsonSave(meta)))
+        self.last_saved = step
+        if wait:
+            self.wait()
+        return self.path(step)
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+    # -- restore ---------------------------------------------------------------------------------
+    def _restore_meta(self, step: int) -> dict:
+        ocp = self.ocp
+        return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
+    def _check_fits(self, step: int, meta: dict) -> None:
+        """A checkpoint of a different model is a user error, not damage: stop, naming the leaf."""
+        mine = tree_signature(self.trainer.abstract_state())
+        theirs = meta.get("signature") or {}
+        for key in mine.keys() | theirs.keys():
+            if mine.get(key) != theirs.get(key):
+                raise CheckpointError(
+                    f"checkpoint step {step} at {self.path(step)} does not fit this run: state{key} is "
+                    f"{theirs.get(key, 'absent')} there and {mine.get(key, 'absent')} here; use the model "
+                    f"settings it was saved with (its config is in {self.path(step)}/meta) or a new checkpoint.dir")
+
+    def _restore_one(self, step: int):
+        ocp = self.ocp
+        meta = self._restore_meta(step)
+        self._check_fits(step, meta)
+        target = self.trainer.abstract_state()
+        out = self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()))
+        state, data = out["state"], out["data"]
+        got = fingerprint(state)
+        bad = [k for k, v in meta.get("fingerprint", {}).items() if got.get(k) != v]
+        if bad:
+            raise ValueError(f"contents differ from the fingerprint saved with them (first: state{bad[0]})")
+        return state, data, meta
+
+    def restore_latest(self) -> Restored | None:
+        """Restore the newest usable checkpoint into this run's shardings; None if there is none.
+
+        Tries complete checkpoints newest first. A damaged one is reported (step, path, reason) and
+        the next older one tried; the damaged folders are then renamed aside (never deleted). If
+        checkpoints exist but none is usable, raises CheckpointError and changes nothing."""
+        steps = self.steps()
+        if not steps:
+            return None
+        damaged = []
+        for step in reversed(steps):
+            try:
+                ok, result, reason = True, self._restore_one(step), ""
+            except CheckpointError:
+                raise
+            except Exception as e:  # noqa: BLE001 - any read/decode/verify failure marks this one damaged
+                ok, result, reason = False, None, _one_line(e)
+            ok = _all_processes(ok)
+            if ok:
+                state, data, meta = result
+                self._set_aside(damaged)
+                return Restored(step, state, data, meta, self.path(step), damaged)
+            reason = reason or "damaged on another process"
+            damaged.append({"step": step, "path": self.path(step), "reason": reason})
+            self.info(f"checkpoint step {step} at {self.path(step)} is damaged ({reason}); trying the previous one")
+        listing = "; ".join(f"step {d['step']} at {d['path']}: {d['reason']}" for d in damaged)
+        raise CheckpointError(f"no usable checkpoint in {self.directory} ({listing}); nothing was deleted. "
+                              f"Repair or move those folders, or set checkpoint.dir to a new folder to start over")
+
+    def _set_aside(self, damaged: list[dict]) -> None:
+        if not damaged:
+            return
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        if jax.process_index() == 0:
+            for d in damaged:
+                src = Path(d["path"])
+                if src.exists():
+                    dst = src.with_name(f"{src.name}.damaged-{stamp}")
+                    src.rename(dst)
+                    d["moved_to"] = str(dst)
+                    self.info(f"moved damaged checkpoint {src} to {dst} (kept, not deleted)")
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            multihost_utils.sync_global_devices("meshpar-checkpoint-set-aside")
+        self.manager.reload()
+
+
+def _all_processes(ok: bool) -> bool:
+    """True on every process iff `ok` on every process (restores read process-local shards)."""
+    if jax.process_count() == 1:
+        return ok
+    from jax.experimental import multihost_utils
+    return bool(np.all(multihost_utils.process_allgather(np.asarray(ok, np.int32))))
+
+
+def _one_line(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}".strip()
+    line = text.splitlines()[0] if text else type(e).__name__
+    return line[:300]

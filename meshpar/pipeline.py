@@ -1,0 +1,554 @@
+"""Pipeline parallelism over the `pipeline` mesh axis: GPipe, 1F1B and interleaved (circular) schedules.
+
+Pipelining is the one strategy GSPMD cannot infer, so it is written by hand: the stacked decoder
+layers [L, ...] are cut into P = mesh.pipeline stages (logical `stage`/`layers` -> mesh `pipeline`)
+and the mini-batch [B, T+1] into M microbatches [M, B/M, T+1]; one `jax.shard_map` is *manual over
+`pipeline` only*, so `data`, `fsdp`, `tensor` and `expert` stay automatic inside it and PP composes
+with DP/FSDP/TP/EP. Activations [b, T, E] (b = B/M) move between neighbouring stages with
+`lax.ppermute`. The first stage embeds (tokens -> [b, T, E]) and the last applies the LM head and the
+cross-entropy, microbatch by microbatch, so no tensor with a full-batch or full-stack dimension
+crosses the pipeline.
+
+Shapes: L layers, P stages, v virtual stages (chunks) per device, Lc = L / (P v) layers per chunk,
+M microbatches, b sequences per microbatch, T length, E embed. `F3` = forward of microbatch 3,
+`B3` = its backward, `.` = idle (the bubble); interleaved ops carry their chunk, `F3.1`.
+
+GPipe (Huang et al. 2019, "GPipe: Efficient Training of Giant Neural Networks using Pipeline
+Parallelism"): all forwards, then all backwards, M + P - 1 ticks each way. The backward is JAX's
+autodiff of the forward tick loop (ppermute transposes to the reverse ppermute); each stage is
+rematerialised (`jax.checkpoint`), so a stage stashes one input [b, T, E] per tick, M in all.
+P = 4, M = 4:
+
+    stage 0 | F0 F1 F2 F3 .  .  .  |  .  .  .  B3 B2 B1 B0
+    stage 1 | .  F0 F1 F2 F3 .  .  |  .  .  B3 B2 B1 B0 .
+    stage 2 | .  .  F0 F1 F2 F3 .  |  .  B3 B2 B1 B0 .  .
+    stage 3 | .  .  .  F0 F1 F2 F3 |  B3 B2 B1 B0 .  .  .        bubble (P-1)/(M+P-1) = 3/7
+
+1F1B, PipeDream-Flush (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
+Clusters Using Megatron-LM", §2.2; Narayanan et al. 2021 "Memory-Efficient Pipeline-Parallel DNN
+Training"): stage s runs P - s - 1 warm-up forwards, then alternates one forward and one backward,
+then drains the remaining backwards. Same bubble as GPipe, but a stage holds at most P - s
+microbatches in flight (stashed inputs) instead of M. Here the backward is explicit: `jax.vjp` of the
+stage recomputes it from the stashed input. The schedule is a static table [ticks, P]; every tick
+every device reads its own op with `lax.axis_index('pipeline')` and runs it in a `lax.switch` (a
+real per-device conditional: each stage executes only its branch), while both ppermutes (activations
+down, gradients up) run every tick *outside* the branches with masked payloads, so no stage ever
+waits on a collective another stage skipped. P = 4, M = 4 (ticks of equal length):
+
+    stage 0 | F0 F1 F2 F3 .  .  .  B0 .  B1 .  B2 .  B3
+    stage 1 | .  F0 F1 F2 .  .  B0 F3 B1 .  B2 .  B3 .
+    stage 2 | .  .  F0 F1 .  B0 F2 B1 F3 B2 .  B3 .  .
+    stage 3 | .  .  .  F0 B0 F1 B1 F2 B2 F3 B3 .  .  .        bubble 2(P-1)/2(M+P-1) = 3/7
+
+Interleaved / circular (Narayanan et al. 2021 §2.2.2, virtual pipeline stages; the circular
+repeat of Praxis/MaxText): device s holds v non-adjacent chunks, chunk r*P + s for r < v, and
+microbatches travel the ring v times. Microbatches enter in groups of P (so M % P == 0): the output
+of chunk r on the last device reaches device 0 exactly one tick before chunk r + 1 needs it, and no
+buffer is needed. Forward ticks: v M + P - 1 of 1/v stage each, bubble (P-1)/(vM+P-1); backward by
+autodiff as in GPipe. P = 2, v = 2, M = 2 (`Fm.r`: microbatch m, chunk r):
+
+    stage 0 | F0.0 F1.0 F0.1 F1.1 .    | .    B1.1 B0.1 B1.0 B0.0
+    stage 1 | .    F0.0 F1.0 F0.1 F1.1 | B1.1 B0.1 B1.0 B0.0 .         bubble 1/5
+
+Stored layer order stays the model's order (so a checkpoint means the same model on any mesh, and the
+pipelined loss equals the non-pipelined one); at rest device s holds layers [s L/P, (s+1) L/P). The
+interleaved schedule needs chunks {r P + s}; the step moves them there with one all-to-all over
+`pipeline` (and the gradients back), never an all-gather of the stack.
+
+`batch.microbatches` (gradient accumulation, outside) and `pipeline.microbatches` (M, inside one
+pipelined forward/backward) are independent: each accumulation step is pipelined into M microbatches.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from meshpar.errors import ConfigError, ShardingError
+
+AXIS = "pipeline"
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+# ----------------------------------------------------------------------------------------------
+# Schedules as tick tables (what `meshpar inspect` prints, and what the 1F1B executor runs).
+
+@dataclass(frozen=True)
+class Op:
+    """One unit of work of one stage at one tick: forward or backward of microbatch `micro`
+    through the device's chunk `chunk` (always 0 unless interleaved)."""
+    kind: str          # "F" | "B"
+    micro: int
+    chunk: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.micro}" + (f".{self.chunk}" if self.chunk else "")
+
+
+Table = list[list["Op | None"]]     # [tick][stage]
+
+
+def _circular_forward(p: int, m: int, v: int) -> Table:
+    """Forward ticks of GPipe (v = 1) and the circular schedule: device s at tick t runs item
+    i = t - s; items go in groups of P microbatches x v chunks (i -> group g, chunk r, micro)."""
+    ticks = v * m + p - 1
+    table: Table = [[None] * p for _ in range(ticks)]
+    for t in range(ticks):
+        for s in range(p):
+            i = t - s
+            if 0 <= i < v * m:
+                r, micro = _item(i, p, v)
+                table[t][s] = Op("F", micro, r)
+    return table
+
+
+def _item(i: int, p: int, v: int) -> tuple[int, int]:
+    """Item index -> (chunk r, microbatch): groups of P microbatches pass each chunk in turn."""
+    if v == 1:
+        return 0, i
+    g, rem = divmod(i, p * v)
+    return rem // p, g * p + rem % p
+
+
+def _mirror(fwd: Table) -> Table:
+    """Backward of an autodiff'd forward loop: the forward ticks in reverse, F -> B."""
+    return [[None if op is None else Op("B", op.micro, op.chunk) for op in row] for row in reversed(fwd)]
+
+
+def _one_f_one_b(p: int, m: int) -> Table:
+    """PipeDream-Flush by simulation: per-stage op order (warm-up, 1F1B, cool-down), each op run at
+    the first tick its input is ready (F(m) on s after F(m) on s-1; B(m) on s after B(m) on s+1)."""
+    orders = []
+    for s in range(p):
+        warm = min(p - s - 1, m)
+        ops = [Op("F", i) for i in range(warm)]
+        for i in range(m - warm):
+            ops += [Op("F", warm + i), Op("B", i)]
+        ops += [Op("B", i) for i in range(m - warm, m)]
+        orders.append(ops)
+    done: dict[tuple[str, int, int], int] = {}
+    pos, table, t = [0] * p, [], 0
+    while any(pos[s] < len(orders[s]) for s in range(p)):
+        row = [None] * p
+        for s in range(p):
+            if pos[s] == len(orders[s]):
+                continue
+            op = orders[s][pos[s]]
+            dep = (("F", s - 1, op.micro) if s > 0 else None) if op.kind == "F" else \
+                  (("B", s + 1, op.micro) if s < p - 1 else ("F", s, op.micro))
+            if dep is None or done.get(dep, t) < t:
+                row[s] = op
+        for s, op in enumerate(row):
+            if op is not None:
+                done[(op.kind, s, op.micro)] = t
+                pos[s] += 1
+        table.append(row)
+        t += 1
+    return table
+
+
+def schedule_table(schedule: str, p: int, m: int, v: int = 1) -> Table:
+    """The tick table [tick][stage] of a schedule (forward and backward)."""
+    if schedule == "1f1b":
+        return _one_f_one_b(p, m)
+    fwd = _circular_forward(p, m, v if schedule == "interleaved" else 1)
+    return fwd + _mirror(fwd)
+
+
+def bubble_fraction(table: Table) -> float:
+    """Idle (stage, tick) slots over all slots, every op counted as one tick."""
+    slots = len(table) * len(table[0])
+    return sum(op is None for row in table for op in row) / slots
+
+
+def in_flight(table: Table) -> list[int]:
+    """Per stage, the most microbatches whose forward ran and whose backward has not (the stash)."""
+    p = len(table[0])
+    out = []
+    for s in range(p):
+        live, peak = set(), 0
+        for row in table:
+            op = row[s]
+            if op is not None:
+                (live.add if op.kind == "F" else live.discard)((op.micro, op.chunk))
+            peak = max(peak, len(live))
+        out.append(peak)
+    return out
+
+
+def render_table(table: Table) -> list[str]:
+    """One text line per stage: 'stage 0 | F0 F1 .  B0 ...'."""
+    width = max(len(str(op)) for row in table for op in row if op is not None)
+    return [f"stage {s} | " + " ".join((str(row[s]) if row[s] else ".").ljust(width) for row in table).rstrip()
+            for s in range(len(table[0]))]
+
+
+def describe(cfg, p: int) -> dict:
+    """The `pipeline` section of `meshpar inspect`: schedule table, bubble, stash per stage."""
+    pc = cfg.pipeline
+    v = pc.virtual_stages if pc.schedule == "interleaved" else 1
+    table = schedule_table(pc.schedule, p, pc.microbatches, v)
+    return {"schedule": pc.schedule, "stages": p, "microbatches": pc.microbatches, "virtual_stages": v,
+            "ticks": len(table), "table": [[str(op) if op else None for op in row] for row in table],
+            "lines": render_table(table), "bubble": bubble_fraction(table), "in_flight": in_flight(table)}
+
+
+# ----------------------------------------------------------------------------------------------
+# Config checks (one line each, naming the key and a fix).
+
+def check(cfg, layout, shapes: dict) -> None:
+    """Raise ConfigError/ShardingError for a pipelined config that cannot run. shapes: the model's
+    parameter shapes (pure dict, `ModelSpec.shapes`)."""
+    p = layout.shape.get(AXIS, 1)
+    pc = cfg.pipeline
+    m, v = pc.microbatches, pc.virtual_stages
+    if p <= 1:
+        return
+    _split_params(shapes)
+    num_layers = jax.tree.leaves(shapes["layers"])[0].shape[0]
+    if v > 1 and pc.schedule != "interleaved":
+        raise ConfigError(f"pipeline.virtual_stages={v} needs pipeline.schedule=interleaved "
+                          f"(got {pc.schedule}); set pipeline.virtual_stages=1 or the interleaved schedule")
+    if num_layers % (p * v):
+        raise ConfigError(f"model.layers={num_layers} is not divisible by mesh.pipeline={p} x "
+                          f"pipeline.virtual_stages={v} (= {p * v} chunks); use a multiple of {p * v} layers")
+    if pc.schedule == "interleaved" and v > 1 and m % p:
+        raise ConfigError(f"pipeline.microbatches={m} is not a multiple of mesh.pipeline={p}, which the "
+                          f"interleaved schedule needs (microbatches enter in groups of {p}); "
+                          f"use {p * max(1, round(m / p))}")
+    rows = cfg.batch.global_size // cfg.batch.microbatches
+    what = (f"batch.global_size={cfg.batch.global_size}" if cfg.batch.microbatches == 1 else
+            f"the accumulation step of {rows} sequences (batch.global_size={cfg.batch.global_size} / "
+            f"batch.microbatches={cfg.batch.microbatches})")
+    if rows % m:
+        raise ConfigError(f"{what} does not split into pipeline.microbatches={m} microbatches; "
+                          f"use a multiple of {m * cfg.batch.microbatches} for batch.global_size")
+    spec = layout.spec(("batch",))
+    axes = spec[0] if len(spec) else None
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    dp = math.prod(layout.shape[a] for a in axes)
+    if (rows // m) % dp:
+        raise ShardingError(f"the pipeline microbatch of {rows // m} sequences ({what} / pipeline.microbatches={m})"
+                            f" is not divisible by the data-parallel size {dp}; use a multiple of "
+                            f"{dp * m * cfg.batch.microbatches} for batch.global_size")
+
+
+# ----------------------------------------------------------------------------------------------
+# Executors.
+
+def _vary(x):
+    """Mark a value as varying over `pipeline` (loop carries and branch outputs must agree)."""
+    if AXIS in jax.typeof(x).mat.varying:
+        return x
+    return lax.pcast(x, AXIS, to="varying")
+
+
+def _vary_tree(tree):
+    return jax.tree.map(_vary, tree)
+
+
+def _zeros_like_varying(tree):
+    return jax.tree.map(lambda a: _vary(jnp.zeros(a.shape, a.dtype)), tree)
+
+
+@dataclass(frozen=True)
+class _Model:
+    """The model cut in three: embed (first stage), the stacked layers (stages) and head + loss (last)."""
+    spec: object
+    policy: object
+    remat: str
+    scan: bool
+
+    def module(self, outer, layers):
+        return self.spec.merge({**outer, "layers": layers})
+
+    def embed(self, outer, layers, tokens):
+        """tokens [b, T] -> x [b, T, E] (compute dtype)."""
+        return self.module(outer, layers).embed(tokens, self.policy.compute_dtype)
+
+    def stage(self, outer, layers, x):
+        """Local layers [Lc, ...], x [b, T, E] -> (y [b, T, E], aux loss scalar, metrics {k: [Lc]})."""
+        from models.layers import scan_layers
+        positions = jnp.arange(x.shape[1])
+        x = _vary(x)                        # the layer scan's carry varies over stages
+        y, aux = scan_layers(self.module(outer, layers).layers, x, positions, self.remat, self.scan)
+        aux = dict(aux)
+        loss = jnp.sum(aux.pop("loss")) if "loss" in aux else jnp.zeros((), jnp.float32)
+        return y, _vary(loss.astype(jnp.float32)), aux
+
+    def head_loss(self, outer, layers, y, targets):
+        """y [b, T, E], targets [b, T] -> mean cross-entropy of the microbatch (fp32 scalar)."""
+        from meshpar.precision import cross_entropy
+        return cross_entropy(self.module(outer, layers).head(y, self.policy.compute_dtype), targets)
+
+
+def _split_params(params: dict):
+    if "layers" not in params:
+        raise ConfigError("pipelining needs a model with stacked layers under the parameter key 'layers' "
+                          "(models.layers.stacked); set mesh.pipeline=1 for this model")
+    outer = {k: v for k, v in params.items() if k != "layers"}
+    return outer, params["layers"]
+
+
+def _microbatches(tokens, m: int, layout):
+    """tokens [B, T+1] -> [M, B/M, T+1]; row i*M + k -> microbatch k, so no row changes device."""
+    from meshpar.rules import constrain
+    b, t = tokens.shape
+    mbs = tokens.reshape(b // m, m, t).swapaxes(0, 1)
+    return constrain(mbs, (None, "batch", None), "pipeline microbatches")
+
+
+def _circular_loss(model: _Model, p: int, m: int, v: int, outer, layers, tokens):
+    """Body of the shard_map for GPipe (v = 1) and the circular schedule (v > 1); differentiated by
+    autodiff. layers: this device's chunks [v, Lc, ...]; tokens [M, b, T+1] -> (loss, metrics)."""
+    # Invariant inputs become varying here, once: the transpose of this pcast (a psum of the outer
+    # parameters' cotangent) then runs outside every per-device branch instead of inside one.
+    outer = _vary_tree(outer)
+    s = lax.axis_index(AXIS)
+    n_items, ticks = v * m, v * m + p - 1
+    perm = [(i, (i + 1) % p) for i in range(p)] if v > 1 else [(i, i + 1) for i in range(p - 1)]
+    b, t1 = tokens.shape[1:]
+    x_spec = jax.eval_shape(lambda: model.embed(outer, jax.tree.map(lambda a: a[0], layers), tokens[0, :, :-1]))
+    chunk0 = jax.tree.map(lambda a: a[0], layers)
+    _, _, met_spec = jax.eval_shape(model.stage, outer, chunk0, jnp.zeros(x_spec.shape, x_spec.dtype))
+
+    @partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable)   # per-stage remat
+    def run_stage(chunk, x):
+        return model.stage(outer, chunk, x)
+
+    def tick(carry, t):
+        recv, loss, aux_loss, metrics = carry
+        i = t - s
+        valid = (i >= 0) & (i < n_items)
+        ic = jnp.clip(i, 0, n_items - 1)
+        if v == 1:
+            r, micro = jnp.zeros((), jnp.int32), ic
+        else:
+            g, rem = ic // (p * v), ic % (p * v)
+            r, micro = rem // p, g * p + rem % p
+        tok = lax.dynamic_index_in_dim(tokens, micro, 0, keepdims=False)
+        chunk = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, r, 0, keepdims=False), layers)
+        first = (s == 0) & (r == 0)
+        x = lax.cond(first, lambda: _vary(model.embed(outer, chunk, tok[:, :-1])), lambda: recv)
+        y, a_loss, met = run_stage(chunk, x)
+        last = (s == p - 1) & (r == v - 1) & valid
+        ce = lax.cond(last, lambda: _vary(jax.checkpoint(model.head_loss)(outer, chunk, y, tok[:, 1:])),
+                      lambda: _vary(jnp.zeros((), jnp.float32)))
+        w = valid.astype(jnp.float32)
+        metrics = jax.tree.map(lambda acc, x_: lax.dynamic_update_index_in_dim(
+            acc, lax.dynamic_index_in_dim(acc, r, 0, False) + w * x_, r, 0), metrics, met)
+        send = lax.ppermute(y, AXIS, perm)
+        return (send, loss + ce, aux_loss + w * a_loss, metrics), None
+
+    init = _zeros_like_varying((x_spec, jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct((), jnp.float32),
+                                jax.tree.map(lambda a: jax.ShapeDtypeStruct((v,) + a.shape, a.dtype), met_spec)))
+    (_, ce, aux_loss, metrics), _ = lax.scan(tick, init, jnp.arange(ticks))
+    ce, aux_loss = lax.psum(ce, AXIS) / m, lax.psum(aux_loss, AXIS) / m
+    metrics = jax.tree.map(lambda a: a / m, metrics)
+    return ce + aux_loss, (ce, metrics)
+
+
+def _one_f_one_b_grads(model: _Model, p: int, m: int, outer, layers, tokens):
+    """Body of the shard_map for 1F1B: forward and backward run explicitly from the tick table.
+
+    layers [Lc, ...] (this stage), tokens [M, b, T+1] -> (loss, (ce, metrics), d_outer, d_layers).
+    Carry: act [K, b, T, E] stage inputs received and not yet backwarded (slot micro % K), grad
+    [Kg, b, T, E] output cotangents received and not yet used, the two outgoing payloads, the
+    gradient accumulators. Stage 0 re-embeds in its backward instead of stashing the embedding.
+    """
+    table = schedule_table("1f1b", p, m)
+    n = len(table)
+    kind = np.zeros((n, p), np.int32)         # 0 idle, 1 F, 2 B
+    micro = np.zeros((n, p), np.int32)
+    recv_f = np.full((n, p), -1, np.int32)    # microbatch whose activation arrives from s-1 this tick
+    recv_b = np.full((n, p), -1, np.int32)    # microbatch whose cotangent arrives from s+1 this tick
+    for t, row in enumerate(table):
+        for s, op in enumerate(row):
+            if op is None:
+                continue
+            kind[t, s], micro[t, s] = (1 if op.kind == "F" else 2), op.micro
+            if t + 1 < n and op.kind == "F" and s + 1 < p:
+                recv_f[t + 1, s + 1] = op.micro
+            if t + 1 < n and op.kind == "B" and s > 0:
+                recv_b[t + 1, s - 1] = op.micro
+    k_act, k_grad = _slots(recv_f, kind, micro, "F"), _slots(recv_b, kind, micro, "B")
+    kind, micro, recv_f, recv_b = map(jnp.asarray, (kind, micro, recv_f, recv_b))
+
+    outer = _vary_tree(outer)       # per-stage partial gradients; psum'd once at the end
+    s = lax.axis_index(AXIS)
+    pos = jnp.where(s == 0, 0, jnp.where(s == p - 1, 2, 1))    # first / middle / last stage
+    inv_m = 1.0 / m
+    tok0 = tokens[0]
+    x_spec = jax.eval_shape(lambda: model.embed(outer, layers, tok0[:, :-1]))
+    _, _, met_spec = jax.eval_shape(model.stage, outer, layers, jnp.zeros(x_spec.shape, x_spec.dtype))
+    fwd_perm = [(i, i + 1) for i in range(p - 1)]
+    bwd_perm = [(i + 1, i) for i in range(p - 1)]
+    zero_x = jnp.zeros(x_spec.shape, x_spec.dtype)
+
+    def stage_only(lp, x):
+        y, a_loss, met = model.stage(outer, lp, x)
+        return (y, a_loss), met
+
+    def fwd(position, c, mi):
+        act = c["act"]
+        tok = lax.dynamic_index_in_dim(tokens, mi, 0, keepdims=False)
+        if position == 2:            # last stage: the forward is folded into its backward (next op)
+            return {**c, "send_f": _vary(zero_x)}
+        x = (model.embed(outer, layers, tok[:, :-1]) if position == 0
+             else lax.dynamic_index_in_dim(act, mi % k_act, 0, keepdims=False))
+        y, _, _ = model.stage(outer, layers, x)
+        return {**c, "send_f": _vary(y)}
+
+    def bwd(position, c, mi):
+        tok = lax.dynamic_index_in_dim(tokens, mi, 0, keepdims=False)
+        if position == 0:
+            def f(lp, o):
+                x = model.embed(o, lp, tok[:, :-1])
+                return stage_only(lp, x)
+            (y, a_loss), vjp, met = jax.vjp(f, layers, outer, has_aux=True)
+            dy = lax.dynamic_index_in_dim(c["grad"], mi % k_grad, 0, keepdims=False)
+            d_lp, d_o = vjp((dy, _vary(jnp.asarray(inv_m, jnp.float32))))
+            ce, send_b = jnp.zeros((), jnp.float32), zero_x
+        elif position == 1:
+            x = lax.dynamic_index_in_dim(c["act"], mi % k_act, 0, keepdims=False)
+            (y, a_loss), vjp, met = jax.vjp(stage_only, layers, x, has_aux=True)
+            dy = lax.dynamic_index_in_dim(c["grad"], mi % k_grad, 0, keepdims=False)
+            d_lp, send_b = vjp((dy, _vary(jnp.asarray(inv_m, jnp.float32))))
+            d_o, ce = None, jnp.zeros((), jnp.float32)
+        else:
+            x = lax.dynamic_index_in_dim(c["act"], mi % k_act, 0, keepdims=False)
+
+            def f(lp, o, x_):
+                y_, a_, met_ = model.stage(o, lp, x_)
+                ce_ = model.head_loss(o, lp, y_, tok[:, 1:])
+                return (ce_ + a_) * inv_m, (ce_, a_, met_)
+            _, vjp, (ce, a_loss, met) = jax.vjp(f, layers, outer, x, has_aux=True)
+            d_lp, d_o, send_b = vjp(_vary(jnp.ones((), jnp.float32)))
+        out = {**c, "send_b": _vary(send_b), "d_layers": jax.tree.map(jnp.add, c["d_layers"], d_lp),
+               "ce": c["ce"] + ce, "aux_loss": c["aux_loss"] + a_loss,
+               "metrics": jax.tree.map(jnp.add, c["metrics"], met)}
+        if d_o is not None:
+            out["d_outer"] = jax.tree.map(jnp.add, c["d_outer"], d_o)
+        return _vary_tree(out)
+
+    def idle(c, mi):
+        return {**c, "send_f": _vary(zero_x), "send_b": _vary(zero_x)}
+
+    def f_branch(position):
+        def run(c, mi):
+            out = fwd(position, c, mi)
+            return _vary_tree({**out, "send_b": _vary(zero_x)})
+        return run
+
+    def b_branch(position):
+        def run(c, mi):
+            out = bwd(position, c, mi)
+            return _vary_tree({**out, "send_f": _vary(zero_x)})
+        return run
+
+    branches = [lambda c, mi: _vary_tree(idle(c, mi))] + [f_branch(q) for q in range(3)] + [b_branch(q) for q in range(3)]
+
+    def tick(c, t):
+        # 1. exchange what was sent at the end of the previous tick (every stage, every tick)
+        rf = lax.ppermute(c["send_f"], AXIS, fwd_perm)
+        rb = lax.ppermute(c["send_b"], AXIS, bwd_perm)
+        # 2. file the arrivals under their microbatch's slot
+        kf, kb = recv_f[t, s], recv_b[t, s]
+        act = _store(c["act"], kf, k_act, rf)
+        grad = _store(c["grad"], kb, k_grad, rb)
+        c = {**c, "act": act, "grad": grad}
+        # 3. this stage's own op (a per-device conditional)
+        k = kind[t, s]
+        idx = jnp.where(k == 0, 0, jnp.where(k == 1, 1 + pos, 4 + pos))
+        return lax.switch(idx, branches, c, micro[t, s]), None
+
+    f32 = jax.ShapeDtypeStruct((), jnp.float32)
+    carry = _zeros_like_varying({
+        "act": jax.ShapeDtypeStruct((k_act,) + x_spec.shape, x_spec.dtype),
+        "grad": jax.ShapeDtypeStruct((k_grad,) + x_spec.shape, x_spec.dtype),
+        "send_f": x_spec, "send_b": x_spec, "d_layers": layers, "d_outer": outer,
+        "ce": f32, "aux_loss": f32, "metrics": met_spec})
+    c, _ = lax.scan(tick, carry, jnp.arange(n))
+    ce = lax.psum(c["ce"], AXIS) * inv_m
+    aux_loss = lax.psum(c["aux_loss"], AXIS) * inv_m
+    d_outer = jax.tree.map(lambda g: lax.psum(g, AXIS), c["d_outer"])
+    metrics = jax.tree.map(lambda a: a * inv_m, c["metrics"])
+    return ce + aux_loss, ce, metrics, d_outer, c["d_layers"]
+
+
+def _slots(recv, kind, micro, what: str) -> int:
+    """Buffer slots a stage needs: the most microbatches received and not yet backwarded (F) /
+    consumed (B) at once. Slot = micro % slots never collides since microbatches flow in order."""
+    n, p = recv.shape
+    peak = 1
+    for s in range(p):
+        live = set()
+        for t in range(n):
+            if recv[t, s] >= 0:
+                live.add(int(recv[t, s]))
+            peak = max(peak, len(live))
+            if kind[t, s] == 2:
+                live.discard(int(micro[t, s]))
+        assert len({x % peak for x in live}) == len(live)
+    return peak
+
+
+def _store(buf, k, slots: int, value):
+    """buf[k % slots] = value where k >= 0 (a masked dynamic update)."""
+    i = jnp.maximum(k, 0) % slots
+    old = lax.dynamic_index_in_dim(buf, i, 0, keepdims=False)
+    return lax.dynamic_update_index_in_dim(buf, jnp.where(k >= 0, value, old), i, 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Entry point used by meshpar.train.Trainer._grads.
+
+def value_and_grad(spec, params: dict, tokens, cfg, layout, policy):
+    """Pipelined ((loss, aux), grads) of next-token cross-entropy, the structure of
+    `jax.value_and_grad(meshpar.train.loss_and_aux, has_aux=True)`; aux holds "ce" (and the layers'
+    metrics stacked [L]). params: the model's pure dict; tokens [B, T+1] int."""
+    from meshpar.rules import use_layout
+
+    p = layout.shape[AXIS]
+    pc = cfg.pipeline
+    m = pc.microbatches
+    v = pc.virtual_stages if pc.schedule == "interleaved" else 1
+    mcfg = spec.cfg
+    model = _Model(spec, policy, getattr(mcfg, "remat", "full"), getattr(mcfg, "scan_layers", True))
+    mesh = layout.mesh
+    with use_layout(layout):
+        outer, layers = _split_params(params)
+        n_layers = jax.tree.leaves(layers)[0].shape[0]
+        mbs = _microbatches(tokens, m, layout)
+        if pc.schedule == "1f1b":
+            body = partial(_one_f_one_b_grads, model, p, m)
+            fn = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(AXIS), P()),
+                               out_specs=(P(), P(), P(AXIS), P(), P(AXIS)), axis_names={AXIS})
+            loss, ce, metrics, d_outer, d_layers = fn(outer, layers, mbs)
+            grads = {**d_outer, "layers": d_layers}
+        else:
+            def loss_fn(prm):
+                o, lay = _split_params(prm)
+                chunks = _to_chunks(lay, p, v)          # [v, P*Lc, ...], device s holds chunks r*P + s
+                body = partial(_circular_loss, model, p, m, v)
+                fn = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(None, AXIS), P()),
+                                   out_specs=(P(), (P(), P(None, AXIS))), axis_names={AXIS})
+                loss_, (ce_, met_) = fn(o, chunks, mbs)
+                return loss_, (ce_, jax.tree.map(lambda a: a.reshape((n_layers,) + a.shape[2:]), met_))
+            (loss, (ce, metrics)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    return (loss, {"ce": ce, **metrics}), grads
+
+
+def _to_chunks(layers, p: int, v: int):
+    """[L, ...] -> [v, P*Lc, ...]: row block s of chunk-row r is global chunk r*P + s, which
+    `P(None, 'pipeline')` places on device s. For v = 1 this is a free reshape of the at-rest layout."""
+    def one(a):
+        lc = a.shape[0] // (p * v)
+        return a.reshape((v, p * lc) + a.shape[1:])
+    return jax.tree.map(one, layers)

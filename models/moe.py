@@ -1,0 +1,87 @@
+"""Mixture-of-experts decoder LM: the dense decoder with an MoE feed-forward in every k-th layer.
+
+    tokens [B, T] -> embed -> n = layers / k super-blocks, scanned over `layers`:
+        super-block = (k - 1) dense blocks, then one block whose FFN is `MoEFFN`
+    -> norm -> logits [B, T, V]
+
+GShard (Lepikhin et al. 2020) puts an MoE layer in every other layer (k = 2); Switch (Fedus et al.
+2021) likewise. Scanning super-blocks keeps one copy of the program whatever the depth, and every
+scanned body returns the same aux dict (that of its MoE block), stacked [n] by the scan.
+Routing, dispatch and combine live in `meshpar.moe`; this file names logical axes only.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from meshpar import moe as moe_lib
+from models.decoder import Decoder, DecoderConfig
+from models.layers import Block, RMSNorm, param, scan_layers, stacked
+
+
+class MoEFFN(nnx.Module):
+    """Router [M, E] and E SwiGLU experts (w_gate, w_up [E, M, H], w_down [E, H, M]).
+    x [B, T, M] -> (y [B, T, M], aux); see `meshpar.moe.moe_ffn`."""
+
+    def __init__(self, cfg: DecoderConfig, moe: moe_lib.MoESettings, rngs: nnx.Rngs):
+        m, h, e = cfg.embed, cfg.mlp, moe.num_experts
+        self.router = param(rngs, (m, e), ("embed", None), 1.0 / math.sqrt(m))
+        self.w_gate = param(rngs, (e, m, h), moe_lib.W_IN, 1.0 / math.sqrt(m))
+        self.w_up = param(rngs, (e, m, h), moe_lib.W_IN, 1.0 / math.sqrt(m))
+        self.w_down = param(rngs, (e, h, m), moe_lib.W_OUT, 1.0 / math.sqrt(h * 2 * cfg.layers))
+        self.moe = moe
+
+    def __call__(self, x):
+        return moe_lib.moe_ffn(x, self.router[...], self.w_gate[...], self.w_up[...], self.w_down[...], self.moe)
+
+
+class SuperBlock(nnx.Module):
+    """k consecutive layers: k - 1 dense blocks, then an MoE block. x [B, T, M] -> (x, aux of the MoE)."""
+
+    def __init__(self, cfg: DecoderConfig, moe: moe_lib.MoESettings, rngs: nnx.Rngs):
+        self.dense = nnx.List([Block(cfg, rngs) for _ in range(moe.every - 1)])
+        self.moe = Block(cfg, rngs, ffn=MoEFFN(cfg, moe, rngs))
+
+    def __call__(self, x, positions):
+        for block in self.dense:
+            x, _ = block(x, positions)
+        return self.moe(x, positions)
+
+
+class MoEDecoder(Decoder):
+    """`__call__(tokens) -> (logits [B, T, V], aux)`, aux values stacked [layers / k] (one per MoE layer)."""
+
+    def __init__(self, cfg: DecoderConfig, moe: moe_lib.MoESettings, rngs: nnx.Rngs, seed: int = 0):
+        from meshpar.errors import ConfigError
+        if cfg.layers % moe.every:
+            raise ConfigError(f"model.layers={cfg.layers} is not a multiple of moe.every={moe.every} "
+                              "(an MoE feed-forward every k-th layer); change one of them")
+        self.cfg = cfg
+        self.moe_settings = moe
+        self.seed = seed
+        self.embedding = param(rngs, (cfg.vocab, cfg.embed), ("vocab", "embed"), 1.0)
+        self.layers = stacked(lambda r: SuperBlock(cfg, moe, r), cfg.layers // moe.every, rngs)
+        self.final_norm = RMSNorm(cfg.embed, cfg.norm_eps, rngs)
+        self.lm_head = param(rngs, (cfg.embed, cfg.vocab), ("embed", "vocab"), 1.0 / math.sqrt(cfg.embed))
+
+    def __call__(self, tokens, dtype=jnp.float32):
+        positions = jnp.arange(tokens.shape[1])
+        x = self.embed(tokens, dtype)
+        key = None
+        if self.moe_settings.second_expert_policy == "random":
+            # a fresh stream per batch; an integer hash, so identical under every sharding
+            salt = jnp.sum(tokens.astype(jnp.int32) * (jnp.arange(tokens.size, dtype=jnp.int32) % 65521 + 1)
+                           .reshape(tokens.shape))
+            key = jax.random.fold_in(jax.random.key(self.seed), salt)
+        with moe_lib.routing_key(key):
+            x, aux = scan_layers(self.layers, x, positions, self.cfg.remat, self.cfg.scan_layers)
+        return self.head(x, dtype), aux
+
+
+def build(cfg, rngs: nnx.Rngs) -> MoEDecoder:
+    """From a run config: `model.*` for the decoder, `moe.*` for the experts."""
+    return MoEDecoder(DecoderConfig.from_config(cfg.model), moe_lib.MoESettings.from_config(cfg.moe), rngs,
+                      seed=cfg.train.seed)

@@ -1,0 +1,45 @@
+"""Bad input: `meshpar` exits 2 with one line naming the thing at fault, never an XLA traceback."""
+import pytest
+
+from meshpar.cli import main
+
+
+def run_cli(capsys, *args):
+    code = main(list(args))
+    err = capsys.readouterr().err
+    return code, err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["mesh.data=3", "mesh.fsdp=1", "mesh.tensor=1"],
+     "mesh axes multiply to 3 (data=3) but there are 8 devices; set one axis to -1 to fill, or run with --devices 3"),
+    (["mesh.data=-1", "mesh.fsdp=-1"], "only one mesh axis may be -1 (fill), got mesh.data, mesh.fsdp"),
+    (["mesh.tensr=2"], "unknown config key 'mesh.tensr' (did you mean 'tensor'?)"),
+    (["strategy=fsd"], "config key 'strategy' has unknown value 'fsd' (did you mean 'fsdp'?)"),
+    (["rules=[[embd, [tensor]]]"], "rules[0]: unknown logical axis 'embd' (did you mean 'embed'?)"),
+    (["rules=[[embed, [tensr]]]"], "rules[0] (embed): unknown mesh axis 'tensr' (did you mean 'tensor'?)"),
+    (["strategy=tp", "model.mlp=255"],
+     "parameter 'layers.ffn.w_down': dimension 1 ('mlp', size 255) is not divisible by mesh axes tensor=2 (= 2)"),
+    (["strategy=fsdp", "mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1", "model.embed=36"],
+     "parameter 'embedding': dimension 1 ('embed', size 36) is not divisible by mesh axes data=8 (= 8)"),
+    (["batch.global_size=10"],
+     "batch.global_size=10 is not divisible by the data-parallel size 4 (data=2 x fsdp=2); use a multiple of 4"),
+    (["batch.global_size=16", "batch.microbatches=3"], "batch.global_size=16 is not divisible by batch.microbatches=3"),
+    (["model.size=3b"], "unknown model size '3b'"),
+    (["model.heads=6", "model.kv_heads=4"], "model.heads=6 must be a multiple of model.kv_heads=4"),
+])
+def test_bad_input_is_one_clear_line(capsys, args, message):
+    code, err = run_cli(capsys, "train", *args)
+    assert code == 2
+    assert message in err
+    assert err.startswith("meshpar: error: ") and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_inspect_reports_the_same_errors(capsys):
+    code, err = run_cli(capsys, "inspect", "strategy=zero9")
+    assert code == 2 and "unknown value 'zero9'" in err
+
+
+def test_missing_config_file(capsys, tmp_path):
+    code, err = run_cli(capsys, "train", "--config", str(tmp_path / "nope.yaml"))
+    assert code == 2 and "nope.yaml' does not exist" in err

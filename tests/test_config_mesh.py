@@ -1,0 +1,66 @@
+"""Config loading/overrides and mesh construction, with the exact error messages users see."""
+import jax
+import pytest
+from jax.sharding import AxisType
+
+from meshpar.config import ConfigError, load_config
+from meshpar.mesh import MESH_AXES, make_mesh, resolve_axis_sizes
+from tests.conftest import devices, make_cfg
+
+
+def test_overrides_are_typed_and_dotted():
+    cfg = load_config(None, ["steps=20", "strategy=fsdp", "mesh.tensor=2", "mesh.data=-1", "precision=fp32",
+                             "model.layers=2", "batch.global_size=16", "train.log_every=1", "train.lr=1e-3"])
+    assert (cfg.steps, cfg.strategy, cfg.mesh.tensor, cfg.mesh.data, cfg.model.layers) == (20, "fsdp", 2, -1, 2)
+    assert cfg.train.lr == pytest.approx(1e-3) and cfg.batch.global_size == 16
+
+
+@pytest.mark.parametrize("override, message", [
+    (["mesh.tensr=2"], "unknown config key 'mesh.tensr' (did you mean 'tensor'?)"),
+    (["stesp=3"], "unknown config key 'stesp' (did you mean 'steps'?)"),
+    (["strategy=fsdpp"], "config key 'strategy' has unknown value 'fsdpp' (did you mean 'fsdp'?)"),
+    (["precision=fp8"], "config key 'precision' has unknown value 'fp8'"),
+    (["steps=many"], "config key 'steps' must be an integer, got 'many'"),
+    (["steps=0"], "config key 'steps' must be >= 1, got 0"),
+    (["model.remat=some"], "config key 'model.remat' has unknown value 'some'"),
+    (["mesh.tensor"], "override 'mesh.tensor' must look like KEY=VALUE"),
+])
+def test_bad_config_values_name_the_key(override, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, override)
+    assert message in str(e.value)
+
+
+def test_yaml_base_composes(tmp_path):
+    (tmp_path / "a.yaml").write_text("steps: 7\nmesh: {data: 4, tensor: 2}\n")
+    (tmp_path / "b.yaml").write_text("base: a.yaml\nmesh: {tensor: 1}\nstrategy: dp\n")
+    cfg = load_config(tmp_path / "b.yaml")
+    assert (cfg.steps, cfg.mesh.data, cfg.mesh.tensor, cfg.strategy) == (7, 4, 1, "dp")
+
+
+def test_fill_axis_and_size_checks():
+    assert resolve_axis_sizes({"data": -1, "tensor": 2}, 8)["data"] == 4
+    with pytest.raises(ConfigError, match=r"mesh axes multiply to 12 \(data=3 x tensor=4\) but there are 8 devices"):
+        resolve_axis_sizes({"data": 3, "tensor": 4}, 8)
+    with pytest.raises(ConfigError, match="only one mesh axis may be -1 .*mesh.data, mesh.tensor"):
+        resolve_axis_sizes({"data": -1, "tensor": -1}, 8)
+    with pytest.raises(ConfigError, match="unknown mesh axis 'mesh.tensr' .did you mean 'tensor'"):
+        resolve_axis_sizes({"tensr": 2}, 8)
+    with pytest.raises(ConfigError, match="cannot fill mesh.data=-1: the other axes multiply to 3"):
+        resolve_axis_sizes({"data": -1, "tensor": 3}, 8)
+
+
+def test_mesh_has_named_auto_axes_over_all_devices():
+    mesh = make_mesh(make_cfg(mesh={"data": 2, "fsdp": 2, "tensor": 2}).mesh, devices(8))
+    assert mesh.axis_names == MESH_AXES
+    assert dict(zip(mesh.axis_names, mesh.devices.shape)) == {"pipeline": 1, "data": 2, "fsdp": 2, "expert": 1, "tensor": 2}
+    assert all(t == AxisType.Auto for t in mesh.axis_types)
+    assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in jax.devices()[:8])
+
+
+def test_hybrid_dcn_mesh_multiplies_ici_and_dcn_sizes():
+    cfg = make_cfg(mesh={"fsdp": 4})
+    cfg.mesh.dcn = {"data": 2}
+    mesh = make_mesh(cfg.mesh, devices(8))
+    assert dict(zip(mesh.axis_names, mesh.devices.shape))["data"] == 2
+    assert dict(zip(mesh.axis_names, mesh.devices.shape))["fsdp"] == 4

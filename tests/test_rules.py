@@ -1,0 +1,78 @@
+"""Logical-axis resolution: first match, skip size-1 and used axes, joint axes, divisibility errors."""
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from meshpar.errors import ShardingError
+from meshpar.rules import LOGICAL_AXES, PRESETS, parse_user_rules, resolve, table
+
+MESH = {"pipeline": 1, "data": 2, "fsdp": 2, "expert": 1, "tensor": 2}
+
+
+def test_first_candidate_that_exists_with_size_above_one_wins():
+    rules = table(embed=["expert", "fsdp", "data"])          # expert has size 1: skipped
+    assert resolve(("embed",), rules, MESH) == P("fsdp")
+
+
+def test_an_axis_is_used_at_most_once_per_spec():
+    rules = table(embed=["tensor"], mlp=["tensor", "fsdp"])
+    assert resolve(("embed", "mlp"), rules, MESH) == P("tensor", "fsdp")
+
+
+def test_two_dimensions_can_never_share_the_expert_axis():
+    mesh = {**MESH, "expert": 2, "data": 1}
+    rules = table(expert="expert", group=[("data", "fsdp", "expert")])
+    spec = resolve(("expert", "group", "capacity", "embed"), rules, mesh)
+    assert spec == P("expert", "fsdp")
+    flat = [a for p in spec if p for a in ((p,) if isinstance(p, str) else p)]
+    assert flat.count("expert") == 1
+
+
+def test_joint_candidate_drops_size_one_and_used_axes():
+    rules = table(batch=[("data", "fsdp", "expert")], embed="fsdp")
+    assert resolve(("batch", "length", "embed"), rules, MESH) == P(("data", "fsdp"))
+    assert resolve(("embed", "batch"), rules, MESH) == P("fsdp", "data")
+
+
+def test_indivisible_dimension_is_an_error_naming_tensor_dimension_and_axes():
+    with pytest.raises(ShardingError) as e:
+        resolve(("embed", "mlp"), table(mlp="tensor"), MESH, shape=(64, 255), what="parameter 'layers.ffn.w_in'")
+    msg = str(e.value)
+    assert "parameter 'layers.ffn.w_in'" in msg and "dimension 1" in msg and "'mlp'" in msg
+    assert "size 255" in msg and "tensor=2" in msg and "[mlp, null]" in msg
+
+
+def test_unknown_logical_axis_suggests_the_closest():
+    with pytest.raises(ShardingError, match="unknown logical axis 'hedas'.*did you mean 'heads'"):
+        resolve(("hedas",), table(), MESH)
+
+
+def test_user_rules_go_first_and_null_replicates():
+    user = parse_user_rules([["embed", ["tensor"]], ["vocab", None]])
+    preset = PRESETS["fsdp_tp"].param_rules()
+    assert resolve(("embed", "vocab"), user + preset, MESH) == P("tensor")
+    assert resolve(("embed", "vocab"), preset, MESH) == P(("data", "fsdp"), "tensor")
+
+
+def test_user_rules_reject_unknown_names_and_axes():
+    with pytest.raises(ShardingError, match="unknown logical axis 'emb'.*'embed'"):
+        parse_user_rules([["emb", ["tensor"]]])
+    with pytest.raises(ShardingError, match="unknown mesh axis 'tensr'.*'tensor'"):
+        parse_user_rules([["embed", ["tensr"]]])
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_names_only_known_logical_and_mesh_axes(name):
+    from meshpar.mesh import MESH_AXES
+    s = PRESETS[name]
+    for rules in (s.param_rules(), s.opt_rules()):
+        for logical, cands in rules:
+            assert logical in LOGICAL_AXES
+            for c in cands:
+                assert set((c,) if isinstance(c, str) else c) <= set(MESH_AXES)
+
+
+def test_zero_presets_replicate_params_but_shard_optimizer_state():
+    for name in ("zero1", "zero2"):
+        s = PRESETS[name]
+        assert resolve(("embed", "mlp"), s.param_rules(), MESH) == P()
+        assert resolve(("embed", "mlp"), s.opt_rules(), MESH) == P(("data", "fsdp"))
