@@ -263,4 +263,4 @@ def _all_processes(ok: bool) -> bool:
 def _one_line(e: BaseException) -> str:
     text = f"{type(e).__name__}: {e}".strip()
     line = text.splitlines()[0] if text else type(e).__name__
-    return line[:300]
+    return line.split(" See full TensorStore details")[0][:300]

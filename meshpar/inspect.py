@@ -147,15 +147,29 @@ def _sliced_in(comp_lines: list[str], name: str, depth: int = 0) -> bool:
     return True
 
 
-def _is_scattered(lines: list[str], name: str, comps: dict[str, list[str]]) -> bool:
-    """True if every use of value `name` keeps only a per-device slice of it: a dynamic-slice, or a
-    fusion whose fused computation dynamic-slices that operand. This is the all-reduce +
-    dynamic-slice pattern that GPU/TPU compilers turn into a reduce-scatter (the CPU backend keeps it)."""
+def _is_pass_through_fusion(u: str, comps: dict[str, list[str]]) -> bool:
+    """A fusion that only converts/reshapes its single operand (e.g. XLA's `wrapped_convert`)."""
+    fused = re.search(r"calls=%?([\w.\-]+)", u)
+    if " fusion(" not in u or not fused or fused.group(1) not in comps:
+        return False
+    body = [ln for ln in comps[fused.group(1)] if "parameter(" not in ln]
+    return bool(body) and all(any(p in ln for p in _PASS_THROUGH) for ln in body)
+
+
+def _is_scattered(lines: list[str], name: str, comps: dict[str, list[str]], depth: int = 0) -> bool:
+    """True if every use of value `name` keeps only a per-device slice of it: a dynamic-slice, a
+    fusion whose fused computation dynamic-slices that operand, or a conversion whose result is
+    itself only sliced. This is the all-reduce + dynamic-slice pattern that GPU/TPU compilers turn
+    into a reduce-scatter (the CPU backend keeps it as it is)."""
     users = _users(lines, name)
-    if not users:
+    if not users or depth > 6:
         return False
     for u in users:
         if "dynamic-slice(" in u:
+            continue
+        out = u.split("=")[0].strip().removeprefix("ROOT").strip().lstrip("%")
+        if (any(p in u for p in _PASS_THROUGH) or _is_pass_through_fusion(u, comps)) and \
+                _is_scattered(lines, out, comps, depth + 1):
             continue
         fused = re.search(r"calls=%?([\w.\-]+)", u)
         args = re.search(r"\bfusion\((.*?)\), kind=", u)

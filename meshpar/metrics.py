@@ -62,8 +62,8 @@ class MetricsLogger:
         self._write({"event": "step", **rec})
         if not self.main:
             return
-        extra = "".join(f" {k} {_fmt(rec[k])}" for k in ("drop_fraction", "load_min", "load_max", "loss_scale")
-                        if k in rec)
+        keys = ("aux_loss", "z_loss", "drop_fraction", "load_min", "load_max", "loss_scale")   # MoE: per layer
+        extra = "".join(f" {k} {_fmt(rec[k])}" for k in keys if k in rec)
         info = (f"loss {rec['loss']:.4f} | {rec['tokens_per_s']:,.0f} tok/s | MFU {100 * rec['mfu']:.2f}%" + extra)
         if self.progress is not None:
             self.progress.update(self.task, completed=rec["step"], info=info)

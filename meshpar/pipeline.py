@@ -265,6 +265,17 @@ class _Model:
     remat: str
     scan: bool
 
+    embed_specs: object = None      # outer parameters' layouts with the batch axes dropped
+
+    def for_embed(self, outer):
+        """The outer parameters as the first stage's embedding lookup reads them: gathered over the
+        batch axes (data/fsdp/expert), as FSDP gathers a weight at its use. (A gather whose table is
+        split on E over `data` while its indices are split on B over `data` crashes XLA's SPMD
+        partitioner inside a partially manual shard_map on JAX 0.10.)"""
+        if self.embed_specs is None:
+            return outer
+        return jax.tree.map(lax.with_sharding_constraint, outer, self.embed_specs)
+
     def module(self, outer, layers):
         return self.spec.merge({**outer, "layers": layers})
 
@@ -310,11 +321,12 @@ def _circular_loss(model: _Model, p: int, m: int, v: int, outer, layers, tokens)
     # Invariant inputs become varying here, once: the transpose of this pcast (a psum of the outer
     # parameters' cotangent) then runs outside every per-device branch instead of inside one.
     outer = _vary_tree(outer)
+    outer_e = model.for_embed(outer)
     s = lax.axis_index(AXIS)
     n_items, ticks = v * m, v * m + p - 1
     perm = [(i, (i + 1) % p) for i in range(p)] if v > 1 else [(i, i + 1) for i in range(p - 1)]
     b, t1 = tokens.shape[1:]
-    x_spec = jax.eval_shape(lambda: model.embed(outer, jax.tree.map(lambda a: a[0], layers), tokens[0, :, :-1]))
+    x_spec = jax.eval_shape(lambda: model.embed(outer_e, jax.tree.map(lambda a: a[0], layers), tokens[0, :, :-1]))
     chunk0 = jax.tree.map(lambda a: a[0], layers)
     _, _, met_spec = jax.eval_shape(model.stage, outer, chunk0, jnp.zeros(x_spec.shape, x_spec.dtype))
 
@@ -335,7 +347,7 @@ def _circular_loss(model: _Model, p: int, m: int, v: int, outer, layers, tokens)
         tok = lax.dynamic_index_in_dim(tokens, micro, 0, keepdims=False)
         chunk = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, r, 0, keepdims=False), layers)
         first = (s == 0) & (r == 0)
-        x = lax.cond(first, lambda: _vary(model.embed(outer, chunk, tok[:, :-1])), lambda: recv)
+        x = lax.cond(first, lambda: _vary(model.embed(outer_e, chunk, tok[:, :-1])), lambda: recv)
         y, a_loss, met = run_stage(chunk, x)
         last = (s == p - 1) & (r == v - 1) & valid
         ce = lax.cond(last, lambda: _vary(jax.checkpoint(model.head_loss)(outer, chunk, y, tok[:, 1:])),
@@ -381,11 +393,12 @@ def _one_f_one_b_grads(model: _Model, p: int, m: int, outer, layers, tokens):
     kind, micro, recv_f, recv_b = map(jnp.asarray, (kind, micro, recv_f, recv_b))
 
     outer = _vary_tree(outer)       # per-stage partial gradients; psum'd once at the end
+    outer_e = model.for_embed(outer)
     s = lax.axis_index(AXIS)
     pos = jnp.where(s == 0, 0, jnp.where(s == p - 1, 2, 1))    # first / middle / last stage
     inv_m = 1.0 / m
     tok0 = tokens[0]
-    x_spec = jax.eval_shape(lambda: model.embed(outer, layers, tok0[:, :-1]))
+    x_spec = jax.eval_shape(lambda: model.embed(outer_e, layers, tok0[:, :-1]))
     _, _, met_spec = jax.eval_shape(model.stage, outer, layers, jnp.zeros(x_spec.shape, x_spec.dtype))
     fwd_perm = [(i, i + 1) for i in range(p - 1)]
     bwd_perm = [(i + 1, i) for i in range(p - 1)]
@@ -400,7 +413,7 @@ def _one_f_one_b_grads(model: _Model, p: int, m: int, outer, layers, tokens):
         tok = lax.dynamic_index_in_dim(tokens, mi, 0, keepdims=False)
         if position == 2:            # last stage: the forward is folded into its backward (next op)
             return {**c, "send_f": _vary(zero_x)}
-        x = (model.embed(outer, layers, tok[:, :-1]) if position == 0
+        x = (model.embed(outer_e, layers, tok[:, :-1]) if position == 0
              else lax.dynamic_index_in_dim(act, mi % k_act, 0, keepdims=False))
         y, _, _ = model.stage(outer, layers, x)
         return {**c, "send_f": _vary(y)}
@@ -411,7 +424,7 @@ def _one_f_one_b_grads(model: _Model, p: int, m: int, outer, layers, tokens):
             def f(lp, o):
                 x = model.embed(o, lp, tok[:, :-1])
                 return stage_only(lp, x)
-            (y, a_loss), vjp, met = jax.vjp(f, layers, outer, has_aux=True)
+            (y, a_loss), vjp, met = jax.vjp(f, layers, outer_e, has_aux=True)
             dy = lax.dynamic_index_in_dim(c["grad"], mi % k_grad, 0, keepdims=False)
             d_lp, d_o = vjp((dy, _vary(jnp.asarray(inv_m, jnp.float32))))
             ce, send_b = jnp.zeros((), jnp.float32), zero_x
@@ -520,7 +533,8 @@ def value_and_grad(spec, params: dict, tokens, cfg, layout, policy):
     m = pc.microbatches
     v = pc.virtual_stages if pc.schedule == "interleaved" else 1
     mcfg = spec.cfg
-    model = _Model(spec, policy, getattr(mcfg, "remat", "full"), getattr(mcfg, "scan_layers", True))
+    model = _Model(spec, policy, getattr(mcfg, "remat", "full"), getattr(mcfg, "scan_layers", True),
+                   _embed_specs(spec, layout))
     mesh = layout.mesh
     with use_layout(layout):
         outer, layers = _split_params(params)
@@ -543,6 +557,21 @@ def value_and_grad(spec, params: dict, tokens, cfg, layout, policy):
                 return loss_, (ce_, jax.tree.map(lambda a: a.reshape((n_layers,) + a.shape[2:]), met_))
             (loss, (ce, metrics)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     return (loss, {"ce": ce, **metrics}), grads
+
+
+def _embed_specs(spec, layout):
+    """At-rest PartitionSpecs of the outer (non-`layers`) parameters without the batch mesh axes."""
+    from meshpar.rules import BATCH_AXES
+
+    def drop(part):
+        axes = () if part is None else (part,) if isinstance(part, str) else tuple(part)
+        axes = tuple(a for a in axes if a not in BATCH_AXES)
+        return None if not axes else axes[0] if len(axes) == 1 else axes
+
+    def one(shape, names):
+        return P(*(drop(x) for x in layout.spec(names, shape.shape)))
+    shapes, logical = _split_params(spec.shapes)[0], _split_params(spec.logical)[0]
+    return jax.tree.map(one, shapes, logical, is_leaf=lambda x: isinstance(x, tuple))
 
 
 def _to_chunks(layers, p: int, v: int):

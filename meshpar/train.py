@@ -68,6 +68,14 @@ def check_batch(cfg, layout: Layout) -> None:
                             f"use a multiple of {dp * m} for batch.global_size")
 
 
+def check_platform(cfg) -> None:
+    """Options that only some backends have."""
+    backend = jax.default_backend()
+    if cfg.model.attention == "cudnn" and backend != "gpu":
+        raise ShardingError(f"model.attention=cudnn needs an NVIDIA GPU (this backend is {backend}); "
+                            "use model.attention=xla, or auto to let JAX choose")
+
+
 def loss_and_aux(model, tokens, policy) -> tuple[jax.Array, dict]:
     """Next-token cross-entropy of tokens [B, T+1]; auxiliary losses that layers return under the key
     `loss` (already weighted, e.g. MoE load balancing) are added; the rest are metrics."""
@@ -95,6 +103,7 @@ class Trainer:
             from meshpar.errors import ConfigError
             raise ConfigError("precision=fp16 (dynamic loss scaling) is not supported with mesh.pipeline > 1 yet; "
                               "use precision=bf16 there")
+        check_platform(cfg)
         self.spec = model_spec(cfg)
         check_batch(cfg, self.layout)
         if self.layout.shape.get("pipeline", 1) > 1:

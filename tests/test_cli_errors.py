@@ -27,6 +27,7 @@ def run_cli(capsys, *args):
     (["batch.global_size=16", "batch.microbatches=3"], "batch.global_size=16 is not divisible by batch.microbatches=3"),
     (["model.size=3b"], "unknown model size '3b'"),
     (["model.heads=6", "model.kv_heads=4"], "model.heads=6 must be a multiple of model.kv_heads=4"),
+    (["model.attention=cudnn"], "model.attention=cudnn needs an NVIDIA GPU (this backend is cpu)"),
 ])
 def test_bad_input_is_one_clear_line(capsys, args, message):
     code, err = run_cli(capsys, "train", *args)

@@ -139,3 +139,10 @@ def test_layers_axis_survives_into_optimizer_state_shardings():
             assert sh.spec == psh.spec
     wq = tr.spec.logical["layers"]["attn"]["wqkv"]
     assert wq[0] == "layers" and tr.spec.shapes["layers"]["attn"]["wqkv"].shape[0] == LAYERS
+
+
+def test_fsdp_gradients_are_reduce_scattered_under_bf16_compute_too():
+    """bf16 weights' gradients pass through converts before the per-device slice; still a reduce-scatter."""
+    tr = Trainer(make_cfg("strategy=fsdp", "precision=bf16", mesh={"data": 8}), devices=devices(8))
+    s = I.summarize(I.collectives(tr.compile().as_text(), tr.describe()["mesh"]))
+    assert kind_bytes(s, "reduce-scatter") >= 0.9 * param_bytes(tr)
