@@ -266,9 +266,9 @@ def render_sharding_table(rows: list[dict]):
     from rich.table import Table
     t = Table(title="parameter shardings", show_lines=False)
     for col in ("parameter", "shape", "logical axes", "PartitionSpec", "bytes/device"):
-        t.add_column(col, justify="right" if col == "bytes/device" else "left")
+        t.add_column(col, justify="right" if col == "bytes/device" else "left", overflow="fold")
     for r in rows:
-        t.add_row(r["name"], "x".join(map(str, r["shape"])), ", ".join(str(n) for n in r["logical"]), r["spec"],
+        t.add_row(r["name"], "x".join(map(str, r["shape"])), ", ".join(n or "-" for n in r["logical"]), r["spec"],
                   f"{r['bytes_per_device']:,}")
     total = sum(r["bytes_per_device"] for r in rows)
     t.add_row("total", "", "", "", f"{total:,}", style="bold")
