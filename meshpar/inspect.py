@@ -132,21 +132,6 @@ def _users(lines: list[str], name: str) -> list[str]:
 _PASS_THROUGH = ("bitcast(", "copy(", "reshape(", "transpose(", "convert(")
 
 
-def _sliced_in(comp_lines: list[str], name: str, depth: int = 0) -> bool:
-    """Inside one computation: does value `name` reach a dynamic-slice (through reshapes/copies)?"""
-    users = _users(comp_lines, name)
-    if not users or depth > 4:
-        return False
-    for u in users:
-        if "dynamic-slice(" in u:
-            continue
-        if any(p in u for p in _PASS_THROUGH):
-            if _sliced_in(comp_lines, u.split("=")[0].strip().lstrip("%"), depth + 1):
-                continue
-        return False
-    return True
-
-
 def _is_pass_through_fusion(u: str, comps: dict[str, list[str]]) -> bool:
     """A fusion that only converts/reshapes its single operand (e.g. XLA's `wrapped_convert`)."""
     fused = re.search(r"calls=%?([\w.\-]+)", u)
@@ -179,7 +164,7 @@ def _is_scattered(lines: list[str], name: str, comps: dict[str, list[str]], dept
             idx = [i for i, a in enumerate(operands) if a == name]
             params = [re.match(r"\s*%?([\w.\-]+) = .*parameter\((\d+)\)", ln) for ln in body]
             pnames = {int(p.group(2)): p.group(1) for p in params if p}
-            if idx and all(i in pnames and _sliced_in(body, pnames[i]) for i in idx):
+            if idx and all(i in pnames and _is_scattered(body, pnames[i], comps, depth + 1) for i in idx):
                 continue
         return False
     return True
@@ -293,6 +278,9 @@ def report(cfg) -> dict:
         "flops": {"xla_per_device": flops(compiled),
                   "model_per_step": flops_per_token(trainer.spec.cfg, trainer.spec.num_params, cfg.batch.length) * tokens},
     }
+    if shape.get("pipeline", 1) > 1:   # schedule tick table, its bubble, peak temporary memory per device
+        from meshpar.pipeline import describe as describe_pipeline
+        out["pipeline"] = {**describe_pipeline(cfg, shape["pipeline"]), "peak_temp_bytes": out["memory"].get("temp")}
     return out
 
 
@@ -315,3 +303,11 @@ def render_report(rep: dict, console) -> None:
     f = rep["flops"]
     console.print(f"FLOPs: XLA cost_analysis {f['xla_per_device'] or 0:.4g} per device; "
                   f"model (6N + 12LHQT) {f['model_per_step']:.4g} per step")
+    if "pipeline" in rep:
+        pp = rep["pipeline"]
+        v = f", v={pp['virtual_stages']}" if pp["virtual_stages"] > 1 else ""
+        console.print(f"[bold]pipeline[/] {pp['schedule']} P={pp['stages']} M={pp['microbatches']}{v}: "
+                      f"{pp['ticks']} ticks, bubble {pp['bubble']:.3f}, stash per stage {pp['in_flight']}, "
+                      f"peak temporary memory {pp['peak_temp_bytes'] or 0:,} bytes/device")
+        for line in pp["lines"]:
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
