@@ -17,13 +17,17 @@ G groups, S tokens per group, E experts, C capacity (slots per expert per group)
         matmuls over its local experts, sends the rows back (all-to-all), weighted sum over K.
 
 Sharding. Expert weights [E, M, H] carry the logical axis `expert` (-> mesh `expert`); tokens
-[G, S, M] carry `group` (-> the batch axes data/fsdp/expert jointly). The expert intermediates
-EGCM/EGCH are pinned to (`expert`, `group`, `capacity`, ...): the resolver gives E the `expert` axis
-and G what is left of the batch axes, so between GSM and EGCM only the `expert` axis changes owner:
-an all-to-all. Since no spec may use a mesh axis twice, expert weights can never be split over
-`expert` on two dimensions (the layout that makes XLA all-gather them). Under FSDP presets the
-`embed`/`expert_mlp` dimensions of expert weights are sharded over data/fsdp and all-gathered over
-those axes for compute, as every FSDP weight is (ZeRO-3); never over `expert`.
+[G, S, M] carry `group` (-> the batch axes data/fsdp/expert jointly). The dispatch einsum runs in
+the token layout (EGCM split on G like GSM: no communication), then EGCM is pinned to (`expert`,
+`group`, `capacity`, `embed`): the resolver gives E the `expert` axis and G what is left of the batch
+axes, so only the `expert` axis changes owner, which XLA lowers to an all-to-all; the combine does
+the reverse. (Pinning only the E-split layout lets XLA pick other plans: with a `tensor` axis it
+all-gathered tokens over `expert` instead.) Since no spec may use a mesh axis twice, expert weights
+can never be split over `expert` on two dimensions (the layout that makes XLA all-gather them).
+Under FSDP presets the `embed`/`expert_mlp` dimensions of expert weights are sharded over
+data/fsdp and all-gathered over those axes for compute, as every FSDP weight is (ZeRO-3); never
+over `expert`. Random routing draws U(0, 1) from a key folded with integer hashes of the tokens and
+of the layer's router, so it is identical under every sharding.
 
 Auxiliary losses (per MoE layer, fp32):
     aux_loss = E * mean_G sum_E (mean_S gates[G,S,E]) * (mean_S top1_mask[G,S,E])   (GShard eq. 4,
@@ -87,7 +91,8 @@ def check_config(cfg) -> None:
         raise ConfigError(f"moe.routing={m.routing} sends every token to {k} experts but moe.num_experts="
                           f"{m.num_experts}; use routing=top1 or at least {k} experts")
     if m.group_size is not None and m.group_size < 1:
-        raise ConfigError(f"config key 'moe.group_size' must be >= 1 or null (one sequence per group), got {m.group_size}")
+        raise ConfigError(f"config key 'moe.group_size' must be >= 1 or null (one sequence per group), "
+                          f"got {m.group_size}")
     if m.aux_loss_weight < 0 or m.z_loss_weight < 0:
         raise ConfigError("config keys 'moe.aux_loss_weight' and 'moe.z_loss_weight' must be >= 0")
     if cfg.model.name != "moe":
@@ -209,7 +214,7 @@ def route(logits: jax.Array, top_k: int, capacity_factor: float | None, second_p
     for k in range(top_k):
         hit = jax.nn.one_hot(index[..., k], e, dtype=bool) & kept[..., k, None]      # [G, S, E]
         dispatch = dispatch | (hit[..., None] & jax.nn.one_hot(position[..., k], cap, dtype=bool)[:, :, None, :])
-    drop = 1.0 - jnp.sum(kept.astype(jnp.float32)) / jnp.maximum(jnp.sum(routed_f), 1.0)
+    drop = (jnp.sum(routed_f) - jnp.sum(kept.astype(jnp.float32))) / jnp.maximum(jnp.sum(routed_f), 1.0)
     return Routing(index, gates, routed, kept, position, combine, dispatch, aux, zl, drop, load)
 
 
@@ -249,42 +254,41 @@ def _spec_axes(spec, n: int) -> list[tuple[str, ...]]:
     return [_axes(p) for p in parts]
 
 
-def _dropless_local(x, index, gates, w_gate, w_up, w_down, ep_axes=(), ep=1, h_axes=()):
-    """One device's share of the dropless MoE. x [n, M], index/gates [n, K], w_* local experts
-    [E_l, M, H_l] / [E_l, H_l, M] -> [n, M].
+def _dropless_local(x, index, routed, gates, w_gate, w_up, w_down, ep_axes=(), ep=1, h_axes=()):
+    """One device's share of the dropless MoE. x [n, M]; index, routed, gates [n, K]; local experts
+    w_gate, w_up [E_l, M, H_l], w_down [E_l, H_l, M] -> [n, M].
 
-    Sort the n*K assignments by expert; the shard that owns experts [d*E_l, (d+1)*E_l) gets its rows
-    in a fixed-size buffer [ep, n*K, M] (padding after the valid rows) via all-to-all over `ep_axes`;
-    the receiver orders all rows by local expert and runs `ragged_dot` (SwiGLU), partial sums over
-    `h_axes` (tensor-parallel H) are reduced, rows go back by the inverse all-to-all and are
-    weighted by their gates."""
+    The n*K assignments are sorted by expert (unrouted ones last, never sent). The shard owning
+    experts [d*E_l, (d+1)*E_l) gets its rows in a fixed-size buffer [ep, n*K, M], valid rows first,
+    by all-to-all over `ep_axes` (static shapes: a shard may receive every row, so the buffer is ep
+    times the rows actually routed). The receiver orders all rows by local expert and runs SwiGLU
+    as `ragged_dot` grouped matmuls; partial sums over `h_axes` (H split by tensor parallelism) are
+    reduced; rows return by the inverse all-to-all and are weighted by their gates."""
     n, k = index.shape
     e_local = w_gate.shape[0]
     e_total = e_local * ep
     nk = n * k
-    flat_e = index.reshape(nk)
-    order = jnp.argsort(flat_e, stable=True)                         # assignments sorted by expert
-    token = order // k
-    counts = jnp.bincount(flat_e, length=e_total).astype(jnp.int32)  # [E]
-    per_dest = counts.reshape(ep, e_local)                           # [ep, E_l]
-    dest_n = jnp.sum(per_dest, axis=1)
-    dest_start = jnp.cumsum(dest_n) - dest_n
     j = jnp.arange(nk)
-    src = jnp.clip(dest_start[:, None] + j[None, :], 0, nk - 1)      # [ep, nK] sorted position
-    valid = j[None, :] < dest_n[:, None]
-    send = jnp.where(valid[..., None], x[token[src]], 0)             # [ep, nK, M]
+    flat_e = jnp.where(routed, index, e_total).reshape(nk)          # unrouted -> sentinel E
+    order = jnp.argsort(flat_e, stable=True)                        # assignments sorted by expert
+    counts = jnp.bincount(flat_e, length=e_total + 1)[:e_total].astype(jnp.int32)   # [E]
+    per_dest = counts.reshape(ep, e_local)                          # [ep, E_l] rows for each shard
+    dest_end = jnp.cumsum(jnp.sum(per_dest, axis=1))
+    dest_start = dest_end - jnp.sum(per_dest, axis=1)
+    src = jnp.minimum(dest_start[:, None] + j[None, :], nk - 1)     # [ep, nK] sorted position
+    valid = dest_start[:, None] + j[None, :] < dest_end[:, None]
+    send = jnp.where(valid[..., None], x[order[src] // k], 0)       # [ep, nK, M]
     if ep_axes:
-        recv = jax.lax.all_to_all(send, ep_axes, 0, 0, tiled=True)   # [ep (source), nK, M]
+        recv = jax.lax.all_to_all(send, ep_axes, 0, 0, tiled=True)  # [ep (source), nK, M]
         recv_counts = jax.lax.all_to_all(per_dest, ep_axes, 0, 0, tiled=True)   # [ep (source), E_l]
     else:
         recv, recv_counts = send, per_dest
-    # local expert of each received row (E_l for padding), then group rows by local expert
-    bounds = jnp.cumsum(recv_counts, axis=1)                         # [ep, E_l]
-    local = jnp.sum(j[None, :, None] >= bounds[:, None, :], axis=-1)   # [ep, nK] in 0..E_l
-    key = local.reshape(ep * nk)
-    order2 = jnp.argsort(key, stable=True)
+    # local expert of every received row (E_l: padding), then all rows grouped by local expert
+    bounds = jnp.cumsum(recv_counts, axis=1)                        # [ep, E_l]
+    local = jax.vmap(lambda b: jnp.searchsorted(b, j, side="right"))(bounds)   # [ep, nK] in 0..E_l
+    order2 = jnp.argsort(local.reshape(ep * nk), stable=True)
     rows = recv.reshape(ep * nk, -1)[order2]
-    sizes = jnp.sum(recv_counts, axis=0).astype(jnp.int32)           # [E_l]
+    sizes = jnp.sum(recv_counts, axis=0).astype(jnp.int32)          # [E_l] rows per local expert
     dt = x.dtype
     gate = jax.lax.ragged_dot(rows, w_gate, sizes, preferred_element_type=dt)
     up = jax.lax.ragged_dot(rows, w_up, sizes, preferred_element_type=dt)
@@ -294,12 +298,12 @@ def _dropless_local(x, index, gates, w_gate, w_up, w_down, ep_axes=(), ep=1, h_a
     inv2 = jnp.zeros_like(order2).at[order2].set(jnp.arange(ep * nk))
     out = out[inv2].reshape(ep, nk, -1)
     if ep_axes:
-        out = jax.lax.all_to_all(out, ep_axes, 0, 0, tiled=True)     # [ep (dest), nK, M]
-    # sorted position p came back from dest d at row p - dest_start[d]
-    sorted_dest = jnp.sum(jnp.arange(nk)[:, None] >= jnp.cumsum(dest_n)[None, :], axis=-1)   # [nK]
-    p_rows = sorted_dest * nk + jnp.arange(nk) - dest_start[sorted_dest]
-    per_sorted = out.reshape(ep * nk, -1)[p_rows]                    # [nK, M]
-    inv = jnp.zeros_like(order).at[order].set(jnp.arange(nk))
+        out = jax.lax.all_to_all(out, ep_axes, 0, 0, tiled=True)    # [ep (dest), nK, M]
+    # sorted position p came back from shard d at row p - dest_start[d]; unrouted ones get 0
+    dest = jnp.minimum(jnp.searchsorted(dest_end, j, side="right"), ep - 1)
+    per_sorted = out.reshape(ep * nk, -1)[dest * nk + j - dest_start[dest]]          # [nK, M]
+    per_sorted = jnp.where((j < dest_end[-1])[:, None], per_sorted, 0)
+    inv = jnp.zeros_like(order).at[order].set(j)
     per_assignment = per_sorted[inv].reshape(n, k, -1)
     return jnp.einsum("nkm,nk->nm", per_assignment, gates.astype(dt))
 
@@ -314,8 +318,8 @@ def dropless(x, r: Routing, w_gate, w_up, w_down):
     k = r.index.shape[-1]
     layout = active_layout()
     if layout is None:
-        y = _dropless_local(x.reshape(g * s, m), r.index.reshape(g * s, k), r.gates.reshape(g * s, k),
-                            w_gate, w_up, w_down)
+        y = _dropless_local(x.reshape(g * s, m), r.index.reshape(g * s, k), r.routed.reshape(g * s, k),
+                            r.gates.reshape(g * s, k), w_gate, w_up, w_down)
         return y.reshape(g, s, m)
     from jax.sharding import PartitionSpec as P
     g_axes = _spec_axes(layout.spec(("group",)), 1)[0]
@@ -326,14 +330,14 @@ def dropless(x, r: Routing, w_gate, w_up, w_down):
     w_in, w_out = P(e_axes or None, None, h_axes or None), P(e_axes or None, h_axes or None, None)
     x = constrain(x, TOKENS, "moe tokens GSM")
 
-    def local(x, index, gates, wg, wu, wd):
+    def local(x, index, routed, gates, wg, wu, wd):
         gl = x.shape[0]
-        y = _dropless_local(x.reshape(gl * s, m), index.reshape(gl * s, k), gates.reshape(gl * s, k),
-                            wg, wu, wd, e_axes, ep, h_axes)
+        y = _dropless_local(x.reshape(gl * s, m), index.reshape(gl * s, k), routed.reshape(gl * s, k),
+                            gates.reshape(gl * s, k), wg, wu, wd, e_axes, ep, h_axes)
         return y.reshape(gl, s, m)
 
-    fn = jax.shard_map(local, mesh=layout.mesh, in_specs=(tok, tok, tok, w_in, w_in, w_out), out_specs=tok)
-    return constrain(fn(x, r.index, r.gates, w_gate, w_up, w_down), TOKENS, "moe combined GSM")
+    fn = jax.shard_map(local, mesh=layout.mesh, in_specs=(tok, tok, tok, tok, w_in, w_in, w_out), out_specs=tok)
+    return constrain(fn(x, r.index, r.routed, r.gates, w_gate, w_up, w_down), TOKENS, "moe combined GSM")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -50,3 +50,23 @@ def test_token_file_and_text_sources(tmp_path):
     assert bytes(text[0].astype(np.uint8)).decode() in ("hello meshpar " * 3)
     with pytest.raises(ConfigError, match="needs model.vocab >= 256"):
         TextFiles(str(tmp_path / "a.txt"), vocab=128)
+
+
+def test_active_params_count_matmul_weights_and_routed_experts_only():
+    from meshpar.sharding import model_spec
+    from meshpar.train import active_params
+    from tests.conftest import make_cfg
+    dense = make_cfg()
+    spec = model_spec(dense)
+    emb = spec.shapes["embedding"].shape
+    assert active_params(spec, dense) == spec.num_params - emb[0] * emb[1]
+    moe = make_cfg("model.name=moe", "moe.num_experts=4", "moe.routing=top1")
+    mspec = model_spec(moe)
+    experts = sum(np.prod(s.shape) for s, n in zip(jax_leaves(mspec.shapes), jax_leaves(mspec.logical))
+                  if "expert" in n)
+    assert active_params(mspec, moe) == pytest.approx(mspec.num_params - emb[0] * emb[1] - experts * 3 / 4)
+
+
+def jax_leaves(tree):
+    import jax
+    return jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, tuple))

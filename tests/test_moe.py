@@ -16,6 +16,9 @@ from meshpar.errors import ConfigError, ShardingError
 from meshpar.rules import PRESETS, resolve
 
 LN = math.log
+# jitted once per shape: eager mode would compile every small op of the router separately
+route = jax.jit(moe.route, static_argnums=(1, 2, 3))
+moe_ffn = jax.jit(moe.moe_ffn, static_argnums=(5,))
 
 
 def _logits(rows):
@@ -37,7 +40,7 @@ def test_capacity_formula():
 def test_top1_capacity_drops_later_tokens_in_order():
     # five tokens want expert 0, one wants expert 1; C = ceil(1 * 6 * 1.0 / 2) = 3
     rows = [[2.0, 0.0]] * 5 + [[0.0, 1.0]]
-    r = moe.route(_logits(rows), top_k=1, capacity_factor=1.0)
+    r = route(_logits(rows), top_k=1, capacity_factor=1.0)
     assert r.combine.shape == (1, 6, 2, 3)
     np.testing.assert_array_equal(r.kept[0, :, 0], [True, True, True, False, False, True])
     np.testing.assert_array_equal(r.position[0, [0, 1, 2, 5], 0], [0, 1, 2, 0])
@@ -55,7 +58,7 @@ def test_top1_capacity_drops_later_tokens_in_order():
 
 def test_top2_renormalised_gates_and_second_choices_queue_after_first():
     # probabilities (0.5, 0.3, 0.2): g1 = 0.5 / 0.8, g2 = 0.3 / 0.8
-    r = moe.route(_logits([[LN(0.5), LN(0.3), LN(0.2)]]), top_k=2, capacity_factor=2.0)
+    r = route(_logits([[LN(0.5), LN(0.3), LN(0.2)]]), top_k=2, capacity_factor=2.0)
     np.testing.assert_array_equal(r.index[0, 0], [0, 1])
     np.testing.assert_allclose(r.gates[0, 0], [0.625, 0.375], rtol=1e-6)
     np.testing.assert_allclose(np.asarray(r.combine[0, 0]).sum(-1), [0.625, 0.375, 0.0], rtol=1e-6)
@@ -64,11 +67,11 @@ def test_top2_renormalised_gates_and_second_choices_queue_after_first():
     # tokens' (1st, 2nd) experts: t0 (0, 1), t1 (1, 0), t2 (0, 1), t3 (0, 1)
     a, b = 1.0, 0.0
     rows = [[a, b], [b, a], [a, b], [a, b]]
-    r = moe.route(_logits(rows), top_k=2, capacity_factor=1.0)        # C = ceil(2 * 4 / 2) = 4: nothing drops
+    r = route(_logits(rows), top_k=2, capacity_factor=1.0)        # C = ceil(2 * 4 / 2) = 4: nothing drops
     assert bool(r.kept.all()) and float(r.drop_fraction) == 0.0
     np.testing.assert_array_equal(r.position[0, :, 0], [0, 0, 1, 2])   # first choices: ranks within each expert
     np.testing.assert_array_equal(r.position[0, :, 1], [1, 3, 2, 3])   # second choices: after all first choices
-    r = moe.route(_logits(rows), top_k=2, capacity_factor=0.75)       # C = 3: slot 3 is dropped
+    r = route(_logits(rows), top_k=2, capacity_factor=0.75)       # C = 3: slot 3 is dropped
     np.testing.assert_array_equal(r.kept[0], [[True, True], [True, False], [True, True], [True, False]])
     assert float(r.drop_fraction) == pytest.approx(2 / 8)
     # a kept token's combine weights are its renormalised gates; a dropped 2nd choice loses its share
@@ -80,10 +83,10 @@ def test_top2_renormalised_gates_and_second_choices_queue_after_first():
 def test_random_routing_keeps_second_expert_with_probability_2g2():
     s = 4000
     # g2 = 0.5 after renormalisation: 2 * g2 = 1 > U(0, 1) always
-    r = moe.route(_logits([[0.0, 0.0, -30.0]] * s), 2, None, "random", jax.random.key(0))
+    r = route(_logits([[0.0, 0.0, -30.0]] * s), 2, None, "random", jax.random.key(0))
     assert bool(r.routed.all())
     # g2 = 0.25: kept with probability 0.5
-    r = moe.route(_logits([[LN(3.0), 0.0, -30.0]] * s), 2, None, "random", jax.random.key(1))
+    r = route(_logits([[LN(3.0), 0.0, -30.0]] * s), 2, None, "random", jax.random.key(1))
     frac = float(r.routed[..., 1].mean())
     assert abs(frac - 0.5) < 0.05
     assert bool(r.routed[..., 0].all())
@@ -98,18 +101,18 @@ def test_random_routing_keeps_second_expert_with_probability_2g2():
 @pytest.mark.parametrize("e,k", [(2, 1), (4, 2), (8, 1)])
 def test_aux_loss_is_the_weight_under_uniform_routing(e, k):
     logits = jnp.zeros((3, 16, e))                       # uniform gates; argmax ties all pick expert 0
-    r = moe.route(logits, k, 1.0)
+    r = route(logits, k, 1.0)
     assert float(r.aux_loss) == pytest.approx(1.0, rel=1e-6)
     settings = moe.MoESettings(e, k, 1.0, aux_loss_weight=0.01, z_loss_weight=0.0)
     assert settings.aux_loss_weight * float(r.aux_loss) == pytest.approx(0.01, rel=1e-6)
     # a collapsed router (everything to expert 0, gate ~1) costs E times as much
     collapsed = jnp.zeros((3, 16, e)).at[..., 0].set(30.0)
-    assert float(moe.route(collapsed, k, 1.0).aux_loss) == pytest.approx(e, rel=1e-4)
+    assert float(route(collapsed, k, 1.0).aux_loss) == pytest.approx(e, rel=1e-4)
 
 
 def test_z_loss_value():
     # logsumexp([0, ln 3]) = ln 4; logsumexp([1, 1]) = 1 + ln 2
-    r = moe.route(_logits([[0.0, LN(3.0)], [1.0, 1.0]]), 1, 1.0)
+    r = route(_logits([[0.0, LN(3.0)], [1.0, 1.0]]), 1, 1.0)
     assert float(r.z_loss) == pytest.approx((LN(4) ** 2 + (1 + LN(2)) ** 2) / 2, rel=1e-6)
 
 
@@ -130,32 +133,32 @@ def test_dropped_tokens_return_their_input_unchanged():
     x = noise + 0.9 * jax.nn.one_hot(want, m)[None]                     # five tokens want expert 0
     wg, wu, wd = _experts(e, m, h, jax.random.key(1))
     settings = moe.MoESettings(e, 1, 1.0, group_size=s)                 # C = 3
-    y, aux = moe.moe_ffn(x, router, wg, wu, wd, settings)
+    y, aux = moe_ffn(x, router, wg, wu, wd, settings)
     out = x + y                                                         # the block's residual connection
     dropped = np.array([False, False, False, True, True, False])
     np.testing.assert_array_equal(np.asarray(out[0, dropped]), np.asarray(x[0, dropped]))
     assert float(aux["drop_fraction"]) == pytest.approx(2 / 6)
     # kept tokens: gate * SwiGLU expert of their expert
-    r = moe.route(jnp.einsum("gsm,me->gse", x, router), 1, 1.0)
+    r = route(jnp.einsum("gsm,me->gse", x, router), 1, 1.0)
     for t in np.flatnonzero(~dropped):
         ex = int(want[t])
         ref = (jax.nn.silu(x[0, t] @ wg[ex]) * (x[0, t] @ wu[ex])) @ wd[ex]
         np.testing.assert_allclose(y[0, t], r.gates[0, t, 0] * ref, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("k", [1, 2])
-def test_dropless_equals_capacity_mode_when_nothing_drops(k):
+@pytest.mark.parametrize("k,policy", [(1, "all"), (2, "all"), (2, "random")])
+def test_dropless_equals_capacity_mode_when_nothing_drops(k, policy):
     e, m, h, b, t = 4, 8, 16, 3, 10
     x = jax.random.normal(jax.random.key(2), (b, t, m))
     router = jax.random.normal(jax.random.key(3), (m, e))
     w = _experts(e, m, h, jax.random.key(4))
-    full = moe.MoESettings(e, k, e / k)             # C = S: no expert can overflow
-    y_cap, aux_cap = moe.moe_ffn(x, router, *w, full)
-    y_dl, aux_dl = moe.moe_ffn(x, router, *w, moe.MoESettings(e, k, None))
+    full = moe.MoESettings(e, k, e / k, second_expert_policy=policy)     # C = S: no expert can overflow
+    y_cap, aux_cap = moe_ffn(x, router, *w, full)
+    y_dl, aux_dl = moe_ffn(x, router, *w, moe.MoESettings(e, k, None, second_expert_policy=policy))
     assert float(aux_cap["drop_fraction"]) == 0.0 and float(aux_dl["drop_fraction"]) == 0.0
     np.testing.assert_allclose(y_dl, y_cap, rtol=1e-5, atol=1e-6)
     # and some tokens do drop at a tight capacity, changing the output
-    y_tight, aux_tight = moe.moe_ffn(x, router, *w, moe.MoESettings(e, k, 0.5))
+    y_tight, aux_tight = moe_ffn(x, router, *w, moe.MoESettings(e, k, 0.5))
     assert float(aux_tight["drop_fraction"]) > 0.0
     assert not np.allclose(y_tight, y_cap)
 
@@ -165,8 +168,12 @@ def test_model_reports_aux_per_moe_layer():
 
     import models
     cfg = make_cfg("model.name=moe", "model.layers=4", "moe.every=2", "batch.length=8")
-    model = models.build(cfg, nnx.Rngs(params=jax.random.key(0)))
-    logits, aux = model(jnp.zeros((2, 8), jnp.int32))
+
+    @jax.jit
+    def run(tokens):
+        return models.build(cfg, nnx.Rngs(params=jax.random.key(0)))(tokens)
+
+    logits, aux = run(jnp.zeros((2, 8), jnp.int32))
     assert logits.shape == (2, 8, 128)
     assert set(aux) == {"loss", "aux_loss", "z_loss", "drop_fraction", "load_min", "load_max"}
     for v in aux.values():
@@ -227,6 +234,16 @@ def test_errors_found_when_building():
     cfg = make_cfg("model.name=moe", "moe.num_experts=6", mesh=dict(expert=-1, data=2))
     with pytest.raises(ShardingError, match=r"'expert', size 6.*expert=4"):
         Trainer(cfg)
-    cfg = make_cfg("model.name=moe", "model.layers=3", "moe.every=2")
+    cfg = make_cfg("model.name=moe", "model.layers=3", "moe.every=2", mesh={})
     with pytest.raises(ConfigError, match=r"model.layers=3 .*moe.every=2"):
         Trainer(cfg, devices=jax.devices()[:1])
+
+
+def test_inspect_reads_replica_groups_on_a_permuted_device_list():
+    """XLA prints the dispatch all-to-all of the tp mesh as mesh[...], device_ids=([..]T(..)) {axis}."""
+    from meshpar.inspect import _axes_of_groups, _groups
+    line = ("%all-to-all.42 = (f32[1,2]) all-to-all(%a, %b), channel_id=4, replica_groups=mesh['axis_0'=2,"
+            "'axis_1'=2,'axis_2'=1,'axis_3'=1,'axis_4'=1,'axis_5'=2], device_ids=([2,2,2]T(1,0,2)) {'axis_0'}")
+    groups = _groups(line)
+    assert groups == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert _axes_of_groups(groups, {"pipeline": 1, "data": 2, "fsdp": 1, "expert": 2, "tensor": 2}) == ["expert"]
