@@ -50,7 +50,7 @@ while ((remaining > 0)); do
       pids[$idx]=""
       remaining=$((remaining - 1))
       if ((rc != 0)); then
-        if ((rc > 128)); then why="killed by signal $((rc - 128))"; else why="exit status $rc"; fi
+        if ((rc > 128)); then why="status $rc (signal $((rc - 128)): killed, or saved and stopped on it)"; else why="exit status $rc"; fi
         echo "launch/local.sh: process $idx (pid $p) ended with $why" >&2
         ((status == 0)) && status=$rc
       fi

@@ -16,14 +16,16 @@ One checkpoint is the folder `checkpoint.dir/<step>/` with three items:
 What it guarantees:
 
 * Atomic: Orbax writes `<step>.orbax-checkpoint-tmp-*` and renames it to `<step>` only after every
-  item of every process is written, so a crash mid-save leaves no folder that looks complete.
+  item of every process is written, so a crash mid-save leaves no folder that looks complete (on
+  GCS, where renames are slow, a commit file written last plays that role).
 * The last good checkpoint survives a new one: steps beyond `checkpoint.keep` are deleted by the
   manager's finalisation of the *newer* save, which runs only after that save committed.
 * Asynchronous: `save` blocks only for the device -> host copy; the writes overlap the next steps.
   The train step donates its input state, which is safe because the copy is already done.
-* Exact resume: the state, the data position and the config are everything a step depends on; the
-  RNG is a pure function of `train.seed` / `data.seed` and the step (batch s is built from
-  (data.seed, s, row), per-step keys are folded from the step), so the seeds are the RNG state.
+* Exact resume: the state, the data position and the config are everything a step depends on. The
+  RNG state is the seeds: batch s is built from (data.seed, s, row), the init from train.seed, and
+  the step draws no random numbers (a layer that needs some should fold the step counter into a
+  key from train.seed, which keeps it so). Any key array added to the train state is saved with it.
 * Restore onto any mesh: the target is `Trainer.abstract_state()`, `ShapeDtypeStruct`s carrying the
   *new* shardings; each process reads only the slices its devices hold and nothing is gathered on
   one device (ZeRO-style sharded states, Rajbhandari et al. 2020, stay sharded end to end).
@@ -132,6 +134,8 @@ class Checkpointer:
         self.every = c.every
         options = ocp.CheckpointManagerOptions(max_to_keep=c.keep, create=True, enable_async_checkpointing=True)
         self.manager = ocp.CheckpointManager(self.directory, item_names=ITEMS, options=options)
+        self.target = trainer.abstract_state()          # shapes, dtypes and this run's shardings
+        self.signature = tree_signature(self.target)
         self.last_saved: int | None = None
 
     # -- paths -----------------------------------------------------------------------------------
@@ -158,21 +162,29 @@ class Checkpointer:
                 "rng": {"train.seed": self.cfg.train.seed, "data.seed": self.cfg.data.seed},
                 "mesh": self.trainer.describe()["mesh"], "strategy": self.cfg.strategy,
                 "precision": self.cfg.precision, "processes": jax.process_count(),
-                "signature": tree_signature(self.trainer.abstract_state()),
+                "signature": self.signature,
                 "fingerprint": fingerprint(state)}
-        self.manager.save(step, force=True, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(dict(data_state)),
-            meta=ocp.args.JsonSave(meta)))
+        try:
+            self.manager.save(step, force=True, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(dict(data_state)),
+                meta=ocp.args.JsonSave(meta)))
+        except Exception as e:  # noqa: BLE001 - e.g. a full disk surfacing from the previous async save
+            raise CheckpointError(f"could not write checkpoint step {step} at {self.path(step)} ({_one_line(e)}); "
+                                  f"complete checkpoints in {self.directory} are untouched") from e
         self.last_saved = step
         if wait:
             self.wait()
         return self.path(step)
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"writing checkpoint step {self.last_saved} in {self.directory} failed "
+                                  f"({_one_line(e)}); complete checkpoints there are untouched") from e
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
+        self.wait()
         self.manager.close()
 
     # -- restore ---------------------------------------------------------------------------------
@@ -182,9 +194,9 @@ class Checkpointer:
 
     def _check_fits(self, step: int, meta: dict) -> None:
         """A checkpoint of a different model is a user error, not damage: stop, naming the leaf."""
-        mine = tree_signature(self.trainer.abstract_state())
+        mine = self.signature
         theirs = meta.get("signature") or {}
-        for key in mine.keys() | theirs.keys():
+        for key in [*mine, *(k for k in theirs if k not in mine)]:
             if mine.get(key) != theirs.get(key):
                 raise CheckpointError(
                     f"checkpoint step {step} at {self.path(step)} does not fit this run: state{key} is "
@@ -195,9 +207,8 @@ class Checkpointer:
         ocp = self.ocp
         meta = self._restore_meta(step)
         self._check_fits(step, meta)
-        target = self.trainer.abstract_state()
         out = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()))
+            state=ocp.args.StandardRestore(self.target), data=ocp.args.JsonRestore()))
         state, data = out["state"], out["data"]
         got = fingerprint(state)
         bad = [k for k, v in meta.get("fingerprint", {}).items() if got.get(k) != v]

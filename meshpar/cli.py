@@ -5,6 +5,11 @@
 
 KEY=VALUE are dotted config overrides: steps=20 strategy=fsdp mesh.tensor=2 mesh.data=-1
 precision=fp32 model.layers=2 batch.global_size=16 train.log_every=1.
+
+`train` with checkpoint.dir=D resumes from D's newest usable checkpoint. Multi-process runs add
+`--coordinator HOST:PORT --num-processes N --process-id I` (or MESHPAR_* variables, or srun/mpirun/
+TPU-pod detection; see meshpar/distributed.py and launch/). Exit status: 0 done, 2 a user error
+(one line), 3 a lost peer, 128 + signal after a SIGTERM/SIGINT that saved and stopped.
 """
 from __future__ import annotations
 

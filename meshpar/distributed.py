@@ -18,8 +18,8 @@ On CPU every process fakes `devices / num_processes` devices and collectives go 
 the batch its devices hold (meshpar.data.Batches) and only process 0 writes logs and metrics.
 
 Failure of a peer: every process bumps a counter in the coordination service's key-value store once
-a second; a watchdog thread in each process checks its peers' counters. A peer silent for
-`MESHPAR_PEER_TIMEOUT` seconds (default 10) is reported by number and this process exits with
+a second; a watchdog thread in process 0 checks them all. A peer silent for `MESHPAR_PEER_TIMEOUT`
+seconds (default 10) is published by number, and every surviving process prints it and exits with
 status 3 (no hang: the main thread may be blocked inside a collective). If the lost process is 0,
 the coordination service goes with it and JAX itself aborts the others at once, naming the
 coordinator; JAX's heartbeat timeout (`MESHPAR_HEARTBEAT_TIMEOUT`, default 30 s) is the backstop.
@@ -79,6 +79,8 @@ def resolve(coordinator: str | None = None, num_processes: int | None = None, pr
         process_id = _env_int(env, "MESHPAR_PROCESS_ID", "JAX_PROCESS_ID")
     timeouts = dict(heartbeat_timeout=_env_int(env, "MESHPAR_HEARTBEAT_TIMEOUT") or 30,
                     peer_timeout=float(env.get("MESHPAR_PEER_TIMEOUT") or 10.0))
+    if num_processes == 1 and not coordinator:
+        return None
     if num_processes is not None or process_id is not None or coordinator:
         missing = [n for n, v in [("--coordinator / MESHPAR_COORDINATOR", coordinator),
                                   ("--num-processes / MESHPAR_NUM_PROCESSES", num_processes),
@@ -89,8 +91,6 @@ def resolve(coordinator: str | None = None, num_processes: int | None = None, pr
             raise ConfigError(f"--num-processes must be >= 1, got {num_processes}")
         if num_processes is not None and process_id is not None and not 0 <= process_id < num_processes:
             raise ConfigError(f"--process-id must be in [0, {num_processes}), got {process_id}")
-        if num_processes == 1 and not coordinator:
-            return None
         return Settings(coordinator, num_processes, process_id, _detected(env) or "explicit", **timeouts)
     method = _detected(env)
     if method is None:
@@ -131,7 +131,13 @@ def initialize(settings: Settings, local_devices: int | None = None) -> None:
         raise MeshparError(f"could not join the job as {settings.describe()}: {str(e).splitlines()[0]}; check that "
                            "every process got the same coordinator address and process count") from None
     if jax.process_count() > 1:
-        _Watchdog(settings.peer_timeout).start()
+        global _watchdog
+        try:
+            _watchdog = _Watchdog(settings.peer_timeout)
+        except Exception:  # noqa: BLE001 - JAX internals moved: its heartbeat timeout remains the backstop
+            _watchdog = None
+        else:
+            _watchdog.start()
 
 
 def is_main() -> bool:
@@ -143,46 +149,73 @@ def is_main() -> bool:
 # Peer watchdog.
 
 progress = {"step": 0}     # the loop's last finished step, for the watchdog's message
+_watchdog = None
 
 
 class _Watchdog(threading.Thread):
-    """Heartbeats through the coordination service's key-value store; exits the process, naming the
-    peer, when one stops. Runs beside the main thread, which may be stuck in a collective."""
+    """Peer liveness through the coordination service's key-value store, O(processes) requests a
+    second in all: every process bumps `meshpar/alive/<id>`; process 0 reads them all in one request
+    and, when one stops moving for `timeout` seconds, publishes `meshpar/lost` naming it and exits;
+    the others read that one key and exit with the same message. Runs beside the main thread, which
+    may be blocked inside a collective with the dead peer."""
 
     def __init__(self, timeout: float, period: float = 1.0):
         super().__init__(name="meshpar-peer-watchdog", daemon=True)
         import jax
-        from jax._src import distributed
+        from jax._src import distributed      # the client JAX already connected (no public handle)
         self.client = distributed.global_state.client
+        if self.client is None:
+            raise RuntimeError("jax.distributed has no client")
         self.me, self.n = jax.process_index(), jax.process_count()
         self.timeout, self.period = timeout, period
 
     def run(self) -> None:
-        beat = 0
-        seen: dict[int, tuple[str, float]] = {}
-        start = time.monotonic()
+        beat, seen, start = 0, {}, time.monotonic()
         while True:
-            now = time.monotonic()
+            beat += 1
             try:
-                beat += 1
                 self.client.key_value_set(f"meshpar/alive/{self.me}", str(beat), allow_overwrite=True)
-                for peer in range(self.n):
-                    if peer == self.me:
-                        continue
-                    try:
-                        value = self.client.key_value_try_get(f"meshpar/alive/{peer}")
-                    except Exception:  # noqa: BLE001 - not written yet
-                        value = None
-                    last = seen.get(peer)
-                    if last is None or value != last[0]:
-                        seen[peer] = (value, now)
-                    elif now - max(last[1], start) > self.timeout:
-                        _peer_lost(f"process {peer} stopped responding (no heartbeat for {now - last[1]:.0f} s)",
-                                   self.me)
-            except Exception as e:  # noqa: BLE001 - the coordination service (process 0) is gone
+                if self.me == 0:
+                    self._watch_peers(seen, start)
+                else:
+                    self._read_verdict()
+            except Exception as e:  # noqa: BLE001 - the coordination service (in process 0) is gone
                 if self.me != 0:
-                    _peer_lost(f"process 0 (the coordinator) is unreachable: {str(e).splitlines()[0][:160]}", self.me)
+                    _peer_lost(f"process 0 (the coordinator) is unreachable: {str(e).splitlines()[0][:160]}",
+                               self.me)
             time.sleep(self.period)
+
+    def _watch_peers(self, seen: dict, start: float) -> None:
+        now = time.monotonic()
+        beats = dict(self.client.key_value_dir_get("meshpar/alive/"))
+        for peer in range(1, self.n):
+            value = beats.get(f"meshpar/alive/{peer}")
+            if peer not in seen or value != seen[peer][0]:
+                seen[peer] = (value, now)
+            elif now - max(seen[peer][1], start) > self.timeout:
+                what = f"process {peer} stopped responding (no heartbeat for {now - seen[peer][1]:.0f} s)"
+                self.client.key_value_set("meshpar/lost", what, allow_overwrite=True)
+                time.sleep(2 * self.period)       # let the others read it before the service goes down
+                _peer_lost(what, self.me)
+
+    def _read_verdict(self) -> None:
+        try:
+            what = self.client.key_value_try_get("meshpar/lost")
+        except Exception as e:  # noqa: BLE001
+            if "NOT_FOUND" in str(e):
+                return
+            raise
+        _peer_lost(what, self.me)
+
+
+def await_peer_verdict(error: BaseException) -> None:
+    """After a failed collective: give the watchdog time to name a lost peer (it exits the process);
+    return if every peer is still alive, so the caller re-raises `error`."""
+    if _watchdog is None:
+        return
+    deadline = time.monotonic() + _watchdog.timeout + 3 * _watchdog.period
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
 
 
 def _peer_lost(what: str, me: int) -> None:

@@ -4,6 +4,9 @@ JSON Lines records (one object a line, `--metrics-out FILE`):
   {"event": "start", "mesh": {...}, "strategy": ..., "entropy_floor": ..., ...}
   {"event": "step", "step": n, "loss": ..., "step_time_s": ..., "tokens_per_s": ..., "mfu": ..., ...}
   {"event": "end", "final_loss": ..., "gap_closed": ..., ...}
+Fault tolerance adds: start `processes`, and after a resume `resumed_from` / `resumed_path` /
+`damaged_checkpoints`; step `skipped_steps` and `nonfinite` (and under fp16 `loss_scale`, the scale
+the step used, and `overflows`); end `preempted` (signal name) / `stopped_at` / `checkpoint`.
 Only process 0 writes or prints.
 """
 from __future__ import annotations

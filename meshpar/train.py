@@ -99,10 +99,6 @@ class Trainer:
         self.mesh = make_mesh(cfg.mesh, self.devices)
         self.layout = Layout(self.mesh, get_strategy(cfg.strategy), parse_user_rules(cfg.rules))
         self.policy = precision_lib.get_policy(cfg.precision)
-        if self.policy.loss_scaling and self.layout.shape.get("pipeline", 1) > 1:
-            from meshpar.errors import ConfigError
-            raise ConfigError("precision=fp16 (dynamic loss scaling) is not supported with mesh.pipeline > 1 yet; "
-                              "use precision=bf16 there")
         check_platform(cfg)
         self.spec = model_spec(cfg)
         check_batch(cfg, self.layout)
@@ -150,7 +146,7 @@ class Trainer:
         loss * S, for the caller to unscale; loss and aux are never scaled."""
         if self.layout.shape.get("pipeline", 1) > 1:   # hand-written schedule (meshpar/pipeline.py)
             from meshpar import pipeline
-            return pipeline.value_and_grad(self.spec, params, tokens, self.cfg, self.layout, self.policy)
+            return pipeline.value_and_grad(self.spec, params, tokens, self.cfg, self.layout, self.policy, loss_scale)
 
         def loss_fn(p, t):
             loss, aux = loss_and_aux(self.spec.merge(p), t, self.policy)
@@ -216,12 +212,28 @@ class Trainer:
                 "params": self.spec.num_params, "tokens_per_step": self.cfg.batch.global_size * self.cfg.batch.length}
 
 
-def flops_per_token(model_cfg, num_params: int, length: int) -> float:
-    """PaLM (Chowdhery et al. 2022) appendix B: 6N + 12*L*H*Q*T per token, N the parameters that take
-    part in matmuls (all but the input embedding table). Convention: the attention term counts the
-    full T x T score matrix (no causal halving), as PaLM does."""
-    n = num_params - model_cfg.vocab * model_cfg.embed
-    return 6.0 * n + 12.0 * model_cfg.layers * model_cfg.heads * model_cfg.head_dim * length
+def active_params(spec: ModelSpec, cfg) -> float:
+    """Parameters one token's forward pass multiplies with: all but the input embedding table (a
+    gather, not a matmul), and of each expert weight (logical axis `expert`, size E) only the
+    top_k / E share its token is routed to."""
+    top_k = {"top1": 1, "top2": 2}[cfg.moe.routing]
+    total = 0.0
+    for (path, shape), names in zip(jax.tree_util.tree_leaves_with_path(spec.shapes),
+                                    jax.tree.leaves(spec.logical, is_leaf=lambda x: isinstance(x, tuple))):
+        if names == ("vocab", "embed"):
+            continue
+        n = float(math.prod(shape.shape))
+        if "expert" in names:
+            n *= top_k / shape.shape[names.index("expert")]
+        total += n
+    return total
+
+
+def flops_per_token(model_cfg, n_active: float, length: int) -> float:
+    """PaLM (Chowdhery et al. 2022) appendix B: 6N + 12*L*H*Q*T per token, N the parameters a token
+    passes through (`active_params`). Convention: the attention term counts the full T x T score
+    matrix (no causal halving), as PaLM does."""
+    return 6.0 * n_active + 12.0 * model_cfg.layers * model_cfg.heads * model_cfg.head_dim * length
 
 
 _PEAK_BF16 = [("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("B200", 2250e12), ("L4", 121e12),
@@ -272,18 +284,22 @@ def run(cfg, metrics_out: str | None = None, console=None) -> dict:
                                         "damaged_checkpoints": found.damaged}
     log.start({**facts, "processes": jax.process_count(), "entropy_floor": floor, **resumed, "config": cfg}, trainer)
     if found:
+        saved_mesh = " ".join(f"{a}={n}" for a, n in (found.meta.get("mesh") or {}).items() if n > 1) or "1 device"
         log.info(f"resumed from step {found.step} ({found.path}; saved with {found.meta.get('strategy')} on "
-                 f"{found.meta.get('mesh')}, {found.meta.get('processes')} process(es))")
+                 f"{saved_mesh}, {found.meta.get('processes')} process(es), precision {found.meta.get('precision')})")
 
     t0 = time.perf_counter()
     compiled = trainer.compile()
     compile_s = time.perf_counter() - t0
     state = found.state if found else trainer.init()
+    if found and found.meta.get("precision") != cfg.precision:   # the loss scale belongs to the old policy
+        state["numerics"] = jax.device_put(precision_lib.LOSS_SCALE.init(trainer.policy),
+                                           trainer.state_shardings["numerics"])
     data = Batches(source, trainer.batch_sharding, cfg.batch.global_size, cfg.batch.length, cfg.data.seed)
     if found:
         data.restore(found.data)
     peak, peak_src = peak_flops_per_device(cfg)
-    fpt = flops_per_token(trainer.spec.cfg, trainer.spec.num_params, cfg.batch.length)
+    fpt = flops_per_token(trainer.spec.cfg, active_params(trainer.spec, cfg), cfg.batch.length)
     log.info(f"compiled train step in {compile_s:.1f}s; MFU against {peak / 1e12:.3g} TFLOP/s/device ({peak_src})")
 
     start = int(state["step"])
@@ -317,6 +333,11 @@ def run(cfg, metrics_out: str | None = None, console=None) -> dict:
                     break
             if pending is not None:
                 _check_finite(cfg, *pending)
+    except Exception as e:
+        if jax.process_count() > 1:      # a collective failed: if a peer died, exit naming it
+            from meshpar.distributed import await_peer_verdict
+            await_peer_verdict(e)
+        raise
     finally:
         if ckpt:
             ckpt.close()     # finish the writes in flight: they hold good states
@@ -328,7 +349,8 @@ def run(cfg, metrics_out: str | None = None, console=None) -> dict:
     if stop:
         import signal as signal_lib
         name = signal_lib.Signals(stop).name
-        end.update(preempted=name, stopped_at=progress["step"], checkpoint=ckpt.path(progress["step"]) if ckpt else None)
+        end.update(preempted=name, stopped_at=progress["step"],
+                   checkpoint=ckpt.path(progress["step"]) if ckpt else None)
         log.end(end)
         where = (f"saved checkpoint {ckpt.path(progress['step'])}; rerun the same command to resume" if ckpt
                  else "no checkpoint.dir, nothing saved")

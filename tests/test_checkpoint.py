@@ -1,0 +1,235 @@
+"""Checkpoints: exact resume after SIGKILL / SIGTERM, restore onto another mesh and strategy,
+damaged checkpoints (fallback, or stop and delete nothing), and runs that do not fit a checkpoint.
+
+The resume tests run `python -m meshpar.cli train` in subprocesses and compare the per-step losses
+of their `--metrics-out` JSON Lines with an uninterrupted run, bit for bit.
+"""
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from meshpar.checkpoint import CheckpointError, Checkpointer
+from meshpar.data import Batches, make_source
+from meshpar.train import Trainer
+from tests.conftest import FAST, devices, make_cfg
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _batches(cfg, tr):
+    return Batches(make_source(cfg, tr.spec.cfg.vocab), tr.batch_sharding, cfg.batch.global_size,
+                   cfg.batch.length, cfg.data.seed)
+
+
+def _host(tree):
+    return jax.tree.map(np.asarray, jax.device_get(tree))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """fsdp over 8 devices, fp32: checkpoints at steps 2 and 4, plus what step 5 gives from step 4."""
+    d = tmp_path_factory.mktemp("ck") / "fsdp8"
+    cfg = make_cfg("strategy=fsdp", "steps=8", f"checkpoint.dir={d}", mesh={"fsdp": 8})
+    tr = Trainer(cfg, devices=devices(8))
+    ck = Checkpointer(cfg, tr, info=lambda m: None)
+    state, data = tr.init(), _batches(cfg, tr)
+    states = {}
+    for s in (1, 2, 3, 4):
+        state, _ = tr.step(state, next(data))
+        if s in (2, 4):
+            ck.save(s, state, data.state())      # asynchronous; the next step donates `state`
+            states[s] = _host(state)
+    _, m = tr.step(state, next(data))
+    ck.close()
+    return {"dir": d, "states": states, "loss5": float(m["loss"]), "batch5": data.step - 1}
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    import shutil
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _largest_array_file(step_dir: Path) -> Path:
+    files = [f for f in (step_dir / "state").rglob("*") if f.is_file() and "ocdbt.process" in str(f)]
+    return max(files, key=lambda f: f.stat().st_size)
+
+
+def _tree_digest(root: Path) -> dict:
+    return {str(f.relative_to(root)): hashlib.sha256(f.read_bytes()).hexdigest()
+            for f in sorted(root.rglob("*")) if f.is_file()}
+
+
+@pytest.mark.parametrize("strategy,mesh,n", [("tp", {"tensor": 4}, 4), ("dp", {"data": 2}, 2)])
+def test_restore_onto_other_mesh_and_strategy(saved, strategy, mesh, n):
+    """Saved with fsdp on 8 devices; restored straight into tp-on-4 / dp-on-2 shardings: every value
+    equal, every array already in its target sharding, and the next step's loss as on the old mesh."""
+    cfg = make_cfg(f"strategy={strategy}", "steps=8", f"checkpoint.dir={saved['dir']}", mesh=mesh)
+    tr = Trainer(cfg, devices=devices(8)[:n])
+    found = Checkpointer(cfg, tr, info=lambda m: None).restore_latest()
+    assert found.step == 4 and found.data == {"step": 4} and found.damaged == []
+    for got, want in zip(jax.tree.leaves(_host(found.state)), jax.tree.leaves(saved["states"][4])):
+        assert got.dtype == want.dtype and np.array_equal(got, want)
+    for arr, target in zip(jax.tree.leaves(found.state), jax.tree.leaves(tr.state_shardings)):
+        assert arr.sharding == target
+        assert arr.addressable_shards[0].data.shape == target.shard_shape(arr.shape)  # born sharded
+    if strategy == "tp":   # tensor-parallel weights really are split 4 ways, not gathered
+        w = found.state["params"]["lm_head"]
+        assert w.addressable_shards[0].data.shape[1] == w.shape[1] // 4
+    data = _batches(cfg, tr)
+    data.restore(found.data)
+    _, m = tr.step(found.state, next(data))
+    assert float(m["loss"]) == pytest.approx(saved["loss5"], rel=1e-5)
+
+
+def test_damaged_latest_falls_back_to_previous(saved, tmp_path):
+    """Step 4 truncated, as after a full disk: reported by step and path, step 2 restored exactly,
+    step 4 moved aside (not deleted) so the run can write step 4 again."""
+    d = _copy(saved["dir"], tmp_path / "ck")
+    victim = _largest_array_file(d / "4")
+    os.truncate(victim, victim.stat().st_size // 2)
+    cfg = make_cfg("strategy=fsdp", "steps=8", f"checkpoint.dir={d}", mesh={"fsdp": 8})
+    messages = []
+    found = Checkpointer(cfg, Trainer(cfg, devices=devices(8)), info=messages.append).restore_latest()
+    assert found.step == 2 and found.path == f"{d}/2"
+    assert [x["step"] for x in found.damaged] == [4] and found.damaged[0]["path"] == f"{d}/4"
+    assert any(f"checkpoint step 4 at {d}/4 is damaged" in m for m in messages)
+    for got, want in zip(jax.tree.leaves(_host(found.state)), jax.tree.leaves(saved["states"][2])):
+        assert np.array_equal(got, want)
+    aside = [p.name for p in d.iterdir() if p.name.startswith("4.damaged-")]
+    assert len(aside) == 1 and (d / aside[0] / "state").is_dir() and not (d / "4").exists()
+
+
+def test_silent_corruption_is_caught_by_fingerprint(saved, tmp_path):
+    """Bytes flipped inside an array file can decode without any read error; the saved fingerprint
+    catches it and names the leaf."""
+    d = _copy(saved["dir"], tmp_path / "ck")
+    victim = _largest_array_file(d / "4")
+    size = victim.stat().st_size
+    with open(victim, "r+b") as f:
+        f.seek(size // 2)
+        chunk = f.read(64)
+        f.seek(size // 2)
+        f.write(bytes(b ^ 0xFF for b in chunk))
+    cfg = make_cfg("strategy=fsdp", "steps=8", f"checkpoint.dir={d}", mesh={"fsdp": 8})
+    found = Checkpointer(cfg, Trainer(cfg, devices=devices(8)), info=lambda m: None).restore_latest()
+    assert found.step == 2 and found.damaged[0]["step"] == 4
+    reason = found.damaged[0]["reason"]
+    assert "fingerprint" in reason or "Error" in reason, reason
+
+
+def test_no_usable_checkpoint_stops_and_deletes_nothing(saved, tmp_path):
+    d = _copy(saved["dir"], tmp_path / "ck")
+    for step in ("2", "4"):
+        (d / step / "state" / "manifest.ocdbt").write_bytes(b"\0" * 16)
+    before = _tree_digest(d)
+    cfg = make_cfg("strategy=fsdp", "steps=8", f"checkpoint.dir={d}", mesh={"fsdp": 8})
+    ck = Checkpointer(cfg, Trainer(cfg, devices=devices(8)), info=lambda m: None)
+    with pytest.raises(CheckpointError) as e:
+        ck.restore_latest()
+    msg = str(e.value)
+    assert f"step 4 at {d}/4" in msg and f"step 2 at {d}/2" in msg and "nothing was deleted" in msg
+    assert "\n" not in msg
+    assert _tree_digest(d) == before
+
+
+def test_checkpoint_of_another_model_is_refused(saved):
+    """Not damage: a different model is a user error naming the leaf, and nothing is moved."""
+    cfg = make_cfg("strategy=fsdp", "model.layers=3", f"checkpoint.dir={saved['dir']}", mesh={"fsdp": 8})
+    with pytest.raises(CheckpointError, match=r"does not fit this run: state\[.*\] is \[\[2, [^]]*\], 'float32'\] there and \[\[3, "):
+        Checkpointer(cfg, Trainer(cfg, devices=devices(8)), info=lambda m: None).restore_latest()
+    assert sorted(p.name for p in Path(saved["dir"]).iterdir()) == ["2", "4"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Exact resume of real runs (subprocesses).
+
+STEPS = 60
+RUN = [*FAST, f"steps={STEPS}", "train.log_every=1"]
+
+
+def _launch(tmp: Path, name: str, *extra: str) -> tuple[subprocess.Popen, Path]:
+    out = tmp / f"{name}.jsonl"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("XLA_FLAGS", None)
+    p = subprocess.Popen([sys.executable, "-m", "meshpar.cli", "train", "--metrics-out", str(out), *RUN, *extra],
+                         cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return p, out
+
+
+def _records(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines()
+    return [json.loads(x) for x in lines if x.strip().endswith("}")]
+
+
+def _losses(path: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in _records(path) if r["event"] == "step"}
+
+
+def _complete_steps(d: Path) -> list[int]:
+    return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.exists() else []
+
+
+def _wait(proc, cond, what: str, timeout: float = 120.0):
+    t0 = time.monotonic()
+    while not cond():
+        if proc.poll() is not None:
+            raise AssertionError(f"run ended (status {proc.returncode}) before {what}: {proc.stderr.read()[-2000:]}")
+        if time.monotonic() - t0 > timeout:
+            proc.kill()
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+@pytest.mark.slow
+def test_exact_resume_after_sigkill_and_sigterm(tmp_path):
+    """reference | killed (SIGKILL) after step >= 5 | resumed, then SIGTERM | resumed to the end:
+    every logged loss equals the uninterrupted run's bit for bit, SIGTERM leaves a checkpoint at the
+    step it stopped at, and each run starts right after the checkpoint it resumed from."""
+    ck = tmp_path / "ck"
+    ref, ref_out = _launch(tmp_path, "ref")
+    run1, out1 = _launch(tmp_path, "run1", f"checkpoint.dir={ck}", "checkpoint.every=2")
+    _wait(run1, lambda: max(_losses(out1), default=0) >= 5 and any(s >= 4 for s in _complete_steps(ck)),
+          "step 5 and a complete checkpoint")
+    run1.send_signal(signal.SIGKILL)
+    run1.wait()
+    assert run1.returncode == -signal.SIGKILL
+
+    run2, out2 = _launch(tmp_path, "run2", f"checkpoint.dir={ck}", "checkpoint.every=2")
+    _wait(run2, lambda: len(_losses(out2)) >= 3, "three steps after resuming")
+    run2.send_signal(signal.SIGTERM)
+    t0 = time.monotonic()
+    _, err = run2.communicate(timeout=60)
+    assert run2.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert time.monotonic() - t0 < 30
+    start2 = next(r for r in _records(out2) if r["event"] == "start")
+    end2 = next(r for r in _records(out2) if r["event"] == "end")
+    stopped = end2["stopped_at"]
+    assert end2["preempted"] == "SIGTERM" and max(_losses(out2)) == stopped
+    assert stopped in _complete_steps(ck) and f"stopped by SIGTERM after step {stopped}" in err
+    assert min(_losses(out2)) == start2["resumed_from"] + 1 and start2["resumed_from"] >= 4
+
+    run3, out3 = _launch(tmp_path, "run3", f"checkpoint.dir={ck}", "checkpoint.every=2")
+    _, err = run3.communicate(timeout=300)
+    assert run3.returncode == 0, err[-2000:]
+    assert next(r for r in _records(out3) if r["event"] == "start")["resumed_from"] == stopped
+    assert min(_losses(out3)) == stopped + 1 and max(_losses(out3)) == STEPS
+    assert len(_complete_steps(ck)) <= 3 and STEPS in _complete_steps(ck)     # checkpoint.keep=3
+
+    ref.communicate(timeout=300)
+    want = _losses(ref_out)
+    assert sorted(want) == list(range(1, STEPS + 1))
+    for out in (out1, out2, out3):
+        got = _losses(out)
+        assert got and all(got[s] == want[s] for s in got), (out.name, {s: (got[s], want[s]) for s in got})
