@@ -263,7 +263,7 @@ def render_sharding_table(rows: list[dict]):
 def report(cfg) -> dict:
     """Compile one train step of `cfg` (no run) and describe it: the `meshpar inspect` JSON."""
     from meshpar.sharding import sharding_table
-    from meshpar.train import Trainer, flops_per_token
+    from meshpar.train import Trainer, active_params, flops_per_token
 
     trainer = Trainer(cfg)
     compiled = trainer.compile()
@@ -276,7 +276,8 @@ def report(cfg) -> dict:
         "collectives": {"summary": summarize(ops), "ops": ops},
         "memory": memory(compiled),
         "flops": {"xla_per_device": flops(compiled),
-                  "model_per_step": flops_per_token(trainer.spec.cfg, trainer.spec.num_params, cfg.batch.length) * tokens},
+                  "model_per_step": flops_per_token(trainer.spec.cfg, active_params(trainer.spec, cfg), cfg.batch.length)
+                  * tokens},
     }
     if shape.get("pipeline", 1) > 1:   # schedule tick table, its bubble, peak temporary memory per device
         from meshpar.pipeline import describe as describe_pipeline

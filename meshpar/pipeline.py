@@ -5,9 +5,11 @@ layers [L, ...] are cut into P = mesh.pipeline stages (logical `stage`/`layers` 
 and the mini-batch [B, T+1] into M microbatches [M, B/M, T+1]; one `jax.shard_map` is *manual over
 `pipeline` only*, so `data`, `fsdp`, `tensor` and `expert` stay automatic inside it and PP composes
 with DP/FSDP/TP/EP. Activations [b, T, E] (b = B/M) move between neighbouring stages with
-`lax.ppermute`. The first stage embeds (tokens -> [b, T, E]) and the last applies the LM head and the
-cross-entropy, microbatch by microbatch, so no tensor with a full-batch or full-stack dimension
-crosses the pipeline.
+`lax.ppermute`. The embedding and the LM head sit outside the pipelined stack: the first stage
+embeds (tokens -> [b, T, E]) and the last applies the head and the cross-entropy, microbatch by
+microbatch, so no tensor with a full-batch or full-stack dimension crosses the pipeline. Their
+parameters enter the shard_map replicated over `pipeline` (still split over the other axes) and their
+gradients are psum'd over `pipeline` once per step.
 
 Shapes: L layers, P stages, v virtual stages (chunks) per device, Lc = L / (P v) layers per chunk,
 M microbatches, b sequences per microbatch, T length, E embed. `F3` = forward of microbatch 3,
@@ -29,7 +31,8 @@ Clusters Using Megatron-LM", §2.2; Narayanan et al. 2021 "Memory-Efficient Pipe
 Training"): stage s runs P - s - 1 warm-up forwards, then alternates one forward and one backward,
 then drains the remaining backwards. Same bubble as GPipe, but a stage holds at most P - s
 microbatches in flight (stashed inputs) instead of M. Here the backward is explicit: `jax.vjp` of the
-stage recomputes it from the stashed input. The schedule is a static table [ticks, P]; every tick
+stage recomputes it from the stashed input (the last stage folds its forward into its backward, and
+stage 0 re-embeds instead of stashing). The schedule is a static table [ticks, P]; every tick
 every device reads its own op with `lax.axis_index('pipeline')` and runs it in a `lax.switch` (a
 real per-device conditional: each stage executes only its branch), while both ppermutes (activations
 down, gradients up) run every tick *outside* the branches with masked payloads, so no stage ever
@@ -42,7 +45,8 @@ waits on a collective another stage skipped. P = 4, M = 4 (ticks of equal length
 
 Interleaved / circular (Narayanan et al. 2021 §2.2.2, virtual pipeline stages; the circular
 repeat of Praxis/MaxText): device s holds v non-adjacent chunks, chunk r*P + s for r < v, and
-microbatches travel the ring v times. Microbatches enter in groups of P (so M % P == 0): the output
+microbatches travel the ring v times. Microbatches enter in groups of P (so M % P == 0 when v > 1;
+v = 1 is GPipe, any M): the output
 of chunk r on the last device reaches device 0 exactly one tick before chunk r + 1 needs it, and no
 buffer is needed. Forward ticks: v M + P - 1 of 1/v stage each, bubble (P-1)/(vM+P-1); backward by
 autodiff as in GPipe. P = 2, v = 2, M = 2 (`Fm.r`: microbatch m, chunk r):
@@ -55,8 +59,17 @@ pipelined loss equals the non-pipelined one); at rest device s holds layers [s L
 interleaved schedule needs chunks {r P + s}; the step moves them there with one all-to-all over
 `pipeline` (and the gradients back), never an all-gather of the stack.
 
+Memory: GPipe stashes M stage inputs per device, interleaved v M (one per microbatch and chunk, since
+it too is differentiated as one loop), 1F1B at most P (bench/RESULTS.md, `## Pipeline`).
+
 `batch.microbatches` (gradient accumulation, outside) and `pipeline.microbatches` (M, inside one
 pipelined forward/backward) are independent: each accumulation step is pipelined into M microbatches.
+
+Two workarounds for XLA's SPMD partitioner (JAX 0.10, CPU): inside a partially manual shard_map it
+crashes on the embedding's gather/scatter when the table is split on E over the batch axes (FSDP), so
+the first stage reads the outer parameters gathered over data/fsdp/expert (`_Model.for_embed`, what
+FSDP does at a weight's use anyway) and 1F1B runs the embedding's scatter-add backward after its
+per-device switch, on every stage, with a zero cotangent except on stage 0.
 """
 from __future__ import annotations
 
@@ -182,10 +195,15 @@ def in_flight(table: Table) -> list[int]:
     return out
 
 
+def _label(op: Op | None, chunks: bool) -> str:
+    return "." if op is None else f"{op.kind}{op.micro}.{op.chunk}" if chunks else f"{op.kind}{op.micro}"
+
+
 def render_table(table: Table) -> list[str]:
-    """One text line per stage: 'stage 0 | F0 F1 .  B0 ...'."""
-    width = max(len(str(op)) for row in table for op in row if op is not None)
-    return [f"stage {s} | " + " ".join((str(row[s]) if row[s] else ".").ljust(width) for row in table).rstrip()
+    """One text line per stage: 'stage 0 | F0 F1 .  B0 ...' ('F3.1': chunk 1 when interleaved)."""
+    chunks = any(op is not None and op.chunk for row in table for op in row)
+    width = max(len(_label(op, chunks)) for row in table for op in row)
+    return [f"stage {s} | " + " ".join(_label(row[s], chunks).ljust(width) for row in table).rstrip()
             for s in range(len(table[0]))]
 
 
@@ -195,7 +213,7 @@ def describe(cfg, p: int) -> dict:
     v = pc.virtual_stages if pc.schedule == "interleaved" else 1
     table = schedule_table(pc.schedule, p, pc.microbatches, v)
     return {"schedule": pc.schedule, "stages": p, "microbatches": pc.microbatches, "virtual_stages": v,
-            "ticks": len(table), "table": [[str(op) if op else None for op in row] for row in table],
+            "ticks": len(table), "table": [[str(op) if op else None for op in row] for row in table],  # [tick][stage]
             "lines": render_table(table), "bubble": bubble_fraction(table), "in_flight": in_flight(table)}
 
 
@@ -216,8 +234,10 @@ def check(cfg, layout, shapes: dict) -> None:
         raise ConfigError(f"pipeline.virtual_stages={v} needs pipeline.schedule=interleaved "
                           f"(got {pc.schedule}); set pipeline.virtual_stages=1 or the interleaved schedule")
     if num_layers % (p * v):
-        raise ConfigError(f"model.layers={num_layers} is not divisible by mesh.pipeline={p} x "
-                          f"pipeline.virtual_stages={v} (= {p * v} chunks); use a multiple of {p * v} layers")
+        what = (f"model.layers={num_layers}" if num_layers == cfg.model.layers else
+                f"model.layers={cfg.model.layers} stacks {num_layers} blocks, which")
+        raise ConfigError(f"{what} is not divisible by mesh.pipeline={p} x pipeline.virtual_stages={v} "
+                          f"(= {p * v} chunks); use a multiple of {p * v} stacked layers")
     if pc.schedule == "interleaved" and v > 1 and m % p:
         raise ConfigError(f"pipeline.microbatches={m} is not a multiple of mesh.pipeline={p}, which the "
                           f"interleaved schedule needs (microbatches enter in groups of {p}); "
@@ -325,13 +345,15 @@ def _circular_loss(model: _Model, p: int, m: int, v: int, outer, layers, tokens)
     s = lax.axis_index(AXIS)
     n_items, ticks = v * m, v * m + p - 1
     perm = [(i, (i + 1) % p) for i in range(p)] if v > 1 else [(i, i + 1) for i in range(p - 1)]
-    b, t1 = tokens.shape[1:]
-    x_spec = jax.eval_shape(lambda: model.embed(outer_e, jax.tree.map(lambda a: a[0], layers), tokens[0, :, :-1]))
     chunk0 = jax.tree.map(lambda a: a[0], layers)
+    x_spec = jax.eval_shape(lambda: model.embed(outer_e, chunk0, tokens[0, :, :-1]))
     _, _, met_spec = jax.eval_shape(model.stage, outer, chunk0, jnp.zeros(x_spec.shape, x_spec.dtype))
 
-    @partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable)   # per-stage remat
-    def run_stage(chunk, x):
+    # Per-stage remat: only (r, x) are saved per tick; the chunk is picked inside, so the local
+    # layers stay one loop-invariant residual instead of a per-tick copy of the chunk's weights.
+    @partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable)
+    def run_stage(lay, r, x):
+        chunk = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, r, 0, keepdims=False), lay)
         return model.stage(outer, chunk, x)
 
     def tick(carry, t):
@@ -345,12 +367,11 @@ def _circular_loss(model: _Model, p: int, m: int, v: int, outer, layers, tokens)
             g, rem = ic // (p * v), ic % (p * v)
             r, micro = rem // p, g * p + rem % p
         tok = lax.dynamic_index_in_dim(tokens, micro, 0, keepdims=False)
-        chunk = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, r, 0, keepdims=False), layers)
         first = (s == 0) & (r == 0)
-        x = lax.cond(first, lambda: _vary(model.embed(outer_e, chunk, tok[:, :-1])), lambda: recv)
-        y, a_loss, met = run_stage(chunk, x)
+        x = lax.cond(first, lambda: _vary(model.embed(outer_e, chunk0, tok[:, :-1])), lambda: recv)
+        y, a_loss, met = run_stage(layers, r, x)
         last = (s == p - 1) & (r == v - 1) & valid
-        ce = lax.cond(last, lambda: _vary(jax.checkpoint(model.head_loss)(outer, chunk, y, tok[:, 1:])),
+        ce = lax.cond(last, lambda: _vary(jax.checkpoint(model.head_loss)(outer, chunk0, y, tok[:, 1:])),
                       lambda: _vary(jnp.zeros((), jnp.float32)))
         w = valid.astype(jnp.float32)
         metrics = jax.tree.map(lambda acc, x_: lax.dynamic_update_index_in_dim(
@@ -366,13 +387,16 @@ def _circular_loss(model: _Model, p: int, m: int, v: int, outer, layers, tokens)
     return ce + aux_loss, (ce, metrics)
 
 
-def _one_f_one_b_grads(model: _Model, p: int, m: int, outer, layers, tokens):
+def _one_f_one_b_grads(model: _Model, p: int, m: int, outer, layers, tokens, seed):
     """Body of the shard_map for 1F1B: forward and backward run explicitly from the tick table.
 
-    layers [Lc, ...] (this stage), tokens [M, b, T+1] -> (loss, (ce, metrics), d_outer, d_layers).
+    layers [Lc, ...] (this stage), tokens [M, b, T+1], seed: the loss's cotangent (1, or the fp16 loss
+    scale S) -> (loss, ce, metrics, d_outer, d_layers), gradients of loss * seed.
     Carry: act [K, b, T, E] stage inputs received and not yet backwarded (slot micro % K), grad
     [Kg, b, T, E] output cotangents received and not yet used, the two outgoing payloads, the
-    gradient accumulators. Stage 0 re-embeds in its backward instead of stashing the embedding.
+    gradient accumulators. Stage 0 re-embeds in its backward instead of stashing the embedding, and
+    the embedding's own backward runs after the per-device switch, on every stage (zero cotangent
+    but on stage 0), because XLA's SPMD partitioner crashes on that scatter inside the branch.
     """
     table = schedule_table("1f1b", p, m)
     n = len(table)
@@ -389,7 +413,7 @@ def _one_f_one_b_grads(model: _Model, p: int, m: int, outer, layers, tokens):
                 recv_f[t + 1, s + 1] = op.micro
             if t + 1 < n and op.kind == "B" and s > 0:
                 recv_b[t + 1, s - 1] = op.micro
-    k_act, k_grad = _slots(recv_f, kind, micro, "F"), _slots(recv_b, kind, micro, "B")
+    k_act, k_grad = _slots(recv_f, kind, micro), _slots(recv_b, kind, micro)
     kind, micro, recv_f, recv_b = map(jnp.asarray, (kind, micro, recv_f, recv_b))
 
     outer = _vary_tree(outer)       # per-stage partial gradients; psum'd once at the end
@@ -397,6 +421,8 @@ def _one_f_one_b_grads(model: _Model, p: int, m: int, outer, layers, tokens):
     s = lax.axis_index(AXIS)
     pos = jnp.where(s == 0, 0, jnp.where(s == p - 1, 2, 1))    # first / middle / last stage
     inv_m = 1.0 / m
+    seed = _vary(seed.astype(jnp.float32))
+    seed_m = seed * inv_m               # cotangent of each microbatch's aux loss (the loss is a mean)
     tok0 = tokens[0]
     x_spec = jax.eval_shape(lambda: model.embed(outer_e, layers, tok0[:, :-1]))
     _, _, met_spec = jax.eval_shape(model.stage, outer, layers, jnp.zeros(x_spec.shape, x_spec.dtype))
@@ -411,7 +437,7 @@ def _one_f_one_b_grads(model: _Model, p: int, m: int, outer, layers, tokens):
     def fwd(position, c, mi):
         act = c["act"]
         tok = lax.dynamic_index_in_dim(tokens, mi, 0, keepdims=False)
-        if position == 2:            # last stage: the forward is folded into its backward (next op)
+        if position == 2:            # last stage: its backward recomputes the forward from the stash
             return {**c, "send_f": _vary(zero_x)}
         x = (model.embed(outer_e, layers, tok[:, :-1]) if position == 0
              else lax.dynamic_index_in_dim(act, mi % k_act, 0, keepdims=False))
@@ -421,18 +447,17 @@ def _one_f_one_b_grads(model: _Model, p: int, m: int, outer, layers, tokens):
     def bwd(position, c, mi):
         tok = lax.dynamic_index_in_dim(tokens, mi, 0, keepdims=False)
         if position == 0:
-            def f(lp, o):
-                x = model.embed(o, lp, tok[:, :-1])
-                return stage_only(lp, x)
-            (y, a_loss), vjp, met = jax.vjp(f, layers, outer_e, has_aux=True)
+            x = model.embed(outer_e, layers, tok[:, :-1])
+            (y, a_loss), vjp, met = jax.vjp(stage_only, layers, x, has_aux=True)
             dy = lax.dynamic_index_in_dim(c["grad"], mi % k_grad, 0, keepdims=False)
-            d_lp, d_o = vjp((dy, _vary(jnp.asarray(inv_m, jnp.float32))))
-            ce, send_b = jnp.zeros((), jnp.float32), zero_x
+            d_lp, dx = vjp((dy, seed_m))
+            d_o, ce, send_b = None, jnp.zeros((), jnp.float32), zero_x
+            c = {**c, "dx0": dx}      # the embedding's backward runs after the switch (see tick)
         elif position == 1:
             x = lax.dynamic_index_in_dim(c["act"], mi % k_act, 0, keepdims=False)
             (y, a_loss), vjp, met = jax.vjp(stage_only, layers, x, has_aux=True)
             dy = lax.dynamic_index_in_dim(c["grad"], mi % k_grad, 0, keepdims=False)
-            d_lp, send_b = vjp((dy, _vary(jnp.asarray(inv_m, jnp.float32))))
+            d_lp, send_b = vjp((dy, seed_m))
             d_o, ce = None, jnp.zeros((), jnp.float32)
         else:
             x = lax.dynamic_index_in_dim(c["act"], mi % k_act, 0, keepdims=False)
@@ -442,7 +467,7 @@ def _one_f_one_b_grads(model: _Model, p: int, m: int, outer, layers, tokens):
                 ce_ = model.head_loss(o, lp, y_, tok[:, 1:])
                 return (ce_ + a_) * inv_m, (ce_, a_, met_)
             _, vjp, (ce, a_loss, met) = jax.vjp(f, layers, outer, x, has_aux=True)
-            d_lp, d_o, send_b = vjp(_vary(jnp.ones((), jnp.float32)))
+            d_lp, d_o, send_b = vjp(seed)
         out = {**c, "send_b": _vary(send_b), "d_layers": jax.tree.map(jnp.add, c["d_layers"], d_lp),
                "ce": c["ce"] + ce, "aux_loss": c["aux_loss"] + a_loss,
                "metrics": jax.tree.map(jnp.add, c["metrics"], met)}
@@ -465,7 +490,9 @@ def _one_f_one_b_grads(model: _Model, p: int, m: int, outer, layers, tokens):
             return _vary_tree({**out, "send_f": _vary(zero_x)})
         return run
 
-    branches = [lambda c, mi: _vary_tree(idle(c, mi))] + [f_branch(q) for q in range(3)] + [b_branch(q) for q in range(3)]
+    # switch index: 0 idle, 1 + position forward, 4 + position backward (position 0 first, 1 middle, 2 last)
+    branches = ([lambda c, mi: _vary_tree(idle(c, mi))] + [f_branch(q) for q in range(3)]
+                + [b_branch(q) for q in range(3)])
 
     def tick(c, t):
         # 1. exchange what was sent at the end of the previous tick (every stage, every tick)
@@ -479,36 +506,47 @@ def _one_f_one_b_grads(model: _Model, p: int, m: int, outer, layers, tokens):
         # 3. this stage's own op (a per-device conditional)
         k = kind[t, s]
         idx = jnp.where(k == 0, 0, jnp.where(k == 1, 1 + pos, 4 + pos))
-        return lax.switch(idx, branches, c, micro[t, s]), None
+        c = lax.switch(idx, branches, c, micro[t, s])
+        # 4. the embedding's backward (a scatter-add into the table) on every stage, with a zero
+        # cotangent except on stage 0 after its backward: XLA's SPMD partitioner crashes on this
+        # scatter inside a per-device branch when the table is FSDP-sharded (JAX 0.10).
+        tok = lax.dynamic_index_in_dim(tokens, micro[t, s], 0, keepdims=False)
+        _, embed_vjp = jax.vjp(lambda o: model.embed(model.for_embed(o), layers, tok[:, :-1]), outer_e)
+        (d_e,) = embed_vjp(c["dx0"])
+        d_embed = model.for_embed(jax.tree.map(jnp.add, c["d_embed"], d_e))
+        return {**c, "d_embed": d_embed, "dx0": _vary(zero_x)}, None
 
     f32 = jax.ShapeDtypeStruct((), jnp.float32)
     carry = _zeros_like_varying({
         "act": jax.ShapeDtypeStruct((k_act,) + x_spec.shape, x_spec.dtype),
         "grad": jax.ShapeDtypeStruct((k_grad,) + x_spec.shape, x_spec.dtype),
-        "send_f": x_spec, "send_b": x_spec, "d_layers": layers, "d_outer": outer,
+        "send_f": x_spec, "send_b": x_spec, "dx0": x_spec, "d_layers": layers, "d_outer": outer, "d_embed": outer,
         "ce": f32, "aux_loss": f32, "metrics": met_spec})
+    carry["d_embed"] = model.for_embed(carry["d_embed"])
     c, _ = lax.scan(tick, carry, jnp.arange(n))
     ce = lax.psum(c["ce"], AXIS) * inv_m
     aux_loss = lax.psum(c["aux_loss"], AXIS) * inv_m
-    d_outer = jax.tree.map(lambda g: lax.psum(g, AXIS), c["d_outer"])
+    # embedding-path gradients live in the gathered layout inside the loop (see _Model.for_embed)
+    d_outer = jax.tree.map(lambda g, e: lax.psum(g + e, AXIS), c["d_outer"], c["d_embed"])
     metrics = jax.tree.map(lambda a: a * inv_m, c["metrics"])
     return ce + aux_loss, ce, metrics, d_outer, c["d_layers"]
 
 
-def _slots(recv, kind, micro, what: str) -> int:
+def _slots(recv, kind, micro) -> int:
     """Buffer slots a stage needs: the most microbatches received and not yet backwarded (F) /
     consumed (B) at once. Slot = micro % slots never collides since microbatches flow in order."""
     n, p = recv.shape
-    peak = 1
+    history = []
     for s in range(p):
         live = set()
         for t in range(n):
             if recv[t, s] >= 0:
                 live.add(int(recv[t, s]))
-            peak = max(peak, len(live))
+            history.append(frozenset(live))
             if kind[t, s] == 2:
                 live.discard(int(micro[t, s]))
-        assert len({x % peak for x in live}) == len(live)
+    peak = max(1, max(map(len, history)))
+    assert all(len({x % peak for x in live}) == len(live) for live in history)
     return peak
 
 
@@ -522,10 +560,11 @@ def _store(buf, k, slots: int, value):
 # ----------------------------------------------------------------------------------------------
 # Entry point used by meshpar.train.Trainer._grads.
 
-def value_and_grad(spec, params: dict, tokens, cfg, layout, policy):
+def value_and_grad(spec, params: dict, tokens, cfg, layout, policy, loss_scale=None):
     """Pipelined ((loss, aux), grads) of next-token cross-entropy, the structure of
     `jax.value_and_grad(meshpar.train.loss_and_aux, has_aux=True)`; aux holds "ce" (and the layers'
-    metrics stacked [L]). params: the model's pure dict; tokens [B, T+1] int."""
+    metrics stacked [L]). params: the model's pure dict; tokens [B, T+1] int. With `loss_scale` S
+    (fp16) the grads are those of loss * S (the caller unscales); loss and aux are never scaled."""
     from meshpar.rules import use_layout
 
     p = layout.shape[AXIS]
@@ -542,9 +581,10 @@ def value_and_grad(spec, params: dict, tokens, cfg, layout, policy):
         mbs = _microbatches(tokens, m, layout)
         if pc.schedule == "1f1b":
             body = partial(_one_f_one_b_grads, model, p, m)
-            fn = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(AXIS), P()),
+            fn = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(AXIS), P(), P()),
                                out_specs=(P(), P(), P(AXIS), P(), P(AXIS)), axis_names={AXIS})
-            loss, ce, metrics, d_outer, d_layers = fn(outer, layers, mbs)
+            seed = jnp.ones((), jnp.float32) if loss_scale is None else jnp.asarray(loss_scale, jnp.float32)
+            loss, ce, metrics, d_outer, d_layers = fn(outer, layers, mbs, seed)
             grads = {**d_outer, "layers": d_layers}
         else:
             def loss_fn(prm):
@@ -554,8 +594,10 @@ def value_and_grad(spec, params: dict, tokens, cfg, layout, policy):
                 fn = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(None, AXIS), P()),
                                    out_specs=(P(), (P(), P(None, AXIS))), axis_names={AXIS})
                 loss_, (ce_, met_) = fn(o, chunks, mbs)
-                return loss_, (ce_, jax.tree.map(lambda a: a.reshape((n_layers,) + a.shape[2:]), met_))
-            (loss, (ce, metrics)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+                met_ = jax.tree.map(lambda a: a.reshape((n_layers,) + a.shape[2:]), met_)
+                scaled = loss_ if loss_scale is None else loss_ * jnp.asarray(loss_scale).astype(loss_.dtype)
+                return scaled, (loss_, ce_, met_)
+            (_, (loss, ce, metrics)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     return (loss, {"ce": ce, **metrics}), grads
 
 

@@ -1,0 +1,280 @@
+"""Pipeline parallelism (meshpar/pipeline.py): every schedule computes the non-pipelined loss and
+gradients, alone and with data x tensor axes; the HLO moves activations with collective-permute and
+never gathers the layer stack; the tick tables have the papers' bubbles; 1F1B stashes less than
+GPipe; bad configs fail with one line naming the key.
+
+Errors are norm-wise, ||a - b|| / ||b|| (see test_equivalence.py).
+"""
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from meshpar import pipeline
+from meshpar.errors import ConfigError, ShardingError
+from meshpar.inspect import collectives
+from meshpar.train import Trainer
+from tests.conftest import devices, make_cfg
+
+TINY = ["model.embed=32", "model.mlp=64", "model.heads=4", "model.kv_heads=2", "model.head_dim=8",
+        "model.vocab=64", "batch.global_size=16", "batch.length=8"]
+
+
+def rel(a, b) -> float:
+    num = sum(float(np.sum((np.asarray(x, np.float64) - np.asarray(y, np.float64)) ** 2))
+              for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    den = sum(float(np.sum(np.asarray(y, np.float64) ** 2)) for y in jax.tree.leaves(b))
+    return (num / den) ** 0.5
+
+
+def pp_cfg(schedule, p, m, v=1, layers=4, mesh=None, *extra):
+    return make_cfg(*TINY, f"model.layers={layers}", f"pipeline.schedule={schedule}", f"pipeline.microbatches={m}",
+                    f"pipeline.virtual_stages={v}", *extra, mesh=mesh or {"pipeline": p})
+
+
+_REF: dict = {}
+
+
+def reference(layers: int):
+    """Params, a batch, and the single-device (non-pipelined) loss and gradients for `layers`."""
+    if layers not in _REF:
+        cfg = make_cfg(*TINY, f"model.layers={layers}", "strategy=dp", mesh={})
+        tr = Trainer(cfg, devices=devices(1))
+        params = jax.device_get(tr.init()["params"])
+        tokens = np.asarray(jax.random.randint(jax.random.key(7), tr.batch_shape, 0, 64))
+        (loss, aux), grads = jax.jit(tr._grads)(params, tokens)
+        _REF[layers] = (params, tokens, float(loss), jax.device_get(grads))
+    return _REF[layers]
+
+
+def pipelined(cfg, n):
+    tr = Trainer(cfg, devices=devices(n))
+    params, tokens, _, _ = reference(tr.spec.cfg.layers)
+    params = jax.device_put(params, tr.param_shardings)
+    tokens = jax.device_put(tokens, tr.batch_sharding)
+    (loss, aux), grads = jax.jit(tr._grads)(params, tokens)
+    return float(loss), aux, jax.device_get(grads)
+
+
+def check_equal(cfg, n):
+    _, _, loss0, grads0 = reference(cfg.model.layers)
+    loss, aux, grads = pipelined(cfg, n)
+    assert jax.tree.structure(grads) == jax.tree.structure(grads0)
+    assert abs(loss - loss0) / loss0 <= 1e-5
+    assert abs(float(aux["ce"]) - loss0) / loss0 <= 1e-5
+    assert rel(grads, grads0) <= 1e-5
+
+
+# (schedule, P, M, v, layers): every schedule, P in {2, 4}, M in {P, 2P, 4P}
+ALONE = [(s, p, k * p, v, layers) for s, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))
+         for p in (2, 4) for k in (1, 2, 4) for layers in [p * v if p * v > 2 else 4]]
+FAST = {("gpipe", 2, 4), ("1f1b", 2, 2), ("1f1b", 4, 16), ("interleaved", 2, 8), ("interleaved", 4, 4)}
+
+
+@pytest.mark.parametrize("schedule,p,m,v,layers", [
+    pytest.param(*c, marks=() if c[:3] in FAST else pytest.mark.slow, id=f"{c[0]}-P{c[1]}-M{c[2]}") for c in ALONE])
+def test_pipelined_loss_and_grads_equal_the_plain_model(schedule, p, m, v, layers):
+    check_equal(pp_cfg(schedule, p, m, v, layers), p)
+
+
+COMBINED_FAST = {("gpipe", 4), ("1f1b", 8), ("interleaved", 2)}
+
+
+@pytest.mark.parametrize("schedule,m", [
+    pytest.param(s, m, marks=() if (s, m) in COMBINED_FAST else pytest.mark.slow, id=f"{s}-M{m}")
+    for s in ("gpipe", "1f1b", "interleaved") for m in (2, 4, 8)])
+def test_pipeline_composes_with_data_and_tensor(schedule, m):
+    """P = 2 stages x data 2 x tensor 2 under fsdp_tp (the default strategy)."""
+    v = 2 if schedule == "interleaved" else 1
+    check_equal(pp_cfg(schedule, 2, m, v, 4, {"pipeline": 2, "data": 2, "tensor": 2}), 8)
+
+
+@pytest.mark.slow
+def test_pipeline_with_fsdp_and_gradient_accumulation():
+    cfg = pp_cfg("1f1b", 2, 2, 1, 4, {"pipeline": 2, "fsdp": 2, "tensor": 2}, "strategy=fsdp_tp",
+                 "batch.microbatches=2")
+    tr = Trainer(cfg, devices=devices(8))
+    params, tokens, loss0, grads0 = reference(4)
+    state = tr.init()
+    state = {**state, "params": jax.device_put(params, tr.param_shardings)}
+    _, metrics = tr.step(state, jax.device_put(tokens, tr.batch_sharding))
+    assert abs(float(metrics["loss"]) - loss0) / loss0 <= 1e-5
+    gn0 = float(np.sqrt(sum(np.sum(np.asarray(g, np.float64) ** 2) for g in jax.tree.leaves(grads0))))
+    assert abs(float(metrics["grad_norm"]) - gn0) / gn0 <= 1e-5
+
+
+def test_pipelined_moe_with_expert_parallelism_equals_the_plain_moe():
+    """MoE blocks return their weighted losses under aux "loss": 1F1B must feed those cotangents
+    through its explicit per-stage vjp; per-layer metrics come back stacked [layers]."""
+    mesh = {"pipeline": 2, "expert": 2, "tensor": 2}
+    cfg = make_cfg(*TINY, "model.layers=4", "model.name=moe", "pipeline.schedule=1f1b", "pipeline.microbatches=4",
+                   mesh=mesh)
+    ref = make_cfg(*TINY, "model.layers=4", "model.name=moe", "strategy=dp", mesh={})
+    tr0 = Trainer(ref, devices=devices(1))
+    params = jax.device_get(tr0.init()["params"])
+    tokens = np.asarray(jax.random.randint(jax.random.key(7), tr0.batch_shape, 0, 64))
+    (loss0, aux0), grads0 = jax.jit(tr0._grads)(params, tokens)
+    tr = Trainer(cfg, devices=devices(8))
+    (loss, aux), grads = jax.jit(tr._grads)(jax.device_put(params, tr.param_shardings),
+                                            jax.device_put(tokens, tr.batch_sharding))
+    assert abs(float(loss) - float(loss0)) / float(loss0) <= 1e-5
+    assert float(loss) > float(aux["ce"])          # the MoE losses are part of the loss
+    assert rel(grads, jax.device_get(grads0)) <= 1e-5
+    assert set(aux) == set(aux0)
+    # metrics are averaged over microbatches, as gradient accumulation does: exact for the means
+    # (the losses, drop fraction); per-microbatch maxima/minima of the expert load are not batch maxima
+    for k in ("aux_loss", "z_loss", "drop_fraction"):
+        np.testing.assert_allclose(np.asarray(aux[k]), np.asarray(aux0[k]), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_loss_scale_scales_the_gradients_not_the_loss(schedule):
+    """fp16 loss scaling: Trainer._grads(..., loss_scale=S) returns the grads of S * loss."""
+    tr = Trainer(pp_cfg(schedule, 2, 2), devices=devices(2))
+    params, tokens, loss0, grads0 = reference(4)
+    params = jax.device_put(params, tr.param_shardings)
+    tokens = jax.device_put(tokens, tr.batch_sharding)
+    (loss, _), grads = jax.jit(tr._grads)(params, tokens, np.float32(1024.0))
+    assert abs(float(loss) - loss0) / loss0 <= 1e-5
+    assert rel(jax.tree.map(lambda g: np.asarray(g) / 1024.0, jax.device_get(grads)), grads0) <= 1e-5
+
+
+# -- HLO: collective-permute between stages, no gather of the layer stack ------------------------
+
+@pytest.fixture(scope="module", params=["gpipe", "1f1b", "interleaved"])
+def compiled_2x2x2(request):
+    v = 2 if request.param == "interleaved" else 1
+    cfg = pp_cfg(request.param, 2, 4, v, 4, {"pipeline": 2, "data": 2, "tensor": 2})
+    tr = Trainer(cfg, devices=devices(8))
+    return request.param, tr, tr.compile()
+
+
+def test_hlo_permutes_activations_and_never_gathers_the_stack(compiled_2x2x2):
+    schedule, tr, compiled = compiled_2x2x2
+    shape = tr.describe()["mesh"]
+    ops = collectives(compiled.as_text(), shape)
+    act_bytes = (tr.cfg.batch.global_size // tr.cfg.pipeline.microbatches // 2) * tr.cfg.batch.length * 32 * 4
+    permutes = [o for o in ops if o["kind"] == "collective-permute" and o["axes"] == ["pipeline"]]
+    assert permutes, "no collective-permute over pipeline"
+    # every stage-to-stage transfer carries one microbatch's activations (its data shard) or less
+    assert all(o["bytes"] <= act_bytes for o in permutes)
+    layers = jax.tree.leaves(tr.spec.shapes["layers"])
+    smallest_stack = min(int(np.prod(a.shape)) * 4 for a in layers)
+    for o in ops:
+        if o["kind"] == "all-gather" and "pipeline" in o["axes"]:
+            assert o["bytes"] < smallest_stack, f"all-gather of {o['bytes']} bytes over pipeline"
+    # stacked layer params stay split over pipeline at rest
+    for sh in jax.tree.leaves(tr.param_shardings["layers"]):
+        assert sh.spec[0] == "pipeline"
+    if schedule == "1f1b":   # a real per-device conditional (idle + F/B x first/middle/last), permutes outside it
+        branches = set()
+        for line in compiled.as_text().splitlines():
+            found = re.search(r" conditional\(.*branch_computations=\{([^}]*)\}", line)
+            if found:
+                branches |= {c.strip().lstrip("%") for c in found.group(1).split(",")}
+        assert len(branches) >= 7
+        assert not any(o["computation"] in branches for o in permutes)
+
+
+# -- schedules: tick tables and bubbles ----------------------------------------------------------
+
+@pytest.mark.parametrize("p", [2, 4])
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_bubble_fractions_match_the_papers(p, k):
+    m = k * p
+    for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3)):
+        table = pipeline.schedule_table(schedule, p, m, v)
+        want = (p - 1) / ((v if schedule == "interleaved" else 1) * m + p - 1)
+        assert pipeline.bubble_fraction(table) == pytest.approx(want, abs=1e-12)
+        # every stage does each (microbatch, chunk) forward once and backward once, F before B
+        for s in range(p):
+            ops = [row[s] for row in table if row[s] is not None]
+            n_chunks = v if schedule == "interleaved" else 1
+            assert len(ops) == 2 * m * n_chunks
+            for op in ops:
+                if op.kind == "B":
+                    assert ops.index(pipeline.Op("F", op.micro, op.chunk)) < ops.index(op)
+
+
+def test_one_f_one_b_stashes_at_most_p_minus_s_microbatches():
+    for p in (2, 3, 4, 8):               # any M, fewer microbatches than stages included
+        for m in (1, 3, 5, 16):
+            assert len(pipeline.schedule_table("1f1b", p, m)) == 2 * (m + p - 1)
+    for p, m in ((2, 8), (4, 16)):
+        assert pipeline.in_flight(pipeline.schedule_table("1f1b", p, m)) == [p - s for s in range(p)]
+        assert pipeline.in_flight(pipeline.schedule_table("gpipe", p, m)) == [m] * p
+
+
+def test_inspect_reports_the_pipeline():
+    """`meshpar inspect` JSON carries the tick table, its bubble and peak temporary memory."""
+    from meshpar.inspect import report
+    cfg = pp_cfg("interleaved", 2, 4, 2, 4, {"pipeline": 2, "data": 2, "tensor": 2})
+    rep = report(cfg)["pipeline"]
+    assert rep["bubble"] == pytest.approx((2 - 1) / (2 * 4 + 2 - 1))
+    assert rep["ticks"] == 2 * (2 * 4 + 2 - 1) and len(rep["lines"]) == 2
+    assert rep["lines"][0].startswith("stage 0 | F0.0 F1.0 F0.1 F1.1 F2.0 ")
+    assert rep["peak_temp_bytes"] > 0
+
+
+# -- memory: 1F1B stashes P microbatches, GPipe M ------------------------------------------------
+
+def test_one_f_one_b_uses_less_temporary_memory_than_gpipe():
+    """Pipelined loss+grads of a fixed microbatch (b=4, T=64, E=64): at M = 4P = 8 and M = 16."""
+    def temp(schedule, m):
+        cfg = make_cfg("model.embed=64", "model.mlp=128", "model.heads=4", "model.kv_heads=4", "model.head_dim=16",
+                       "model.vocab=64", "model.layers=4", "batch.length=64", f"batch.global_size={4 * m}",
+                       f"pipeline.schedule={schedule}", f"pipeline.microbatches={m}", mesh={"pipeline": 2})
+        tr = Trainer(cfg, devices=devices(2))
+        params = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                              tr.spec.shapes, tr.param_shardings)
+        tokens = jax.ShapeDtypeStruct(tr.batch_shape, np.int32, sharding=tr.batch_sharding)
+        return jax.jit(tr._grads).lower(params, tokens).compile().memory_analysis().temp_size_in_bytes
+    g8, g16, f8, f16 = temp("gpipe", 8), temp("gpipe", 16), temp("1f1b", 8), temp("1f1b", 16)
+    stage_input = 4 * 64 * 64 * 4                       # one [b, T, E] fp32 activation
+    assert f8 < g8
+    assert g16 - g8 >= 8 * stage_input                  # GPipe stashes every extra microbatch
+    assert f16 - f8 < 0.1 * (g16 - g8)                  # 1F1B stashes P, whatever M
+
+
+# -- errors: one line naming the key and a fix ---------------------------------------------------
+
+def test_layers_not_divisible_by_stages_times_virtual():
+    with pytest.raises(ConfigError, match=r"model.layers=4 is not divisible by mesh.pipeline=2 x "
+                                          r"pipeline.virtual_stages=4 \(= 8 chunks\); "
+                                          r"use a multiple of 8 stacked layers"):
+        Trainer(pp_cfg("interleaved", 2, 4, 4, 4), devices=devices(2))
+
+
+def test_microbatches_not_a_multiple_of_stages_for_interleaved():
+    with pytest.raises(ConfigError, match=r"pipeline.microbatches=3 is not a multiple of mesh.pipeline=2"):
+        Trainer(pp_cfg("interleaved", 2, 3, 2, 4, None, "batch.global_size=12"), devices=devices(2))
+
+
+def test_batch_not_divisible_into_microbatches():
+    with pytest.raises(ConfigError, match=r"batch.global_size=16 does not split into pipeline.microbatches=3 "
+                                          r"microbatches; use a multiple of 3 for batch.global_size"):
+        Trainer(pp_cfg("gpipe", 2, 3), devices=devices(2))
+    with pytest.raises(ShardingError, match=r"pipeline microbatch of 2 sequences .* data-parallel size 4"):
+        Trainer(pp_cfg("1f1b", 2, 8, 1, 4, {"pipeline": 2, "data": 4}), devices=devices(8))
+
+
+def test_errors_are_one_line():
+    for cfg in (pp_cfg("interleaved", 2, 4, 4, 4), pp_cfg("gpipe", 2, 3), pp_cfg("gpipe", 2, 2, 2)):
+        with pytest.raises(ConfigError) as e:
+            Trainer(cfg, devices=devices(2))
+        assert "\n" not in str(e.value)
+
+
+# -- end to end ----------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_pp_tiny_learns_like_the_default(tmp_path):
+    from meshpar.config import CONFIG_DIR, load_config
+    from meshpar.train import run
+    """configs/pp-tiny.yaml (1F1B over 2 stages x data 2 x tensor 2) against the non-pipelined
+    default, 30 steps each on the same synthetic data: the loss falls as far."""
+    pp = run(load_config(CONFIG_DIR / "pp-tiny.yaml", ["steps=30", "train.log_every=30"]))
+    base = run(load_config(None, ["steps=30", "train.log_every=30"]))
+    assert pp["final_loss"] < 0.3 * pp["initial_loss"]
+    assert abs(pp["final_loss"] - base["final_loss"]) < 0.1 * (base["initial_loss"] - base["final_loss"])
