@@ -218,8 +218,8 @@ def active_params(spec: ModelSpec, cfg) -> float:
     top_k / E share its token is routed to."""
     top_k = {"top1": 1, "top2": 2}[cfg.moe.routing]
     total = 0.0
-    for (path, shape), names in zip(jax.tree_util.tree_leaves_with_path(spec.shapes),
-                                    jax.tree.leaves(spec.logical, is_leaf=lambda x: isinstance(x, tuple))):
+    for shape, names in zip(jax.tree.leaves(spec.shapes),
+                            jax.tree.leaves(spec.logical, is_leaf=lambda x: isinstance(x, tuple))):
         if names == ("vocab", "embed"):
             continue
         n = float(math.prod(shape.shape))
