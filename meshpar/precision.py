@@ -32,10 +32,6 @@ class Policy:
     output_dtype: jnp.dtype     # logits, softmax and loss
     loss_scaling: bool = False  # dynamic loss scaling (fp16): see `LossScale`
 
-    def cast_to_compute(self, tree):
-        """Cast floating leaves of `tree` (e.g. parameters) to the compute dtype."""
-        return jax.tree.map(lambda x: x.astype(self.compute_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
-                            tree)
 
 
 POLICIES: dict[str, Policy] = {
