@@ -237,9 +237,9 @@ def active_layout() -> Layout | None:
 
 
 def constrain(x, logical: Sequence[str | None], what: str = "activation"):
-    """Pin activation `x` to the layout its logical axes resolve to (no-op outside a layout).
-
-    This is the only sharding call model code makes: it names logical axes, never mesh axes.
+    """Pin `x` (an activation, or a weight inside a layer loop) to the layout its logical axes
+    resolve to; no-op outside a layout. The only sharding call model code makes: it names logical
+    axes, never mesh axes.
     """
     layout = _ACTIVE.get()
     if layout is None:
@@ -255,17 +255,3 @@ def _sharding_for(layout: Layout, spec):
         return spec
     from jax.sharding import NamedSharding
     return NamedSharding(layout.mesh, spec)
-
-
-def constrain_param(x, logical: Sequence[str | None], what: str = "parameter"):
-    """Pin a parameter used inside a layer loop to its at-rest layout.
-
-    Under FSDP this keeps the weight sharded until its use (an all-gather per layer) and, by
-    transposition, makes its gradient a per-layer reduce-scatter inside the backward loop instead
-    of a full all-reduce whose result is sliced after the loop. No-op outside a layout.
-    """
-    layout = _ACTIVE.get()
-    if layout is None:
-        return x
-    import jax
-    return jax.lax.with_sharding_constraint(x, _sharding_for(layout, layout.spec(logical, x.shape, what)))

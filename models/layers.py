@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshpar.precision import attention_dtype
-from meshpar.rules import constrain, constrain_param
+from meshpar.rules import constrain
 
 
 def param(rngs: nnx.Rngs, shape, logical, std: float | None = None, init: str = "normal") -> nnx.Param:
@@ -157,9 +157,13 @@ def scan_layers(layers_mod, x, positions, remat: str = "full", scan: bool = True
     """
     graphdef, state = nnx.split(layers_mod)
 
-    def pin(v):   # one layer's slice: its logical axes without the leading `layers`
+    def pin(v):
+        """One layer's weight slice, pinned to its at-rest layout (its logical axes minus `layers`).
+        Under FSDP the weight stays sharded until use (an all-gather per layer) and, by
+        transposition, its gradient is reduce-scattered per layer inside the backward loop instead
+        of all-reduced whole and sliced after the loop."""
         names = v.get_metadata().get("logical_axes")
-        return v.replace(constrain_param(v.get_value(), names[1:])) if names else v
+        return v.replace(constrain(v.get_value(), names[1:], what="parameter")) if names else v
 
     def body(carry, layer_state):
         layer_state = jax.tree.map(pin, layer_state, is_leaf=lambda v: isinstance(v, nnx.Variable))
