@@ -6,7 +6,11 @@ os.environ["XLA_FLAGS"] = " ".join(
     + ["--xla_force_host_platform_device_count=8"])
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
@@ -30,3 +34,28 @@ def devices(n: int):
     if jax.device_count() < n:
         pytest.skip(f"needs {n} devices, have {jax.device_count()}")
     return jax.devices()[:n]
+
+
+def rel(a, b) -> float:
+    """Norm-wise relative error ||a - b|| / ||b|| over all leaves of two pytrees (in float64)."""
+    num = sum(float(np.sum((np.asarray(x, np.float64) - np.asarray(y, np.float64)) ** 2))
+              for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    den = sum(float(np.sum(np.asarray(y, np.float64) ** 2)) for y in jax.tree.leaves(b))
+    return (num / den) ** 0.5
+
+
+def metrics_records(path: Path) -> list[dict]:
+    """The complete JSON Lines records of a `--metrics-out` file (none if it does not exist yet)."""
+    if not path.exists():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip().endswith("}")]
+
+
+def metrics_losses(path: Path) -> dict[int, float]:
+    """step -> loss of the `step` records of a `--metrics-out` file."""
+    return {r["step"]: r["loss"] for r in metrics_records(path) if r["event"] == "step"}
+
+
+def checkpoint_steps(d: Path) -> list[int]:
+    """Steps of the complete checkpoints in checkpoint.dir `d` (Orbax names them by step)."""
+    return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.exists() else []

@@ -5,7 +5,6 @@ The resume tests run `python -m meshpar.cli train` in subprocesses and compare t
 of their `--metrics-out` JSON Lines with an uninterrupted run, bit for bit.
 """
 import hashlib
-import json
 import os
 import signal
 import subprocess
@@ -20,7 +19,7 @@ import pytest
 from meshpar.checkpoint import CheckpointError, Checkpointer
 from meshpar.data import Batches, make_source
 from meshpar.train import Trainer
-from tests.conftest import FAST, devices, make_cfg
+from tests.conftest import FAST, checkpoint_steps, devices, make_cfg, metrics_losses, metrics_records
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -166,19 +165,10 @@ def _launch(tmp: Path, name: str, *extra: str) -> tuple[subprocess.Popen, Path]:
     return p, out
 
 
-def _records(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    lines = path.read_text().splitlines()
-    return [json.loads(x) for x in lines if x.strip().endswith("}")]
 
 
-def _losses(path: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in _records(path) if r["event"] == "step"}
 
 
-def _complete_steps(d: Path) -> list[int]:
-    return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.exists() else []
 
 
 def _wait(proc, cond, what: str, timeout: float = 120.0):
@@ -200,36 +190,36 @@ def test_exact_resume_after_sigkill_and_sigterm(tmp_path):
     ck = tmp_path / "ck"
     ref, ref_out = _launch(tmp_path, "ref")
     run1, out1 = _launch(tmp_path, "run1", f"checkpoint.dir={ck}", "checkpoint.every=2")
-    _wait(run1, lambda: max(_losses(out1), default=0) >= 5 and any(s >= 4 for s in _complete_steps(ck)),
+    _wait(run1, lambda: max(metrics_losses(out1), default=0) >= 5 and any(s >= 4 for s in checkpoint_steps(ck)),
           "step 5 and a complete checkpoint")
     run1.send_signal(signal.SIGKILL)
     run1.wait()
     assert run1.returncode == -signal.SIGKILL
 
     run2, out2 = _launch(tmp_path, "run2", f"checkpoint.dir={ck}", "checkpoint.every=2")
-    _wait(run2, lambda: len(_losses(out2)) >= 3, "three steps after resuming")
+    _wait(run2, lambda: len(metrics_losses(out2)) >= 3, "three steps after resuming")
     run2.send_signal(signal.SIGTERM)
     t0 = time.monotonic()
     _, err = run2.communicate(timeout=60)
     assert run2.returncode == 128 + signal.SIGTERM, err[-2000:]
     assert time.monotonic() - t0 < 30
-    start2 = next(r for r in _records(out2) if r["event"] == "start")
-    end2 = next(r for r in _records(out2) if r["event"] == "end")
+    start2 = next(r for r in metrics_records(out2) if r["event"] == "start")
+    end2 = next(r for r in metrics_records(out2) if r["event"] == "end")
     stopped = end2["stopped_at"]
-    assert end2["preempted"] == "SIGTERM" and max(_losses(out2)) == stopped
-    assert stopped in _complete_steps(ck) and f"stopped by SIGTERM after step {stopped}" in err
-    assert min(_losses(out2)) == start2["resumed_from"] + 1 and start2["resumed_from"] >= 4
+    assert end2["preempted"] == "SIGTERM" and max(metrics_losses(out2)) == stopped
+    assert stopped in checkpoint_steps(ck) and f"stopped by SIGTERM after step {stopped}" in err
+    assert min(metrics_losses(out2)) == start2["resumed_from"] + 1 and start2["resumed_from"] >= 4
 
     run3, out3 = _launch(tmp_path, "run3", f"checkpoint.dir={ck}", "checkpoint.every=2")
     _, err = run3.communicate(timeout=300)
     assert run3.returncode == 0, err[-2000:]
-    assert next(r for r in _records(out3) if r["event"] == "start")["resumed_from"] == stopped
-    assert min(_losses(out3)) == stopped + 1 and max(_losses(out3)) == STEPS
-    assert len(_complete_steps(ck)) <= 3 and STEPS in _complete_steps(ck)     # checkpoint.keep=3
+    assert next(r for r in metrics_records(out3) if r["event"] == "start")["resumed_from"] == stopped
+    assert min(metrics_losses(out3)) == stopped + 1 and max(metrics_losses(out3)) == STEPS
+    assert len(checkpoint_steps(ck)) <= 3 and STEPS in checkpoint_steps(ck)     # checkpoint.keep=3
 
     ref.communicate(timeout=300)
-    want = _losses(ref_out)
+    want = metrics_losses(ref_out)
     assert sorted(want) == list(range(1, STEPS + 1))
     for out in (out1, out2, out3):
-        got = _losses(out)
+        got = metrics_losses(out)
         assert got and all(got[s] == want[s] for s in got), (out.name, {s: (got[s], want[s]) for s in got})

@@ -13,6 +13,7 @@ import pytest
 
 from meshpar.distributed import Settings, resolve
 from meshpar.errors import ConfigError
+from tests.conftest import checkpoint_steps, metrics_losses
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -73,19 +74,12 @@ def _env():
     return env
 
 
-def _losses(path: Path) -> dict[int, float]:
-    if not path.exists():
-        return {}
-    recs = [json.loads(x) for x in path.read_text().splitlines() if x.strip().endswith("}")]
-    return {r["step"]: r["loss"] for r in recs if r["event"] == "step"}
 
 
 def _start(path: Path) -> dict:
     return json.loads(path.read_text().splitlines()[0])
 
 
-def _complete_steps(d: Path) -> list[int]:
-    return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.exists() else []
 
 
 def _local(n: int, out: Path, *extra: str) -> subprocess.Popen:
@@ -104,7 +98,7 @@ def test_two_processes_match_one_and_fail_fast_and_resume(tmp_path):
     while True:        # until process 0 logged step 5 and a checkpoint >= 4 is complete
         assert first.poll() is None, first.stderr.read()[-3000:]
         assert time.monotonic() - t0 < 240, "2-process run made no progress"
-        if max(_losses(tmp_path / "mp1.jsonl"), default=0) >= 5 and any(s >= 4 for s in _complete_steps(ck)):
+        if max(metrics_losses(tmp_path / "mp1.jsonl"), default=0) >= 5 and any(s >= 4 for s in checkpoint_steps(ck)):
             break
         time.sleep(0.05)
     # the launcher's first stderr line names the pids: "launch/local.sh: 2 processes on ...: pids A B"
@@ -125,19 +119,19 @@ def test_two_processes_match_one_and_fail_fast_and_resume(tmp_path):
     assert second.returncode == 0, err2[-3000:]
     resumed = _start(tmp_path / "mp2.jsonl")["resumed_from"]
     assert resumed >= 4 and _start(tmp_path / "mp2.jsonl")["processes"] == 2
-    assert min(_losses(tmp_path / "mp2.jsonl")) == resumed + 1 and max(_losses(tmp_path / "mp2.jsonl")) == STEPS
+    assert min(metrics_losses(tmp_path / "mp2.jsonl")) == resumed + 1 and max(metrics_losses(tmp_path / "mp2.jsonl")) == STEPS
 
     _, err_ref = ref.communicate(timeout=400)
     assert ref.returncode == 0, err_ref[-3000:]
-    want = _losses(tmp_path / "ref.jsonl")
+    want = metrics_losses(tmp_path / "ref.jsonl")
     assert sorted(want) == list(range(1, STEPS + 1))
     # 2 processes x 4 devices == 1 process x 8 devices, step for step. Only the order of the gloo
     # reductions differs from the in-process ones; under bf16 compute that reaches ~1e-4 relative
     # after 16 steps, far below one bf16 ulp (2^-8 = 4e-3)
     for name in ("mp1.jsonl", "mp2.jsonl"):
-        got = _losses(tmp_path / name)
+        got = metrics_losses(tmp_path / name)
         assert got
         for s, v in got.items():
             assert v == pytest.approx(want[s], rel=1e-3), (name, s, v, want[s])
-    diff = max(abs(v / want[s] - 1) for n in ("mp1.jsonl", "mp2.jsonl") for s, v in _losses(tmp_path / n).items())
+    diff = max(abs(v / want[s] - 1) for n in ("mp1.jsonl", "mp2.jsonl") for s, v in metrics_losses(tmp_path / n).items())
     print(f"peer loss noticed after {waited:.1f}s; resumed from {resumed}; max relative loss difference {diff:.2e}")

@@ -5,12 +5,11 @@ gradient is ~0 can flip sign under a different (equally valid) reduction order; 
 measure that flip, not the partitioning.
 """
 import jax
-import numpy as np
 import pytest
 
 from meshpar.data import Batches, make_source
 from meshpar.train import Trainer
-from tests.conftest import devices, make_cfg
+from tests.conftest import devices, make_cfg, rel
 
 CASES = {
     "dp": {"data": 8},
@@ -24,11 +23,6 @@ CASES = {
 }
 
 
-def rel(a, b) -> float:
-    num = sum(float(np.sum((np.asarray(x, np.float64) - np.asarray(y, np.float64)) ** 2))
-              for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
-    den = sum(float(np.sum(np.asarray(y, np.float64) ** 2)) for y in jax.tree.leaves(b))
-    return (num / den) ** 0.5
 
 
 def one_step(cfg, devs):

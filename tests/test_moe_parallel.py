@@ -13,7 +13,7 @@ import pytest
 from meshpar.config import CONFIG_DIR, load_config
 from meshpar.inspect import _split_computations, collectives
 from meshpar.train import Trainer
-from tests.conftest import devices, make_cfg
+from tests.conftest import devices, make_cfg, rel
 
 BASE = ["model.name=moe", "model.layers=4", "moe.every=2", "moe.num_experts=4"]   # two MoE layers
 ROUTINGS = {"top2": ["moe.routing=top2"], "top1": ["moe.routing=top1"], "dropless": ["moe.capacity_factor=null"],
@@ -57,8 +57,6 @@ def _flat(tree):
     return np.concatenate([np.ravel(x) for x in jax.tree.leaves(tree)])
 
 
-def _rel(a, b):
-    return float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / np.linalg.norm(b))
 
 
 @pytest.mark.parametrize("routing,mesh_name", CASES)
@@ -70,8 +68,8 @@ def test_expert_parallel_equals_single_device_and_uses_all_to_all(setup, routing
     (loss, aux, grads), hlo, shape = _grads(cfg, jax.devices()[:8], params, tokens)
 
     # exactness (fp32): loss, every aux metric and the gradients, norm-wise
-    assert _rel(loss, ref_loss) <= 1e-5
-    assert _rel(_flat(grads), _flat(ref_grads)) <= 1e-5
+    assert rel(loss, ref_loss) <= 1e-5
+    assert rel(grads, ref_grads) <= 1e-5
     expert_grads = [g for path, g in jax.tree_util.tree_leaves_with_path(grads)
                     if "'moe'" in str(path) and "w_" in str(path)]
     assert expert_grads and np.linalg.norm(_flat(expert_grads)) > 0

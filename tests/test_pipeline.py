@@ -15,17 +15,12 @@ from meshpar import pipeline
 from meshpar.errors import ConfigError, ShardingError
 from meshpar.inspect import collectives
 from meshpar.train import Trainer
-from tests.conftest import devices, make_cfg
+from tests.conftest import devices, make_cfg, rel
 
 TINY = ["model.embed=32", "model.mlp=64", "model.heads=4", "model.kv_heads=2", "model.head_dim=8",
         "model.vocab=64", "batch.global_size=16", "batch.length=8"]
 
 
-def rel(a, b) -> float:
-    num = sum(float(np.sum((np.asarray(x, np.float64) - np.asarray(y, np.float64)) ** 2))
-              for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
-    den = sum(float(np.sum(np.asarray(y, np.float64) ** 2)) for y in jax.tree.leaves(b))
-    return (num / den) ** 0.5
 
 
 def pp_cfg(schedule, p, m, v=1, layers=4, mesh=None, *extra):
