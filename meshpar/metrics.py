@@ -15,18 +15,14 @@ import dataclasses
 import json
 from pathlib import Path
 
-import jax
-
-
-def _is_main() -> bool:
-    return jax.process_index() == 0
+from meshpar.distributed import is_main
 
 
 class MetricsLogger:
     def __init__(self, path: str | None, total_steps: int, console=None):
         from rich.console import Console
         self.console = console or Console(stderr=False)
-        self.main = _is_main()
+        self.main = is_main()
         self.file = open(Path(path), "w") if (path and self.main) else None  # noqa: SIM115
         self.total = total_steps
         self.progress = None
