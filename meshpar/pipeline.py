@@ -327,14 +327,6 @@ def _split_params(params: dict):
     return outer, params["layers"]
 
 
-def _microbatches(tokens, m: int, layout):
-    """tokens [B, T+1] -> [M, B/M, T+1]; row i*M + k -> microbatch k, so no row changes device."""
-    from meshpar.rules import constrain
-    b, t = tokens.shape
-    mbs = tokens.reshape(b // m, m, t).swapaxes(0, 1)
-    return constrain(mbs, (None, "batch", None), "pipeline microbatches")
-
-
 def _circular_loss(model: _Model, p: int, m: int, v: int, outer, layers, tokens):
     """Body of the shard_map for GPipe (v = 1) and the circular schedule (v > 1); differentiated by
     autodiff. layers: this device's chunks [v, Lc, ...]; tokens [M, b, T+1] -> (loss, metrics)."""
@@ -578,7 +570,8 @@ def value_and_grad(spec, params: dict, tokens, cfg, layout, policy, loss_scale=N
     with use_layout(layout):
         outer, layers = _split_params(params)
         n_layers = jax.tree.leaves(layers)[0].shape[0]
-        mbs = _microbatches(tokens, m, layout)
+        from meshpar.train import split_microbatches
+        mbs = split_microbatches(tokens, m, layout)
         if pc.schedule == "1f1b":
             body = partial(_one_f_one_b_grads, model, p, m)
             fn = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(AXIS), P(), P()),

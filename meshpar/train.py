@@ -68,6 +68,14 @@ def check_batch(cfg, layout: Layout) -> None:
                             f"use a multiple of {dp * m} for batch.global_size")
 
 
+def split_microbatches(tokens, m: int, layout: Layout):
+    """tokens [B, T+1] -> [M, B/M, T+1]. Row i*M + k goes to microbatch k, so every device keeps its
+    own rows (no data movement); each microbatch keeps the batch layout."""
+    b, t = tokens.shape
+    mbs = tokens.reshape(b // m, m, t).swapaxes(0, 1)
+    return jax.lax.with_sharding_constraint(mbs, layout.sharding((None, "batch", None), mbs.shape, "microbatches"))
+
+
 def check_platform(cfg) -> None:
     """Options that only some backends have."""
     backend = jax.default_backend()
@@ -162,10 +170,7 @@ class Trainer:
         if m == 1:
             (loss, aux), grads = self._grads(params, batch, scale)
         else:
-            b, t = batch.shape
-            # row i*m + k -> microbatch k: every device keeps its own rows (no data movement)
-            mbs = batch.reshape(b // m, m, t).swapaxes(0, 1)
-            mbs = jax.lax.with_sharding_constraint(mbs, NamedSharding(self.mesh, P(None, *self.batch_sharding.spec)))
+            mbs = split_microbatches(batch, m, self.layout)
 
             def acc(carry, mb):
                 (l, a), g = self._grads(params, mb, scale)
@@ -216,7 +221,8 @@ def active_params(spec: ModelSpec, cfg) -> float:
     """Parameters one token's forward pass multiplies with: all but the input embedding table (a
     gather, not a matmul), and of each expert weight (logical axis `expert`, size E) only the
     top_k / E share its token is routed to."""
-    top_k = {"top1": 1, "top2": 2}[cfg.moe.routing]
+    from meshpar.moe import TOP_K
+    top_k = TOP_K[cfg.moe.routing]
     total = 0.0
     for shape, names in zip(jax.tree.leaves(spec.shapes),
                             jax.tree.leaves(spec.logical, is_leaf=lambda x: isinstance(x, tuple))):
