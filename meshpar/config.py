@@ -290,6 +290,7 @@ def validate(cfg: Config) -> None:
     _choice("data.dtype", cfg.data.dtype, ("uint16", "uint32"))
     _choice("pipeline.schedule", cfg.pipeline.schedule, ("gpipe", "1f1b", "interleaved"))
     _choice("moe.routing", cfg.moe.routing, ("top1", "top2"))
+    _choice("moe.second_expert_policy", cfg.moe.second_expert_policy, ("all", "random"))
     _choice("train.on_nan", cfg.train.on_nan, ("skip", "stop"))
     if cfg.checkpoint.every < 0:
         raise ConfigError(f"config key 'checkpoint.every' must be >= 0 (0: only at the end), got {cfg.checkpoint.every}")

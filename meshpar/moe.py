@@ -60,6 +60,9 @@ W_IN = ("expert", "embed", "expert_mlp")                  # EMH
 W_OUT = ("expert", "expert_mlp", "embed")                 # EHM
 
 
+TOP_K = {"top1": 1, "top2": 2}                            # moe.routing -> experts per token (K)
+
+
 @dataclass(frozen=True)
 class MoESettings:
     """The MoE part of a run config, as the layers need it (see `meshpar.config.MoEConfig`)."""
@@ -74,7 +77,7 @@ class MoESettings:
 
     @classmethod
     def from_config(cls, m) -> "MoESettings":
-        return cls(num_experts=m.num_experts, top_k={"top1": 1, "top2": 2}[m.routing],
+        return cls(num_experts=m.num_experts, top_k=TOP_K[m.routing],
                    capacity_factor=m.capacity_factor, every=m.every, aux_loss_weight=m.aux_loss_weight,
                    z_loss_weight=m.z_loss_weight, group_size=m.group_size,
                    second_expert_policy=m.second_expert_policy)
@@ -83,10 +86,7 @@ class MoESettings:
 def check_config(cfg) -> None:
     """MoE checks that need no devices; one line each, naming the key and a fix."""
     m = cfg.moe
-    if m.second_expert_policy not in ("all", "random"):
-        raise ConfigError(f"config key 'moe.second_expert_policy' has unknown value '{m.second_expert_policy}' "
-                          "(choose from: all, random)")
-    k = {"top1": 1, "top2": 2}.get(m.routing, 1)
+    k = TOP_K[m.routing]          # config.validate has checked moe.routing
     if k > m.num_experts:
         raise ConfigError(f"moe.routing={m.routing} sends every token to {k} experts but moe.num_experts="
                           f"{m.num_experts}; use routing=top1 or at least {k} experts")

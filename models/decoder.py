@@ -9,7 +9,6 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
