@@ -305,7 +305,7 @@ class _Model:
 
     def stage(self, outer, layers, x):
         """Local layers [Lc, ...], x [b, T, E] -> (y [b, T, E], aux loss scalar, metrics {k: [Lc]})."""
-        from models.layers import scan_layers
+        from meshpar.layers import scan_layers
         positions = jnp.arange(x.shape[1])
         x = _vary(x)                        # the layer scan's carry varies over stages
         y, aux = scan_layers(self.module(outer, layers).layers, x, positions, self.remat, self.scan)
@@ -322,7 +322,7 @@ class _Model:
 def _split_params(params: dict):
     if "layers" not in params:
         raise ConfigError("pipelining needs a model with stacked layers under the parameter key 'layers' "
-                          "(models.layers.stacked); set mesh.pipeline=1 for this model")
+                          "(meshpar.layers.stacked); set mesh.pipeline=1 for this model")
     outer = {k: v for k, v in params.items() if k != "layers"}
     return outer, params["layers"]
 
@@ -570,7 +570,7 @@ def value_and_grad(spec, params: dict, tokens, cfg, layout, policy, loss_scale=N
     with use_layout(layout):
         outer, layers = _split_params(params)
         n_layers = jax.tree.leaves(layers)[0].shape[0]
-        from meshpar.train import split_microbatches
+        from meshpar.sharding import split_microbatches
         mbs = split_microbatches(tokens, m, layout)
         if pc.schedule == "1f1b":
             body = partial(_one_f_one_b_grads, model, p, m)

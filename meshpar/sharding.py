@@ -44,7 +44,7 @@ class ModelSpec:
 
 def model_spec(cfg, build=None) -> ModelSpec:
     """Trace the model's constructor abstractly (`nnx.eval_shape`): shapes and logical axes only."""
-    import models
+    from meshpar import models
     build = build or models.build
     abstract = nnx.eval_shape(lambda: build(cfg, nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
@@ -54,7 +54,7 @@ def model_spec(cfg, build=None) -> ModelSpec:
                if "logical_axes" not in v.get_metadata()]
     if missing:
         raise ShardingError(f"model parameter {missing[0]} has no logical_axes metadata; create it with "
-                            "models.layers.param(..., logical=(...))")
+                            "meshpar.layers.param(..., logical=(...))")
     logical = jax.tree.unflatten(jax.tree.structure(shapes), [tuple(v.get_metadata()["logical_axes"]) for v in leaves])
     return ModelSpec(graphdef, jax.tree.structure(state), shapes, logical, getattr(abstract, "cfg", None))
 
@@ -89,6 +89,14 @@ def opt_state_shardings(tx, spec: ModelSpec, layout: Layout):
     return optax.tree_map_params(tx, lambda _, s: s, abstract, per_param,
                                  transform_non_params=lambda _: replicated,
                                  is_leaf=lambda x: isinstance(x, NamedSharding))
+
+
+def split_microbatches(tokens, m: int, layout: Layout):
+    """tokens [B, T+1] -> [M, B/M, T+1]. Row i*M + k goes to microbatch k, so every device keeps its
+    own rows (no data movement); each microbatch keeps the batch layout."""
+    b, t = tokens.shape
+    mbs = tokens.reshape(b // m, m, t).swapaxes(0, 1)
+    return jax.lax.with_sharding_constraint(mbs, layout.sharding((None, "batch", None), mbs.shape, "microbatches"))
 
 
 def bytes_per_device(shape, dtype, sharding) -> int:

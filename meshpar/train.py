@@ -26,7 +26,8 @@ from meshpar import precision as precision_lib
 from meshpar.errors import ShardingError
 from meshpar.mesh import describe, make_mesh, mesh_shape
 from meshpar.rules import Layout, get_strategy, parse_user_rules, use_layout
-from meshpar.sharding import ModelSpec, model_spec, opt_state_shardings, param_shardings, state_shardings
+from meshpar.sharding import (ModelSpec, model_spec, opt_state_shardings, param_shardings, split_microbatches,
+                              state_shardings)
 
 
 def make_optimizer(cfg, spec: ModelSpec) -> optax.GradientTransformation:
@@ -66,14 +67,6 @@ def check_batch(cfg, layout: Layout) -> None:
         what = f"batch.global_size={b}" if m == 1 else f"the microbatch size {b // m} (batch.global_size={b} / batch.microbatches={m})"
         raise ShardingError(f"{what} is not divisible by the data-parallel size {dp} ({axes}); "
                             f"use a multiple of {dp * m} for batch.global_size")
-
-
-def split_microbatches(tokens, m: int, layout: Layout):
-    """tokens [B, T+1] -> [M, B/M, T+1]. Row i*M + k goes to microbatch k, so every device keeps its
-    own rows (no data movement); each microbatch keeps the batch layout."""
-    b, t = tokens.shape
-    mbs = tokens.reshape(b // m, m, t).swapaxes(0, 1)
-    return jax.lax.with_sharding_constraint(mbs, layout.sharding((None, "batch", None), mbs.shape, "microbatches"))
 
 
 def check_platform(cfg) -> None:
@@ -132,7 +125,7 @@ class Trainer:
     # -- init ------------------------------------------------------------------------------------
     def _init_fn(self, key):
         from flax import nnx
-        import models
+        from meshpar import models
         model = models.build(self.cfg, nnx.Rngs(params=key))
         params = nnx.to_pure_dict(nnx.split(model)[1])
         return {"step": jnp.zeros((), jnp.int32), "params": params, "opt": self.tx.init(params),

@@ -5,12 +5,12 @@ from flax import nnx
 
 
 def _decoder(cfg, rngs):
-    from models.decoder import Decoder, DecoderConfig
+    from meshpar.models.decoder import Decoder, DecoderConfig
     return Decoder(DecoderConfig.from_config(cfg.model), rngs)
 
 
 def _moe(cfg, rngs):
-    from models.moe import build
+    from meshpar.models.moe import build
     return build(cfg, rngs)
 
 

@@ -13,7 +13,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshpar.rules import constrain
-from models.layers import RESIDUAL, Block, RMSNorm, param, scan_layers, stacked
+from meshpar.layers import param, scan_layers, stacked
+from meshpar.models.layers import RESIDUAL, Block, RMSNorm
 
 # name: (layers, embed, heads, kv_heads, head_dim, mlp, vocab)
 SIZES = {

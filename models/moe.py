@@ -18,8 +18,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshpar import moe as moe_lib
-from models.decoder import Decoder, DecoderConfig
-from models.layers import Block, RMSNorm, param, scan_layers, stacked
+from meshpar.models.decoder import Decoder, DecoderConfig
+from meshpar.layers import param, scan_layers, stacked
+from meshpar.models.layers import Block, RMSNorm
 
 
 class MoEFFN(nnx.Module):

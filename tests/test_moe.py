@@ -166,7 +166,7 @@ def test_dropless_equals_capacity_mode_when_nothing_drops(k, policy):
 def test_model_reports_aux_per_moe_layer():
     from flax import nnx
 
-    import models
+    from meshpar import models
     cfg = make_cfg("model.name=moe", "model.layers=4", "moe.every=2", "batch.length=8")
 
     @jax.jit

@@ -1,0 +1,82 @@
+"""Building blocks a model uses to meet meshpar: annotated parameters and stacked, scanned layers.
+
+    w = param(rngs, (E, F), ("embed", "mlp"), std)       # an nnx.Param with logical axis names
+    blocks = stacked(lambda r: Block(cfg, r), L, rngs)     # L copies on a leading `layers` axis
+    x, aux = scan_layers(blocks, x, positions, remat)      # lax.scan over `layers`, with remat
+
+Stacking puts the `layers` name in front of each parameter's logical axes, so the stack's layout
+(at rest on its pipeline stage, say) survives into gradients and optimizer state. The pipeline
+schedules (`meshpar.pipeline`) cut exactly such a stack into stages.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from meshpar.rules import constrain
+
+
+def param(rngs: nnx.Rngs, shape, logical, std: float | None = None, init: str = "normal") -> nnx.Param:
+    """An fp32 parameter with logical axis names (`logical_axes` metadata, resolved by meshpar)."""
+    if init == "ones":
+        value = jnp.ones(shape, jnp.float32)
+    else:
+        value = std * jax.random.truncated_normal(rngs.params(), -2.0, 2.0, shape, jnp.float32)
+    return nnx.Param(value, logical_axes=tuple(logical))
+
+
+def stacked(make, n: int, rngs: nnx.Rngs):
+    """n copies of the module `make(rngs)` stacked on a leading `layers` axis (nnx.vmap)."""
+    keys = jax.random.split(rngs.params(), n)
+
+    @nnx.vmap(in_axes=0, out_axes=0)
+    def create(key):
+        return make(nnx.Rngs(params=key))
+
+    mod = create(keys)
+    for _, var in nnx.iter_graph(mod):
+        if isinstance(var, nnx.Variable) and "logical_axes" in var.get_metadata():
+            var.set_metadata("logical_axes", ("layers",) + tuple(var.get_metadata()["logical_axes"]))
+    return mod
+
+
+REMAT_POLICIES = {
+    "none": None,
+    "full": lambda: jax.checkpoint_policies.nothing_saveable,
+    "save_dots": lambda: jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "offload": lambda: jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
+}
+
+
+def scan_layers(layers_mod, x, positions, remat: str = "full", scan: bool = True):
+    """Apply a stacked module [layers, ...] to x [B, T, E] layer by layer.
+
+    `lax.scan` keeps one copy of the layer program (compile time independent of depth); the remat
+    policy decides what the backward pass recomputes. Returns (x, aux) with aux stacked [layers].
+    """
+    graphdef, state = nnx.split(layers_mod)
+
+    def pin(v):
+        """One layer's weight slice, pinned to its at-rest layout (its logical axes minus `layers`).
+        Under FSDP the weight stays sharded until use (an all-gather per layer) and, by
+        transposition, its gradient is reduce-scattered per layer inside the backward loop instead
+        of all-reduced whole and sliced after the loop."""
+        names = v.get_metadata().get("logical_axes")
+        return v.replace(constrain(v.get_value(), names[1:], what="parameter")) if names else v
+
+    def body(carry, layer_state):
+        layer_state = jax.tree.map(pin, layer_state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+        y, aux = nnx.merge(graphdef, layer_state)(carry, positions)
+        return y, aux
+
+    if REMAT_POLICIES[remat] is not None:
+        body = jax.checkpoint(body, policy=REMAT_POLICIES[remat](), prevent_cse=not scan)
+    if scan:
+        return jax.lax.scan(body, x, state)
+    n = jax.tree.leaves(state)[0].shape[0]
+    auxes = []
+    for i in range(n):
+        x, aux = body(x, jax.tree.map(lambda a: a[i], state))
+        auxes.append(aux)
+    return x, jax.tree.map(lambda *a: jnp.stack(a), *auxes) if auxes and auxes[0] else {}
