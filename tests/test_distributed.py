@@ -83,7 +83,7 @@ def _start(path: Path) -> dict:
 
 
 def _local(n: int, out: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen(["bash", str(REPO / "launch" / "local.sh"), str(n), "--metrics-out", str(out),
+    return subprocess.Popen([sys.executable, "-m", "meshpar.cli", "launch", str(n), "--metrics-out", str(out),
                              *RUN, *extra], cwd=REPO, env=_env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
 
@@ -101,7 +101,7 @@ def test_two_processes_match_one_and_fail_fast_and_resume(tmp_path):
         if max(metrics_losses(tmp_path / "mp1.jsonl"), default=0) >= 5 and any(s >= 4 for s in checkpoint_steps(ck)):
             break
         time.sleep(0.05)
-    # the launcher's first stderr line names the pids: "launch/local.sh: 2 processes on ...: pids A B"
+    # the launcher's first stderr line names the pids: "meshpar launch: 2 processes on ...: pids A B"
     line = first.stderr.readline()
     while "pids" not in line:
         line = first.stderr.readline()

@@ -1,0 +1,92 @@
+"""`meshpar launch N [train arguments...]`: N training processes on this machine (loopback, gloo).
+
+A real multi-process run without a cluster. Every process is `sys.executable -m meshpar.cli train
+...`, the interpreter that runs the launcher (never a `python` found on PATH, which on a fresh machine
+may not have jax). Process 0 hosts the coordination service on a free port (MESHPAR_PORT to choose
+one); `--devices D` (or the config's `devices`) counts all processes together, so with N=2 and 8
+devices each process fakes 4 (see cli._setup_devices).
+
+Contract, the same as `launch/local.sh` (now a thin wrapper around this module):
+- SIGTERM/SIGINT to the launcher go to every process (a preemption: they agree on a step, save a
+  checkpoint if checkpoint.dir is set and exit 128 + signal);
+- a process that dies is noticed by the others within MESHPAR_PEER_TIMEOUT seconds; they exit 3
+  naming it (meshpar/distributed.py);
+- the launcher returns the first non-zero exit status (0 when all succeed).
+Launch again with the same arguments to resume from checkpoint.dir.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+PROG = "meshpar launch"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now (the kernel picks it)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _why(rc: int) -> str:
+    if rc < 0:                       # Popen reports death by signal as -signum
+        return f"signal {-rc} ({signal.Signals(-rc).name})"
+    if rc > 128:
+        return f"status {rc} (signal {rc - 128}: killed, or saved and stopped on it)"
+    return f"exit status {rc}"
+
+
+def launch(n: int, train_args: list[str], env: dict | None = None, poll_s: float = 0.2) -> int:
+    """Start `n` processes of `meshpar train *train_args*`, forward signals, wait; first non-zero status."""
+    base = dict(os.environ if env is None else env)
+    base.setdefault("JAX_PLATFORMS", "cpu")
+    port = int(base.get("MESHPAR_PORT") or free_port())
+    procs = []
+    for i in range(n):
+        penv = {**base, "MESHPAR_COORDINATOR": f"127.0.0.1:{port}", "MESHPAR_NUM_PROCESSES": str(n),
+                "MESHPAR_PROCESS_ID": str(i)}
+        procs.append(subprocess.Popen([sys.executable, "-m", "meshpar.cli", "train", *train_args], env=penv))
+    print(f"{PROG}: {n} processes on 127.0.0.1:{port}: pids {' '.join(str(p.pid) for p in procs)}",
+          file=sys.stderr, flush=True)
+
+    def forward(signum, _frame):
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    status, running = 0, dict(enumerate(procs))
+    try:
+        while running:
+            for i, p in list(running.items()):
+                rc = p.poll()
+                if rc is None:
+                    continue
+                del running[i]
+                if rc != 0:
+                    print(f"{PROG}: process {i} (pid {p.pid}) ended with {_why(rc)}", file=sys.stderr, flush=True)
+                    if status == 0:
+                        status = rc if rc > 0 else 128 - rc
+            if running:
+                time.sleep(poll_s)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    return status
+
+
+def main(argv: list[str]) -> int:
+    """`argv` = [N, train arguments...]; the train arguments are passed through unread."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print(f"usage: {PROG} N [meshpar train arguments...]\n\n" + __doc__.split("\n\n", 1)[1].strip())
+        return 0 if argv else 2
+    if not argv[0].isdigit() or int(argv[0]) < 1:
+        print(f"meshpar: error: {PROG}: N must be a positive number of processes, got {argv[0]!r} "
+              f"(e.g. `{PROG} 2 steps=20`)", file=sys.stderr)
+        return 2
+    return launch(int(argv[0]), argv[1:])
