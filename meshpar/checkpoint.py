@@ -34,8 +34,13 @@ What it guarantees:
   is recomputed after the restore and compared.
 * Fallback order: newest to oldest. A damaged checkpoint is reported by step, path and reason; once
   an older one restores cleanly the damaged folders are renamed `<step>.damaged-<time>` (kept for
-  inspection, never deleted) so the run can write that step again. If none is usable the run stops
-  with `CheckpointError` and touches nothing.
+  inspection, never deleted) so the run can write that step again; if one cannot be moved, the
+  next save of that step replaces it. If none is usable the run stops with `CheckpointError` and
+  touches nothing.
+* Paths are etils `epath.Path`, the type Orbax uses: `gs://bucket/run` stays a bucket path
+  (`pathlib` would turn it into the local folder `gs:/bucket/run`).
+* The data stream is (data.seed, batch.global_size, batch.length, data.kind/path): resuming with
+  any of them changed is allowed but said in one line (`data_changes`).
 """
 from __future__ import annotations
 
@@ -43,12 +48,12 @@ import dataclasses
 import functools
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from etils import epath
 from jax.sharding import NamedSharding, PartitionSpec
 
 from meshpar.errors import MeshparError
@@ -59,6 +64,35 @@ FORMAT = 1
 
 class CheckpointError(MeshparError):
     """No usable checkpoint, or one that does not fit this run."""
+
+
+class FingerprintMismatch(ValueError):
+    """Restored contents differ from the fingerprint saved with them (silent corruption)."""
+
+
+DATA_KEYS = (("data", "seed"), ("batch", "global_size"), ("batch", "length"), ("data", "kind"), ("data", "path"))
+
+
+def data_changes(saved_config: dict, cfg) -> list[str]:
+    """`key=new (checkpoint: old)` for every setting of the data stream that differs from the saved run."""
+    out = []
+    for section, key in DATA_KEYS:
+        old = (saved_config.get(section) or {}).get(key, None)
+        new = getattr(getattr(cfg, section), key, None)
+        if (section in saved_config) and old != new:
+            out.append(f"{section}.{key}={new} (checkpoint: {old})")
+    return out
+
+
+def local_or_remote(path) -> epath.Path:
+    """`checkpoint.dir` as the path type Orbax uses; local paths made absolute, URLs kept as they are."""
+    p = epath.Path(path)
+    return p if "://" in str(path) else epath.Path(p.expanduser().absolute())
+
+
+def aside_path(path: epath.Path, stamp: str) -> epath.Path:
+    """Where a damaged `<dir>/<step>` is moved: `<dir>/<step>.damaged-<stamp>`, same file system."""
+    return path.with_name(f"{path.name}.damaged-{stamp}")
 
 
 @dataclass
@@ -130,10 +164,12 @@ class Checkpointer:
         self.ocp = ocp
         self.cfg, self.trainer, self.info = cfg, trainer, info
         c = cfg.checkpoint
-        self.directory = str(c.dir) if "://" in str(c.dir) else str(Path(c.dir).expanduser().absolute())
+        self.root = local_or_remote(c.dir)
+        self.directory = str(self.root)
         self.every = c.every
         options = ocp.CheckpointManagerOptions(max_to_keep=c.keep, create=True, enable_async_checkpointing=True)
-        self.manager = ocp.CheckpointManager(self.directory, item_names=ITEMS, options=options)
+        self.manager = ocp.CheckpointManager(self.root, item_names=ITEMS, options=options)
+        self.damaged_steps: set[int] = set()      # found damaged and still in place (could not be moved)
         self.target = trainer.abstract_state()          # shapes, dtypes and this run's shardings
         self.signature = tree_signature(self.target)
         self.last_saved: int | None = None
@@ -154,6 +190,8 @@ class Checkpointer:
     def save(self, step: int, state, data_state: dict, *, wait: bool = False) -> str:
         """Start an asynchronous save of `state` at `step` (all processes call it). Returns the path.
         The previous save, if still writing, is finished first (Orbax), so at most one is in flight."""
+        if step in self.damaged_steps:
+            self._replace_damaged(step)
         if step in self.manager.all_steps():       # e.g. the end of a run that resumed at its last step
             return self.path(step)
         ocp = self.ocp
@@ -213,7 +251,8 @@ class Checkpointer:
         got = fingerprint(state)
         bad = [k for k, v in meta.get("fingerprint", {}).items() if got.get(k) != v]
         if bad:
-            raise ValueError(f"contents differ from the fingerprint saved with them (first: state{bad[0]})")
+            raise FingerprintMismatch(f"fingerprint mismatch: contents differ from the fingerprint saved with them "
+                                      f"(first: state{bad[0]})")
         return state, data, meta
 
     def restore_latest(self) -> Restored | None:
@@ -237,6 +276,7 @@ class Checkpointer:
             if ok:
                 state, data, meta = result
                 self._set_aside(damaged)
+                self.damaged_steps = {d["step"] for d in damaged} & set(self.steps())
                 return Restored(step, state, data, meta, self.path(step), damaged)
             reason = reason or "damaged on another process"
             damaged.append({"step": step, "path": self.path(step), "reason": reason})
@@ -251,16 +291,36 @@ class Checkpointer:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         if jax.process_index() == 0:
             for d in damaged:
-                src = Path(d["path"])
-                if src.exists():
-                    dst = src.with_name(f"{src.name}.damaged-{stamp}")
-                    src.rename(dst)
-                    d["moved_to"] = str(dst)
-                    self.info(f"moved damaged checkpoint {src} to {dst} (kept, not deleted)")
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-            multihost_utils.sync_global_devices("meshpar-checkpoint-set-aside")
+                src = epath.Path(d["path"])
+                try:
+                    if src.exists():
+                        dst = aside_path(src, stamp)
+                        src.rename(dst)
+                        d["moved_to"] = str(dst)
+                        self.info(f"moved damaged checkpoint {src} to {dst} (kept, not deleted)")
+                except OSError as e:
+                    self.info(f"could not move damaged checkpoint {src} aside ({_one_line(e)}); the next save of "
+                              f"step {d['step']} replaces it")
+        _barrier("meshpar-checkpoint-set-aside")
         self.manager.reload()
+
+    def _replace_damaged(self, step: int) -> None:
+        """A damaged step still in the manager's list would make `save` skip that step forever: move
+        it aside (or, failing that, delete it) so the save writes a good one in its place."""
+        self.wait()
+        self._set_aside([{"step": step, "path": self.path(step)}])
+        if step in self.manager.all_steps():
+            if jax.process_index() == 0:
+                self.info(f"deleting damaged checkpoint step {step} at {self.path(step)} to write it again")
+            self.manager.delete(step)
+            self.manager.reload()
+        self.damaged_steps.discard(step)
+
+
+def _barrier(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices(name)
 
 
 def _all_processes(ok: bool) -> bool:
