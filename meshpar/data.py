@@ -10,15 +10,51 @@ Sources:
   loss floor any model can reach, printed at start.
 * `TokenFile`: a flat pre-tokenized `uint16`/`uint32` file, memory-mapped; random windows.
 * `TextFiles`: plain text through a byte-level tokenizer (ids 0..255); random windows.
+* Your own: any object with `batch_spec(global_size, length) -> tree of Leaf` and
+  `rows(seed, step, rows, length) -> the same tree of numpy arrays [len(rows), ...]`, named on the
+  command line as `data.kind=PKG.MODULE:FN` (`FN(cfg) -> source`). A batch is then any pytree; each
+  leaf declares its logical axes, led by `batch` (e.g. images `("batch", None, None, None)`).
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from meshpar.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """One leaf of a global batch: shape [B, ...], dtype and logical axes (the first is `batch`)."""
+    shape: tuple
+    dtype: Any
+    axes: tuple
+
+
+def is_leaf(x) -> bool:
+    return isinstance(x, Leaf)
+
+
+def lm_batch_spec(global_size: int, length: int) -> Leaf:
+    """The language-model batch: token rows [B, T+1] (inputs and shifted targets)."""
+    return Leaf((global_size, length + 1), np.int32, ("batch", None))
+
+
+def check_batch_spec(batch_spec) -> None:
+    """Every leaf is a `Leaf` whose axes match its rank and lead with `batch`; one line naming it otherwise."""
+    import jax
+    for path, leaf in jax.tree_util.tree_leaves_with_path(batch_spec, is_leaf=lambda x: is_leaf(x) or x is None):
+        name = jax.tree_util.keystr(path) or "batch"
+        if not is_leaf(leaf):
+            raise ConfigError(f"batch leaf {name} has no declared logical axes; describe it as "
+                              "meshpar.data.Leaf(shape, dtype, axes) with axes like ('batch', None)")
+        if len(leaf.axes) != len(leaf.shape) or not leaf.axes or leaf.axes[0] != "batch":
+            raise ConfigError(f"batch leaf {name}: axes {tuple(leaf.axes)} do not fit shape {tuple(leaf.shape)}; give "
+                              "one logical name (or None) per dimension, the first being 'batch'")
 
 
 def _row_rng(seed: int, step: int, row: int) -> np.random.Generator:
@@ -83,14 +119,26 @@ class _Windows:
 
 
 class TokenFile(_Windows):
+    """A flat binary file of token ids (`data.dtype`), memory-mapped. The whole file is checked once
+    against the vocabulary, in chunks of CHUNK tokens (one vectorised max per chunk), so a bad id
+    anywhere stops the run at start, naming its position, instead of at some later step."""
+    CHUNK = 1 << 24
+
     def __init__(self, path: str, dtype: str, vocab: int):
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"data.path '{path}' is not a file")
-        self.tokens = np.memmap(p, dtype=np.dtype(dtype), mode="r")
-        probe = int(self.tokens[: 1 << 20].max()) if len(self.tokens) else 0
-        if probe >= vocab:
-            raise ConfigError(f"data.path '{path}' holds token id {probe} >= model.vocab={vocab}")
+        dt = np.dtype(dtype)
+        if p.stat().st_size % dt.itemsize:
+            raise ConfigError(f"data.path '{path}' has {p.stat().st_size} bytes, not a whole number of "
+                              f"{dtype} tokens; is data.dtype right?")
+        self.tokens = np.memmap(p, dtype=dt, mode="r") if p.stat().st_size else np.zeros(0, dt)
+        for start in range(0, len(self.tokens), self.CHUNK):
+            chunk = self.tokens[start:start + self.CHUNK]
+            if int(chunk.max()) >= vocab:
+                at = start + int(np.argmax(chunk >= vocab))
+                raise ConfigError(f"data.path '{path}' holds token id {int(self.tokens[at])} >= model.vocab={vocab} "
+                                  f"at position {at}; raise model.vocab or fix the file")
 
 
 class TextFiles(_Windows):
@@ -114,14 +162,18 @@ def make_source(cfg, vocab: int):
 
 
 class Batches:
-    """Iterator of global token batches [B, T+1] (inputs and shifted targets), sharded on arrival.
+    """Iterator of global batches, sharded on arrival: a tree of arrays shaped like `batch_spec`
+    (by default one [B, T+1] token array: inputs and shifted targets).
 
-    `state()` / `restore(state)` checkpoint the position; nothing else is needed for exact resume.
+    Each process builds only the rows its devices hold, each row range once per step whatever the
+    number of leaves. `state()` / `restore(state)` checkpoint the position; nothing else is needed
+    for exact resume.
     """
 
-    def __init__(self, source, sharding, global_size: int, length: int, seed: int, step: int = 0):
+    def __init__(self, source, sharding, global_size: int, length: int, seed: int, step: int = 0, batch_spec=None):
         self.source, self.sharding = source, sharding
-        self.shape = (global_size, length + 1)
+        self.length = length
+        self.spec = batch_spec if batch_spec is not None else lm_batch_spec(global_size, length)
         self.seed, self.step = seed, step
 
     def state(self) -> dict:
@@ -135,14 +187,26 @@ class Batches:
 
     def __next__(self):
         import jax
-        step = self.step
+        step, built = self.step, {}
 
-        def local(index):
-            rows = range(*index[0].indices(self.shape[0]))
-            return self.source.rows(self.seed, step, rows, self.shape[1])
+        def rows_of(index, size):
+            rows = range(*index[0].indices(size))
+            key = (rows.start, rows.stop, rows.step)
+            if key not in built:
+                built[key] = self.source.rows(self.seed, step, rows, self.length + 1)
+            return built[key]
 
+        leaves, treedef = jax.tree.flatten(self.spec, is_leaf=is_leaf)
+        shardings = jax.tree.leaves(self.sharding)
+        out = []
+        for i, (leaf, sh) in enumerate(zip(leaves, shardings)):
+            def local(index, i=i, leaf=leaf):
+                tree = rows_of(index, leaf.shape[0])
+                part = jax.tree.leaves(tree)[i] if len(leaves) > 1 else tree
+                return np.asarray(part, leaf.dtype)[(slice(None),) + tuple(index[1:])]
+            out.append(jax.make_array_from_callback(tuple(leaf.shape), sh, local))
         self.step += 1
-        return jax.make_array_from_callback(self.shape, self.sharding, local)
+        return jax.tree.unflatten(treedef, out)
 
 
 def floor_gap_closed(initial: float, final: float, floor: float) -> float:

@@ -43,7 +43,7 @@ def test_token_file_and_text_sources(tmp_path):
     src = TokenFile(str(tmp_path / "t.bin"), "uint16", vocab=64)
     rows = src.rows(seed=0, step=0, rows=range(3), length=17)
     assert rows.shape == (3, 17) and all(np.all(np.diff(r) % 50 == 1) for r in rows)
-    with pytest.raises(ConfigError, match="holds token id 49 >= model.vocab=32"):
+    with pytest.raises(ConfigError, match="holds token id 32 >= model.vocab=32 at position 32"):
         TokenFile(str(tmp_path / "t.bin"), "uint16", vocab=32)
     (tmp_path / "a.txt").write_text("hello meshpar " * 20)
     text = TextFiles(str(tmp_path / "a.txt"), vocab=256).rows(seed=0, step=0, rows=range(2), length=8)
@@ -52,16 +52,30 @@ def test_token_file_and_text_sources(tmp_path):
         TextFiles(str(tmp_path / "a.txt"), vocab=128)
 
 
+def test_token_file_is_checked_to_its_last_token(tmp_path, monkeypatch):
+    """A bad id far past the first 2^20 tokens (and past the first chunk) still stops the run at start."""
+    tokens = np.zeros((1 << 20) + 1000, np.uint16)
+    tokens[-3] = 70
+    tokens.tofile(tmp_path / "t.bin")
+    monkeypatch.setattr(TokenFile, "CHUNK", 1 << 16)
+    with pytest.raises(ConfigError, match=f"holds token id 70 >= model.vocab=64 at position {len(tokens) - 3}"):
+        TokenFile(str(tmp_path / "t.bin"), "uint16", vocab=64)
+    (tmp_path / "odd.bin").write_bytes(b"\0" * 7)
+    with pytest.raises(ConfigError, match="not a whole number of uint16 tokens"):
+        TokenFile(str(tmp_path / "odd.bin"), "uint16", vocab=64)
+
+
 def test_active_params_count_matmul_weights_and_routed_experts_only():
     from meshpar.sharding import model_spec
-    from meshpar.train import active_params
+    from meshpar.flops import active_params
+    from meshpar.step import default_model
     from tests.conftest import make_cfg
     dense = make_cfg()
-    spec = model_spec(dense)
+    spec = model_spec(default_model(dense))
     emb = spec.shapes["embedding"].shape
     assert active_params(spec, dense) == spec.num_params - emb[0] * emb[1]
     moe = make_cfg("model.name=moe", "moe.num_experts=4", "moe.routing=top1")
-    mspec = model_spec(moe)
+    mspec = model_spec(default_model(moe))
     experts = sum(np.prod(s.shape) for s, n in zip(jax_leaves(mspec.shapes), jax_leaves(mspec.logical))
                   if "expert" in n)
     assert active_params(mspec, moe) == pytest.approx(mspec.num_params - emb[0] * emb[1] - experts * 3 / 4)
