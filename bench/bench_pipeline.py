@@ -21,10 +21,10 @@ os.environ["XLA_FLAGS"] = " ".join(_flags + ["--xla_force_host_platform_device_c
 
 import jax  # noqa: E402
 
-from meshpar import pipeline  # noqa: E402
+from meshpar import schedules  # noqa: E402
 from meshpar.config import load_config  # noqa: E402
 from meshpar.inspect import memory  # noqa: E402
-from meshpar.train import Trainer  # noqa: E402
+from meshpar.step import Trainer  # noqa: E402
 
 MODEL = ["model.layers=8", "model.embed=128", "model.mlp=512", "model.heads=4", "model.kv_heads=4",
          "model.head_dim=32", "model.vocab=256", "batch.length=128", "precision=fp32", "strategy=fsdp_tp"]
@@ -38,10 +38,10 @@ def measure(schedule: str, p: int, m: int, micro: int, v: int) -> dict:
     cfg = load_config(None, overrides)
     trainer = Trainer(cfg, devices=jax.devices()[:p])
     mem = memory(trainer.compile())
-    table = pipeline.schedule_table(schedule, p, m, v if schedule == "interleaved" else 1)
+    table = schedules.schedule_table(schedule, p, m, v if schedule == "interleaved" else 1)
     return {"schedule": schedule, "P": p, "M": m, "v": v if schedule == "interleaved" else 1, "micro": micro,
-            "temp_bytes": mem["temp"], "bubble": pipeline.bubble_fraction(table),
-            "max_in_flight": max(pipeline.in_flight(table))}
+            "temp_bytes": mem["temp"], "bubble": schedules.bubble_fraction(table),
+            "max_in_flight": max(schedules.in_flight(table))}
 
 
 def main(argv=None) -> int:
@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     rows = []
     for p in args.stages:
         for m in (4 * p, 8 * p):
-            for schedule in pipeline.SCHEDULES:
+            for schedule in schedules.SCHEDULES:
                 rows.append(measure(schedule, p, m, args.micro, args.virtual))
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     if args.json:

@@ -15,44 +15,9 @@ Shapes: L layers, P stages, v virtual stages (chunks) per device, Lc = L / (P v)
 M microbatches, b sequences per microbatch, T length, E embed. `F3` = forward of microbatch 3,
 `B3` = its backward, `.` = idle (the bubble); interleaved ops carry their chunk, `F3.1`.
 
-GPipe (Huang et al. 2019, "GPipe: Efficient Training of Giant Neural Networks using Pipeline
-Parallelism"): all forwards, then all backwards, M + P - 1 ticks each way. The backward is JAX's
-autodiff of the forward tick loop (ppermute transposes to the reverse ppermute); each stage is
-rematerialised (`jax.checkpoint`), so a stage stashes one input [b, T, E] per tick, M in all.
-P = 4, M = 4:
-
-    stage 0 | F0 F1 F2 F3 .  .  .  |  .  .  .  B3 B2 B1 B0
-    stage 1 | .  F0 F1 F2 F3 .  .  |  .  .  B3 B2 B1 B0 .
-    stage 2 | .  .  F0 F1 F2 F3 .  |  .  B3 B2 B1 B0 .  .
-    stage 3 | .  .  .  F0 F1 F2 F3 |  B3 B2 B1 B0 .  .  .        bubble (P-1)/(M+P-1) = 3/7
-
-1F1B, PipeDream-Flush (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
-Clusters Using Megatron-LM", §2.2; Narayanan et al. 2021 "Memory-Efficient Pipeline-Parallel DNN
-Training"): stage s runs P - s - 1 warm-up forwards, then alternates one forward and one backward,
-then drains the remaining backwards. Same bubble as GPipe, but a stage holds at most P - s
-microbatches in flight (stashed inputs) instead of M. Here the backward is explicit: `jax.vjp` of the
-stage recomputes it from the stashed input (the last stage folds its forward into its backward, and
-stage 0 re-embeds instead of stashing). The schedule is a static table [ticks, P]; every tick
-every device reads its own op with `lax.axis_index('pipeline')` and runs it in a `lax.switch` (a
-real per-device conditional: each stage executes only its branch), while both ppermutes (activations
-down, gradients up) run every tick *outside* the branches with masked payloads, so no stage ever
-waits on a collective another stage skipped. P = 4, M = 4 (ticks of equal length):
-
-    stage 0 | F0 F1 F2 F3 .  .  .  B0 .  B1 .  B2 .  B3
-    stage 1 | .  F0 F1 F2 .  .  B0 F3 B1 .  B2 .  B3 .
-    stage 2 | .  .  F0 F1 .  B0 F2 B1 F3 B2 .  B3 .  .
-    stage 3 | .  .  .  F0 B0 F1 B1 F2 B2 F3 B3 .  .  .        bubble 2(P-1)/2(M+P-1) = 3/7
-
-Interleaved / circular (Narayanan et al. 2021 §2.2.2, virtual pipeline stages; the circular
-repeat of Praxis/MaxText): device s holds v non-adjacent chunks, chunk r*P + s for r < v, and
-microbatches travel the ring v times. Microbatches enter in groups of P (so M % P == 0 when v > 1;
-v = 1 is GPipe, any M): the output
-of chunk r on the last device reaches device 0 exactly one tick before chunk r + 1 needs it, and no
-buffer is needed. Forward ticks: v M + P - 1 of 1/v stage each, bubble (P-1)/(vM+P-1); backward by
-autodiff as in GPipe. P = 2, v = 2, M = 2 (`Fm.r`: microbatch m, chunk r):
-
-    stage 0 | F0.0 F1.0 F0.1 F1.1 .    | .    B1.1 B0.1 B1.0 B0.0
-    stage 1 | .    F0.0 F1.0 F0.1 F1.1 | B1.1 B0.1 B1.0 B0.0 .         bubble 1/5
+The schedules themselves (GPipe, 1F1B, interleaved) are tick tables in `meshpar.schedules`; this
+module executes them. GPipe and the interleaved schedule are differentiated by autodiff of the
+forward tick loop; 1F1B runs forward and backward explicitly from its table.
 
 Stored layer order stays the model's order (so a checkpoint means the same model on any mesh, and the
 pipelined loss equals the non-pipelined one); at rest device s holds layers [s L/P, (s+1) L/P). The
@@ -84,137 +49,9 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from meshpar.errors import ConfigError, ShardingError
+from meshpar.schedules import schedule_table
 
 AXIS = "pipeline"
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
-
-
-# ----------------------------------------------------------------------------------------------
-# Schedules as tick tables (what `meshpar inspect` prints, and what the 1F1B executor runs).
-
-@dataclass(frozen=True)
-class Op:
-    """One unit of work of one stage at one tick: forward or backward of microbatch `micro`
-    through the device's chunk `chunk` (always 0 unless interleaved)."""
-    kind: str          # "F" | "B"
-    micro: int
-    chunk: int = 0
-
-    def __str__(self) -> str:
-        return f"{self.kind}{self.micro}" + (f".{self.chunk}" if self.chunk else "")
-
-
-Table = list[list["Op | None"]]     # [tick][stage]
-
-
-def _circular_forward(p: int, m: int, v: int) -> Table:
-    """Forward ticks of GPipe (v = 1) and the circular schedule: device s at tick t runs item
-    i = t - s; items go in groups of P microbatches x v chunks (i -> group g, chunk r, micro)."""
-    ticks = v * m + p - 1
-    table: Table = [[None] * p for _ in range(ticks)]
-    for t in range(ticks):
-        for s in range(p):
-            i = t - s
-            if 0 <= i < v * m:
-                r, micro = _item(i, p, v)
-                table[t][s] = Op("F", micro, r)
-    return table
-
-
-def _item(i: int, p: int, v: int) -> tuple[int, int]:
-    """Item index -> (chunk r, microbatch): groups of P microbatches pass each chunk in turn."""
-    if v == 1:
-        return 0, i
-    g, rem = divmod(i, p * v)
-    return rem // p, g * p + rem % p
-
-
-def _mirror(fwd: Table) -> Table:
-    """Backward of an autodiff'd forward loop: the forward ticks in reverse, F -> B."""
-    return [[None if op is None else Op("B", op.micro, op.chunk) for op in row] for row in reversed(fwd)]
-
-
-def _one_f_one_b(p: int, m: int) -> Table:
-    """PipeDream-Flush by simulation: per-stage op order (warm-up, 1F1B, cool-down), each op run at
-    the first tick its input is ready (F(m) on s after F(m) on s-1; B(m) on s after B(m) on s+1)."""
-    orders = []
-    for s in range(p):
-        warm = min(p - s - 1, m)
-        ops = [Op("F", i) for i in range(warm)]
-        for i in range(m - warm):
-            ops += [Op("F", warm + i), Op("B", i)]
-        ops += [Op("B", i) for i in range(m - warm, m)]
-        orders.append(ops)
-    done: dict[tuple[str, int, int], int] = {}
-    pos, table, t = [0] * p, [], 0
-    while any(pos[s] < len(orders[s]) for s in range(p)):
-        row = [None] * p
-        for s in range(p):
-            if pos[s] == len(orders[s]):
-                continue
-            op = orders[s][pos[s]]
-            dep = (("F", s - 1, op.micro) if s > 0 else None) if op.kind == "F" else \
-                  (("B", s + 1, op.micro) if s < p - 1 else ("F", s, op.micro))
-            if dep is None or done.get(dep, t) < t:
-                row[s] = op
-        for s, op in enumerate(row):
-            if op is not None:
-                done[(op.kind, s, op.micro)] = t
-                pos[s] += 1
-        table.append(row)
-        t += 1
-    return table
-
-
-def schedule_table(schedule: str, p: int, m: int, v: int = 1) -> Table:
-    """The tick table [tick][stage] of a schedule (forward and backward)."""
-    if schedule == "1f1b":
-        return _one_f_one_b(p, m)
-    fwd = _circular_forward(p, m, v if schedule == "interleaved" else 1)
-    return fwd + _mirror(fwd)
-
-
-def bubble_fraction(table: Table) -> float:
-    """Idle (stage, tick) slots over all slots, every op counted as one tick."""
-    slots = len(table) * len(table[0])
-    return sum(op is None for row in table for op in row) / slots
-
-
-def in_flight(table: Table) -> list[int]:
-    """Per stage, the most microbatches whose forward ran and whose backward has not (the stash)."""
-    p = len(table[0])
-    out = []
-    for s in range(p):
-        live, peak = set(), 0
-        for row in table:
-            op = row[s]
-            if op is not None:
-                (live.add if op.kind == "F" else live.discard)((op.micro, op.chunk))
-            peak = max(peak, len(live))
-        out.append(peak)
-    return out
-
-
-def _label(op: Op | None, chunks: bool) -> str:
-    return "." if op is None else f"{op.kind}{op.micro}.{op.chunk}" if chunks else f"{op.kind}{op.micro}"
-
-
-def render_table(table: Table) -> list[str]:
-    """One text line per stage: 'stage 0 | F0 F1 .  B0 ...' ('F3.1': chunk 1 when interleaved)."""
-    chunks = any(op is not None and op.chunk for row in table for op in row)
-    width = max(len(_label(op, chunks)) for row in table for op in row)
-    return [f"stage {s} | " + " ".join(_label(row[s], chunks).ljust(width) for row in table).rstrip()
-            for s in range(len(table[0]))]
-
-
-def describe(cfg, p: int) -> dict:
-    """The `pipeline` section of `meshpar inspect`: schedule table, bubble, stash per stage."""
-    pc = cfg.pipeline
-    v = pc.virtual_stages if pc.schedule == "interleaved" else 1
-    table = schedule_table(pc.schedule, p, pc.microbatches, v)
-    return {"schedule": pc.schedule, "stages": p, "microbatches": pc.microbatches, "virtual_stages": v,
-            "ticks": len(table), "table": [[str(op) if op else None for op in row] for row in table],  # [tick][stage]
-            "lines": render_table(table), "bubble": bubble_fraction(table), "in_flight": in_flight(table)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -550,11 +387,11 @@ def _store(buf, k, slots: int, value):
 
 
 # ----------------------------------------------------------------------------------------------
-# Entry point used by meshpar.train.Trainer._grads.
+# Entry point used by meshpar.step.Trainer._grads.
 
 def value_and_grad(spec, params: dict, tokens, cfg, layout, policy, loss_scale=None):
     """Pipelined ((loss, aux), grads) of next-token cross-entropy, the structure of
-    `jax.value_and_grad(meshpar.train.loss_and_aux, has_aux=True)`; aux holds "ce" (and the layers'
+    `jax.value_and_grad` of `meshpar.step.lm_loss`; aux holds "ce" (and the layers'
     metrics stacked [L]). params: the model's pure dict; tokens [B, T+1] int. With `loss_scale` S
     (fp16) the grads are those of loss * S (the caller unscales); loss and aux are never scaled."""
     from meshpar.rules import use_layout

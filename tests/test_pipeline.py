@@ -11,10 +11,10 @@ import jax
 import numpy as np
 import pytest
 
-from meshpar import pipeline
+from meshpar import pipeline, schedules
 from meshpar.errors import ConfigError, ShardingError
 from meshpar.inspect import collectives
-from meshpar.train import Trainer
+from meshpar.step import Trainer
 from tests.conftest import devices, make_cfg, rel
 
 TINY = ["model.embed=32", "model.mlp=64", "model.heads=4", "model.kv_heads=2", "model.head_dim=8",
@@ -179,9 +179,9 @@ def test_hlo_permutes_activations_and_never_gathers_the_stack(compiled_2x2x2):
 def test_bubble_fractions_match_the_papers(p, k):
     m = k * p
     for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3)):
-        table = pipeline.schedule_table(schedule, p, m, v)
+        table = schedules.schedule_table(schedule, p, m, v)
         want = (p - 1) / ((v if schedule == "interleaved" else 1) * m + p - 1)
-        assert pipeline.bubble_fraction(table) == pytest.approx(want, abs=1e-12)
+        assert schedules.bubble_fraction(table) == pytest.approx(want, abs=1e-12)
         # every stage does each (microbatch, chunk) forward once and backward once, F before B
         for s in range(p):
             ops = [row[s] for row in table if row[s] is not None]
@@ -189,16 +189,16 @@ def test_bubble_fractions_match_the_papers(p, k):
             assert len(ops) == 2 * m * n_chunks
             for op in ops:
                 if op.kind == "B":
-                    assert ops.index(pipeline.Op("F", op.micro, op.chunk)) < ops.index(op)
+                    assert ops.index(schedules.Op("F", op.micro, op.chunk)) < ops.index(op)
 
 
 def test_one_f_one_b_stashes_at_most_p_minus_s_microbatches():
     for p in (2, 3, 4, 8):               # any M, fewer microbatches than stages included
         for m in (1, 3, 5, 16):
-            assert len(pipeline.schedule_table("1f1b", p, m)) == 2 * (m + p - 1)
+            assert len(schedules.schedule_table("1f1b", p, m)) == 2 * (m + p - 1)
     for p, m in ((2, 8), (4, 16)):
-        assert pipeline.in_flight(pipeline.schedule_table("1f1b", p, m)) == [p - s for s in range(p)]
-        assert pipeline.in_flight(pipeline.schedule_table("gpipe", p, m)) == [m] * p
+        assert schedules.in_flight(schedules.schedule_table("1f1b", p, m)) == [p - s for s in range(p)]
+        assert schedules.in_flight(schedules.schedule_table("gpipe", p, m)) == [m] * p
 
 
 def test_inspect_reports_the_pipeline():
@@ -266,7 +266,7 @@ def test_errors_are_one_line():
 @pytest.mark.slow
 def test_pp_tiny_learns_like_the_default(tmp_path):
     from meshpar.config import CONFIG_DIR, load_config
-    from meshpar.train import run
+    from meshpar.loop import run
     """configs/pp-tiny.yaml (1F1B over 2 stages x data 2 x tensor 2) against the non-pipelined
     default, 30 steps each on the same synthetic data: the loss falls as far."""
     pp = run(load_config(CONFIG_DIR / "pp-tiny.yaml", ["steps=30", "train.log_every=30"]))
