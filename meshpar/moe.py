@@ -46,6 +46,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from meshpar.errors import ConfigError
 from meshpar.rules import active_layout, constrain
@@ -285,7 +286,7 @@ def _dropless_local(x, index, routed, gates, w_gate, w_up, w_down, ep_axes=(), e
         recv, recv_counts = send, per_dest
     # local expert of every received row (E_l: padding), then all rows grouped by local expert
     bounds = jnp.cumsum(recv_counts, axis=1)                        # [ep, E_l]
-    local = jax.vmap(lambda b: jnp.searchsorted(b, j, side="right"))(bounds)   # [ep, nK] in 0..E_l
+    local = jnp.sum(bounds[:, None, :] <= j[None, :, None], axis=-1)   # [ep, nK] in 0..E_l (searchsorted)
     order2 = jnp.argsort(local.reshape(ep * nk), stable=True)
     rows = recv.reshape(ep * nk, -1)[order2]
     sizes = jnp.sum(recv_counts, axis=0).astype(jnp.int32)          # [E_l] rows per local expert
@@ -300,7 +301,7 @@ def _dropless_local(x, index, routed, gates, w_gate, w_up, w_down, ep_axes=(), e
     if ep_axes:
         out = jax.lax.all_to_all(out, ep_axes, 0, 0, tiled=True)    # [ep (dest), nK, M]
     # sorted position p came back from shard d at row p - dest_start[d]; unrouted ones get 0
-    dest = jnp.minimum(jnp.searchsorted(dest_end, j, side="right"), ep - 1)
+    dest = jnp.minimum(jnp.sum(dest_end[None, :] <= j[:, None], axis=-1), ep - 1)
     per_sorted = out.reshape(ep * nk, -1)[dest * nk + j - dest_start[dest]]          # [nK, M]
     per_sorted = jnp.where((j < dest_end[-1])[:, None], per_sorted, 0)
     inv = jnp.zeros_like(order).at[order].set(j)
@@ -308,16 +309,25 @@ def _dropless_local(x, index, routed, gates, w_gate, w_up, w_down, ep_axes=(), e
     return jnp.einsum("nkm,nk->nm", per_assignment, gates.astype(dt))
 
 
+def _in_manual_region() -> bool:
+    """True inside a shard_map (the pipeline's, manual over `pipeline`)."""
+    ctx = jax.sharding.get_abstract_mesh()
+    return any(t == jax.sharding.AxisType.Manual for t in ctx.axis_types)
+
+
 def dropless(x, r: Routing, w_gate, w_up, w_down):
     """Dropless mode. x [G, S, M], r.index/r.gates [G, S, K] -> [G, S, M].
 
     Under a layout: `shard_map` over the whole mesh, tokens split as `group`, experts split as
     `expert` (all-to-all over those mesh axes), H split over the axes `expert_mlp` resolves to that
-    tokens do not use (Megatron-style psum). Parameters are never gathered over `expert`."""
+    tokens do not use (Megatron-style psum). Parameters are never gathered over `expert`.
+    Inside the pipeline's shard_map (already manual over `pipeline`) the one-device computation runs
+    auto-partitioned instead: XLA places it (gathering expert weights where it must). A nested
+    shard_map there trips JAX 0.10's derivation of residual/cotangent specs under Shardy."""
     g, s, m = x.shape
     k = r.index.shape[-1]
     layout = active_layout()
-    if layout is None:
+    if layout is None or _in_manual_region():
         y = _dropless_local(x.reshape(g * s, m), r.index.reshape(g * s, k), r.routed.reshape(g * s, k),
                             r.gates.reshape(g * s, k), w_gate, w_up, w_down)
         return y.reshape(g, s, m)
