@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
+import difflib
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -35,7 +37,8 @@ from dataclasses import dataclass, field
 from meshpar.errors import ShardingError, suggest
 from meshpar.mesh import MESH_AXES
 
-# The vocabulary models may use. Activations and parameters share names where they share meaning.
+# The names meshpar's presets give rules for (the vocabulary is open: other names replicate unless a
+# user rule maps them). Activations and parameters share names where they share meaning.
 LOGICAL_AXES: dict[str, str] = {
     "batch": "sequences in a (micro)batch",
     "length": "sequence positions of the residual stream between blocks (Megatron-SP splits this)",
@@ -123,13 +126,13 @@ def get_strategy(name: str) -> Strategy:
 def parse_user_rules(rules: Sequence) -> RuleTable:
     """YAML `rules: [[heads, [tensor]], [batch, [[data, fsdp]]], [vocab, null]]` -> RuleTable.
 
-    A user rule goes before the preset's, so it wins; `null` / `[]` forces replication.
+    A user rule goes before the preset's, so it wins; `null` / `[]` forces replication. The logical
+    vocabulary is open: a user model may name `patch` or `channels` and map them here; only the
+    mesh axes are checked.
     """
     out = []
     for i, item in enumerate(rules):
         name, cands = item
-        if name not in LOGICAL_AXES:
-            raise ShardingError(f"rules[{i}]: unknown logical axis '{name}'" + suggest(name, LOGICAL_AXES))
         if cands is None:
             cands = []
         if isinstance(cands, str):
@@ -146,36 +149,45 @@ def parse_user_rules(rules: Sequence) -> RuleTable:
 
 
 def resolve(logical: Sequence[str | None], rules: RuleTable, mesh_shape: dict[str, int],
-            shape: Sequence[int] | None = None, what: str = "tensor"):
+            shape: Sequence[int] | None = None, what: str = "tensor", strict: int = 0):
     """Logical axes of one tensor -> `PartitionSpec` (first match, skip size-1 and used axes).
 
     `what` names the tensor in errors ("parameter 'layers.attn.wq'"). With `shape`, every sharded
-    dimension is checked for divisibility by the product of its mesh axes.
+    dimension is checked for divisibility by the product of its mesh axes. A name no rule covers is
+    replicated (`uncovered` lists such names). The first `strict` entries of `rules` are the user's:
+    one whose mesh axes an earlier dimension already took is an error, never a silent replication.
     """
     from jax.sharding import PartitionSpec
 
     if shape is not None and len(shape) != len(logical):
         raise ShardingError(f"{what}: {len(logical)} logical axes {tuple(logical)} for a rank-{len(shape)} "
                             f"array of shape {tuple(shape)}")
-    lookup: dict[str, list[tuple[Candidate, ...]]] = {}
-    for name, cands in rules:
-        lookup.setdefault(name, []).append(cands)
-    used: set[str] = set()
+    lookup: dict[str, list[tuple[int, tuple[Candidate, ...]]]] = {}
+    for i, (name, cands) in enumerate(rules):
+        lookup.setdefault(name, []).append((i, cands))
+    used: dict[str, int] = {}      # mesh axis -> the dimension that took it
     parts = []
     for dim, name in enumerate(logical):
         if name is None:
             parts.append(None)
             continue
-        if name not in LOGICAL_AXES:
-            raise ShardingError(f"{what}: unknown logical axis '{name}'" + suggest(name, LOGICAL_AXES))
         chosen: tuple[str, ...] = ()
-        for cands in lookup.get(name, []):   # user rules first, then the preset's
+        for i, cands in lookup.get(name, []):   # user rules first, then the preset's
+            taken = None
             for cand in cands:
                 axes = (cand,) if isinstance(cand, str) else cand
-                axes = tuple(a for a in axes if mesh_shape.get(a, 1) > 1 and a not in used)
+                live = tuple(a for a in axes if mesh_shape.get(a, 1) > 1)
+                axes = tuple(a for a in live if a not in used)
                 if axes:
                     chosen = axes
                     break
+                taken = taken or next((a for a in live if a in used), None)
+            if i < strict and not chosen and taken:
+                other = used[taken]
+                raise ShardingError(
+                    f"{what}: rule rules[{i}] [{name}, {list(cands)}] wants mesh axis '{taken}' for dimension "
+                    f"{dim} ('{name}'), but dimension {other} ('{logical[other]}') already uses it; give one of "
+                    f"them another axis, or write [{name}, null] to replicate it")
             if chosen or not cands:          # an explicit empty rule means "replicate"
                 break
         if chosen and shape is not None:
@@ -186,11 +198,36 @@ def resolve(logical: Sequence[str | None], rules: RuleTable, mesh_shape: dict[st
                     f"{what}: dimension {dim} ('{name}', size {shape[dim]}) is not divisible by mesh axes "
                     f"{sizes} (= {n}); change the size to a multiple of {n}, resize those mesh axes, or add "
                     f"a rule [{name}, null] to replicate it")
-        used.update(chosen)
+        used.update({a: dim for a in chosen})
         parts.append(None if not chosen else chosen[0] if len(chosen) == 1 else chosen)
     while parts and parts[-1] is None:
         parts.pop()
     return PartitionSpec(*parts)
+
+
+def uncovered(logical: Sequence[str | None], rules: RuleTable) -> list[str]:
+    """The names of `logical` outside meshpar's vocabulary that no rule mentions (replicated: listed
+    in the sharding table). Vocabulary names without a rule (`norm`, say) replicate by design."""
+    known = {name for name, _ in rules} | set(LOGICAL_AXES)
+    return [n for n in logical if n is not None and n not in known]
+
+
+def check_rule_names(user_rules: RuleTable, used: set[str]) -> list[str]:
+    """User rules whose logical name is neither in `used` (the names a model's parameters, variables
+    and batch leaves carry) nor in meshpar's vocabulary. Such a rule is a typo when a used name is
+    close to it (error, with the suggestion); otherwise it may name activations only (returned, for
+    one warning line)."""
+    known = set(used) | set(LOGICAL_AXES)
+    idle = []
+    for i, (name, _) in enumerate(user_rules):
+        if name in known:
+            continue
+        close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.85)   # embd, not patch~batch
+        if close:
+            raise ShardingError(f"rules[{i}]: unknown logical axis '{name}' (did you mean '{close[0]}'?): "
+                                f"no parameter, variable or batch leaf of this model names it")
+        idle.append(f"rules[{i}] ({name})")
+    return idle
 
 
 # ----------------------------------------------------------------------------------------------
@@ -198,25 +235,33 @@ def resolve(logical: Sequence[str | None], rules: RuleTable, mesh_shape: dict[st
 
 @dataclass(frozen=True)
 class Layout:
-    """A mesh plus the rule tables in force. `for_params`/`for_opt_state` pick the table."""
+    """A mesh plus the rule tables in force. `for_params`/`for_opt_state` pick the table.
+
+    `hidden` mesh axes count as size 1 during resolution: inside a `vmap` whose mapped dimension
+    already takes them (ZeRO-1's per-replica gradients, `meshpar.step`) nothing else may use them.
+    """
     mesh: object
     strategy: Strategy
     user_rules: RuleTable = ()
+    hidden: frozenset = frozenset()
 
     @property
     def shape(self) -> dict[str, int]:
-        return dict(zip(self.mesh.axis_names, self.mesh.devices.shape))
+        return {a: (1 if a in self.hidden else n) for a, n in zip(self.mesh.axis_names, self.mesh.devices.shape)}
 
     def rules(self, kind: str = "params") -> RuleTable:
         base = self.strategy.opt_rules() if kind == "opt_state" else self.strategy.param_rules()
         return self.user_rules + base
 
     def spec(self, logical, shape=None, what="tensor", kind="params"):
-        return resolve(logical, self.rules(kind), self.shape, shape, what)
+        return resolve(logical, self.rules(kind), self.shape, shape, what, strict=len(self.user_rules))
 
     def sharding(self, logical, shape=None, what="tensor", kind="params"):
         from jax.sharding import NamedSharding
         return NamedSharding(self.mesh, self.spec(logical, shape, what, kind))
+
+    def hiding(self, axes) -> "Layout":
+        return dataclasses.replace(self, hidden=self.hidden | frozenset(axes))
 
 
 _ACTIVE: contextvars.ContextVar[Layout | None] = contextvars.ContextVar("meshpar_layout", default=None)

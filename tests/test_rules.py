@@ -41,9 +41,26 @@ def test_indivisible_dimension_is_an_error_naming_tensor_dimension_and_axes():
     assert "size 255" in msg and "tensor=2" in msg and "[mlp, null]" in msg
 
 
-def test_unknown_logical_axis_suggests_the_closest():
-    with pytest.raises(ShardingError, match="unknown logical axis 'hedas'.*did you mean 'heads'"):
-        resolve(("hedas",), table(), MESH)
+def test_open_vocabulary_a_name_no_rule_covers_is_replicated_and_listed():
+    """A user model may name its own dimensions; without a rule they replicate (and are listed)."""
+    from meshpar.rules import uncovered
+    rules = PRESETS["fsdp_tp"].param_rules()
+    assert resolve(("patch", "embed"), rules, MESH) == P(None, ("data", "fsdp"))
+    assert uncovered(("patch", "embed", None), rules) == ["patch"]
+    user = parse_user_rules([["patch", ["tensor"]]])
+    assert resolve(("patch", "embed"), user + rules, MESH) == P("tensor", ("data", "fsdp"))
+
+
+def test_user_rule_whose_axis_is_taken_is_an_error_not_a_silent_replication():
+    user = parse_user_rules([["mlp", ["data"]]])
+    rules = user + PRESETS["fsdp_tp"].param_rules()
+    with pytest.raises(ShardingError) as e:
+        resolve(("embed", "mlp"), rules, MESH, (64, 256), "parameter 'w_in'", strict=len(user))
+    msg = str(e.value)
+    assert "parameter 'w_in'" in msg and "rules[0]" in msg and "'data'" in msg and "dimension 0 ('embed')" in msg
+    assert "\n" not in msg
+    # the preset's own fall-through (batch over whichever batch axes are left) stays legal
+    assert resolve(("embed", "mlp"), PRESETS["fsdp_tp"].param_rules(), MESH) == P(("data", "fsdp"), "tensor")
 
 
 def test_user_rules_go_first_and_null_replicates():
@@ -53,9 +70,7 @@ def test_user_rules_go_first_and_null_replicates():
     assert resolve(("embed", "vocab"), preset, MESH) == P(("data", "fsdp"), "tensor")
 
 
-def test_user_rules_reject_unknown_names_and_axes():
-    with pytest.raises(ShardingError, match="unknown logical axis 'emb'.*'embed'"):
-        parse_user_rules([["emb", ["tensor"]]])
+def test_user_rules_reject_unknown_mesh_axes():
     with pytest.raises(ShardingError, match="unknown mesh axis 'tensr'.*'tensor'"):
         parse_user_rules([["embed", ["tensr"]]])
 
