@@ -21,7 +21,7 @@ import numpy as np  # noqa: E402
 from meshpar.config import CONFIG_DIR, load_config  # noqa: E402
 from meshpar.data import Batches, make_source  # noqa: E402
 from meshpar.inspect import collectives, summarize  # noqa: E402
-from meshpar.train import Trainer  # noqa: E402
+from meshpar.step import Trainer  # noqa: E402
 
 VARIANTS = {
     "dense": ["model.name=decoder"],

@@ -33,7 +33,7 @@ def main() -> None:
     import jax
     from meshpar.config import load_config
     from meshpar.data import Batches, make_source
-    from meshpar.train import Trainer
+    from meshpar.step import Trainer
 
     rows = []
     for strategy, mesh in CASES:

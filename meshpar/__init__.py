@@ -1,18 +1,72 @@
 """meshpar: one named device mesh, logical axis rules, and every parallelism as a rule set.
 
-Where each idea lives:
-  mesh.py       the device mesh (axes pipeline, data, fsdp, expert, tensor; fake CPU devices)
-  rules.py      logical axis names, strategy presets (dp, zero1/2, fsdp, hsdp, tp, tp_sp, fsdp_tp), resolution
-  sharding.py   abstract model -> per-parameter / optimizer-state shardings, the sharding table
-  pipeline.py   pipeline parallelism: shard_map over `pipeline`, GPipe / 1F1B / interleaved schedules
-  moe.py        mixture of experts: GShard/Switch routing, dispatch/combine (all-to-all over `expert`)
-  precision.py  dtype policies (bf16, fp32, fp16 + dynamic loss scaling), fp32 cross-entropy
-  train.py      optimizer, sharded init, jitted step (microbatches, ZeRO-2 grads), the loop
-  data.py       synthetic Markov language (known entropy floor), token files, text; per-process rows
-  checkpoint.py Orbax checkpoints: async save, restore onto any mesh, damaged-checkpoint fallback
-  distributed.py  jax.distributed set-up, preemption (SIGTERM), peer-failure watchdog
-  inspect.py    compiled HLO collectives (bytes, mesh axes), memory_analysis, FLOPs
-  metrics.py    progress bar and JSON Lines records
-  config.py     YAML + dotted overrides, validated;   cli.py  `meshpar train` / `meshpar inspect`
+The public API (imported lazily, so `import meshpar` stays cheap and sets up no JAX backend):
+
+    import meshpar
+    cfg = meshpar.load_config("my.yaml", ["strategy=fsdp", "mesh.fsdp=8"])
+    trainer = meshpar.Trainer(cfg, model=my_factory, loss=my_loss, batch_spec=my_batch_spec)
+    meshpar.run(cfg, trainer=trainer, source=my_source)
+
+Where each idea lives (each module imports only from the ones above it):
+  errors.py      one-line user errors;          mesh.py  the device mesh (pipeline, data, fsdp, expert, tensor)
+  rules.py       logical axis names, strategy presets as rule tables, first-match resolution, `constrain`
+  precision.py   dtype policies (bf16, fp32, fp16 + dynamic loss scaling), fp32 cross-entropy
+  layers.py      helpers for model code: `param` (annotated init), `stacked`, `scan_layers` (+ remat)
+  sharding.py    abstract model -> parameter / variable / optimizer-state / batch shardings, sharding table
+  data.py        batch specs (`Leaf`), synthetic Markov language, token files, text; per-process rows
+  moe.py         mixture of experts: GShard/Switch routing, dispatch/combine (all-to-all over `expert`)
+  schedules.py   pipeline schedules as tick tables (GPipe, 1F1B, interleaved), bubble, stash
+  pipeline.py    pipeline parallelism: shard_map manual over `pipeline`, microbatches through stages
+  step.py        optimizer, sharded init, the jitted train step (accumulation, ZeRO-1/2, loss scaling)
+  flops.py       model FLOPs and MFU denominators;   inspect.py  compiled-HLO collectives, memory, FLOPs
+  checkpoint.py  Orbax checkpoints: async save, restore onto any mesh, damaged-checkpoint fallback
+  distributed.py jax.distributed set-up, preemption (SIGTERM), peer-failure watchdog
+  metrics.py     progress bar and JSON Lines;        loop.py  the training loop (data, metrics, checkpoints)
+  config.py      YAML + dotted overrides, validated; cli.py / launch.py  `meshpar train|inspect|launch`
+The reference models (`meshpar.models`, the repo's `models/`) use this API like any user model.
 """
+from __future__ import annotations
+
+import importlib
+
 __version__ = "0.1.0"
+
+# name -> module that defines it
+_API = {
+    # configuration and the mesh
+    "Config": "meshpar.config", "load_config": "meshpar.config", "from_dict": "meshpar.config",
+    "make_mesh": "meshpar.mesh", "fake_cpu_devices": "meshpar.mesh",
+    # logical axes and strategies
+    "PRESETS": "meshpar.rules", "LOGICAL_AXES": "meshpar.rules", "Layout": "meshpar.rules",
+    "get_strategy": "meshpar.rules", "parse_user_rules": "meshpar.rules", "constrain": "meshpar.rules",
+    "use_layout": "meshpar.rules",
+    # model-building helpers
+    "param": "meshpar.layers", "stacked": "meshpar.layers", "scan_layers": "meshpar.layers",
+    "use_policy": "meshpar.precision", "get_policy": "meshpar.precision", "compute_dtype": "meshpar.precision",
+    "param_dtype": "meshpar.precision", "cross_entropy": "meshpar.precision",
+    # shardings of a model
+    "model_spec": "meshpar.sharding", "building": "meshpar.sharding", "logical_axes": "meshpar.sharding",
+    "param_shardings": "meshpar.sharding", "sharding_table": "meshpar.sharding",
+    "render_sharding_table": "meshpar.sharding",
+    # batches and data
+    "Leaf": "meshpar.data", "lm_batch_spec": "meshpar.data", "Batches": "meshpar.data",
+    # training
+    "Trainer": "meshpar.step", "lm_loss": "meshpar.step", "run": "meshpar.loop",
+    "Checkpointer": "meshpar.checkpoint", "report": "meshpar.inspect",
+    # errors
+    "MeshparError": "meshpar.errors", "ConfigError": "meshpar.errors", "ShardingError": "meshpar.errors",
+}
+
+__all__ = sorted(_API)
+
+
+def __getattr__(name: str):
+    if name in _API:
+        value = getattr(importlib.import_module(_API[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'meshpar' has no attribute '{name}'")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_API))

@@ -1,10 +1,12 @@
-"""`meshpar train` and `meshpar inspect`.
+"""`meshpar train`, `meshpar inspect` and `meshpar launch`.
 
     meshpar train [--config FILE] [--devices N] [--metrics-out FILE] [KEY=VALUE ...]
     meshpar inspect [--config FILE] [--devices N] [--json] [KEY=VALUE ...]
+    meshpar launch N [train arguments...]        # N loopback processes (meshpar/launch.py)
 
 KEY=VALUE are dotted config overrides: steps=20 strategy=fsdp mesh.tensor=2 mesh.data=-1
-precision=fp32 model.layers=2 batch.global_size=16 train.log_every=1.
+precision=fp32 model.layers=2 batch.global_size=16 train.log_every=1. Flags and overrides may come
+in any order (`meshpar train steps=1 --devices 1 mesh.data=1`).
 
 `train` with checkpoint.dir=D resumes from D's newest usable checkpoint. Multi-process runs add
 `--coordinator HOST:PORT --num-processes N --process-id I` (or MESHPAR_* variables, or srun/mpirun/
@@ -22,10 +24,14 @@ from meshpar.errors import MeshparError
 
 
 def _parser() -> argparse.ArgumentParser:
+    """The top-level parser (for --help and the command name); each command is parsed by its own
+    parser with `parse_intermixed_args`, so flags and KEY=VALUE mix freely (argparse refuses
+    intermixed parsing on a parser with subcommands, hence the two stages)."""
     from meshpar.rules import PRESETS
     p = argparse.ArgumentParser(prog="meshpar", description="Sharded training of Flax NNX models on a named device mesh.",
                                 epilog="strategies: " + ", ".join(PRESETS))
     sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("launch", add_help=False, help="N training processes on this machine: meshpar launch N [train args]")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--config", help="YAML config (default: the embedded configs/tiny.yaml)")
     common.add_argument("--devices", type=int, help="devices to fake on a CPU-only host (default: config `devices`)")
@@ -61,8 +67,23 @@ def _has_accelerator() -> bool:
     return any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "libtpu"))
 
 
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _parser()
+    commands = parser._subparsers._group_actions[0].choices
+    if not argv or argv[0] not in commands:
+        return parser.parse_args(argv)            # prints usage / help / "invalid choice" and exits
+    args = commands[argv[0]].parse_intermixed_args(argv[1:])
+    args.command = argv[0]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["launch"]:
+        from meshpar.launch import main as launch_main
+        return launch_main(argv[1:])
+    args = _parse(argv)
     try:
         from meshpar.config import load_config
         cfg = load_config(args.config, args.overrides)
@@ -76,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         if jax.device_count() < cfg.devices and jax.default_backend() == "cpu":
             raise MeshparError(f"asked for {cfg.devices} devices but JAX already initialised with {jax.device_count()}")
         if args.command == "train":
-            from meshpar.train import run
+            from meshpar.loop import run
             run(cfg, metrics_out=args.metrics_out)
         else:
             from meshpar.inspect import render_report, report

@@ -34,7 +34,7 @@ DEFAULT_CONFIG = CONFIG_DIR / "tiny.yaml"
 
 @dataclass
 class ModelConfig:
-    name: str = "decoder"             # models registry key: decoder | moe
+    name: str = "decoder"             # decoder | moe (meshpar.models), or PKG.MODULE:FACTORY -> FACTORY(cfg, rngs)
     size: str = "tiny"                # tiny | 125m | 1b | 7b: dimensions below default from this
     layers: int | None = None
     embed: int | None = None
@@ -48,6 +48,7 @@ class ModelConfig:
     attention: str = "xla"            # jax.nn.dot_product_attention implementation: xla | cudnn | auto
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
+    args: dict[str, Any] = field(default_factory=dict)   # free mapping for a user factory (model.args.width=64)
 
 
 @dataclass
@@ -81,11 +82,13 @@ class TrainConfig:
     log_every: int = 10
     peak_tflops: float | None = None  # per device; None: from the device kind (a quick matmul probe on CPU)
     on_nan: str = "stop"              # non-finite loss/gradients: skip (drop the update) | stop (error naming the step)
+    loss: str = "lm"                  # lm (next-token cross-entropy) | PKG.MODULE:FN, FN(model, batch) -> (loss, metrics)
+    require_annotations: bool = False  # a model variable without logical axis names is an error, not replicated
 
 
 @dataclass
 class DataConfig:
-    kind: str = "synthetic"           # synthetic | tokens | text
+    kind: str = "synthetic"           # synthetic | tokens | text | PKG.MODULE:FN (FN(cfg) -> your source)
     path: str | None = None           # token file (.bin, uint16/uint32) or text file/folder
     dtype: str = "uint16"             # token file dtype
     branching: int = 4                # synthetic: successors per state of the Markov chain
@@ -259,9 +262,35 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 
 
 def from_dict(data: dict) -> Config:
+    """Build and validate; `cfg.ignored` lists the keys given that this run will not read."""
     cfg = _build(Config, data)
     validate(cfg)
+    cfg.ignored = ignored_keys(data, cfg)
     return cfg
+
+
+def ignored_keys(data: dict, cfg: Config) -> list[str]:
+    """Keys set (in the file or as overrides) that the run will not read: `moe.*` unless the model is
+    the reference MoE LM (or a user factory, which may read them), `pipeline.*` when mesh.pipeline is 1."""
+    out = []
+    if cfg.model.name in ("decoder",) and data.get("moe"):
+        out += [f"moe.{k}" for k in data["moe"]]
+    if cfg.mesh.pipeline == 1 and data.get("pipeline"):
+        out += [f"pipeline.{k}" for k in data["pipeline"]]
+    return out
+
+
+def ignored_warning(cfg: Config) -> str | None:
+    """One line naming the ignored keys, or None."""
+    keys = getattr(cfg, "ignored", [])
+    if not keys:
+        return None
+    why = []
+    if any(k.startswith("moe.") for k in keys):
+        why.append(f"moe.* needs model.name=moe (model.name={cfg.model.name})")
+    if any(k.startswith("pipeline.") for k in keys):
+        why.append("pipeline.* needs mesh.pipeline > 1")
+    return f"warning: ignoring {', '.join(keys)}: {'; '.join(why)}"
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
@@ -271,6 +300,47 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 def to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
+
+
+def import_object(path: str, key: str):
+    """'pkg.module:name' -> that object; one line naming the config key when it does not import."""
+    import importlib
+    import os
+    import sys
+    module, _, name = path.partition(":")
+    if os.getcwd() not in sys.path:       # like `python -m`: your package from the current directory
+        sys.path.insert(0, os.getcwd())
+    if not module or not name:
+        raise ConfigError(f"config key '{key}': '{path}' must look like PKG.MODULE:NAME")
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as e:
+        raise ConfigError(f"config key '{key}': cannot import module '{module}' ({e}); is it installed or on "
+                          "PYTHONPATH?") from None
+    if not hasattr(mod, name):
+        public = [n for n in dir(mod) if not n.startswith("_")]
+        raise ConfigError(f"config key '{key}': module '{module}' has no '{name}'" + suggest(name, public))
+    return getattr(mod, name)
+
+
+def model_factory(cfg: Config):
+    """`model.name` -> FACTORY(cfg, rngs): a reference model of `meshpar.models` by short name, or any
+    PKG.MODULE:FACTORY."""
+    name = cfg.model.name
+    if ":" in name:
+        return import_object(name, "model.name")
+    registry = import_object("meshpar.models:REGISTRY", "model.name")
+    if name not in registry:
+        raise ConfigError(f"unknown model.name '{name}'" + suggest(name, registry)
+                          + "; or name your own factory as PKG.MODULE:FACTORY")
+    return registry[name]
+
+
+def loss_function(cfg: Config):
+    """`train.loss` -> FN(model, batch) -> (loss, metrics): `lm` is meshpar.step.lm_loss."""
+    if cfg.train.loss == "lm":
+        return import_object("meshpar.step:lm_loss", "train.loss")
+    return import_object(cfg.train.loss, "train.loss")
 
 
 def _choice(key: str, value: str, choices) -> None:
@@ -286,7 +356,8 @@ def validate(cfg: Config) -> None:
     _choice("precision", cfg.precision, precision.POLICIES)
     _choice("model.remat", cfg.model.remat, ("none", "full", "save_dots", "offload"))
     _choice("model.attention", cfg.model.attention, ("xla", "cudnn", "auto"))
-    _choice("data.kind", cfg.data.kind, ("synthetic", "tokens", "text"))
+    if ":" not in cfg.data.kind:
+        _choice("data.kind", cfg.data.kind, ("synthetic", "tokens", "text"))
     _choice("data.dtype", cfg.data.dtype, ("uint16", "uint32"))
     _choice("pipeline.schedule", cfg.pipeline.schedule, ("gpipe", "1f1b", "interleaved"))
     _choice("moe.routing", cfg.moe.routing, ("top1", "top2"))
@@ -309,7 +380,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"config key 'moe.capacity_factor' must be > 0 or null (dropless), got {cfg.moe.capacity_factor}")
     from meshpar.moe import check_config as check_moe
     check_moe(cfg)
-    if cfg.data.kind != "synthetic" and not cfg.data.path:
+    if cfg.data.kind in ("tokens", "text") and not cfg.data.path:
         raise ConfigError(f"config key 'data.path' is required when data.kind={cfg.data.kind}")
     for i, rule in enumerate(cfg.rules):
         if not (isinstance(rule, list) and len(rule) == 2 and isinstance(rule[0], str)):

@@ -247,47 +247,39 @@ def flops(compiled) -> float | None:
     return float(ca["flops"]) if ca and "flops" in ca else None
 
 
-def render_sharding_table(rows: list[dict]):
-    from rich.table import Table
-    t = Table(title="parameter shardings", show_lines=False)
-    for col in ("parameter", "shape", "logical axes", "PartitionSpec", "bytes/device"):
-        t.add_column(col, justify="right" if col == "bytes/device" else "left", overflow="fold")
-    for r in rows:
-        t.add_row(r["name"], "x".join(map(str, r["shape"])), ", ".join(n or "-" for n in r["logical"]), r["spec"],
-                  f"{r['bytes_per_device']:,}")
-    total = sum(r["bytes_per_device"] for r in rows)
-    t.add_row("total", "", "", "", f"{total:,}", style="bold")
-    return t
-
-
-def report(cfg) -> dict:
+def report(cfg, trainer=None) -> dict:
     """Compile one train step of `cfg` (no run) and describe it: the `meshpar inspect` JSON."""
+    from meshpar.flops import active_params, flops_per_token
     from meshpar.sharding import sharding_table
-    from meshpar.train import Trainer, active_params, flops_per_token
+    from meshpar.step import trainer_for
 
-    trainer = Trainer(cfg)
+    trainer = trainer or trainer_for(cfg)
     compiled = trainer.compile()
     shape = trainer.describe()["mesh"]
     ops = collectives(compiled.as_text(), shape)
-    tokens = cfg.batch.global_size * cfg.batch.length
+    per_step = trainer.describe()["tokens_per_step"] or cfg.batch.global_size
     out = {
-        "mesh": shape, "strategy": cfg.strategy, "precision": cfg.precision,
+        "mesh": shape, "strategy": cfg.strategy, "precision": cfg.precision, "warnings": trainer.warnings(),
         "params": sharding_table(trainer.spec, trainer.layout),
         "collectives": {"summary": summarize(ops), "ops": ops},
         "memory": memory(compiled),
         "flops": {"xla_per_device": flops(compiled),
-                  "model_per_step": flops_per_token(trainer.spec.cfg, active_params(trainer.spec, cfg), cfg.batch.length)
-                  * tokens},
+                  "model_per_step": flops_per_token(trainer.spec.cfg if trainer.is_lm else None,
+                                                    active_params(trainer.spec, cfg), cfg.batch.length) * per_step},
     }
     if shape.get("pipeline", 1) > 1:   # schedule tick table, its bubble, peak temporary memory per device
-        from meshpar.pipeline import describe as describe_pipeline
+        from meshpar.schedules import describe as describe_pipeline
         out["pipeline"] = {**describe_pipeline(cfg, shape["pipeline"]), "peak_temp_bytes": out["memory"].get("temp")}
     return out
 
 
 def render_report(rep: dict, console) -> None:
     from rich.table import Table
+
+    from meshpar.sharding import render_sharding_table
     console.print(f"[bold]mesh[/] {rep['mesh']}  [bold]strategy[/] {rep['strategy']}  [bold]precision[/] {rep['precision']}")
+    for line in rep.get("warnings", []):
+        console.print(line, markup=False)
     console.print(render_sharding_table(rep["params"]))
     t = Table(title="collectives per step (compiled HLO)")
     for col in ("kind", "count", "bytes", "mesh axes"):

@@ -14,15 +14,19 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from meshpar.precision import param_dtype
 from meshpar.rules import constrain
+from meshpar.sharding import logical_axes
 
 
 def param(rngs: nnx.Rngs, shape, logical, std: float | None = None, init: str = "normal") -> nnx.Param:
-    """An fp32 parameter with logical axis names (`logical_axes` metadata, resolved by meshpar)."""
+    """A parameter with logical axis names (`logical_axes` metadata, resolved by meshpar), in the
+    active precision policy's `param_dtype` (fp32 master weights under every preset policy)."""
+    dtype = param_dtype()
     if init == "ones":
-        value = jnp.ones(shape, jnp.float32)
+        value = jnp.ones(shape, dtype)
     else:
-        value = std * jax.random.truncated_normal(rngs.params(), -2.0, 2.0, shape, jnp.float32)
+        value = std * jax.random.truncated_normal(rngs.params(), -2.0, 2.0, shape, dtype)
     return nnx.Param(value, logical_axes=tuple(logical))
 
 
@@ -35,9 +39,13 @@ def stacked(make, n: int, rngs: nnx.Rngs):
         return make(nnx.Rngs(params=key))
 
     mod = create(keys)
-    for _, var in nnx.iter_graph(mod):
-        if isinstance(var, nnx.Variable) and "logical_axes" in var.get_metadata():
-            var.set_metadata("logical_axes", ("layers",) + tuple(var.get_metadata()["logical_axes"]))
+    for _, var in nnx.iter_graph(mod):   # meshpar's names or Flax's (`out_sharding`) gain `layers`
+        if isinstance(var, nnx.Variable):
+            meta = var.get_metadata()
+            for key in ("logical_axes", "out_sharding"):
+                names = meta.get(key)
+                if names is not None and len(names) < len(jnp.shape(var.get_value())):
+                    var.set_metadata(key, ("layers",) + tuple(names))
     return mod
 
 
@@ -62,7 +70,7 @@ def scan_layers(layers_mod, x, positions, remat: str = "full", scan: bool = True
         Under FSDP the weight stays sharded until use (an all-gather per layer) and, by
         transposition, its gradient is reduce-scattered per layer inside the backward loop instead
         of all-reduced whole and sliced after the loop."""
-        names = v.get_metadata().get("logical_axes")
+        names = logical_axes(v)
         return v.replace(constrain(v.get_value(), names[1:], what="parameter")) if names else v
 
     def body(carry, layer_state):

@@ -2,7 +2,8 @@
 
 JSON Lines records (one object a line, `--metrics-out FILE`):
   {"event": "start", "mesh": {...}, "strategy": ..., "entropy_floor": ..., ...}
-  {"event": "step", "step": n, "loss": ..., "step_time_s": ..., "tokens_per_s": ..., "mfu": ..., ...}
+  {"event": "step", "step": n, "loss": ..., "step_time_s": ..., "tokens_per_s": ..., "examples_per_s": ...,
+   "mfu": ..., ...}        (tokens_per_s is null for a loss other than the built-in LM loss)
   {"event": "end", "final_loss": ..., "gap_closed": ..., ...}
 Fault tolerance adds: start `processes`, and after a resume `resumed_from` / `resumed_path` /
 `damaged_checkpoints`; step `skipped_steps` and `nonfinite` (and under fp16 `loss_scale`, the scale
@@ -47,8 +48,7 @@ class MetricsLogger:
                            f"{facts['params'] / 1e6:.2f}M params, precision {facts['precision']}"
                            + (f", entropy floor {floor:.4f} nats/token" if floor is not None else ""))
         if trainer is not None:
-            from meshpar.inspect import render_sharding_table
-            from meshpar.sharding import sharding_table
+            from meshpar.sharding import render_sharding_table, sharding_table
             self.console.print(render_sharding_table(sharding_table(trainer.spec, trainer.layout)))
         if self.console.is_terminal:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -63,7 +63,9 @@ class MetricsLogger:
             return
         keys = ("aux_loss", "z_loss", "drop_fraction", "load_min", "load_max", "loss_scale")   # MoE: per layer
         extra = "".join(f" {k} {_fmt(rec[k])}" for k in keys if k in rec)
-        info = (f"loss {rec['loss']:.4f} | {rec['tokens_per_s']:,.0f} tok/s | MFU {100 * rec['mfu']:.2f}%" + extra)
+        rate = (f"{rec['tokens_per_s']:,.0f} tok/s" if rec.get("tokens_per_s") is not None
+                else f"{rec['examples_per_s']:,.1f} examples/s")
+        info = f"loss {rec['loss']:.4f} | {rate} | MFU {100 * rec['mfu']:.2f}%" + extra
         if self.progress is not None:
             self.progress.update(self.task, completed=rec["step"], info=info)
         else:

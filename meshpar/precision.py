@@ -1,7 +1,11 @@
 """Mixed precision policies (Micikevicius et al. 2018): fp32 master weights and optimizer state,
 low-precision compute, fp32 logits / softmax / loss.
 
-A policy is a small frozen object; model code asks it for dtypes, never hard-codes them.
+A policy is a small frozen object and the one source of dtypes. meshpar makes the run's policy
+active while it builds and traces a model (`use_policy`), so any model reads it the same way:
+`param_dtype()` for new parameters (`meshpar.layers.param` does), `compute_dtype()` for matmuls and
+activations, and the built-in LM loss casts logits to `output_dtype` before its fp32 cross-entropy.
+A model built from Flax layers can also take `dtype=` from `get_policy(cfg.precision)` in its factory.
 
 `fp16` adds dynamic loss scaling (Micikevicius et al. 2018, sec. 3.2): float16 has 5 exponent bits,
 so small gradients underflow to zero unless the loss (hence every backward activation) is multiplied
@@ -18,6 +22,9 @@ changed, for bf16/fp32), which keeps the state's structure independent of the po
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import jax
@@ -33,7 +40,6 @@ class Policy:
     loss_scaling: bool = False  # dynamic loss scaling (fp16): see `LossScale`
 
 
-
 POLICIES: dict[str, Policy] = {
     "bf16": Policy("bf16", jnp.float32, jnp.bfloat16, jnp.float32),
     "fp32": Policy("fp32", jnp.float32, jnp.float32, jnp.float32),
@@ -46,6 +52,32 @@ def get_policy(name: str) -> Policy:
     if name not in POLICIES:
         raise ConfigError(f"unknown precision policy '{name}'" + suggest(name, POLICIES))
     return POLICIES[name]
+
+
+_ACTIVE: contextvars.ContextVar[Policy] = contextvars.ContextVar("meshpar_policy", default=POLICIES["fp32"])
+
+
+@contextlib.contextmanager
+def use_policy(policy: Policy) -> Iterator[Policy]:
+    """Make `policy` the one `param_dtype()` / `compute_dtype()` answer (while building or tracing)."""
+    token = _ACTIVE.set(policy)
+    try:
+        yield policy
+    finally:
+        _ACTIVE.reset(token)
+
+
+def active_policy() -> Policy:
+    """The policy in force (fp32 outside meshpar's init and step)."""
+    return _ACTIVE.get()
+
+
+def param_dtype() -> jnp.dtype:
+    return _ACTIVE.get().param_dtype
+
+
+def compute_dtype() -> jnp.dtype:
+    return _ACTIVE.get().compute_dtype
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array | None = None) -> jax.Array:

@@ -14,6 +14,7 @@ from flax import nnx
 
 from meshpar.rules import constrain
 from meshpar.layers import param, scan_layers, stacked
+from meshpar.precision import compute_dtype
 from meshpar.models.layers import RESIDUAL, Block, RMSNorm
 
 # name: (layers, embed, heads, kv_heads, head_dim, mlp, vocab)
@@ -83,7 +84,8 @@ class Decoder(nnx.Module):
         logits = jnp.einsum("bte,ev->btv", x, self.lm_head[...].astype(dtype))
         return constrain(logits, ("batch", "seq", "vocab"))
 
-    def __call__(self, tokens, dtype=jnp.float32):
+    def __call__(self, tokens, dtype=None):
+        dtype = dtype or compute_dtype()   # the active precision policy's
         positions = jnp.arange(tokens.shape[1])
         x = self.embed(tokens, dtype)
         x, aux = scan_layers(self.layers, x, positions, self.cfg.remat, self.cfg.scan_layers)

@@ -20,6 +20,7 @@ from flax import nnx
 from meshpar import moe as moe_lib
 from meshpar.models.decoder import Decoder, DecoderConfig
 from meshpar.layers import param, scan_layers, stacked
+from meshpar.precision import compute_dtype
 from meshpar.models.layers import Block, RMSNorm
 
 
@@ -68,7 +69,8 @@ class MoEDecoder(Decoder):
         self.final_norm = RMSNorm(cfg.embed, cfg.norm_eps, rngs)
         self.lm_head = param(rngs, (cfg.embed, cfg.vocab), ("embed", "vocab"), 1.0 / math.sqrt(cfg.embed))
 
-    def __call__(self, tokens, dtype=jnp.float32):
+    def __call__(self, tokens, dtype=None):
+        dtype = dtype or compute_dtype()   # the active precision policy's
         positions = jnp.arange(tokens.shape[1])
         x = self.embed(tokens, dtype)
         key = None

@@ -44,3 +44,35 @@ def test_inspect_reports_the_same_errors(capsys):
 def test_missing_config_file(capsys, tmp_path):
     code, err = run_cli(capsys, "train", "--config", str(tmp_path / "nope.yaml"))
     assert code == 2 and "nope.yaml' does not exist" in err
+
+
+@pytest.mark.parametrize("argv", [
+    ["train", "steps=1", "--devices", "1", "mesh.data=1"],
+    ["train", "--devices", "1", "steps=1", "mesh.data=1"],
+    ["train", "steps=1", "mesh.data=1", "--devices=1"],
+])
+def test_flags_and_overrides_mix_in_any_order(argv):
+    from meshpar.cli import _parse
+    args = _parse(argv)
+    assert (args.command, args.devices, args.overrides) == ("train", 1, ["steps=1", "mesh.data=1"])
+    args = _parse(["inspect", "strategy=dp", "--json", "mesh.data=8", "--devices", "8"])
+    assert args.json and args.devices == 8 and args.overrides == ["strategy=dp", "mesh.data=8"]
+
+
+def test_launch_names_a_bad_process_count(capsys):
+    code, err = run_cli(capsys, "launch", "two", "steps=1")
+    assert code == 2 and "meshpar launch: N must be a positive number of processes, got 'two'" in err
+    assert err.count("\n") == 1
+
+
+def test_keys_the_run_will_not_read_get_one_warning_line():
+    from tests.conftest import devices, make_cfg
+    from meshpar.step import Trainer
+    cfg = make_cfg("moe.num_experts=4", "pipeline.schedule=1f1b", "rules=[[patch, [tensor]]]")
+    assert cfg.ignored == ["moe.num_experts", "pipeline.schedule"]
+    lines = Trainer(cfg, devices=devices(8)).warnings()
+    assert lines[0] == ("warning: ignoring moe.num_experts, pipeline.schedule: moe.* needs model.name=moe "
+                        "(model.name=decoder); pipeline.* needs mesh.pipeline > 1")
+    assert lines[1].startswith("warning: rules[0] (patch) name no parameter, variable or batch leaf")
+    assert make_cfg("model.name=moe", "moe.num_experts=4", mesh={"data": 4, "pipeline": 2},
+                    ).ignored == []

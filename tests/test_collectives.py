@@ -12,7 +12,7 @@ import pytest
 
 from meshpar import inspect as I
 from meshpar.sharding import bytes_per_device, sharding_table
-from meshpar.train import Trainer
+from meshpar.step import Trainer
 from tests.conftest import devices, make_cfg
 
 LAYERS, B, T, E = 2, 16, 16, 64
@@ -21,6 +21,8 @@ SETUPS = {
     "dp": ({"data": 8}, 8, []),
     "fsdp": ({"data": 8}, 8, []),
     "zero1": ({"data": 8}, 8, ["batch.microbatches=2"]),
+    "zero1_m1": ({"data": 8}, 8, []),
+    "zero1_m4": ({"data": 8}, 8, ["batch.microbatches=4", "batch.global_size=32"]),
     "zero2": ({"data": 8}, 8, ["batch.microbatches=2"]),
     "dp_acc": ({"data": 8}, 8, ["batch.microbatches=2"]),
     "tp": ({"tensor": 4}, 4, []),
@@ -35,7 +37,7 @@ def compiled():
     def get(name):
         if name not in cache:
             mesh, n, extra = SETUPS[name]
-            strategy = "dp" if name == "dp_acc" else name
+            strategy = {"dp_acc": "dp", "zero1_m1": "zero1", "zero1_m4": "zero1"}.get(name, name)
             tr = Trainer(make_cfg(f"strategy={strategy}", "model.remat=none", *extra, mesh=mesh), devices=devices(n))
             c = tr.compile()
             ops = I.collectives(c.as_text(), tr.describe()["mesh"])
@@ -107,7 +109,28 @@ def test_zero1_keeps_params_whole_and_optimizer_state_at_one_nth(compiled):
     assert _opt_bytes_per_device(tr) <= _opt_bytes_per_device(dp) / 8 * 1.1
     pb = param_bytes(tr)
     assert mem["argument"] <= dp_mem["argument"] - 0.8 * 2 * pb * (1 - 1 / 8)   # Adam's m and v: 2 x params
-    assert kind_bytes(s, "all-reduce") >= 2 * pb                     # whole gradients reduced per microbatch
+
+
+def _reduced(s):
+    return kind_bytes(s, "all-reduce") + kind_bytes(s, "reduce-scatter")
+
+
+@pytest.mark.parametrize("name", ["zero1_m1", "zero1", "zero1_m4", "zero2"])
+def test_zero_reduce_scatters_gradients_and_all_gathers_parameters(compiled, name):
+    """ZeRO (Rajbhandari et al. 2020) per step: gradients reduce-scattered (Psi), the update on 1/N,
+    updated parameters all-gathered (Psi); no full-gradient all-reduce."""
+    tr, _, s, _ = compiled(name)
+    pb = param_bytes(tr)
+    assert kind_bytes(s, "all-reduce") <= 0.01 * pb
+    assert kind_bytes(s, "reduce-scatter") >= 0.95 * pb
+    assert 0.95 * pb <= kind_bytes(s, "all-gather") <= 1.05 * pb
+
+
+def test_zero1_reduces_once_per_step_whatever_the_accumulation(compiled):
+    """ZeRO-1 accumulates each replica's own gradients and reduces once: M = 1, 2, 4 move the same bytes."""
+    one = _reduced(compiled("zero1_m1")[2])
+    for name in ("zero1", "zero1_m4"):
+        assert abs(_reduced(compiled(name)[2]) - one) <= 0.05 * one
 
 
 def test_zero2_reduce_scatters_gradients_into_a_sharded_accumulator(compiled):

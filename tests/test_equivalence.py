@@ -8,7 +8,7 @@ import jax
 import pytest
 
 from meshpar.data import Batches, make_source
-from meshpar.train import Trainer
+from meshpar.step import Trainer
 from tests.conftest import devices, make_cfg, rel
 
 CASES = {

@@ -229,7 +229,7 @@ def test_errors_name_the_key_and_a_fix():
 
 
 def test_errors_found_when_building():
-    from meshpar.train import Trainer
+    from meshpar.step import Trainer
     # the `expert` axis filled from the devices: the resolver names the parameter, the axis and the fix
     cfg = make_cfg("model.name=moe", "moe.num_experts=6", mesh=dict(expert=-1, data=2))
     with pytest.raises(ShardingError, match=r"'expert', size 6.*expert=4"):

@@ -12,7 +12,7 @@ import pytest
 
 from meshpar.config import CONFIG_DIR, load_config
 from meshpar.inspect import _split_computations, collectives
-from meshpar.train import Trainer
+from meshpar.step import Trainer
 from tests.conftest import devices, make_cfg, rel
 
 BASE = ["model.name=moe", "model.layers=4", "moe.every=2", "moe.num_experts=4"]   # two MoE layers

@@ -13,7 +13,8 @@ import pytest
 from tests.conftest import devices, make_cfg
 from meshpar.data import Batches, make_source
 from meshpar.errors import MeshparError
-from meshpar.train import Trainer, run
+from meshpar.loop import run
+from meshpar.step import Trainer, lr_schedule
 
 
 def _setup(*overrides):
@@ -67,11 +68,15 @@ def test_fp16_overflow_skips_step_halves_scale_keeps_params(fp16):
     assert num["loss_scale"] == 2.0 ** 99 and num["overflows"] == 1 and num["skipped_steps"] == 1
     assert int(state["step"]) == 1 and int(m["nonfinite"]) == 0   # an overflow is not an on_nan event
     assert float(m["loss_scale"]) == 2.0 ** 100 and int(m["overflows"]) == 1
+    assert float(m["lr"]) == 0.0, "a skipped step applies no learning rate"
 
-    # Back at a sane scale the next step applies and counts towards growth.
+    # Back at a sane scale the next step applies and counts towards growth. The rate it logs is the
+    # one optax applied: the first update's (its count did not move), not step 2's.
     state = _with_numerics(tr, state, loss_scale=2.0 ** 15)
     state, m = tr.step(state, next(data))
     assert np.isfinite(float(m["grad_norm"]))
+    assert float(m["lr"]) == pytest.approx(float(lr_schedule(tr.cfg)(0)), rel=1e-6)
+    assert float(lr_schedule(tr.cfg)(0)) != pytest.approx(float(lr_schedule(tr.cfg)(1)))
     assert not _bitwise_equal(after["params"], _host(state["params"]))
     num = _host(state["numerics"])
     assert num["good_steps"] == 1 and num["skipped_steps"] == 1 and num["loss_scale"] == 2.0 ** 15

@@ -1,0 +1,157 @@
+"""The training loop: data, steps, metrics, checkpoints (read top to bottom in one sitting).
+
+    end = run(cfg)                                    # the model / loss / data named by cfg
+    end = run(cfg, trainer=Trainer(cfg, model=..., loss=...), source=my_source)   # your own
+
+The step itself (grads, microbatches, the optimizer update) is `meshpar.step`; this module feeds it
+batches, logs what it returns and saves what it produces.
+"""
+from __future__ import annotations
+
+import time
+
+import jax
+import numpy as np
+
+from meshpar import precision as precision_lib
+from meshpar.flops import active_params, flops_per_token, peak_flops_per_device
+from meshpar.step import Trainer, trainer_for, user_source
+
+
+def make_data_source(cfg, trainer: Trainer):
+    """`data.kind` -> a source: built-in token sources (vocabulary from the model or `model.vocab`)
+    or `PKG.MODULE:FN` called as `FN(cfg)`."""
+    from meshpar.data import make_source
+    if ":" in cfg.data.kind:
+        return user_source(cfg)
+    vocab = getattr(trainer.spec.cfg, "vocab", None) or cfg.model.vocab or cfg.model.args.get("vocab")
+    if vocab is None:
+        from meshpar.errors import ConfigError
+        raise ConfigError(f"data.kind={cfg.data.kind} needs the vocabulary size: set model.vocab (or model.args.vocab)")
+    return make_source(cfg, vocab)
+
+
+def run(cfg, metrics_out: str | None = None, console=None, trainer: Trainer | None = None, source=None) -> dict:
+    """Train to `cfg.steps` steps; returns the end record. The loop a newcomer reads in one sitting.
+
+    With `checkpoint.dir`: resume from its newest usable checkpoint (saved on any mesh/strategy),
+    save every `checkpoint.every` steps (asynchronously) and at the end; SIGTERM/SIGINT save at the
+    step reached and raise `Preempted`. A non-finite step never reaches the state (the compiled step
+    skips it); with `train.on_nan=stop` the loop raises naming the step before any later save.
+    """
+    from meshpar.checkpoint import Checkpointer, data_changes
+    from meshpar.data import Batches
+    from meshpar.distributed import Preempted, PreemptionGuard, progress
+    from meshpar.metrics import MetricsLogger
+
+    source = source if source is not None else user_source(cfg)
+    trainer = trainer or trainer_for(cfg, source=source)
+    source = source or make_data_source(cfg, trainer)
+    facts = trainer.describe()
+    log = MetricsLogger(metrics_out, cfg.steps, console=console)
+    floor = getattr(source, "entropy_rate", None)
+    ckpt = Checkpointer(cfg, trainer, info=log.info) if cfg.checkpoint.dir else None
+    found = ckpt.restore_latest() if ckpt else None
+    resumed = {} if found is None else {"resumed_from": found.step, "resumed_path": found.path,
+                                        "damaged_checkpoints": found.damaged}
+    log.start({**facts, "processes": jax.process_count(), "entropy_floor": floor, **resumed, "config": cfg}, trainer)
+    for line in trainer.warnings():
+        log.info(line)
+    if found:
+        saved_mesh = " ".join(f"{a}={n}" for a, n in (found.meta.get("mesh") or {}).items() if n > 1) or "1 device"
+        log.info(f"resumed from step {found.step} ({found.path}; saved with {found.meta.get('strategy')} on "
+                 f"{saved_mesh}, {found.meta.get('processes')} process(es), precision {found.meta.get('precision')})")
+        changes = data_changes(found.meta.get("config") or {}, cfg)
+        if changes:
+            log.info(f"warning: resuming with a different data stream: {', '.join(changes)}; batches from step "
+                     f"{found.step + 1} on are not the ones the saved run would have seen")
+
+    t0 = time.perf_counter()
+    compiled = trainer.compile()
+    compile_s = time.perf_counter() - t0
+    state = found.state if found else trainer.init()
+    if found and found.meta.get("precision") != cfg.precision:   # the loss scale belongs to the old policy
+        state["numerics"] = jax.device_put(precision_lib.LOSS_SCALE.init(trainer.policy),
+                                           trainer.state_shardings["numerics"])
+    data = Batches(source, trainer.batch_sharding, cfg.batch.global_size, cfg.batch.length, cfg.data.seed,
+                   batch_spec=trainer.batch_spec)
+    if found:
+        data.restore(found.data)
+    peak, peak_src = peak_flops_per_device(cfg)
+    # model FLOPs per token (LM) or per example (any other loss: 6N, the attention term unknown)
+    fpt = flops_per_token(trainer.spec.cfg if trainer.is_lm else None, active_params(trainer.spec, cfg),
+                          cfg.batch.length)
+    log.info(f"compiled train step in {compile_s:.1f}s; MFU against {peak / 1e12:.3g} TFLOP/s/device ({peak_src})")
+
+    start = int(state["step"])
+    first_loss, last, pending, stop = None, None, None, None
+    window_start, window_steps = time.perf_counter(), 0
+    try:
+        with PreemptionGuard() as guard:
+            for step in range(start, cfg.steps):
+                state, metrics = compiled(state, next(data))
+                window_steps += 1
+                if pending is not None:          # the previous step's flag, read while this one runs
+                    _check_finite(cfg, *pending)
+                pending = (step + 1, metrics["nonfinite"], metrics["loss"])
+                progress["step"] = step + 1
+                if (step + 1) % cfg.train.log_every == 0 or step + 1 == cfg.steps or step == start:
+                    metrics = jax.device_get(metrics)
+                    dt = (time.perf_counter() - window_start) / window_steps
+                    per_step = facts["tokens_per_step"] or facts["examples_per_step"]
+                    rec = {"step": step + 1, **{k: _jsonable(v) for k, v in metrics.items()}, "step_time_s": dt,
+                           "examples_per_s": facts["examples_per_step"] / dt,
+                           "tokens_per_s": facts["tokens_per_step"] / dt if facts["tokens_per_step"] else None,
+                           "mfu": fpt * per_step / dt / (peak * facts["devices"])}
+                    first_loss = rec["loss"] if first_loss is None else first_loss
+                    last = rec
+                    log.step(rec)
+                    window_start, window_steps = time.perf_counter(), 0
+                stop = guard.reached(step + 1)
+                if ckpt and (ckpt.due(step + 1) or stop or step + 1 == cfg.steps):
+                    _check_finite(cfg, *pending)  # never save past a step that must stop the run
+                    path = ckpt.save(step + 1, state, data.state(), wait=bool(stop))
+                    log.info(f"checkpoint step {step + 1} -> {path}" + (" (written)" if stop else " (writing)"))
+                if stop:
+                    break
+            if pending is not None:
+                _check_finite(cfg, *pending)
+    except Exception as e:
+        if jax.process_count() > 1:      # a collective failed: if a peer died, exit naming it
+            from meshpar.distributed import await_peer_verdict
+            await_peer_verdict(e)
+        raise
+    finally:
+        if ckpt:
+            ckpt.close()     # finish the writes in flight: they hold good states
+    end = {"steps": cfg.steps, "initial_loss": first_loss, "final_loss": last and last["loss"],
+           "entropy_floor": floor, "compile_s": compile_s, "wall_s": time.perf_counter() - t0, **resumed}
+    if floor is not None and first_loss is not None:
+        from meshpar.data import floor_gap_closed
+        end["gap_closed"] = floor_gap_closed(first_loss, last["loss"], floor)
+    if stop:
+        import signal as signal_lib
+        name = signal_lib.Signals(stop).name
+        end.update(preempted=name, stopped_at=progress["step"],
+                   checkpoint=ckpt.path(progress["step"]) if ckpt else None)
+        log.end(end)
+        where = (f"saved checkpoint {ckpt.path(progress['step'])}; rerun the same command to resume" if ckpt
+                 else "no checkpoint.dir, nothing saved")
+        raise Preempted(stop, f"stopped by {name} after step {progress['step']}; {where}")
+    log.end(end)
+    return end
+
+
+def _check_finite(cfg, step: int, nonfinite, loss) -> None:
+    """`train.on_nan=stop`: raise if `step` had a non-finite loss or gradients (its update was skipped)."""
+    if cfg.train.on_nan == "stop" and int(nonfinite):
+        from meshpar.errors import MeshparError
+        raise MeshparError(f"non-finite loss or gradients at step {step} (loss {float(loss)}); its update was "
+                           "not applied and no checkpoint was written after it (train.on_nan=stop). Lower "
+                           "train.lr, check the data, or set train.on_nan=skip to skip such steps")
+
+
+def _jsonable(v):
+    a = np.asarray(v)
+    return float(a) if a.ndim == 0 else a.tolist()
+
