@@ -21,10 +21,11 @@ from meshpar.sharding import logical_axes
 
 def param(rngs: nnx.Rngs, shape, logical, std: float | None = None, init: str = "normal") -> nnx.Param:
     """A parameter with logical axis names (`logical_axes` metadata, resolved by meshpar), in the
-    active precision policy's `param_dtype` (fp32 master weights under every preset policy)."""
+    active precision policy's `param_dtype` (fp32 master weights under every preset policy).
+    init: "normal" (truncated at 2 std), "ones" or "zeros"."""
     dtype = param_dtype()
-    if init == "ones":
-        value = jnp.ones(shape, dtype)
+    if init in ("ones", "zeros"):
+        value = (jnp.ones if init == "ones" else jnp.zeros)(shape, dtype)
     else:
         value = std * jax.random.truncated_normal(rngs.params(), -2.0, 2.0, shape, dtype)
     return nnx.Param(value, logical_axes=tuple(logical))

@@ -61,8 +61,8 @@ class MetricsLogger:
         self._write({"event": "step", **rec})
         if not self.main:
             return
-        keys = ("aux_loss", "z_loss", "drop_fraction", "load_min", "load_max", "loss_scale")   # MoE: per layer
-        extra = "".join(f" {k} {_fmt(rec[k])}" for k in keys if k in rec)
+        # the loss function's own metrics (MoE: aux_loss, load_... per layer; a classifier: accuracy)
+        extra = "".join(f" {k} {_fmt(v)}" for k, v in rec.items() if k not in _SHOWN_ELSEWHERE and v is not None)
         rate = (f"{rec['tokens_per_s']:,.0f} tok/s" if rec.get("tokens_per_s") is not None
                 else f"{rec['examples_per_s']:,.1f} examples/s")
         info = f"loss {rec['loss']:.4f} | {rate} | MFU {100 * rec['mfu']:.2f}%" + extra
@@ -84,6 +84,10 @@ class MetricsLogger:
             self.console.print(msg + f" in {rec['wall_s']:.1f}s")
         if self.file:
             self.file.close()
+
+
+_SHOWN_ELSEWHERE = {"step", "loss", "total_loss", "ce", "grad_norm", "lr", "nonfinite", "skipped_steps", "overflows",
+                    "step_time_s", "examples_per_s", "tokens_per_s", "mfu"}
 
 
 def _fmt(v) -> str:

@@ -67,6 +67,11 @@ def check(cfg, layout, shapes: dict) -> None:
         return
     _split_params(shapes)
     num_layers = jax.tree.leaves(shapes["layers"])[0].shape[0]
+    if pc.schedule == "1f1b" and cfg.model.name == "moe" and cfg.moe.capacity_factor is None:
+        raise ConfigError("pipeline.schedule=1f1b cannot run dropless MoE (moe.capacity_factor=null): 1F1B runs each "
+                          "stage in a per-device branch, and XLA partitions dropless routing with collectives over "
+                          "all devices, which would deadlock; use pipeline.schedule=gpipe or interleaved, or set "
+                          "moe.capacity_factor")
     if v > 1 and pc.schedule != "interleaved":
         raise ConfigError(f"pipeline.virtual_stages={v} needs pipeline.schedule=interleaved "
                           f"(got {pc.schedule}); set pipeline.virtual_stages=1 or the interleaved schedule")

@@ -328,6 +328,14 @@ class Trainer:
             metrics.update(loss_scale=state["numerics"]["loss_scale"], overflows=numerics["overflows"])
         return {"step": state["step"] + 1, "params": params, "vars": vars, "opt": opt, "numerics": numerics}, metrics
 
+    @property
+    def batch_shape(self) -> tuple:
+        """The global batch shape of a single-array batch ([B, T+1] tokens for the LM loss)."""
+        from meshpar.data import is_leaf
+        if not is_leaf(self.batch_spec):
+            raise AttributeError("batch_shape: this batch is a tree; see Trainer.batch_spec")
+        return tuple(self.batch_spec.shape)
+
     def abstract_batch(self):
         from meshpar.data import is_leaf
         return jax.tree.map(lambda leaf, sh: jax.ShapeDtypeStruct(tuple(leaf.shape), leaf.dtype, sharding=sh),

@@ -273,3 +273,43 @@ def test_pp_tiny_learns_like_the_default(tmp_path):
     base = run(load_config(None, ["steps=30", "train.log_every=30"]))
     assert pp["final_loss"] < 0.3 * pp["initial_loss"]
     assert abs(pp["final_loss"] - base["final_loss"]) < 0.1 * (base["initial_loss"] - base["final_loss"])
+
+
+# -- pipeline x MoE: every combination trains or stops with one line ---------------------------
+
+MOE_TINY = [*TINY, "batch.global_size=8", "steps=1", "pipeline.microbatches=2"]
+MODELS = {"decoder": ["model.name=decoder", "model.layers=4"],
+          "moe-top1": ["model.name=moe", "model.layers=8", "moe.routing=top1"],
+          "moe-top2": ["model.name=moe", "model.layers=8", "moe.routing=top2"],
+          "moe-dropless": ["model.name=moe", "model.layers=8", "moe.capacity_factor=null"]}
+SWEEP = [("decoder", "gpipe"), ("decoder", "1f1b"), ("moe-top1", "interleaved"), ("moe-top2", "1f1b"),
+         ("moe-dropless", "gpipe"), ("moe-dropless", "1f1b"), ("moe-dropless", "interleaved")]
+
+
+@pytest.mark.parametrize("model,schedule", SWEEP, ids=[f"{m}-{s}" for m, s in SWEEP])
+def test_pipeline_with_moe_trains_or_stops_with_one_line(capsys, model, schedule):
+    from meshpar.cli import main
+    v = 2 if schedule == "interleaved" else 1
+    code = main(["train", *MOE_TINY, *MODELS[model], f"pipeline.schedule={schedule}", f"pipeline.virtual_stages={v}",
+                 "mesh.pipeline=2", "mesh.expert=2", "mesh.tensor=2", "mesh.data=1", "mesh.fsdp=1"])
+    out = capsys.readouterr()
+    assert "Traceback" not in out.err
+    if code:
+        assert code == 2 and out.err.startswith("meshpar: error: ") and out.err.count("\n") == 1, out.err
+    assert (model, schedule) != ("moe-dropless", "1f1b") or "cannot run dropless MoE" in out.err
+    assert code == 0 or (model, schedule) == ("moe-dropless", "1f1b"), out.err[-2000:]
+
+
+def test_pipelined_dropless_moe_equals_the_plain_model():
+    """GPipe over 2 stages with dropless experts split over `expert` inside each stage: loss and
+    gradients equal the unpipelined model on one device (fp32)."""
+    extra = [*TINY, "model.name=moe", "model.layers=4", "moe.capacity_factor=null", "pipeline.microbatches=2"]
+    tr0 = Trainer(make_cfg(*extra, "strategy=dp", mesh={}), devices=devices(1))
+    params = jax.device_get(tr0.init()["params"])
+    tokens = np.asarray(jax.random.randint(jax.random.key(7), tr0.batch_shape, 0, 64))
+    (loss0, _), grads0 = jax.jit(tr0._grads)(params, tokens)
+    tr = Trainer(make_cfg(*extra, mesh={"pipeline": 2, "expert": 2, "tensor": 2}), devices=devices(8))
+    (loss, _), grads = jax.jit(tr._grads)(jax.device_put(params, tr.param_shardings),
+                                          jax.device_put(tokens, tr.batch_sharding))
+    assert abs(float(loss) - float(loss0)) / float(loss0) <= 1e-5
+    assert rel(jax.device_get(grads), jax.device_get(grads0)) <= 1e-5
