@@ -255,3 +255,14 @@ def test_bad_user_code_is_one_clear_line(capsys, monkeypatch, tmp_path, args, me
     assert code == 2, err[-2000:]
     assert message in err and ("no declared logical axes" in err or "batch leaf" not in message), err
     assert err.startswith("meshpar: error: ") and err.count("\n") == 1
+
+
+def test_readme_script_runs_as_written(tmp_path):
+    """The README's "Writing a model" script, extracted verbatim and run with this interpreter."""
+    text = (REPO / "README.md").read_text()
+    start = text.index("```python\nimport os; os.environ")
+    script = text[start + len("```python\n"):text.index("```", start + 10)]
+    assert len(script.splitlines()) <= 40
+    run = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "step    30/30" in run.stdout and "ppl" in run.stdout
