@@ -212,6 +212,32 @@ def test_the_framework_never_imports_the_reference_models():
             assert not [n for n in names if n.split(".")[:2] in (["meshpar", "models"], ["models"])], path
 
 
+def test_meshpar_modules_import_without_cycles():
+    import ast
+    mods = {p.stem: p for p in (REPO / "meshpar").glob("*.py")}
+    graph = {name: set() for name in mods}
+    for name, path in mods.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                       [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if isinstance(node, ast.ImportFrom) and node.module == "meshpar":
+                targets = [f"meshpar.{a.name}" for a in node.names]
+            graph[name] |= {t.split(".")[1] for t in targets if t.startswith("meshpar.") and t.split(".")[1] in mods}
+    state = {}
+
+    def visit(n, stack):
+        state[n] = "open"
+        for m in graph[n]:
+            assert state.get(m) != "open", f"import cycle: {' -> '.join(stack + [m])}"
+            if m not in state:
+                visit(m, stack + [m])
+        state[n] = "done"
+    for n in graph:
+        if n not in state:
+            visit(n, [n])
+    assert all(len(p.read_text().splitlines()) < 500 for p in mods.values())
+
+
 # -- bad input: one line naming it -------------------------------------------------------------
 
 USER_MODULE = '''
