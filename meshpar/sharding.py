@@ -237,7 +237,7 @@ def sharding_table(spec: ModelSpec, layout: Layout) -> list[dict]:
 def render_sharding_table(rows: list[dict]):
     """The sharding table as a rich Table (what `meshpar train` and `inspect` print)."""
     from rich.table import Table
-    t = Table(title="shardings (model variables)")
+    t = Table(title="parameter shardings")   # non-Param variables are rows too (kind var)
     for col in ("variable", "shape", "logical axes", "PartitionSpec", "bytes/device", "note"):
         t.add_column(col, justify="right" if col == "bytes/device" else "left", overflow="fold")
     for r in rows:

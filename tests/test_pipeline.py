@@ -282,7 +282,7 @@ MODELS = {"decoder": ["model.name=decoder", "model.layers=4"],
           "moe-top1": ["model.name=moe", "model.layers=8", "moe.routing=top1"],
           "moe-top2": ["model.name=moe", "model.layers=8", "moe.routing=top2"],
           "moe-dropless": ["model.name=moe", "model.layers=8", "moe.capacity_factor=null"]}
-SWEEP = [("decoder", "gpipe"), ("decoder", "1f1b"), ("moe-top1", "interleaved"), ("moe-top2", "1f1b"),
+SWEEP = [("decoder", "1f1b"), ("moe-top1", "interleaved"), ("moe-top2", "1f1b"),
          ("moe-dropless", "gpipe"), ("moe-dropless", "1f1b"), ("moe-dropless", "interleaved")]
 
 
