@@ -21,7 +21,8 @@ gradients are reduced is the strategy (ZeRO, Rajbhandari et al. 2020):
   the update runs on 1/N of every tensor, and the updated parameters are all-gathered (Psi).
 * zero1 under accumulation: each data-parallel replica accumulates its *own* gradients (a `vmap`
   over replicas whose mapped axis sits on the batch mesh axes, so nothing is communicated inside the
-  loop) and they are reduce-scattered once per optimizer step.
+  loop) and they are reduce-scattered once per optimizer step. A model with non-Param state (dropout
+  RNG streams, say) reduces per microbatch instead, so its masks stay independent of the mesh.
 * zero2 under accumulation: each microbatch's gradients are reduce-scattered on arrival, so the
   accumulator holds 1/N per device (M x Psi bytes moved, 1/N of the memory).
 """
@@ -267,7 +268,11 @@ class Trainer:
         mbs = split_microbatches(batch, m, self.layout, self.batch_spec)
         strategy = self.layout.strategy
         replicas = batch_axes_of(self.layout)
-        local = strategy.opt_state is not None and not strategy.shard_grads and replicas and not self.pipelined
+        # ZeRO-1's per-replica accumulation needs a model without non-Param state: under the vmap every
+        # replica would draw the same dropout masks (and keep its own counters), so such a model
+        # takes the general path (gradients reduced per microbatch), which matches any mesh
+        local = (strategy.opt_state is not None and not strategy.shard_grads and replicas and not self.pipelined
+                 and not jax.tree.leaves(vars))
         if local:   # ZeRO-1: per-replica gradients [R, ...], reduced once after the loop
             r = math.prod(self.layout.shape[a] for a in replicas)
             inner = self.layout.hiding(replicas)
@@ -288,8 +293,6 @@ class Trainer:
             total, v = carry
             (l, a), g = grads_fn(params, mb, v)
             v = a.pop("vars")
-            if local:
-                v = jax.tree.map(lambda x: x[-1], v)   # the last replica's counters: identical on all
             return (jax.tree.map(jnp.add, total, (l, a, pin(g))), v), None
 
         first = jax.tree.map(lambda x: x[0], mbs)
