@@ -84,6 +84,15 @@ def test_examples_equal_the_single_device_run_under_every_preset(example, strate
     assert got[1] != got[0]
 
 
+def test_fp16_loss_scaling_works_for_a_user_loss():
+    """The vision example's own loss under fp16 (dynamic loss scaling, 2 accumulation steps): the
+    scale is applied and removed, and the loss follows fp32's."""
+    fp16, tr, state = _losses("vision", "fsdp_tp", MESHES["fsdp_tp"], 8, "precision=fp16")
+    assert float(state["numerics"]["loss_scale"]) == 2.0 ** 15 and int(state["numerics"]["skipped_steps"]) == 0
+    for a, b in zip(fp16, _reference("vision")):
+        assert abs(a - b) / b <= 2e-2
+
+
 def test_dropout_is_on_and_changes_the_loss():
     on = _reference("gpt2")
     off = _losses("gpt2", "dp", {}, 1, "model.args.dropout=0.0")[0]
