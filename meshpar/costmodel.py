@@ -1,0 +1,360 @@
+"""The planner's cost model: bytes per device and seconds per step of one candidate plan.
+
+Letters: N devices; mesh axes p (pipeline), d (data), f (fsdp), e (expert), t (tensor); B global
+batch (sequences), T (= s) length, M_a gradient-accumulation microbatches, M pipeline microbatches,
+v virtual stages; b = B / (d f e M_a M) sequences per device per microbatch; model sizes L layers,
+h embed, a heads, k kv heads, q head_dim, F mlp, V vocab; Psi parameters. Bytes per parameter
+W, G, O (weights, gradients, optimizer state); c bytes of the compute dtype.
+
+Memory (per device, bytes).
+* Model state, ZeRO (Rajbhandari et al. 2020, sec. 5, "Psi" accounting with W,G,O = 2,2,12:
+  DP 16Psi, ZeRO-1 4Psi + 12Psi/N, ZeRO-2 2Psi + 14Psi/N, ZeRO-3 16Psi/N). Here every parameter is
+  resolved with meshpar's own rules (`meshpar.rules.resolve`) for the candidate's mesh, so the
+  shard factor of each tensor is the one the run will use: W x Psi_i / shards(params),
+  G x Psi_i / shards(grads) (ZeRO-2: the optimizer layout), O x Psi_i / shards(optimizer).
+  Defaults: what meshpar's precision policy stores (fp32 master weights 4, fp32 gradients 4,
+  AdamW mu and nu 8).
+* Activations after Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+  Transformer Models", eq. 1-2: sbh(34 + 5as/h) bytes per layer, TP sbh(10 + 24/t + 5as/(ht)),
+  TP+SP sbh(34 + 5as/h)/t, full recompute 2sbh), re-derived for meshpar's decoder (pre-norm RMSNorm,
+  fused GQA QKV with RoPE, SwiGLU, no dropout) in elements per token of one layer:
+      none:      4h (2 norm inputs + 2 norm outputs) + (2a + 2k) q (q, k after RoPE, v, attention
+                 output) + 2 a s (softmax output and probabilities) + 4F (gate, up, silu, product)
+      save_dots: h (layer input) + (a + 2k) q (QKV output) + 2h (wo, w_down outputs) + 2F (w_in output)
+      full:      h (the layer input the scan keeps)
+  Under TP the head and F terms are divided by t; under SP (tp_sp) the h terms too. A layer stores
+  its set for every microbatch in flight: 1 without pipelining (accumulation runs microbatches one
+  after another); with P stages, GPipe keeps M, 1F1B at most P, interleaved v M (their stash,
+  `meshpar.schedules.in_flight`). On top: the working set of the layer being differentiated (its
+  `none` set, twice with recomputation: the recomputed forward and its gradients), the logits in
+  fp32 with their gradient (2 x 4 b s V / t), and under FSDP one layer's gathered weights (twice:
+  XLA prefetches the next). MoE layers add their capacity buffers: dispatch/combine [G,S,E,C] and
+  the expert input/hidden [E,G,C,M|H]: b s k cf (2h + 3H_e/t) per MoE layer.
+
+Time per step (seconds).
+* Compute: model FLOPs (PaLM appendix B, `meshpar.flops.flops_per_token`) x recomputation
+  (full remat: one extra forward of the layers, x 4/3 of their FLOPs; save_dots: the attention
+  score/PV matmuls again) / (N x peak x efficiency). The efficiency is an assumption of the
+  hardware preset (0.5: what tuned dense-LM runs report as MFU at scale).
+* Collectives on ring formulas (Patarasuk & Yuan 2009; NCCL's bus-bandwidth note): all-gather and
+  reduce-scatter (n-1)/n x V / bw, all-reduce twice that, all-to-all (n-1)/n x V / bw, a permute
+  V / bw; V is the whole tensor (what `meshpar inspect` reports). An axis set that spans ICI and
+  DCN runs hierarchically: (n_i - 1)/n_i V / bw_ici + (n_d - 1)/n_d (V / n_i) / bw_dcn.
+* Pipeline bubble (Narayanan et al. 2021, sec. 2.2): (p - 1) / (v M) of the compute time (GPipe and
+  1F1B alike; interleaving divides it by v).
+* Overlap, assumed once: collectives over the batch axes (data, fsdp, expert-replicated gradient
+  reductions, FSDP gathers, ZeRO's gather of updated weights) overlap with compute (XLA's async
+  collectives and latency-hiding scheduler); tensor-parallel collectives, MoE all-to-alls and
+  pipeline transfers sit on the critical path. step = max(compute, overlapped) + exposed + bubble.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import jax
+
+from meshpar.errors import ShardingError
+from meshpar.mesh import MESH_AXES
+from meshpar.rules import BATCH_AXES, get_strategy, parse_user_rules, resolve
+
+REMATS = ("none", "save_dots", "full")
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """One parameter tensor: shape, logical names, whether it sits in the stacked (scanned) layers."""
+    path: str
+    shape: tuple
+    names: tuple
+    stacked: bool
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass
+class ModelFacts:
+    """What the cost model needs of a model: its parameter tensors and, for activations, its sizes."""
+    leaves: list
+    params: int
+    flops_per_token: float
+    dims: dict                      # layers, embed, heads, kv_heads, head_dim, mlp, vocab (None if unknown)
+    moe: dict = field(default_factory=dict)    # num_experts, every, top_k, capacity_factor, expert_mlp
+
+    @classmethod
+    def from_config(cls, cfg) -> "ModelFacts":
+        """Shapes only (`nnx.eval_shape`): a 175B model costs no memory here."""
+        from meshpar.flops import active_params, flops_per_token
+        from meshpar.precision import get_policy
+        from meshpar.sharding import model_spec, path_name
+        from meshpar.step import default_model
+        spec = model_spec(default_model(cfg), get_policy(cfg.precision))
+        names = jax.tree.leaves(spec.logical, is_leaf=lambda x: isinstance(x, tuple))
+        leaves = [Leaf(path_name(p), tuple(s.shape), tuple(n), bool(n) and n[0] == "layers")
+                  for (p, s), n in zip(jax.tree_util.tree_leaves_with_path(spec.shapes), names)]
+        m = spec.cfg
+        dims = {k: getattr(m, k, None) for k in ("layers", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab")}
+        moe = {}
+        if any("expert" in lf.names for lf in leaves):
+            from meshpar.moe import TOP_K
+            moe = {"num_experts": cfg.moe.num_experts, "every": cfg.moe.every, "top_k": TOP_K[cfg.moe.routing],
+                   "capacity_factor": cfg.moe.capacity_factor or 1.0, "expert_mlp": dims["mlp"]}
+        n = sum(lf.numel for lf in leaves)
+        return cls(leaves, n, flops_per_token(m, active_params(spec, cfg), cfg.batch.length), dims, moe)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One plan: full axis sizes (ICI x DCN), the part of each on DCN, strategy, remat, microbatches."""
+    mesh: tuple                     # sizes in MESH_AXES order
+    dcn: tuple                      # DCN part of each axis (1: all ICI)
+    strategy: str
+    remat: str
+    microbatches: int = 1           # batch.microbatches (gradient accumulation)
+    pp_microbatches: int = 1        # pipeline.microbatches
+    schedule: str = "1f1b"
+    virtual: int = 1
+
+    @property
+    def shape(self) -> dict:
+        return dict(zip(MESH_AXES, self.mesh))
+
+    @property
+    def dcn_shape(self) -> dict:
+        return dict(zip(MESH_AXES, self.dcn))
+
+
+def _factor(spec, shape: dict) -> int:
+    axes = [a for part in spec if part is not None for a in ((part,) if isinstance(part, str) else part)]
+    return math.prod(shape[a] for a in axes)
+
+
+def _axes(spec) -> set:
+    return {a for part in spec if part is not None for a in ((part,) if isinstance(part, str) else part)}
+
+
+class Resolver:
+    """Each leaf's PartitionSpec under a strategy and mesh, by meshpar's resolver (cached)."""
+
+    def __init__(self, cfg):
+        self.user = parse_user_rules(cfg.rules)
+        self.cache = {}
+
+    def spec(self, leaf: Leaf, strategy: str, shape: dict, kind: str):
+        key = (leaf.names, leaf.shape, strategy, tuple(shape.values()), kind)
+        if key not in self.cache:
+            s = get_strategy(strategy)
+            rules = self.user + (s.opt_rules() if kind == "opt_state" else s.param_rules())
+            self.cache[key] = resolve(leaf.names, rules, shape, leaf.shape, f"parameter '{leaf.path}'",
+                                      strict=len(self.user))
+        return self.cache[key]
+
+
+def state_bytes(facts: ModelFacts, cand: Candidate, res: Resolver, bpp=(4, 4, 8)) -> dict:
+    """Per-device params, grads, optimizer bytes (ZeRO accounting on meshpar's real layouts).
+    Raises ShardingError when a tensor is not divisible by its mesh axes."""
+    w, g, o = bpp
+    shape = cand.shape
+    zero2 = get_strategy(cand.strategy).shard_grads
+    out = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
+    for lf in facts.leaves:
+        ps = _factor(res.spec(lf, cand.strategy, shape, "params"), shape)
+        os_ = _factor(res.spec(lf, cand.strategy, shape, "opt_state"), shape)
+        out["params"] += w * lf.numel / ps
+        out["grads"] += g * lf.numel / (os_ if zero2 else ps)
+        out["optimizer"] += o * lf.numel / os_
+    return out
+
+
+def local_batch(cfg, cand: Candidate) -> float:
+    """b: sequences per device per (accumulation x pipeline) microbatch."""
+    s = cand.shape
+    dp = s["data"] * s["fsdp"] * s["expert"]
+    return cfg.batch.global_size / (dp * cand.microbatches * cand.pp_microbatches)
+
+
+def in_flight(cand: Candidate) -> int:
+    """Microbatches whose activations a stage holds at once (GPipe M, 1F1B <= P, interleaved v M)."""
+    p = cand.shape["pipeline"]
+    if p == 1:
+        return 1
+    if cand.schedule == "1f1b":
+        return min(p, cand.pp_microbatches)
+    return cand.pp_microbatches * (cand.virtual if cand.schedule == "interleaved" else 1)
+
+
+def _per_token(dims: dict, remat: str, t_heads: int, t_mlp: int, t_res: int, s: int) -> float:
+    """Elements stored per token of one layer (see the module docstring)."""
+    h, a, k, q, f = dims["embed"], dims["heads"], dims["kv_heads"], dims["head_dim"], dims["mlp"]
+    if remat == "full" or remat == "offload":
+        return h / t_res
+    if remat == "save_dots":
+        return 3 * h / t_res + (a + 2 * k) * q / t_heads + 2 * f / t_mlp
+    return 4 * h / t_res + (2 * a + 2 * k) * q / t_heads + 2 * a * s / t_heads + 4 * f / t_mlp
+
+
+def activation_bytes(facts: ModelFacts, cand: Candidate, cfg, c: int, res: Resolver, w: int = 4) -> float:
+    """Per-device activation memory of one step (bytes), including the batch itself; `w`: bytes of
+    a gathered weight element (meshpar gathers the fp32 master weights)."""
+    d, shape = facts.dims, cand.shape
+    b, s = local_batch(cfg, cand), cfg.batch.length
+    batch = 4 * b * cand.microbatches * cand.pp_microbatches * (s + 1)      # int32 tokens [B, T+1] / dp
+    if not all(d.get(k) for k in ("layers", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab")):
+        return batch                                                    # a user model without sizes
+    t = shape["tensor"]
+    tp = get_strategy(cand.strategy).params
+    t_heads = t if any(n == "heads" for n, _ in tp) and d["kv_heads"] % t == 0 else 1
+    t_mlp = t if any(n == "mlp" for n, _ in tp) else 1
+    t_res = t if any(n == "length" for n, _ in tp) else 1
+    t_vocab = t if any(n == "vocab" for n, _ in tp) else 1
+    layers = d["layers"] / shape["pipeline"]
+    tokens = b * s
+    stored = layers * in_flight(cand) * tokens * _per_token(d, cand.remat, t_heads, t_mlp, t_res, s)
+    working = (1 if cand.remat == "none" else 2) * tokens * _per_token(d, "none", t_heads, t_mlp, t_res, s)
+    act = c * (stored + working) + 2 * 4 * tokens * d["vocab"] / t_vocab
+    if facts.moe:
+        m = facts.moe
+        moe_layers = layers / m["every"]
+        buf = tokens * m["top_k"] * m["capacity_factor"] * (2 * d["embed"] + 3 * m["expert_mlp"] / t_mlp)
+        act += c * buf * (moe_layers * (in_flight(cand) if cand.remat == "none" else 0) + 1)
+    gathered = 0.0                                  # FSDP: one layer's weights gathered over the batch axes
+    for lf in facts.leaves:
+        spec = res.spec(lf, cand.strategy, shape, "params")
+        if lf.stacked and _axes(spec) & set(BATCH_AXES):
+            gathered += lf.numel / lf.shape[0] / _factor(spec, shape) * math.prod(
+                shape[a] for a in _axes(spec) & set(BATCH_AXES))
+    return act + 2 * w * gathered + batch
+
+
+# -- collectives ---------------------------------------------------------------------------------
+
+def _batch_axes(shape: dict) -> list:
+    return [a for a in BATCH_AXES if shape[a] > 1]
+
+
+def collectives(facts: ModelFacts, cand: Candidate, cfg, res: Resolver, c: int, g: int = 4, w: int = 4) -> list:
+    """Predicted collectives of one step: [{kind, axes, bytes (whole tensor, per step), overlap}],
+    bytes counted as `meshpar inspect` counts them. g, w: bytes of a gradient / weight element on
+    the wire (meshpar reduces gradients and gathers weights in the parameter dtype, fp32)."""
+    shape, st = cand.shape, get_strategy(cand.strategy)
+    batch_axes, ma = _batch_axes(shape), cand.microbatches
+    zero1 = st.opt_state is not None and not st.shard_grads
+    out = []
+
+    def add(kind, axes, nbytes, overlap):
+        if nbytes > 0 and axes:
+            out.append({"kind": kind, "axes": sorted(axes, key=MESH_AXES.index), "bytes": float(nbytes),
+                        "overlap": overlap})
+
+    remat_ag = 2 if cand.remat == "full" else 1
+    grad_times = 1 if zero1 else ma
+    for lf in facts.leaves:
+        ps = res.spec(lf, cand.strategy, shape, "params")
+        sharded = _axes(ps)
+        on_batch = [a for a in batch_axes if a in sharded and not (a == "expert" and "expert" in lf.names)]
+        rest = [a for a in batch_axes if a not in sharded]          # partial sums to all-reduce
+        local = lf.numel / _factor(ps, shape)          # per-device elements at rest
+        full_over_batch = local * math.prod(shape[a] for a in on_batch)
+        if on_batch:                                   # FSDP: gather for use, reduce-scatter the grads
+            mb = ma * (cand.pp_microbatches if lf.stacked else 1)   # a stage gathers its layers per microbatch
+            add("all-gather", on_batch, w * full_over_batch * (remat_ag if lf.stacked else 1) * mb, True)
+            add("reduce-scatter", on_batch, g * full_over_batch * mb, True)
+            add("all-reduce", rest, g * local * mb, True)
+            continue
+        if st.opt_state is not None:                   # ZeRO-1/2: RS into the sharded state, AG updated weights
+            os_ = res.spec(lf, cand.strategy, shape, "opt_state")
+            rs = [a for a in batch_axes if a in _axes(os_)]
+            if rs:
+                add("reduce-scatter", rs, g * local * grad_times, True)
+                add("all-gather", rs, w * local, True)
+                add("all-reduce", [a for a in batch_axes if a not in rs], g * local * grad_times, True)
+                continue
+        add("all-reduce", rest, g * local * grad_times, True)
+        if not lf.stacked and shape["pipeline"] > 1:   # outer params are psum'd over pipeline once
+            add("all-reduce", ["pipeline"], g * local, False)
+    d = facts.dims
+    if not d.get("embed"):
+        return out
+    b, s, h = local_batch(cfg, cand), cfg.batch.length, d["embed"]
+    n_mb = ma * cand.pp_microbatches
+    layers = d["layers"] / shape["pipeline"]
+    act = c * b * s * h                                 # one [b, s, h] activation per device
+    t = shape["tensor"]
+    if t > 1 and any(n == "heads" for n, _ in st.params):
+        per_layer = 4 + (2 if cand.remat == "full" else 0)
+        n = n_mb * (layers * per_layer + 2)             # + embedding forward, head input-gradient
+        if any(n_ == "length" for n_, _ in st.params):
+            add("all-gather", ["tensor"], act * n, False)
+            add("reduce-scatter", ["tensor"], act * n, False)
+        else:
+            add("all-reduce", ["tensor"], act * n, False)
+    p = shape["pipeline"]
+    if p > 1:
+        from meshpar.schedules import schedule_table
+        table = schedule_table(cand.schedule, p, cand.pp_microbatches, cand.virtual)
+        permutes = 2 * len(table) if cand.schedule == "1f1b" else len(table)
+        sp = t if any(n_ == "length" for n_, _ in st.params) else 1   # SP: the residual is split over tensor
+        add("collective-permute", ["pipeline"], act / sp * permutes * ma, False)
+    if facts.moe and shape["expert"] > 1:
+        m = facts.moe
+        per = 4 + (2 if cand.remat == "full" else 0)
+        buf = c * b * s * m["top_k"] * m["capacity_factor"] * h
+        add("all-to-all", ["expert"], buf * per * n_mb * layers / m["every"], False)
+    return out
+
+
+def collective_time(op: dict, cand: Candidate, hw) -> float:
+    """Seconds of one predicted collective on its axes (ring; hierarchical across ICI and DCN)."""
+    shape, dcn = cand.shape, cand.dcn_shape
+    n_d = math.prod(dcn[a] for a in op["axes"])
+    n_i = math.prod(shape[a] for a in op["axes"]) // n_d
+    v = op["bytes"]
+    if op["kind"] == "collective-permute":
+        return v / (hw.dcn_bw if n_d > 1 else hw.ici_bw)
+    ring = (n_i - 1) / n_i * v / hw.ici_bw + ((n_d - 1) / n_d * v / n_i / hw.dcn_bw if n_d > 1 else 0.0)
+    return 2 * ring if op["kind"] == "all-reduce" else ring
+
+
+def step_time(facts: ModelFacts, cand: Candidate, cfg, hw, ops: list) -> dict:
+    """compute_s, comm_s (all collectives), exposed_s (not overlapped), bubble_s, step_s, mfu."""
+    n = math.prod(cand.mesh)
+    tokens = cfg.batch.global_size * cfg.batch.length
+    model_flops = facts.flops_per_token * tokens
+    d = facts.dims
+    attn = 12.0 * d["layers"] * d["heads"] * d["head_dim"] * cfg.batch.length if d.get("heads") else 0.0
+    layer_share = 1.0 - 6.0 * (d["vocab"] or 0) * (d["embed"] or 0) / max(facts.flops_per_token, 1.0)
+    extra = {"none": 0.0, "full": layer_share / 3, "offload": attn / facts.flops_per_token / 3,
+             "save_dots": attn / facts.flops_per_token / 3}[cand.remat]
+    compute = model_flops * (1 + extra) / (n * hw.peak_flops * hw.efficiency)
+    times = [collective_time(op, cand, hw) for op in ops]
+    overlapped = sum(tm for tm, op in zip(times, ops) if op["overlap"])
+    exposed = sum(tm for tm, op in zip(times, ops) if not op["overlap"])
+    p = cand.shape["pipeline"]
+    bubble = compute * (p - 1) / (cand.virtual * cand.pp_microbatches) if p > 1 else 0.0
+    step = max(compute, overlapped) + exposed + bubble
+    return {"compute_s": compute, "comm_s": overlapped + exposed, "exposed_comm_s": exposed, "bubble_s": bubble,
+            "step_s": step, "mfu": model_flops / (step * n * hw.peak_flops)}
+
+
+def evaluate(facts: ModelFacts, cand: Candidate, cfg, hw, res: Resolver, bpp, c: int) -> dict | None:
+    """Memory, collectives and time of one candidate; None when a tensor does not divide its axes."""
+    try:
+        mem = state_bytes(facts, cand, res, bpp)
+        mem["activations"] = activation_bytes(facts, cand, cfg, c, res)
+    except ShardingError:
+        return None
+    mem["total"] = sum(mem.values())
+    ops = collectives(facts, cand, cfg, res, c)
+    return {"memory": mem, "collectives": ops, "time": step_time(facts, cand, cfg, hw, ops),
+            "fits": mem["total"] <= hw.memory_bytes}
+
+
+def summarize(ops: list) -> dict:
+    """kind -> bytes per step (as `meshpar.inspect.summarize` reports them)."""
+    out: dict = {}
+    for op in ops:
+        out[op["kind"]] = out.get(op["kind"], 0.0) + op["bytes"]
+    return out
+
