@@ -1,8 +1,9 @@
-"""`meshpar train`, `meshpar inspect` and `meshpar launch`.
+"""`meshpar train`, `meshpar inspect`, `meshpar launch` and `meshpar generate`.
 
     meshpar train [--config FILE] [--devices N] [--metrics-out FILE] [KEY=VALUE ...]
     meshpar inspect [--config FILE] [--devices N] [--json] [KEY=VALUE ...]
     meshpar launch N [train arguments...]        # N loopback processes (meshpar/launch.py)
+    meshpar generate [--config FILE] [--devices N] [--prompt TEXT | --prompt-ids 1,2,3] [--json] [KEY=VALUE ...]
 
 KEY=VALUE are dotted config overrides: steps=20 strategy=fsdp mesh.tensor=2 mesh.data=-1
 precision=fp32 model.layers=2 batch.global_size=16 train.log_every=1. Flags and overrides may come
@@ -45,7 +46,65 @@ def _parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", parents=[common],
                        help="compile one train step without running it: shardings, collectives, memory, FLOPs")
     i.add_argument("--json", action="store_true", help="print one JSON object (mesh, params, collectives, memory, flops)")
+    g = sub.add_parser("generate", parents=[common],
+                       help="continue prompts with a trained model (checkpoint.dir=D) on the serving layout (serve.*)")
+    g.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="a text prompt (byte-level tokens; repeatable)")
+    g.add_argument("--prompt-ids", action="append", default=[], metavar="1,2,3", help="a prompt as token ids (repeatable)")
+    g.add_argument("--max-new-tokens", type=int, help="tokens to generate per prompt (default: serve.max_new_tokens)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
+    g.add_argument("--top-k", type=int, help="sample among the k most likely tokens")
+    g.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of mass >= p (default 1: off)")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed (prompt i uses seed + i)")
+    g.add_argument("--json", action="store_true",
+                   help='print one JSON object {"tokens", "text", "ttft_s", "decode_tokens_per_s"} instead of streaming')
     return p
+
+
+def _generate(cfg, args) -> None:
+    """`meshpar generate`: prompts -> Engine.run, streamed (one prompt) or as JSON."""
+    from meshpar.sampling import Sampling
+    from meshpar.serve import Engine, Request
+    from meshpar.tokenizer import ByteTokenizer
+    engine = Engine(cfg, info=lambda m: print(m, file=sys.stderr))
+    for note in engine.notes:
+        print(note, file=sys.stderr)
+    tok = ByteTokenizer(engine.vocab) if args.prompt or cfg.data.kind == "text" else None
+    prompts = [tok.encode(p) for p in args.prompt]
+    for ids in args.prompt_ids:
+        try:
+            prompts.append([int(x) for x in ids.replace(" ", "").split(",") if x])
+        except ValueError:
+            raise MeshparError(f"--prompt-ids '{ids}' is not a comma-separated list of integers") from None
+    if not prompts:
+        raise MeshparError("no prompt: give --prompt TEXT or --prompt-ids 1,2,3")
+    n = args.max_new_tokens if args.max_new_tokens is not None else cfg.serve.max_new_tokens
+    reqs = [Request(p, n, Sampling(args.temperature, args.top_k, args.top_p, args.seed + i)) for i, p in enumerate(prompts)]
+    for r in reqs:
+        engine.check(r)
+    print(f"serving {engine.source} on {engine.mesh.devices.size} devices ({cfg.serve.strategy}, "
+          f"{engine.slots} slots, cache {engine.length})", file=sys.stderr)
+    engine.warmup(reqs)
+    show = (lambda ids: tok.decode(ids)) if tok else (lambda ids: "".join(f"{t} " for t in ids))
+    stream = None
+    if not args.json and len(reqs) == 1:        # one prompt: stream its tokens as they come
+        sys.stdout.write(show(reqs[0].tokens))
+
+        def stream(i, t):
+            sys.stdout.write(show([t]))
+            sys.stdout.flush()
+    out = engine.run(reqs, on_token=stream)
+    rate = engine.decode_steps and sum(max(0, len(c.tokens) - 1) for c in out) / max(engine.decode_s, 1e-9)
+    if args.json:
+        rec = {"tokens": [c.tokens for c in out], "text": [tok.decode(c.tokens) for c in out] if tok else None,
+               "ttft_s": round(out[0].ttft_s, 6), "ttft_s_each": [round(c.ttft_s, 6) for c in out],
+               "decode_tokens_per_s": round(float(rate), 3),
+               "finish": [c.finish for c in out]}
+        json.dump(rec, sys.stdout)
+        sys.stdout.write("\n")
+        return
+    for r, c in zip(reqs, out):                 # several prompts decode together: each printed whole
+        print("" if stream else show(r.tokens) + show(c.tokens))
+    print(f"first token {out[0].ttft_s:.3f} s, decode {rate:.1f} tokens/s", file=sys.stderr)
 
 
 def _setup_devices(cfg, devices_flag: int | None, processes: int = 1) -> None:
@@ -99,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             from meshpar.loop import run
             run(cfg, metrics_out=args.metrics_out)
+        elif args.command == "generate":
+            _generate(cfg, args)
         else:
             from meshpar.inspect import render_report, report
             rep = report(cfg)
