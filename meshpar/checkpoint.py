@@ -335,3 +335,47 @@ def _one_line(e: BaseException) -> str:
     text = f"{type(e).__name__}: {e}".strip()
     line = text.splitlines()[0] if text else type(e).__name__
     return line.split(" See full TensorStore details")[0][:300]
+
+
+# ----------------------------------------------------------------------------------------------
+# Weights only (serving): a part of the train state, read straight into another layout.
+
+def restore_weights(directory, target: dict, info: Callable[[str], None] = print):
+    """The newest usable checkpoint's `params` and `vars` in `directory`, read straight into
+    `target`'s shardings (a dict {"params", "vars"} of ShapeDtypeStructs carrying them): optimizer
+    state is never read, each process reads only its slices. Returns (tree, step, meta), or None
+    when the folder holds no checkpoint. A checkpoint of another model is an error naming the leaf."""
+    import orbax.checkpoint as ocp
+    root = local_or_remote(directory)
+    if not root.exists():
+        return None
+    manager = ocp.CheckpointManager(root, item_names=ITEMS)
+    steps = sorted(manager.all_steps())
+    target = {k: v for k, v in target.items() if jax.tree.leaves(v)}   # e.g. no non-Param variables
+    mine = tree_signature(target)
+    reasons = []
+    try:
+        for step in reversed(steps):
+            meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+            theirs = meta.get("signature") or {}
+            for key, want in mine.items():
+                if theirs.get(key, [None])[0] != want[0]:
+                    have = theirs.get(key, ["absent"])[0]
+                    raise CheckpointError(
+                        f"checkpoint step {step} at {root}/{step} holds another model: state{key} has shape {have} "
+                        f"there and {want[0]} here; pass the model settings it was trained with (its config is in "
+                        f"{root}/{step}/meta)")
+            try:
+                restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+                tree = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+                    item=target, restore_args=restore_args, partial_restore=True)))["state"]
+            except Exception as e:  # noqa: BLE001 - a damaged step: try the previous one
+                reasons.append(f"step {step}: {_one_line(e)}")
+                info(f"checkpoint step {step} at {root}/{step} could not be read ({_one_line(e)}); trying the previous one")
+                continue
+            return tree, step, meta
+    finally:
+        manager.close()
+    if steps:
+        raise CheckpointError(f"no readable checkpoint in {root} ({'; '.join(reasons)})")
+    return None

@@ -122,6 +122,16 @@ class CheckpointConfig:
 
 
 @dataclass
+class ServeConfig:
+    """`meshpar generate` / `meshpar.serve.Engine`: the serving layout and the decode batch."""
+    strategy: str = "serve_tp"        # serve_tp, or any training preset (FSDP ones gather weights per token)
+    slots: int = 8                    # requests decoded together (continuous batching)
+    cache_length: int | None = None   # positions per slot (prompt + generated); None: batch.length
+    min_bucket: int = 16              # prompts are padded to powers of two >= this, up to cache_length
+    max_new_tokens: int = 32
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
@@ -131,6 +141,7 @@ class Config:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
     strategy: str = "fsdp_tp"         # a preset of meshpar.rules.PRESETS
     rules: list[list[Any]] = field(default_factory=list)  # user rules, [[logical, [mesh axes...]], ...], tried first
     precision: str = "bf16"           # bf16 | fp32 | fp16 (meshpar.precision.POLICIES; fp16 scales the loss)
@@ -363,6 +374,7 @@ def validate(cfg: Config) -> None:
     _choice("moe.routing", cfg.moe.routing, ("top1", "top2"))
     _choice("moe.second_expert_policy", cfg.moe.second_expert_policy, ("all", "random"))
     _choice("train.on_nan", cfg.train.on_nan, ("skip", "stop"))
+    _choice("serve.strategy", cfg.serve.strategy, {**rules.SERVING, **rules.PRESETS})
     if cfg.checkpoint.every < 0:
         raise ConfigError(f"config key 'checkpoint.every' must be >= 0 (0: only at the end), got {cfg.checkpoint.every}")
     if cfg.checkpoint.keep < 1:
@@ -371,7 +383,9 @@ def validate(cfg: Config) -> None:
                    ("batch.length", cfg.batch.length), ("batch.microbatches", cfg.batch.microbatches),
                    ("train.log_every", cfg.train.log_every), ("pipeline.microbatches", cfg.pipeline.microbatches),
                    ("pipeline.virtual_stages", cfg.pipeline.virtual_stages), ("moe.num_experts", cfg.moe.num_experts),
-                   ("moe.every", cfg.moe.every), ("data.branching", cfg.data.branching)]:
+                   ("moe.every", cfg.moe.every), ("data.branching", cfg.data.branching),
+                   ("serve.slots", cfg.serve.slots), ("serve.min_bucket", cfg.serve.min_bucket),
+                   ("serve.max_new_tokens", cfg.serve.max_new_tokens), ("serve.cache_length", cfg.serve.cache_length or 1)]:
         if v < 1:
             raise ConfigError(f"config key '{key}' must be >= 1, got {v}")
     if cfg.train.lr <= 0:

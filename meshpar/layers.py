@@ -58,11 +58,13 @@ REMAT_POLICIES = {
 }
 
 
-def scan_layers(layers_mod, x, positions, remat: str = "full", scan: bool = True):
+def scan_layers(layers_mod, x, positions, remat: str = "full", scan: bool = True, cache=None):
     """Apply a stacked module [layers, ...] to x [B, T, E] layer by layer.
 
     `lax.scan` keeps one copy of the layer program (compile time independent of depth); the remat
     policy decides what the backward pass recomputes. Returns (x, aux) with aux stacked [layers].
+    With `cache` (a KV cache stacked [layers, ...], decoding) each layer is called as
+    `layer(x, positions, cache=its slice) -> (x, aux, new slice)` and (x, aux, cache) is returned.
     """
     graphdef, state = nnx.split(layers_mod)
 
@@ -74,18 +76,27 @@ def scan_layers(layers_mod, x, positions, remat: str = "full", scan: bool = True
         names = logical_axes(v)
         return v.replace(constrain(v.get_value(), names[1:], what="parameter")) if names else v
 
-    def body(carry, layer_state):
+    def body(carry, xs):
+        layer_state, layer_cache = xs
         layer_state = jax.tree.map(pin, layer_state, is_leaf=lambda v: isinstance(v, nnx.Variable))
-        y, aux = nnx.merge(graphdef, layer_state)(carry, positions)
-        return y, aux
+        layer = nnx.merge(graphdef, layer_state)
+        if layer_cache is None:
+            return layer(carry, positions)
+        y, aux, new_cache = layer(carry, positions, cache=layer_cache)
+        return y, (aux, new_cache)
 
     if REMAT_POLICIES[remat] is not None:
         body = jax.checkpoint(body, policy=REMAT_POLICIES[remat](), prevent_cse=not scan)
     if scan:
-        return jax.lax.scan(body, x, state)
-    n = jax.tree.leaves(state)[0].shape[0]
-    auxes = []
-    for i in range(n):
-        x, aux = body(x, jax.tree.map(lambda a: a[i], state))
-        auxes.append(aux)
-    return x, jax.tree.map(lambda *a: jnp.stack(a), *auxes) if auxes and auxes[0] else {}
+        x, ys = jax.lax.scan(body, x, (state, cache))
+    else:
+        n = jax.tree.leaves(state)[0].shape[0]
+        outs = []
+        for i in range(n):
+            x, y = body(x, jax.tree.map(lambda a: a[i], (state, cache)))
+            outs.append(y)
+        ys = jax.tree.map(lambda *a: jnp.stack(a), *outs) if jax.tree.leaves(outs) else outs[0]
+    if cache is None:
+        return x, ys
+    aux, new_cache = ys
+    return x, aux, new_cache

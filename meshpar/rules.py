@@ -56,6 +56,8 @@ LOGICAL_AXES: dict[str, str] = {
     "group": "MoE token groups (G)",
     "capacity": "MoE expert capacity (C)",
     "expert_mlp": "MoE expert hidden width (H)",
+    "cache_batch": "KV-cache slots (requests decoded together, meshpar.serve)",
+    "cache_length": "positions held by a KV cache",
 }
 
 BATCH_AXES = ("data", "fsdp", "expert")
@@ -94,7 +96,8 @@ class Strategy:
 
 
 _COMMON = table(batch=[BATCH_AXES], group=[BATCH_AXES], expert="expert", stage="pipeline",
-                layers="pipeline")   # stacked layers live at rest on their pipeline stage
+                layers="pipeline",   # stacked layers live at rest on their pipeline stage
+                cache_batch=[BATCH_AXES])   # KV-cache slots, like a batch (serving)
 _TP = table(heads="tensor", kv_heads="tensor", mlp="tensor", vocab="tensor", expert_mlp="tensor")
 _ZERO_STATE = table(embed=[("data", "fsdp")], mlp=[("data", "fsdp")], vocab=[("data", "fsdp")],
                     expert_mlp=[("data", "fsdp")])
@@ -117,9 +120,21 @@ PRESETS: dict[str, Strategy] = {s.name: s for s in [
 ]}
 
 
+# Serving layouts (`meshpar.serve`, `serve.strategy`): weights stay where they are for every decoded
+# token, so per-token traffic is activations only. Any training preset may serve too; FSDP ones
+# all-gather every weight per token (`meshpar.serve` warns).
+SERVING: dict[str, Strategy] = {s.name: s for s in [
+    Strategy("serve_tp", "serving: Megatron TP over `tensor` (heads, kv heads, mlp, vocab; embed never split), "
+             "requests and KV-cache slots over data/fsdp/expert, the cache's kv heads over `tensor`",
+             _TP, extra=_COMMON),
+]}
+
+
 def get_strategy(name: str) -> Strategy:
+    if name in SERVING:
+        return SERVING[name]
     if name not in PRESETS:
-        raise ShardingError(f"unknown strategy '{name}'" + suggest(name, PRESETS))
+        raise ShardingError(f"unknown strategy '{name}'" + suggest(name, {**PRESETS, **SERVING}))
     return PRESETS[name]
 
 

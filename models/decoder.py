@@ -2,6 +2,12 @@
 
 tokens [B, T] -> embed [B, T, E] -> stacked blocks (scanned over `layers`) -> norm -> logits [B, T, V].
 Parameters and activations carry logical axis names only; meshpar's rules decide the layout.
+
+Serving (`meshpar.serve`) needs two more methods, the protocol any user model can implement too:
+`cache_spec(B, S)` declares the KV cache (a tree of `meshpar.data.Leaf`, K and V [L, B, S, K, D]),
+and `decode(tokens [B, T], positions [B, T], cache) -> (logits [B, T, V], cache)` runs the blocks
+on new tokens at their positions, reading and writing the cache (prefill: T = the prompt bucket;
+generate: T = 1).
 """
 from __future__ import annotations
 
@@ -15,7 +21,8 @@ from flax import nnx
 from meshpar.rules import constrain
 from meshpar.layers import param, scan_layers, stacked
 from meshpar.precision import compute_dtype
-from meshpar.models.layers import RESIDUAL, Block, RMSNorm
+from meshpar.data import Leaf
+from meshpar.models.layers import CACHE_AXES, RESIDUAL, Block, RMSNorm
 
 # name: (layers, embed, heads, kv_heads, head_dim, mlp, vocab)
 SIZES = {
@@ -90,3 +97,17 @@ class Decoder(nnx.Module):
         x = self.embed(tokens, dtype)
         x, aux = scan_layers(self.layers, x, positions, self.cfg.remat, self.cfg.scan_layers)
         return self.head(x, dtype), aux
+
+    # -- serving (meshpar.serve) ---------------------------------------------------------------------
+    def cache_spec(self, batch: int, length: int, dtype=None) -> dict:
+        """The KV cache of `batch` sequences of up to `length` positions: {"k", "v"} [L, B, S, K, D]."""
+        c = self.cfg
+        leaf = Leaf((c.layers, batch, length, c.kv_heads, c.head_dim), dtype or compute_dtype(), CACHE_AXES)
+        return {"k": leaf, "v": leaf}
+
+    def decode(self, tokens, positions, cache, dtype=None):
+        """tokens, positions [B, T] -> (logits [B, T, V], cache with these tokens' keys/values)."""
+        dtype = dtype or compute_dtype()
+        x = self.embed(tokens, dtype)
+        x, _, cache = scan_layers(self.layers, x, positions, "none", self.cfg.scan_layers, cache=cache)
+        return self.head(x, dtype), cache

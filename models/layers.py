@@ -2,7 +2,11 @@
 and every key activation is pinned with `meshpar.rules.constrain`; no mesh axis is named here.
 
 Shapes use: B batch, T length, E embed (d_model), N query heads, K key/value heads, D head width,
-F feed-forward width, V vocabulary.
+F feed-forward width, V vocabulary, S positions held by a KV cache.
+
+Decoding with a KV cache (`meshpar.serve`): a block called with `cache` (per layer {"k", "v"}, each
+[B, S, K, D], logical axes `CACHE_AXES` minus `layers`) writes this call's keys and values at their
+positions [B, T] and attends to every cached position <= its own; it returns the cache too.
 """
 from __future__ import annotations
 
@@ -30,12 +34,18 @@ class RMSNorm(nnx.Module):
         return (y * self.scale[...]).astype(x.dtype)
 
 
+CACHE_AXES = ("layers", "cache_batch", "cache_length", "kv_heads", "kv")   # stacked K or V cache [L, B, S, K, D]
+
+
 def rope(x, positions, theta: float):
-    """Rotary position embedding (Su et al. 2021), rotate-half form. x [B, T, N, D], positions [T]."""
+    """Rotary position embedding (Su et al. 2021), rotate-half form. x [B, T, N, D], positions [T]
+    (shared by every row) or [B, T] (each row its own, as in decoding)."""
     d = x.shape[-1]
     freqs = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))          # [D/2]
-    angles = positions.astype(jnp.float32)[:, None] * freqs[None, :]                # [T, D/2]
-    sin, cos = jnp.sin(angles)[None, :, None, :], jnp.cos(angles)[None, :, None, :]
+    pos = positions.astype(jnp.float32)
+    pos = pos[None] if pos.ndim == 1 else pos                                        # [B or 1, T]
+    angles = pos[..., None] * freqs                                                  # [B or 1, T, D/2]
+    sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
@@ -57,8 +67,9 @@ class Attention(nnx.Module):
         self.wo = param(rngs, (n, d, e), ("heads", "kv", "embed"), 1.0 / math.sqrt(n * d * 2 * cfg.layers))
         self.cfg = cfg
 
-    def __call__(self, x, positions):
-        """x [B, T, E] -> [B, T, E]."""
+    def __call__(self, x, positions, cache=None):
+        """x [B, T, E] -> [B, T, E]; with `cache` ({"k", "v"} [B, S, K, D], positions [B, T]) ->
+        ([B, T, E], the cache with this call's keys and values written at their positions)."""
         cfg, dt = self.cfg, x.dtype
         b, t, _ = x.shape
         g = cfg.heads // cfg.kv_heads
@@ -69,10 +80,28 @@ class Attention(nnx.Module):
         q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
         impl = None if cfg.attention == "auto" else cfg.attention
         adt = attention_dtype(dt)   # = dt, except fp16 on CPU (see meshpar.precision.attention_dtype)
-        o = jax.nn.dot_product_attention(q.astype(adt), k.astype(adt), v.astype(adt), is_causal=True,
-                                         implementation=impl).astype(dt)                  # [B, T, N, D]
+        if cache is None:
+            o = jax.nn.dot_product_attention(q.astype(adt), k.astype(adt), v.astype(adt), is_causal=True,
+                                             implementation=impl).astype(dt)              # [B, T, N, D]
+        else:
+            o, cache = self._cached(q, k, v, positions, cache, adt)
         o = constrain(o, ("batch", "seq", "heads", "kv"))
-        return jnp.einsum("btnd,nde->bte", o, self.wo[...].astype(dt))
+        out = jnp.einsum("btnd,nde->bte", o, self.wo[...].astype(dt))
+        return out if cache is None else (out, cache)
+
+    @staticmethod
+    def _cached(q, k, v, positions, cache, adt):
+        """Write k, v [B, T, K, D] at positions [B, T] of the cache [B, S, K, D]; attend q [B, T, N, D]
+        to cached positions s <= the query's own (causal; stale entries beyond it are masked)."""
+        b, t = positions.shape
+        rows = jnp.arange(b)[:, None]                                                    # [B, 1]
+        names = CACHE_AXES[1:]
+        kc = constrain(cache["k"].at[rows, positions].set(k.astype(cache["k"].dtype)), names)
+        vc = constrain(cache["v"].at[rows, positions].set(v.astype(cache["v"].dtype)), names)
+        q = constrain(q, ("cache_batch", "seq", "heads", "kv"))
+        mask = jnp.arange(kc.shape[1])[None, None, :] <= positions[:, :, None]          # [B, T, S]
+        o = jax.nn.dot_product_attention(q.astype(adt), kc.astype(adt), vc.astype(adt), mask=mask[:, None])
+        return o.astype(q.dtype), {"k": kc, "v": vc}
 
 
 class MLP(nnx.Module):
@@ -107,12 +136,17 @@ class Block(nnx.Module):
         self.ffn_norm = RMSNorm(cfg.embed, cfg.norm_eps, rngs)
         self.ffn = ffn if ffn is not None else MLP(cfg, rngs)
 
-    def __call__(self, x, positions):
+    def __call__(self, x, positions, cache=None):
+        """-> (x, aux); with a KV `cache` (decoding) -> (x, aux, cache)."""
         h = constrain(self.attn_norm(x), RESIDUAL)
-        x = constrain(x + self.attn(h, positions), RESIDUAL)
+        a = self.attn(h, positions) if cache is None else self.attn(h, positions, cache)
+        if cache is not None:
+            a, cache = a
+        x = constrain(x + a, RESIDUAL)
         h = constrain(self.ffn_norm(x), RESIDUAL)
         out = self.ffn(h)
         aux = {}
         if isinstance(out, tuple):
             out, aux = out
-        return constrain(x + out, RESIDUAL), aux
+        x = constrain(x + out, RESIDUAL)
+        return (x, aux) if cache is None else (x, aux, cache)

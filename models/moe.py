@@ -8,9 +8,15 @@ GShard (Lepikhin et al. 2020) puts an MoE layer in every other layer (k = 2); Sw
 2021) likewise. Scanning super-blocks keeps one copy of the program whatever the depth, and every
 scanned body returns the same aux dict (that of its MoE block), stacked [n] by the scan.
 Routing, dispatch and combine live in `meshpar.moe`; this file names logical axes only.
+
+Decoding (`decode`, `cache_spec`: see `meshpar.models.decoder`) routes dropless whatever
+`moe.capacity_factor` says: with capacity, whether a token is dropped depends on the other tokens
+of its group, so a request's output would change with the batch it is served in.
 """
 from __future__ import annotations
 
+import contextvars
+import dataclasses
 import math
 
 import jax
@@ -21,7 +27,11 @@ from meshpar import moe as moe_lib
 from meshpar.models.decoder import Decoder, DecoderConfig
 from meshpar.layers import param, scan_layers, stacked
 from meshpar.precision import compute_dtype
-from meshpar.models.layers import Block, RMSNorm
+from meshpar.data import Leaf
+from meshpar.models.layers import CACHE_AXES, Block, RMSNorm
+
+
+_DECODING = contextvars.ContextVar("moe_decoding", default=False)   # set while tracing `MoEDecoder.decode`
 
 
 class MoEFFN(nnx.Module):
@@ -37,7 +47,8 @@ class MoEFFN(nnx.Module):
         self.moe = moe
 
     def __call__(self, x):
-        return moe_lib.moe_ffn(x, self.router[...], self.w_gate[...], self.w_up[...], self.w_down[...], self.moe)
+        settings = dataclasses.replace(self.moe, capacity_factor=None) if _DECODING.get() else self.moe
+        return moe_lib.moe_ffn(x, self.router[...], self.w_gate[...], self.w_up[...], self.w_down[...], settings)
 
 
 class SuperBlock(nnx.Module):
@@ -47,10 +58,18 @@ class SuperBlock(nnx.Module):
         self.dense = nnx.List([Block(cfg, rngs) for _ in range(moe.every - 1)])
         self.moe = Block(cfg, rngs, ffn=MoEFFN(cfg, moe, rngs))
 
-    def __call__(self, x, positions):
-        for block in self.dense:
-            x, _ = block(x, positions)
-        return self.moe(x, positions)
+    def __call__(self, x, positions, cache=None):
+        """-> (x, aux); with `cache` (a list: one {"k", "v"} per block, decoding) -> (x, aux, cache)."""
+        if cache is None:
+            for block in self.dense:
+                x, _ = block(x, positions)
+            return self.moe(x, positions)
+        new = []
+        for block, c in zip(self.dense, cache[:-1]):
+            x, _, c = block(x, positions, c)
+            new.append(c)
+        x, aux, c = self.moe(x, positions, cache[-1])
+        return x, aux, [*new, c]
 
 
 class MoEDecoder(Decoder):
@@ -82,6 +101,25 @@ class MoEDecoder(Decoder):
         with moe_lib.routing_key(key):
             x, aux = scan_layers(self.layers, x, positions, self.cfg.remat, self.cfg.scan_layers)
         return self.head(x, dtype), aux
+
+
+    def cache_spec(self, batch: int, length: int, dtype=None) -> list:
+        """One {"k", "v"} [L / k, B, S, K, D] per position inside a super-block (k of them)."""
+        c = self.cfg
+        leaf = Leaf((c.layers // self.moe_settings.every, batch, length, c.kv_heads, c.head_dim),
+                    dtype or compute_dtype(), CACHE_AXES)
+        return [{"k": leaf, "v": leaf} for _ in range(self.moe_settings.every)]
+
+    def decode(self, tokens, positions, cache, dtype=None):
+        """tokens, positions [B, T] -> (logits [B, T, V], cache); MoE layers route dropless."""
+        dtype = dtype or compute_dtype()
+        x = self.embed(tokens, dtype)
+        token = _DECODING.set(True)
+        try:
+            x, _, cache = scan_layers(self.layers, x, positions, "none", self.cfg.scan_layers, cache=cache)
+        finally:
+            _DECODING.reset(token)
+        return self.head(x, dtype), cache
 
 
 def build(cfg, rngs: nnx.Rngs) -> MoEDecoder:

@@ -1,0 +1,219 @@
+"""Sharded inference (meshpar/serve.py): KV-cache decoding equals the full forward pass, on one device
+and under the serving layout; compilations are bounded; continuous batching changes no output; the
+decode step gathers no weights; bad requests get one line."""
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from tests.conftest import devices, make_cfg
+from meshpar.errors import ConfigError
+from meshpar.precision import POLICIES, use_policy
+from meshpar.sampling import Sampling, sample
+from meshpar.serve import Engine, Request, buckets
+
+MODELS = {
+    "mha": ["model.heads=8", "model.kv_heads=8"],
+    "gqa": ["model.heads=8", "model.kv_heads=2", "serve.slots=8"],   # kv heads < tensor=4: the cache splits by slots
+    "moe": ["model.name=moe", "moe.capacity_factor=null", "moe.num_experts=4"],
+}
+MESHES = {"1": dict(data=1), "tensor4": dict(tensor=4), "data2_tensor4": dict(data=2, tensor=4)}
+SERVE = ["serve.slots=4", "serve.cache_length=64", "serve.min_bucket=16"]
+PROMPTS = [[5, 9, 2], list(range(10, 19)), list(range(30, 44))]       # one bucket (16)
+STEPS = 5
+
+_engines: dict = {}
+_forward: dict = {}
+
+
+def engine(model: str, mesh: str) -> Engine:
+    """One engine per (model, mesh) for the module; every mesh serves the 1-device engine's weights."""
+    key = (model, mesh)
+    if key not in _engines:
+        n = int(np.prod(list(MESHES[mesh].values())))
+        weights = None if mesh == "1" else jax.tree.map(np.asarray, engine(model, "1").weights)
+        _engines[key] = Engine(make_cfg(*SERVE, *MODELS[model], mesh=MESHES[mesh]), devices=devices(n),
+                               weights=weights)
+    return _engines[key]
+
+
+def drive(e: Engine, prompts, steps: int):
+    """Prefill + insert each prompt into its own slot, then `steps` generate calls (greedy).
+    Returns per prompt (tokens: prompt + generated, logits of every generated position [n, V])."""
+    state = e.new_state()
+    toks, logits = [list(p) for p in prompts], [[] for _ in prompts]
+    for i, p in enumerate(prompts):
+        r = Request(p, steps + 1)
+        entry, tok, last = e.prefill(r)
+        state = e.insert(entry, state, i, r, tok)
+        toks[i].append(int(tok))
+        logits[i].append(np.asarray(last))
+    for _ in range(steps):
+        state, nxt, lg = e.generate(state)
+        nxt, lg = np.asarray(nxt), np.asarray(lg)
+        for i in range(len(prompts)):
+            toks[i].append(int(nxt[i]))
+            logits[i].append(lg[i])
+    return toks, [np.stack(lg) for lg in logits]
+
+
+def full_forward(e: Engine, rows):
+    """Logits [T, V] per row of one plain forward pass (jitted, one device) with the engine's weights.
+    Rows are right-padded to one length: causal attention keeps padding out of the real positions."""
+    n = max(map(len, rows))
+    tokens = jnp.asarray([list(r) + [0] * (n - len(r)) for r in rows])
+    spec = e.spec
+    if id(spec.graphdef) not in _forward:
+        _forward[id(spec.graphdef)] = jax.jit(lambda w, t: spec.merge(w["params"], w["vars"])(t)[0])
+    with use_policy(POLICIES["fp32"]):
+        logits = np.asarray(_forward[id(spec.graphdef)](jax.tree.map(np.asarray, e.weights), tokens))
+    return [logits[i, :len(r)] for i, r in enumerate(rows)]
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+@pytest.mark.parametrize("model", list(MODELS))
+def test_incremental_decoding_equals_full_forward(model, mesh):
+    e = engine(model, mesh)
+    toks, logits = drive(e, PROMPTS, STEPS)
+    refs = full_forward(e, [t[:-1] for t in toks])
+    for p, t, lg, ref in zip(PROMPTS, toks, logits, refs):
+        ref = ref[len(p) - 1:]                                       # the positions that predicted t[len(p):]
+        assert lg.shape == ref.shape
+        for pos, (a, b) in enumerate(zip(lg, ref)):
+            err = np.linalg.norm(a - b) / np.linalg.norm(b)
+            assert err <= 1e-5, (model, mesh, len(p), pos, err)
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_greedy_continuations_identical_on_1_and_8_devices(model):
+    reqs = [Request(p, 8) for p in PROMPTS]
+    one = [c.tokens for c in engine(model, "1").run(reqs)]
+    eight = [c.tokens for c in engine(model, "data2_tensor4").run(reqs)]
+    assert one == eight
+
+
+def test_gqa_cache_splits_by_slots_when_kv_heads_do_not_divide_tensor():
+    e = engine("gqa", "data2_tensor4")
+    assert any("kv_heads=2 cannot split over tensor=4" in n for n in e.notes)
+    spec = e.state_shardings["cache"]["k"].spec                     # [L, B, S, K, D]
+    assert spec[1] == ("data", "fsdp", "expert", "tensor") or set(spec[1]) >= {"data", "tensor"}
+    assert e.bytes_per_device()["cache"] * 8 == sum(
+        a.size * a.dtype.itemsize for a in jax.tree.leaves(e.state_shapes()["cache"]))
+    mha = engine("mha", "data2_tensor4").state_shardings["cache"]["k"].spec
+    assert mha[1] == "data" and mha[3] == "tensor"                  # slots over data, kv heads over tensor
+
+
+def test_compiles_prefill_once_per_bucket_and_decode_once():
+    e = engine("mha", "data2_tensor4")
+    rng = np.random.default_rng(0)
+    reqs = []
+    for i in range(20):
+        n = int(rng.integers(1, 31))                                 # buckets 16 and 32
+        samp = Sampling(temperature=float(rng.uniform(0, 1.5)), top_k=int(rng.integers(1, 128)),
+                        top_p=float(rng.uniform(0.05, 1.0)), seed=i)
+        reqs.append(Request(rng.integers(0, 128, n).tolist(), int(rng.integers(1, 6)), samp))
+    reqs[0] = Request([1] * 20, 3)
+    out = e.run(reqs)
+    assert [len(c.tokens) for c in out] == [r.max_new_tokens for r in reqs]
+    assert e.traces["prefill"] <= 2 and e.traces["generate"] == 1, dict(e.traces)
+
+
+def test_continuous_batching_matches_each_request_alone():
+    e = engine("mha", "data2_tensor4")                               # 4 slots, 7 requests: later ones enter
+    reqs = [Request(list(range(1 + i, 4 + 2 * i)), 2 + (i * 3) % 7) for i in range(7)]
+    together = e.run(reqs)
+    assert {c.finish for c in together} == {"max_tokens"}
+    ttft = [c.ttft_s for c in together]
+    assert max(ttft[4:]) > max(ttft[:4])                             # the last three waited for free slots
+    for r, c in zip(reqs, together):
+        assert e.run([r])[0].tokens == c.tokens
+
+
+def test_decode_step_gathers_no_weights_and_holds_what_the_rules_say():
+    from meshpar.inspect import collectives, memory
+    e = engine("mha", "data2_tensor4")
+    compiled = e.compiled_generate()
+    ops = collectives(compiled.as_text(), dict(zip(e.mesh.axis_names, e.mesh.devices.shape)))
+    weights = jax.tree.leaves(e.weights["params"])
+    total = sum(w.nbytes for w in weights)
+    names = jax.tree.leaves(e.spec.logical, is_leaf=lambda x: isinstance(x, tuple))
+    slices = [w.shape[1:] if n[0] == "layers" else w.shape for w, n in zip(weights, names)]   # one layer's
+    smallest = min(np.prod(s) * 4 for s in slices if len(s) >= 2)     # the smallest weight matrix (fp32)
+    gathers = [op for op in ops if op["kind"] in ("all-gather", "collective-permute")]
+    assert all(op["bytes"] < smallest for op in gathers), (smallest, gathers)
+    assert sum(op["bytes"] * op["times"] for op in gathers) < 0.1 * total
+    per_device = e.bytes_per_device()
+    assert per_device["cache"] * 8 == 2 * 2 * 4 * 64 * 8 * 8 * 4   # K and V [L=2, B=4, S=64, K=8, D=8] fp32 / 8
+    assert abs(per_device["weights"] - total / 4) < 0.05 * total / 4   # TP over 4 (norms replicated)
+    arg = memory(compiled)["argument"]
+    assert abs(arg - (per_device["weights"] + per_device["cache"])) < 0.02 * arg
+    # the contrast: serving an FSDP layout gathers weights every token (and says so)
+    fsdp = Engine(make_cfg(*MODELS["mha"], *SERVE, "serve.strategy=fsdp", mesh=MESHES["data2_tensor4"]))
+    assert any("all-gathers them" in n for n in fsdp.notes)
+    ops = collectives(fsdp.compiled_generate().as_text())
+    moved = sum(op["bytes"] * op["times"] for op in ops if op["kind"] in ("all-gather", "collective-permute"))
+    assert moved > 0.5 * total
+
+
+def test_bad_requests_get_one_line():
+    e = engine("mha", "1")
+    cases = [(Request(list(range(65))), "longer than the KV cache"), (Request([]), "empty prompt"),
+             (Request([1], sampling=Sampling(top_p=0.0)), "top-p must be in (0, 1], got 0.0"),
+             (Request([1], sampling=Sampling(top_p=1.5)), "got 1.5"),
+             (Request([1], sampling=Sampling(top_k=0)), "top-k must be between 1 and the vocabulary size 128, got 0"),
+             (Request([1], sampling=Sampling(top_k=129)), "got 129"),
+             (Request([1], sampling=Sampling(temperature=-1.0)), "temperature must be >= 0"),
+             (Request([128]), "token id 128 is outside the vocabulary")]
+    for req, msg in cases:
+        with pytest.raises(ConfigError) as info:
+            e.run([req])
+        assert msg in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_model_without_the_protocol_is_refused_in_one_line():
+    from flax import nnx
+
+    class Plain(nnx.Module):
+        def __init__(self, rngs):
+            self.w = nnx.Param(jnp.ones((4, 4)))
+
+        def __call__(self, x):
+            return x @ self.w
+
+    with pytest.raises(ConfigError, match="model Plain cannot be served: it needs decode"):
+        Engine(make_cfg(*SERVE, mesh=dict(data=1)), model=lambda rngs: Plain(rngs), devices=devices(1))
+
+
+def test_buckets_are_powers_of_two_up_to_the_cache():
+    assert buckets(64, 16) == [16, 32, 64]
+    assert buckets(100, 16) == [16, 32, 64, 100]
+    assert buckets(8, 16) == [8]
+
+
+# -- sampling --------------------------------------------------------------------------------------
+_sample = jax.jit(sample)
+
+
+def _rows(logits, seed=0, n=2048, **kw):
+    """n draws (one compiled call whatever the settings: they are traced) from one row of logits."""
+    args = {"temperature": 1.0, "top_k": logits.shape[1], "top_p": 1.0, **kw}
+    keys = jax.vmap(lambda s: jax.random.key_data(jax.random.key(s)))(jnp.arange(n) + seed * n)
+    rep = jnp.repeat(jnp.asarray(logits, jnp.float32), n, axis=0)
+    full = lambda v, dt: jnp.full((n,), v, dt)   # noqa: E731
+    return np.asarray(_sample(rep, full(args["temperature"], jnp.float32), full(args["top_k"], jnp.int32),
+                              full(args["top_p"], jnp.float32), keys))
+
+
+def test_sampling_greedy_top_k_top_p_and_seeds():
+    logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]]))
+    assert set(_rows(logits, temperature=0.0)) == {0}                     # greedy
+    assert set(_rows(logits, top_k=1)) == {0}                              # top-1 is greedy at any temperature
+    assert set(_rows(logits, top_k=2)) == {0, 1}                           # only the 2 most likely
+    assert set(_rows(logits, top_p=0.7)) == {0, 1}                         # 0.5 < 0.7 <= 0.8: nucleus {0, 1}
+    assert set(_rows(logits, top_p=0.4)) == {0}
+    draws = _rows(logits)                                                  # plain sampling follows the softmax
+    assert np.allclose(np.bincount(draws, minlength=4) / len(draws), [0.5, 0.3, 0.15, 0.05], atol=0.03)
+    hot = np.bincount(_rows(logits, temperature=0.25), minlength=4) / len(draws)   # T < 1 sharpens
+    assert hot[0] > 0.85
+    assert (_rows(logits) == _rows(logits)).all() and (_rows(logits) != _rows(logits, seed=1)).any()
