@@ -93,6 +93,7 @@ if os.environ.get("MESHPAR_PLAN_SWEEP"):   # the rest of the 16-config sweep of 
         "tiny zero2 4 microbatches": (_T + _m(data=8) + ["strategy=zero2", "batch.global_size=32",
                                                          "batch.microbatches=4"], []),
         "tiny fsdp": (_T + _m(fsdp=8) + ["strategy=fsdp"], []),
+        "tiny fsdp remat none": (_T + _m(fsdp=8) + ["strategy=fsdp", "model.remat=none"], []),
         "tiny hsdp": (_T + _m(data=2, fsdp=4) + ["strategy=hsdp"], []),
         "tiny tp_sp": (_T + _m(data=2, tensor=4) + ["strategy=tp_sp"], []),
         "tiny fsdp_tp": (_T + _m(fsdp=4, tensor=2) + ["strategy=fsdp_tp"], []),
