@@ -8,11 +8,18 @@ own API only (`nnx.with_partitioning`). The names say what a dimension means (`v
     python examples/gpt2.py                            # the same, from Python (8 fake CPU devices)
 
 tokens [B, T] -> wte + wpe -> L x (x + Attn(LN(x)), x + MLP(LN(x))) -> LN -> wte^T -> logits [B, T, V]
+
+Served by `meshpar generate` / `meshpar.serve.Engine` through two more methods (meshpar's decode
+protocol): `cache_spec` declares a KV cache per block [B, S, N, H] by logical names, and `decode`
+runs new tokens at their positions against it, reusing the built-in attention's own projections.
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from meshpar import Leaf
 
 normal, ones, zeros = nnx.initializers.normal(0.02), nnx.initializers.ones, nnx.initializers.zeros
 
@@ -31,7 +38,7 @@ class Block(nnx.Module):
     def __init__(self, width: int, heads: int, dropout: float, rngs: nnx.Rngs):
         self.ln1, self.ln2 = layer_norm(width, rngs), layer_norm(width, rngs)
         self.attn = nnx.MultiHeadAttention(
-            heads, width, dropout_rate=dropout, decode=False, rngs=rngs,
+            heads, width, dropout_rate=dropout, decode=False, deterministic=False, rngs=rngs,
             kernel_init=named(normal, "embed", "heads", "kv"), bias_init=named(zeros, "heads", "kv"),
             out_kernel_init=named(normal, "heads", "kv", "embed"), out_bias_init=named(zeros, "embed"))
         self.up = nnx.Linear(width, 4 * width, kernel_init=named(normal, "embed", "mlp"),
@@ -42,8 +49,18 @@ class Block(nnx.Module):
 
     def __call__(self, x):
         mask = nnx.make_causal_mask(x[..., 0])
-        x = x + self.drop(self.attn(self.ln1(x), mask=mask, deterministic=False))
+        x = x + self.drop(self.attn(self.ln1(x), mask=mask))
         return x + self.drop(self.down(nnx.gelu(self.up(self.ln2(x)))))
+
+    def decode(self, x, positions, cache):
+        """x [B, T, E] at positions [B, T]; cache {"k", "v"} [B, S, N, H] -> (x, cache with these written)."""
+        h = self.ln1(x)
+        q, k, v = self.attn.query(h), self.attn.key(h), self.attn.value(h)            # [B, T, N, H]
+        rows = jnp.arange(x.shape[0])[:, None]
+        kc, vc = cache["k"].at[rows, positions].set(k), cache["v"].at[rows, positions].set(v)
+        mask = jnp.arange(kc.shape[1])[None, None, :] <= positions[:, :, None]         # [B, T, S]
+        x = x + self.attn.out(jax.nn.dot_product_attention(q, kc, vc, mask=mask[:, None]))
+        return x + self.down(nnx.gelu(self.up(self.ln2(x)))), {"k": kc, "v": vc}
 
 
 class GPT2(nnx.Module):
@@ -62,6 +79,22 @@ class GPT2(nnx.Module):
         for block in self.blocks:
             x = block(x)
         return self.wte.attend(self.ln_f(x))          # tied output embedding
+
+    def cache_spec(self, batch: int, length: int) -> list:
+        """Per block {"k", "v"} [B, S, N, H] (the model computes in fp32)."""
+        attn = self.blocks[0].attn
+        leaf = Leaf((batch, length, attn.num_heads, attn.head_dim), jnp.float32,
+                    ("cache_batch", "cache_length", "heads", "kv"))
+        return [{"k": leaf, "v": leaf} for _ in self.blocks]
+
+    def decode(self, tokens, positions, cache):
+        """tokens, positions [B, T] -> (logits [B, T, V], cache)."""
+        x = self.wte(tokens) + self.wpe(positions)
+        new = []
+        for block, c in zip(self.blocks, cache):
+            x, c = block.decode(x, positions, c)
+            new.append(c)
+        return self.wte.attend(self.ln_f(x)), new
 
 
 def gpt2(cfg, rngs: nnx.Rngs) -> GPT2:

@@ -3,11 +3,19 @@
     meshpar train [--config FILE] [--devices N] [--metrics-out FILE] [KEY=VALUE ...]
     meshpar inspect [--config FILE] [--devices N] [--json] [KEY=VALUE ...]
     meshpar launch N [train arguments...]        # N loopback processes (meshpar/launch.py)
+    meshpar plot RUN.jsonl [RUN2.jsonl ...] [-o out.png] [--size 1200x800]   # meshpar/plot.py
     meshpar generate [--config FILE] [--devices N] [--prompt TEXT | --prompt-ids 1,2,3] [--json] [KEY=VALUE ...]
+    meshpar plan [--config FILE] --devices N --hardware h100 [--top K] [--strategies a,b] [--all] [--json]
+                 [--bytes-per-param W,G,O] [--out plan.yaml] [--verify K] [KEY=VALUE ...]
 
 KEY=VALUE are dotted config overrides: steps=20 strategy=fsdp mesh.tensor=2 mesh.data=-1
 precision=fp32 model.layers=2 batch.global_size=16 train.log_every=1. Flags and overrides may come
 in any order (`meshpar train steps=1 --devices 1 mesh.data=1`).
+
+`plan` ranks meshes x presets x remat x microbatches by predicted step time (meshpar/costmodel.py),
+writes the winner as a config for `train --config`, and with --verify K compiles the top K on N
+fake devices to print predicted vs compiled memory and collective bytes. `inspect` prints the
+planner's memory estimate too; `train` warns when that estimate exceeds the device's memory.
 
 `train` with checkpoint.dir=D resumes from D's newest usable checkpoint. Multi-process runs add
 `--coordinator HOST:PORT --num-processes N --process-id I` (or MESHPAR_* variables, or srun/mpirun/
@@ -33,6 +41,8 @@ def _parser() -> argparse.ArgumentParser:
                                 epilog="strategies: " + ", ".join(PRESETS))
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("launch", add_help=False, help="N training processes on this machine: meshpar launch N [train args]")
+    sub.add_parser("plot", add_help=False, help="loss, eval loss, tokens/s and MFU of --metrics-out files: "
+                   "meshpar plot RUN.jsonl [...] -o out.png")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--config", help="YAML config (default: the embedded configs/tiny.yaml)")
     common.add_argument("--devices", type=int, help="devices to fake on a CPU-only host (default: config `devices`)")
@@ -57,7 +67,64 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0, help="sampling seed (prompt i uses seed + i)")
     g.add_argument("--json", action="store_true",
                    help='print one JSON object {"tokens", "text", "ttft_s", "decode_tokens_per_s"} instead of streaming')
+    pl = sub.add_parser("plan", parents=[common], help="choose mesh, strategy, microbatches and remat for N devices "
+                        "of some hardware (cost model), write the winner as a config; --verify compiles the top K")
+    pl.add_argument("--hardware", default="h100", help="h100, h200, a100-80g, tpu-v4, tpu-v5e, tpu-v5p, tpu-v6e or a YAML")
+    pl.add_argument("--top", type=int, default=10, help="plans to print (default 10)")
+    pl.add_argument("--strategies", help="comma-separated presets to consider (default: all)")
+    pl.add_argument("--all", action="store_true", help="keep the plans that do not fit (and every variant)")
+    pl.add_argument("--json", action="store_true", help="print one JSON object (model, hardware, candidates)")
+    pl.add_argument("--bytes-per-param", metavar="W,G,O", help="weights, gradients, optimizer state bytes per "
+                    "parameter (default: the precision policy's, 4,4,8; ZeRO's accounting: 2,2,12)")
+    pl.add_argument("--out", default="plan.yaml", help="where to write the winner's config (default plan.yaml; '-': none)")
+    pl.add_argument("--verify", type=int, default=0, metavar="K", help="compile the top K plans on N (fake) devices "
+                    "and print predicted vs compiled memory and collective bytes")
     return p
+
+
+def _plan(cfg, args) -> None:
+    """`meshpar plan`: cost model search (meshpar/plan.py), table or JSON, winner YAML, --verify."""
+    from meshpar.hardware import load_hardware
+    from meshpar.plan import parse_bytes_per_param, plan, render, winner_yaml
+    hw = load_hardware(args.hardware)
+    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()] if args.strategies else None
+    result = plan(cfg, cfg.devices, hw, strategies, parse_bytes_per_param(args.bytes_per_param, cfg) if
+                  args.bytes_per_param else None, keep_all=args.all, top=max(args.top, args.verify))
+    if args.verify:
+        from meshpar.dryrun import verify
+        result["verify"] = verify(result, args.config, args.overrides, args.verify)
+    if any(c["fits"] for c in result["candidates"]) and args.out != "-":
+        with open(args.out, "w") as f:
+            f.write(winner_yaml(result, args.config, args.overrides))
+        print(f"wrote the best plan to {args.out} (meshpar train --config {args.out})", file=sys.stderr)
+    if args.json:
+        json.dump(result, sys.stdout, default=str)
+        sys.stdout.write("\n")
+        return
+    from rich.console import Console
+    console = Console(width=None if sys.stdout.isatty() else 200)
+    render(result, console, args.top)
+    if args.verify:
+        from meshpar.dryrun import render as render_verify
+        render_verify(result["verify"], console)
+
+
+def _plan_estimate(cfg) -> str:
+    """`train`/`inspect`: the planner's per-device estimate for this config, warning when it exceeds
+    the device's memory (known on GPU/TPU; fake CPU devices have no limit)."""
+    import jax
+    from meshpar.plan import estimate
+    ev = estimate(cfg)
+    if ev is None:                       # a tensor that does not divide its axes: the run itself will say so
+        return "planner estimate: none (a tensor does not divide its mesh axes)"
+    m = ev["memory"]
+    line = (f"planner estimate per device: {m['total'] / 2**30:.3f} GiB (params {m['params'] / 2**30:.3f}, grads "
+            f"{m['grads'] / 2**30:.3f}, optimizer {m['optimizer'] / 2**30:.3f}, activations {m['activations'] / 2**30:.3f})")
+    stats = getattr(jax.local_devices()[0], "memory_stats", lambda: None)() or {}
+    limit = stats.get("bytes_limit")
+    if limit and m["total"] > limit:
+        line += f"\nwarning: the estimate exceeds this device's {limit / 2**30:.1f} GiB; see `meshpar plan`"
+    return line
 
 
 def _generate(cfg, args) -> None:
@@ -65,11 +132,8 @@ def _generate(cfg, args) -> None:
     from meshpar.sampling import Sampling
     from meshpar.serve import Engine, Request
     from meshpar.tokenizer import ByteTokenizer
-    engine = Engine(cfg, info=lambda m: print(m, file=sys.stderr))
-    for note in engine.notes:
-        print(note, file=sys.stderr)
-    tok = ByteTokenizer(engine.vocab) if args.prompt or cfg.data.kind == "text" else None
-    prompts = [tok.encode(p) for p in args.prompt]
+    texts = bool(args.prompt) or cfg.data.kind == "text"
+    prompts = [list(p.encode("utf-8")) for p in args.prompt]          # byte-level tokens
     for ids in args.prompt_ids:
         try:
             prompts.append([int(x) for x in ids.replace(" ", "").split(",") if x])
@@ -79,6 +143,11 @@ def _generate(cfg, args) -> None:
         raise MeshparError("no prompt: give --prompt TEXT or --prompt-ids 1,2,3")
     n = args.max_new_tokens if args.max_new_tokens is not None else cfg.serve.max_new_tokens
     reqs = [Request(p, n, Sampling(args.temperature, args.top_k, args.top_p, args.seed + i)) for i, p in enumerate(prompts)]
+    Engine.precheck(cfg, reqs)                   # before loading anything: what needs no model
+    engine = Engine(cfg, info=lambda m: print(m, file=sys.stderr))
+    for note in engine.notes:
+        print(note, file=sys.stderr)
+    tok = ByteTokenizer(engine.vocab) if texts else None
     for r in reqs:
         engine.check(r)
     print(f"serving {engine.source} on {engine.mesh.devices.size} devices ({cfg.serve.strategy}, "
@@ -142,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["launch"]:
         from meshpar.launch import main as launch_main
         return launch_main(argv[1:])
+    if argv[:1] == ["plot"]:                     # no devices, no config: files in, a PNG out
+        from meshpar.plot import main as plot_main
+        return plot_main(argv[1:])
     args = _parse(argv)
     try:
         from meshpar.config import load_config
@@ -153,22 +225,30 @@ def main(argv: list[str] | None = None) -> int:
         if multi:
             distributed.initialize(multi)
         import jax
-        if jax.device_count() < cfg.devices and jax.default_backend() == "cpu":
+        planning = args.command == "plan" and not args.verify      # a plan without --verify uses no devices
+        if jax.device_count() < cfg.devices and jax.default_backend() == "cpu" and not planning:
             raise MeshparError(f"asked for {cfg.devices} devices but JAX already initialised with {jax.device_count()}")
         if args.command == "train":
             from meshpar.loop import run
+            estimate = _plan_estimate(cfg)
+            if "warning:" in estimate:       # said only when the planner expects the step not to fit
+                print(estimate, file=sys.stderr)
             run(cfg, metrics_out=args.metrics_out)
         elif args.command == "generate":
             _generate(cfg, args)
+        elif args.command == "plan":
+            _plan(cfg, args)
         else:
             from meshpar.inspect import render_report, report
             rep = report(cfg)
+            rep["plan_estimate"] = _plan_estimate(cfg)
             if args.json:
                 json.dump(rep, sys.stdout, default=str)
                 sys.stdout.write("\n")
             else:
                 from rich.console import Console
                 render_report(rep, Console())
+                print(rep["plan_estimate"])
     except MeshparError as e:
         from meshpar.distributed import Preempted
         if isinstance(e, Preempted):     # saved and stopped on SIGTERM/SIGINT: 128 + signal, like a shell

@@ -33,12 +33,14 @@ class Sampling:
     top_p: float = 1.0
     seed: int = 0
 
-    def check(self, vocab: int) -> "Sampling":
-        """One line naming the bad value; returns self."""
+    def check(self, vocab: int | None) -> "Sampling":
+        """One line naming the bad value (vocab None: the model is not known yet); returns self."""
         t, k, p = self.temperature, self.top_k, self.top_p
         if not (t >= 0.0) or t != t:
             raise ConfigError(f"temperature must be >= 0 (0 = greedy), got {t}")
-        if k is not None and not 1 <= k <= vocab:
+        if k is not None and k < 1:
+            raise ConfigError(f"top-k must be >= 1, got {k}; omit it to sample from the whole vocabulary")
+        if k is not None and vocab is not None and k > vocab:
             raise ConfigError(f"top-k must be between 1 and the vocabulary size {vocab}, got {k}; "
                               "omit it to sample from the whole vocabulary")
         if not 0.0 < p <= 1.0:

@@ -100,6 +100,15 @@ def serving_layout(mesh, strategy: str, user_rules, cache_spec, slots: int) -> t
     return layout, notes
 
 
+def _check_length(request: Request, length: int) -> None:
+    n = len(request.tokens)
+    if n == 0:
+        raise ConfigError("empty prompt: give at least one token")
+    if n > length:
+        raise ConfigError(f"prompt of {n} tokens is longer than the KV cache (serve.cache_length={length}); "
+                          "raise serve.cache_length or shorten the prompt")
+
+
 def _single(layout: Layout) -> Layout:
     """One request (batch 1, prefill): its batch, cache-slot and group dimensions are not split."""
     return dataclasses.replace(layout, user_rules=table(batch=None, cache_batch=None, group=None) + layout.user_rules)
@@ -285,14 +294,17 @@ class Engine:
         return {**state, "cache": cache, "token": nxt, "pos": state["pos"] + 1}, nxt, logits
 
     # -- public calls ----------------------------------------------------------------------------
+    @staticmethod
+    def precheck(cfg, requests) -> None:
+        """The checks that need no model (run before loading one): prompt lengths and sampling ranges."""
+        length = cfg.serve.cache_length or cfg.batch.length
+        for r in requests:
+            _check_length(r, length)
+            r.sampling.check(vocab=None)
+
     def check(self, request: Request) -> None:
         """One line naming what is wrong with a request."""
-        n = len(request.tokens)
-        if n == 0:
-            raise ConfigError("empty prompt: give at least one token")
-        if n > self.length:
-            raise ConfigError(f"prompt of {n} tokens is longer than the KV cache (serve.cache_length={self.length}); "
-                              "raise serve.cache_length or shorten the prompt")
+        _check_length(request, self.length)
         bad = [t for t in request.tokens if not 0 <= int(t) < self.vocab]
         if bad:
             raise ConfigError(f"prompt token id {bad[0]} is outside the vocabulary 0..{self.vocab - 1}")
