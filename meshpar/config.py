@@ -115,6 +115,28 @@ class MoEConfig:
 
 
 @dataclass
+class ProfileConfig:
+    """A `jax.profiler` trace of steps start_step .. start_step + steps - 1 (numbered as logged, from 1)."""
+    dir: str | None = None            # None: no trace; else TensorBoard's --logdir (plugins/profile/...)
+    start_step: int = 5               # first traced step: after compilation and warm-up
+    steps: int = 3
+
+
+@dataclass
+class MetricsConfig:
+    tensorboard: str | None = None    # write TensorBoard event files (scalars) here, beside the JSON Lines
+
+
+@dataclass
+class EvalConfig:
+    """Loss on held-out data every `every` steps (0: never) over `batches` batches of batch.global_size."""
+    every: int = 0
+    batches: int = 4
+    path: str | None = None           # tokens/text: a held-out file of data.kind; None: the holdout split
+    holdout: float = 0.1              # tokens/text without eval.path: this last fraction is never trained on
+
+
+@dataclass
 class CheckpointConfig:
     dir: str | None = None
     every: int = 0                    # 0: only at the end / on preemption
@@ -140,6 +162,9 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
     strategy: str = "fsdp_tp"         # a preset of meshpar.rules.PRESETS
@@ -399,3 +424,15 @@ def validate(cfg: Config) -> None:
     for i, rule in enumerate(cfg.rules):
         if not (isinstance(rule, list) and len(rule) == 2 and isinstance(rule[0], str)):
             raise ConfigError(f"config key 'rules[{i}]' must be [logical_name, [mesh_axis, ...]], got {rule!r}")
+    for key, v in [("profile.start_step", cfg.profile.start_step), ("profile.steps", cfg.profile.steps),
+                   ("eval.batches", cfg.eval.batches)]:
+        if v < 1:
+            raise ConfigError(f"config key '{key}' must be >= 1, got {v}")
+    if cfg.eval.every < 0:
+        raise ConfigError(f"config key 'eval.every' must be >= 0 (0: no evaluation), got {cfg.eval.every}")
+    if not 0.0 < cfg.eval.holdout < 1.0:
+        raise ConfigError(f"config key 'eval.holdout' must be between 0 and 1 (a fraction of data.path), "
+                          f"got {cfg.eval.holdout}")
+    if cfg.eval.path and cfg.data.kind not in ("tokens", "text"):
+        raise ConfigError(f"config key 'eval.path' is read for data.kind=tokens or text (data.kind={cfg.data.kind}: "
+                          "the evaluation stream is the source's own held-out steps)")

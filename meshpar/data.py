@@ -106,11 +106,12 @@ class _Windows:
     """Random fixed-length windows of a flat token array."""
     tokens: np.ndarray
     entropy_rate = None
+    what = "data.path"
 
     def rows(self, seed: int, step: int, rows: range, length: int) -> np.ndarray:
         n = len(self.tokens)
         if n <= length:
-            raise ConfigError(f"data.path holds {n} tokens, fewer than batch.length+1={length}")
+            raise ConfigError(f"{self.what} holds {n} tokens, fewer than batch.length+1={length}")
         out = np.empty((len(rows), length), np.int32)
         for i, r in enumerate(rows):
             start = int(_row_rng(seed, step, r).integers(0, n - length))
@@ -152,22 +153,73 @@ class TextFiles(_Windows):
         self.tokens = np.frombuffer(b"".join(f.read_bytes() for f in files), dtype=np.uint8)
 
 
+class Span(_Windows):
+    """Windows of one part of another window source's tokens (a train / held-out split)."""
+
+    def __init__(self, tokens: np.ndarray, what: str):
+        self.tokens, self.what = tokens, what
+
+
+# Evaluation batches are those of steps EVAL_STEP, EVAL_STEP + 1, ...: batch s is a pure function of
+# (seed, s, row), and no training run reaches step 2**62, so a source keyed by the step (the
+# synthetic language, a user source) gives an evaluation stream disjoint from every training batch.
+EVAL_STEP = 1 << 62
+
+
+def _eval_on(cfg) -> bool:
+    ev = getattr(cfg, "eval", None)
+    return bool(ev and ev.every)
+
+
+def _file_source(kind: str, path: str, cfg, vocab: int):
+    return TokenFile(path, cfg.data.dtype, vocab) if kind == "tokens" else TextFiles(path, vocab)
+
+
+def _split(source, cfg):
+    """Token/text data without `eval.path`: the last `eval.holdout` of the tokens is held out."""
+    n = len(source.tokens)
+    cut = int(round(n * (1.0 - cfg.eval.holdout)))
+    need = cfg.batch.length + 2
+    if cut < need or n - cut < need:
+        raise ConfigError(f"eval.holdout={cfg.eval.holdout} splits data.path ({n} tokens) into {cut} training "
+                          f"and {n - cut} held-out tokens; each part needs more than batch.length+1="
+                          f"{cfg.batch.length + 1}: change eval.holdout or give eval.path")
+    return (Span(source.tokens[:cut], f"the training part of data.path (1 - eval.holdout={cfg.eval.holdout})"),
+            Span(source.tokens[cut:], f"the held-out part of data.path (eval.holdout={cfg.eval.holdout})"))
+
+
 def make_source(cfg, vocab: int):
+    """The training source of `data.*`. With evaluation on (`eval.every` > 0), token/text data
+    without `eval.path` trains on the first 1 - `eval.holdout` of its tokens only."""
     d = cfg.data
     if d.kind == "synthetic":
         return MarkovLanguage(vocab, d.branching, d.seed)
-    if d.kind == "tokens":
-        return TokenFile(d.path, d.dtype, vocab)
-    return TextFiles(d.path, vocab)
+    source = _file_source(d.kind, d.path, cfg, vocab)
+    if _eval_on(cfg) and not cfg.eval.path:
+        return _split(source, cfg)[0]
+    return source
+
+
+def make_eval_source(cfg, vocab: int | None, train_source):
+    """The held-out source: `eval.path` (same kind as `data.kind`), the held-out tail of token/text
+    data, or for the synthetic language and user sources the training source itself, read at steps
+    from EVAL_STEP on (disjoint from training)."""
+    d = cfg.data
+    if d.kind in ("tokens", "text"):
+        if cfg.eval.path:
+            return _file_source(d.kind, cfg.eval.path, cfg, vocab)
+        return _split(_file_source(d.kind, d.path, cfg, vocab), cfg)[1]
+    return train_source
 
 
 class Batches:
     """Iterator of global batches, sharded on arrival: a tree of arrays shaped like `batch_spec`
     (by default one [B, T+1] token array: inputs and shifted targets).
 
-    Each process builds only the rows its devices hold, each row range once per step whatever the
-    number of leaves. `state()` / `restore(state)` checkpoint the position; nothing else is needed
-    for exact resume.
+    Each process builds only the rows its devices hold, each row once per step whatever the number
+    of local devices or leaves (one `source.rows` call per run of consecutive rows). `state()` /
+    `restore(state)` checkpoint the position; nothing else is needed for exact resume. `Prefetch`
+    wraps it to build batches ahead on a background thread.
     """
 
     def __init__(self, source, sharding, global_size: int, length: int, seed: int, step: int = 0, batch_spec=None):
@@ -187,26 +239,107 @@ class Batches:
 
     def __next__(self):
         import jax
-        step, built = self.step, {}
-
-        def rows_of(index, size):
-            rows = range(*index[0].indices(size))
-            key = (rows.start, rows.stop, rows.step)
-            if key not in built:
-                built[key] = self.source.rows(self.seed, step, rows, self.length + 1)
-            return built[key]
-
         leaves, treedef = jax.tree.flatten(self.spec, is_leaf=is_leaf)
         shardings = jax.tree.leaves(self.sharding)
+        rows, built = self._build(self.step, leaves, shardings)
         out = []
         for i, (leaf, sh) in enumerate(zip(leaves, shardings)):
             def local(index, i=i, leaf=leaf):
-                tree = rows_of(index, leaf.shape[0])
+                want = np.arange(leaf.shape[0])[index[0]]
+                tree = jax.tree.map(lambda a: a[np.searchsorted(rows, want)], built)
                 part = jax.tree.leaves(tree)[i] if len(leaves) > 1 else tree
                 return np.asarray(part, leaf.dtype)[(slice(None),) + tuple(index[1:])]
             out.append(jax.make_array_from_callback(tuple(leaf.shape), sh, local))
         self.step += 1
         return jax.tree.unflatten(treedef, out)
+
+    def _build(self, step: int, leaves, shardings):
+        """The rows this process's devices hold, each built once (one `source.rows` call per run of
+        consecutive rows): -> (sorted row ids [R], tree of arrays [R, ...])."""
+        import jax
+        need = set()
+        for leaf, sh in zip(leaves, shardings):
+            for index in sh.addressable_devices_indices_map(tuple(leaf.shape)).values():
+                need.update(range(*index[0].indices(leaf.shape[0])))
+        rows = np.array(sorted(need), np.int64)
+        breaks = np.flatnonzero(np.diff(rows) != 1) + 1
+        parts = [self.source.rows(self.seed, step, range(int(run[0]), int(run[-1]) + 1), self.length + 1)
+                 for run in np.split(rows, breaks)]
+        return rows, (parts[0] if len(parts) == 1 else jax.tree.map(lambda *a: np.concatenate(a), *parts))
+
+
+class Prefetch:
+    """`Batches` built `depth` steps ahead on a background thread, so the host work of step s + 1
+    (building rows, copying them to the devices) overlaps the devices computing step s.
+
+    Batches are a pure function of (seed, step, row), so prefetching changes no value: the batch of
+    step s is bit-identical with or without it. `state()` is the step of the next batch *handed out*
+    (not the next one built), so a checkpoint records exactly what training consumed; `restore`
+    drops whatever was built ahead and restarts from the restored step. A source error raised on the
+    thread is raised again by the `next()` that would have returned that batch.
+    """
+
+    def __init__(self, batches: Batches, depth: int = 2):
+        import queue
+        import threading
+        self.batches, self.depth = batches, max(1, depth)
+        self.next_step = batches.step
+        self._queue: queue.Queue = queue.Queue(maxsize=self.depth)
+        self._stop = threading.Event()
+        self._thread = None
+
+    def state(self) -> dict:
+        return {"step": self.next_step}
+
+    def restore(self, state: dict) -> None:
+        self.close()
+        self.batches.restore(state)
+        self.next_step = self.batches.step
+
+    def _produce(self, stop, out) -> None:
+        import queue
+        while not stop.is_set():
+            step = self.batches.step
+            try:
+                item = (step, next(self.batches), None)
+            except Exception as e:  # noqa: BLE001 (handed to the consumer, raised there)
+                item = (step, None, e)
+            while not stop.is_set():
+                try:
+                    out.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if item[2] is not None:
+                return
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        import queue
+        import threading
+        if self._thread is None:
+            self._stop = threading.Event()
+            self._queue = queue.Queue(maxsize=self.depth)
+            self._thread = threading.Thread(target=self._produce, args=(self._stop, self._queue),
+                                            name="meshpar-prefetch", daemon=True)
+            self._thread.start()
+        step, batch, err = self._queue.get()
+        if err is not None:
+            self.close()
+            raise err
+        assert step == self.next_step, (step, self.next_step)
+        self.next_step += 1
+        return batch
+
+    def close(self) -> None:
+        """Stop the thread; the batches it built ahead are dropped (the next `next()` rebuilds them)."""
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+        self.batches.restore({"step": self.next_step})
 
 
 def floor_gap_closed(initial: float, final: float, floor: float) -> float:

@@ -5,6 +5,13 @@
 
 The step itself (grads, microbatches, the optimizer update) is `meshpar.step`; this module feeds it
 batches, logs what it returns and saves what it produces.
+
+The host never waits for the devices except where it must: batches are built `PREFETCH` steps
+ahead on a background thread (`meshpar.data.Prefetch`), and the loop reads device values (`_read`,
+the one place it does) only at logging steps (`train.log_every`, the first and the last step), at
+evaluations, before a checkpoint is written and at the end. In between, steps are dispatched back
+to back. The non-finite flag of every step is kept on the device until then and checked in order,
+so `train.on_nan=stop` still names the first bad step and no checkpoint is ever written after it.
 """
 from __future__ import annotations
 
@@ -16,6 +23,8 @@ import numpy as np
 from meshpar import precision as precision_lib
 from meshpar.flops import active_params, flops_per_token, peak_flops_per_device
 from meshpar.step import Trainer, trainer_for, user_source
+
+PREFETCH = 2          # batches built ahead of the step that consumes them (0: build in the loop)
 
 
 def make_data_source(cfg, trainer: Trainer):
@@ -40,15 +49,16 @@ def run(cfg, metrics_out: str | None = None, console=None, trainer: Trainer | No
     skips it); with `train.on_nan=stop` the loop raises naming the step before any later save.
     """
     from meshpar.checkpoint import Checkpointer, data_changes
-    from meshpar.data import Batches
+    from meshpar.data import Batches, Prefetch
     from meshpar.distributed import Preempted, PreemptionGuard, progress
     from meshpar.metrics import MetricsLogger
+    from meshpar.profile import ProfileWindow
 
     source = source if source is not None else user_source(cfg)
     trainer = trainer or trainer_for(cfg, source=source)
     source = source or make_data_source(cfg, trainer)
     facts = trainer.describe()
-    log = MetricsLogger(metrics_out, cfg.steps, console=console)
+    log = MetricsLogger(metrics_out, cfg.steps, console=console, tensorboard=cfg.metrics.tensorboard)
     floor = getattr(source, "entropy_rate", None)
     ckpt = Checkpointer(cfg, trainer, info=log.info) if cfg.checkpoint.dir else None
     found = ckpt.restore_latest() if ckpt else None
@@ -77,51 +87,82 @@ def run(cfg, metrics_out: str | None = None, console=None, trainer: Trainer | No
                    batch_spec=trainer.batch_spec)
     if found:
         data.restore(found.data)
+    if PREFETCH:
+        data = Prefetch(data, PREFETCH)
+    evaluate = None
+    if cfg.eval.every:
+        from meshpar.evaluate import Evaluator
+        evaluate = Evaluator(cfg, trainer, source)
+    profiler = ProfileWindow(cfg, info=log.info)
     peak, peak_src = peak_flops_per_device(cfg)
     # model FLOPs per token (LM) or per example (any other loss: 6N, the attention term unknown)
     fpt = flops_per_token(trainer.spec.cfg if trainer.is_lm else None, active_params(trainer.spec, cfg),
                           cfg.batch.length)
     log.info(f"compiled train step in {compile_s:.1f}s; MFU against {peak / 1e12:.3g} TFLOP/s/device ({peak_src})")
 
-    start = int(state["step"])
-    first_loss, last, pending, stop = None, None, None, None
+    start = int(_read(state["step"]))
+    profiler.note_start(start + 1, cfg.steps)
+    first_loss, last, stop = None, None, None
+    unchecked = []     # (step, nonfinite, loss) on the device, not yet read (train.on_nan=stop)
     window_start, window_steps = time.perf_counter(), 0
+
+    def check_finite(values=None):
+        """Read (unless given) and check the flags of the steps not yet checked, oldest first."""
+        nonlocal unchecked
+        if unchecked:
+            values = _read([u[1:] for u in unchecked]) if values is None else values
+            for (n, _, _), (bad, loss) in zip(unchecked, values):
+                _check_finite(cfg, n, bad, loss)
+        unchecked = []
+
     try:
         with PreemptionGuard() as guard:
             for step in range(start, cfg.steps):
-                state, metrics = compiled(state, next(data))
+                n = step + 1                     # steps are numbered from 1 in logs, checkpoints, profiles
+                batch = next(data)
+                profiler.before(n, state)
+                with profiler.annotate(n):
+                    state, metrics = compiled(state, batch)
+                profiler.after(n, metrics, last=n == cfg.steps)
                 window_steps += 1
-                if pending is not None:          # the previous step's flag, read while this one runs
-                    _check_finite(cfg, *pending)
-                pending = (step + 1, metrics["nonfinite"], metrics["loss"])
-                progress["step"] = step + 1
-                if (step + 1) % cfg.train.log_every == 0 or step + 1 == cfg.steps or step == start:
-                    metrics = jax.device_get(metrics)
+                if cfg.train.on_nan == "stop":
+                    unchecked.append((n, metrics["nonfinite"], metrics["loss"]))
+                progress["step"] = n
+                if n % cfg.train.log_every == 0 or n == cfg.steps or step == start:
+                    metrics, flags = _read((metrics, [u[1:] for u in unchecked]))   # waits for step n
                     dt = (time.perf_counter() - window_start) / window_steps
                     per_step = facts["tokens_per_step"] or facts["examples_per_step"]
-                    rec = {"step": step + 1, **{k: _jsonable(v) for k, v in metrics.items()}, "step_time_s": dt,
+                    rec = {"step": n, **{k: _jsonable(v) for k, v in metrics.items()}, "step_time_s": dt,
                            "examples_per_s": facts["examples_per_step"] / dt,
                            "tokens_per_s": facts["tokens_per_step"] / dt if facts["tokens_per_step"] else None,
                            "mfu": fpt * per_step / dt / (peak * facts["devices"])}
                     first_loss = rec["loss"] if first_loss is None else first_loss
                     last = rec
                     log.step(rec)
+                    check_finite(flags)
                     window_start, window_steps = time.perf_counter(), 0
-                stop = guard.reached(step + 1)
-                if ckpt and (ckpt.due(step + 1) or stop or step + 1 == cfg.steps):
-                    _check_finite(cfg, *pending)  # never save past a step that must stop the run
-                    path = ckpt.save(step + 1, state, data.state(), wait=bool(stop))
-                    log.info(f"checkpoint step {step + 1} -> {path}" + (" (written)" if stop else " (writing)"))
+                if evaluate is not None and n % cfg.eval.every == 0:
+                    check_finite()
+                    log.eval({"step": n, **evaluate(state)})
+                    window_start, window_steps = time.perf_counter(), 0
+                stop = guard.reached(n)
+                if ckpt and (ckpt.due(n) or stop or n == cfg.steps):
+                    check_finite()                # never save past a step that must stop the run
+                    path = ckpt.save(n, state, data.state(), wait=bool(stop))
+                    log.info(f"checkpoint step {n} -> {path}" + (" (written)" if stop else " (writing)"))
                 if stop:
                     break
-            if pending is not None:
-                _check_finite(cfg, *pending)
+            check_finite()
     except Exception as e:
+        log.close()                      # the JSON Lines and TensorBoard files hold every step logged
         if jax.process_count() > 1:      # a collective failed: if a peer died, exit naming it
             from meshpar.distributed import await_peer_verdict
             await_peer_verdict(e)
         raise
     finally:
+        profiler.stop()
+        if isinstance(data, Prefetch):
+            data.close()
         if ckpt:
             ckpt.close()     # finish the writes in flight: they hold good states
     end = {"steps": cfg.steps, "initial_loss": first_loss, "final_loss": last and last["loss"],
@@ -140,6 +181,12 @@ def run(cfg, metrics_out: str | None = None, console=None, trainer: Trainer | No
         raise Preempted(stop, f"stopped by {name} after step {progress['step']}; {where}")
     log.end(end)
     return end
+
+
+def _read(tree):
+    """The loop's only device -> host read (waits for the values): one call per logging step,
+    evaluation, checkpoint and end."""
+    return jax.device_get(tree)
 
 
 def _check_finite(cfg, step: int, nonfinite, loss) -> None:

@@ -1,14 +1,21 @@
-"""Run output: a progress bar (rich) for people, JSON Lines for programs.
+"""Run output: a progress bar (rich) for people, JSON Lines for programs, TensorBoard scalars.
 
 JSON Lines records (one object a line, `--metrics-out FILE`):
   {"event": "start", "mesh": {...}, "strategy": ..., "entropy_floor": ..., ...}
   {"event": "step", "step": n, "loss": ..., "step_time_s": ..., "tokens_per_s": ..., "examples_per_s": ...,
    "mfu": ..., ...}        (tokens_per_s is null for a loss other than the built-in LM loss)
+  {"event": "eval", "step": n, "loss": ..., "perplexity": ..., "batches": k, "tokens": ...}   (eval.every)
   {"event": "end", "final_loss": ..., "gap_closed": ..., ...}
 Fault tolerance adds: start `processes`, and after a resume `resumed_from` / `resumed_path` /
 `damaged_checkpoints`; step `skipped_steps` and `nonfinite` (and under fp16 `loss_scale`, the scale
 the step used, and `overflows`); end `preempted` (signal name) / `stopped_at` / `checkpoint`.
 Only process 0 writes or prints.
+
+TensorBoard (`metrics.tensorboard=DIR`, tensorboardX event files): every number of a step record
+is the scalar `train/<key>` (loss, lr, grad_norm, tokens_per_s, mfu, loss_scale, the MoE
+drop_fraction / load_min / load_max / aux_loss ...), a per-layer list `train/<key>/<i>`; eval
+records are `eval/loss` and `eval/perplexity`; all at the record's step, the same values as the JSON
+Lines (stored as float32). View with `tensorboard --logdir DIR`.
 """
 from __future__ import annotations
 
@@ -20,11 +27,15 @@ from meshpar.distributed import is_main
 
 
 class MetricsLogger:
-    def __init__(self, path: str | None, total_steps: int, console=None):
+    def __init__(self, path: str | None, total_steps: int, console=None, tensorboard: str | None = None):
         from rich.console import Console
         self.console = console or Console(stderr=False)
         self.main = is_main()
         self.file = open(Path(path), "w") if (path and self.main) else None  # noqa: SIM115
+        self.tb = None
+        if tensorboard and self.main:
+            from tensorboardX import SummaryWriter
+            self.tb = SummaryWriter(logdir=str(tensorboard), flush_secs=30)
         self.total = total_steps
         self.progress = None
         self.task = None
@@ -57,8 +68,30 @@ class MetricsLogger:
             self.task = self.progress.add_task("train", total=self.total, info="")
             self.progress.start()
 
+    def _scalars(self, prefix: str, rec: dict, skip=("step",)) -> None:
+        if self.tb is None:
+            return
+        for k, v in rec.items():
+            if k in skip or v is None or isinstance(v, (bool, str)):
+                continue
+            if isinstance(v, list):
+                for i, x in enumerate(v):
+                    if isinstance(x, (int, float)) and not isinstance(x, bool):
+                        self.tb.add_scalar(f"{prefix}/{k}/{i}", x, rec["step"])
+            elif isinstance(v, (int, float)):
+                self.tb.add_scalar(f"{prefix}/{k}", v, rec["step"])
+
+    def eval(self, rec: dict) -> None:
+        """An evaluation record: {"step", "loss", "perplexity", ...}."""
+        self._write({"event": "eval", **rec})
+        self._scalars("eval", rec, skip=("step", "batches", "tokens", "eval_s"))
+        if self.main:
+            msg = f"eval step {rec['step']}: loss {rec['loss']:.4f}, perplexity {rec['perplexity']:.3f}"
+            (self.progress.console.print if self.progress is not None else self.console.print)(msg)
+
     def step(self, rec: dict) -> None:
         self._write({"event": "step", **rec})
+        self._scalars("train", rec)
         if not self.main:
             return
         # the loss function's own metrics (MoE: aux_loss, load_... per layer; a classifier: accuracy)
@@ -82,8 +115,14 @@ class MetricsLogger:
             if rec.get("entropy_floor") is not None:
                 msg += f" (floor {rec['entropy_floor']:.4f}, {100 * rec['gap_closed']:.1f}% of the gap closed)"
             self.console.print(msg + f" in {rec['wall_s']:.1f}s")
-        if self.file:
+        self.close()
+
+    def close(self) -> None:
+        if self.file and not self.file.closed:
             self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = None
 
 
 _SHOWN_ELSEWHERE = {"step", "loss", "total_loss", "ce", "grad_norm", "lr", "nonfinite", "skipped_steps", "overflows",
