@@ -22,6 +22,8 @@ Where each idea lives (each module imports only from the ones above it):
   checkpoint.py  Orbax checkpoints: async save, restore onto any mesh, damaged-checkpoint fallback
   distributed.py jax.distributed set-up, preemption (SIGTERM), peer-failure watchdog
   metrics.py     progress bar and JSON Lines;        loop.py  the training loop (data, metrics, checkpoints)
+  sampling.py    greedy / temperature / top-k / top-p, traced per slot
+  serve.py       KV-cache inference: prefill, insert, generate, continuous batching (serving layouts)
   config.py      YAML + dotted overrides, validated; cli.py / launch.py  `meshpar train|inspect|launch`
 The reference models (`meshpar.models`, the repo's `models/`) use this API like any user model.
 """
@@ -53,6 +55,9 @@ _API = {
     # training
     "Trainer": "meshpar.step", "lm_loss": "meshpar.step", "run": "meshpar.loop",
     "Checkpointer": "meshpar.checkpoint", "report": "meshpar.inspect",
+    # serving
+    "Engine": "meshpar.serve", "Request": "meshpar.serve", "Completion": "meshpar.serve",
+    "Sampling": "meshpar.sampling",
     # errors
     "MeshparError": "meshpar.errors", "ConfigError": "meshpar.errors", "ShardingError": "meshpar.errors",
 }

@@ -76,27 +76,43 @@ def scan_layers(layers_mod, x, positions, remat: str = "full", scan: bool = True
         names = logical_axes(v)
         return v.replace(constrain(v.get_value(), names[1:], what="parameter")) if names else v
 
-    def body(carry, xs):
-        layer_state, layer_cache = xs
+    def body(carry, layer_state):
         layer_state = jax.tree.map(pin, layer_state, is_leaf=lambda v: isinstance(v, nnx.Variable))
-        layer = nnx.merge(graphdef, layer_state)
-        if layer_cache is None:
-            return layer(carry, positions)
-        y, aux, new_cache = layer(carry, positions, cache=layer_cache)
-        return y, (aux, new_cache)
+        return nnx.merge(graphdef, layer_state)(carry, positions)
 
+    def decode_body(carry, xs):
+        """The stacked cache rides in the carry: layer i reads its slice and writes it back in place
+        (a scan's xs -> ys would copy the whole cache every step)."""
+        x, cache = carry
+        layer_state, i = xs
+        layer_state = jax.tree.map(pin, layer_state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+        mine = jax.tree.map(lambda c: jax.lax.dynamic_index_in_dim(c, i, 0, keepdims=False), cache)
+        y, aux, mine = nnx.merge(graphdef, layer_state)(x, positions, cache=mine)
+        cache = jax.tree.map(lambda c, m: jax.lax.dynamic_update_index_in_dim(c, m.astype(c.dtype), i, 0), cache, mine)
+        return (y, cache), aux
+
+    n = jax.tree.leaves(state)[0].shape[0]
+    if cache is not None:                    # decoding: no backward pass, so no remat
+        xs = (state, jnp.arange(n))
+        if scan:
+            (x, cache), aux = jax.lax.scan(decode_body, (x, cache), xs)
+            return x, aux, cache
+        auxes = []
+        for i in range(n):
+            (x, cache), aux = decode_body((x, cache), jax.tree.map(lambda a: a[i], xs))
+            auxes.append(aux)
+        return x, _stack(auxes), cache
     if REMAT_POLICIES[remat] is not None:
         body = jax.checkpoint(body, policy=REMAT_POLICIES[remat](), prevent_cse=not scan)
     if scan:
-        x, ys = jax.lax.scan(body, x, (state, cache))
-    else:
-        n = jax.tree.leaves(state)[0].shape[0]
-        outs = []
-        for i in range(n):
-            x, y = body(x, jax.tree.map(lambda a: a[i], (state, cache)))
-            outs.append(y)
-        ys = jax.tree.map(lambda *a: jnp.stack(a), *outs) if jax.tree.leaves(outs) else outs[0]
-    if cache is None:
-        return x, ys
-    aux, new_cache = ys
-    return x, aux, new_cache
+        return jax.lax.scan(body, x, state)
+    auxes = []
+    for i in range(n):
+        x, aux = body(x, jax.tree.map(lambda a: a[i], state))
+        auxes.append(aux)
+    return x, _stack(auxes)
+
+
+def _stack(auxes: list):
+    """Per-layer aux dicts -> one dict stacked [layers] ({} when the layers report nothing)."""
+    return jax.tree.map(lambda *a: jnp.stack(a), *auxes) if auxes and jax.tree.leaves(auxes[0]) else {}

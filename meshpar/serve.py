@@ -19,7 +19,7 @@ of sequence, its token budget, or a full cache), while the other slots keep deco
 Layout (`serve.strategy`, default `serve_tp` in `meshpar.rules.SERVING`): weights are placed once,
 at load, in the serving layout: Megatron TP over `tensor`, nothing over data/fsdp, so a decoded
 token moves activations only (an FSDP layout would all-gather every weight per token; the engine
-warns). The KV cache [L, B, S, K, D] is an array with logical axes (`cache_batch`, `cache_length`,
+warns). The KV cache [L, B, K, S, D] is an array with logical axes (`cache_batch`, `cache_length`,
 `kv_heads`), placed by the same rule tables: K over `tensor`, slots B over data. When K is not a
 multiple of the tensor size the cache's heads cannot be split: K is replicated (cache and QKV
 weights) and the slots are split over data x tensor instead (Pope et al. 2022 make the same
@@ -48,7 +48,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from meshpar import precision as precision_lib
 from meshpar.data import Leaf, is_leaf
-from meshpar.errors import ConfigError, MeshparError
+from meshpar.errors import ConfigError
 from meshpar.mesh import make_mesh
 from meshpar.rules import BATCH_AXES, Layout, get_strategy, parse_user_rules, table, use_layout
 from meshpar.sampling import Sampling, sample
@@ -402,10 +402,3 @@ class Engine:
         c = sum(bytes_per_device(leaf.shape, leaf.dtype, sh) for leaf, sh in zip(
             jax.tree.leaves(self.cache_spec, is_leaf=is_leaf), jax.tree.leaves(self.state_shardings["cache"])))
         return {"weights": int(w), "cache": int(c)}
-
-
-def completion_text(tokenizer, completions) -> list[str]:
-    return [tokenizer.decode(c.tokens) for c in completions]
-
-
-__all__ = ["Engine", "Request", "Completion", "Sampling", "buckets", "serving_layout", "MeshparError"]

@@ -4,7 +4,7 @@ tokens [B, T] -> embed [B, T, E] -> stacked blocks (scanned over `layers`) -> no
 Parameters and activations carry logical axis names only; meshpar's rules decide the layout.
 
 Serving (`meshpar.serve`) needs two more methods, the protocol any user model can implement too:
-`cache_spec(B, S)` declares the KV cache (a tree of `meshpar.data.Leaf`, K and V [L, B, S, K, D]),
+`cache_spec(B, S)` declares the KV cache (a tree of `meshpar.data.Leaf`, K and V [L, B, K, S, D]),
 and `decode(tokens [B, T], positions [B, T], cache) -> (logits [B, T, V], cache)` runs the blocks
 on new tokens at their positions, reading and writing the cache (prefill: T = the prompt bucket;
 generate: T = 1).
@@ -100,9 +100,9 @@ class Decoder(nnx.Module):
 
     # -- serving (meshpar.serve) ---------------------------------------------------------------------
     def cache_spec(self, batch: int, length: int, dtype=None) -> dict:
-        """The KV cache of `batch` sequences of up to `length` positions: {"k", "v"} [L, B, S, K, D]."""
+        """The KV cache of `batch` sequences of up to `length` positions: {"k", "v"} [L, B, K, S, D]."""
         c = self.cfg
-        leaf = Leaf((c.layers, batch, length, c.kv_heads, c.head_dim), dtype or compute_dtype(), CACHE_AXES)
+        leaf = Leaf((c.layers, batch, c.kv_heads, length, c.head_dim), dtype or compute_dtype(), CACHE_AXES)
         return {"k": leaf, "v": leaf}
 
     def decode(self, tokens, positions, cache, dtype=None):

@@ -5,7 +5,7 @@ Shapes use: B batch, T length, E embed (d_model), N query heads, K key/value hea
 F feed-forward width, V vocabulary, S positions held by a KV cache.
 
 Decoding with a KV cache (`meshpar.serve`): a block called with `cache` (per layer {"k", "v"}, each
-[B, S, K, D], logical axes `CACHE_AXES` minus `layers`) writes this call's keys and values at their
+[B, K, S, D], logical axes `CACHE_AXES` minus `layers`) writes this call's keys and values at their
 positions [B, T] and attends to every cached position <= its own; it returns the cache too.
 """
 from __future__ import annotations
@@ -34,7 +34,9 @@ class RMSNorm(nnx.Module):
         return (y * self.scale[...]).astype(x.dtype)
 
 
-CACHE_AXES = ("layers", "cache_batch", "cache_length", "kv_heads", "kv")   # stacked K or V cache [L, B, S, K, D]
+# Stacked K or V cache [L, B, K, S, D]: heads before positions, so the decode attention's batch
+# dimensions (B, K) lead in both operands and no layout transposes the cache every step.
+CACHE_AXES = ("layers", "cache_batch", "kv_heads", "cache_length", "kv")
 
 
 def rope(x, positions, theta: float):
@@ -68,7 +70,7 @@ class Attention(nnx.Module):
         self.cfg = cfg
 
     def __call__(self, x, positions, cache=None):
-        """x [B, T, E] -> [B, T, E]; with `cache` ({"k", "v"} [B, S, K, D], positions [B, T]) ->
+        """x [B, T, E] -> [B, T, E]; with `cache` ({"k", "v"} [B, K, S, D], positions [B, T]) ->
         ([B, T, E], the cache with this call's keys and values written at their positions)."""
         cfg, dt = self.cfg, x.dtype
         b, t, _ = x.shape
@@ -91,17 +93,21 @@ class Attention(nnx.Module):
 
     @staticmethod
     def _cached(q, k, v, positions, cache, adt):
-        """Write k, v [B, T, K, D] at positions [B, T] of the cache [B, S, K, D]; attend q [B, T, N, D]
-        to cached positions s <= the query's own (causal; stale entries beyond it are masked)."""
+        """Write k, v [B, T, K, D] at positions [B, T] of the cache [B, K, S, D]; attend q [B, T, N, D]
+        (query head n = k * G + j, as in the fused QKV) to cached positions s <= the query's own:
+        softmax_s(q . k_s / sqrt(D)) v_s in fp32, stale entries beyond a query's position masked."""
         b, t = positions.shape
-        rows = jnp.arange(b)[:, None]                                                    # [B, 1]
+        kv, d = cache["k"].shape[1], cache["k"].shape[3]
+        at = (jnp.arange(b)[:, None, None], jnp.arange(kv)[None, None, :], positions[:, :, None])   # [B, T, K] each
         names = CACHE_AXES[1:]
-        kc = constrain(cache["k"].at[rows, positions].set(k.astype(cache["k"].dtype)), names)
-        vc = constrain(cache["v"].at[rows, positions].set(v.astype(cache["v"].dtype)), names)
-        q = constrain(q, ("cache_batch", "seq", "heads", "kv"))
-        mask = jnp.arange(kc.shape[1])[None, None, :] <= positions[:, :, None]          # [B, T, S]
-        o = jax.nn.dot_product_attention(q.astype(adt), kc.astype(adt), vc.astype(adt), mask=mask[:, None])
-        return o.astype(q.dtype), {"k": kc, "v": vc}
+        kc = constrain(cache["k"].at[at].set(k.astype(cache["k"].dtype)), names)
+        vc = constrain(cache["v"].at[at].set(v.astype(cache["v"].dtype)), names)
+        qg = q.reshape(b, t, kv, -1, d).astype(adt)                                     # [B, T, K, G, D]
+        s = jnp.einsum("btkgd,bksd->bkgts", qg, kc.astype(adt)).astype(jnp.float32) / jnp.sqrt(jnp.float32(d))
+        mask = jnp.arange(kc.shape[2])[None, None, :] <= positions[:, :, None]          # [B, T, S]
+        p = jax.nn.softmax(jnp.where(mask[:, None, None], s, -jnp.inf), axis=-1)
+        o = jnp.einsum("bkgts,bksd->btkgd", p.astype(adt), vc.astype(adt))
+        return o.reshape(b, t, -1, d).astype(q.dtype), {"k": kc, "v": vc}
 
 
 class MLP(nnx.Module):

@@ -104,9 +104,9 @@ class MoEDecoder(Decoder):
 
 
     def cache_spec(self, batch: int, length: int, dtype=None) -> list:
-        """One {"k", "v"} [L / k, B, S, K, D] per position inside a super-block (k of them)."""
+        """One {"k", "v"} [L / k, B, K, S, D] per position inside a super-block (k of them)."""
         c = self.cfg
-        leaf = Leaf((c.layers // self.moe_settings.every, batch, length, c.kv_heads, c.head_dim),
+        leaf = Leaf((c.layers // self.moe_settings.every, batch, c.kv_heads, length, c.head_dim),
                     dtype or compute_dtype(), CACHE_AXES)
         return [{"k": leaf, "v": leaf} for _ in range(self.moe_settings.every)]
 

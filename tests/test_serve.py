@@ -101,12 +101,12 @@ def test_greedy_continuations_identical_on_1_and_8_devices(model):
 def test_gqa_cache_splits_by_slots_when_kv_heads_do_not_divide_tensor():
     e = engine("gqa", "data2_tensor4")
     assert any("kv_heads=2 cannot split over tensor=4" in n for n in e.notes)
-    spec = e.state_shardings["cache"]["k"].spec                     # [L, B, S, K, D]
+    spec = e.state_shardings["cache"]["k"].spec                     # [L, B, K, S, D]
     assert spec[1] == ("data", "fsdp", "expert", "tensor") or set(spec[1]) >= {"data", "tensor"}
     assert e.bytes_per_device()["cache"] * 8 == sum(
         a.size * a.dtype.itemsize for a in jax.tree.leaves(e.state_shapes()["cache"]))
     mha = engine("mha", "data2_tensor4").state_shardings["cache"]["k"].spec
-    assert mha[1] == "data" and mha[3] == "tensor"                  # slots over data, kv heads over tensor
+    assert mha[1] == "data" and mha[2] == "tensor"                  # slots over data, kv heads over tensor
 
 
 def test_compiles_prefill_once_per_bucket_and_decode_once():
@@ -149,7 +149,7 @@ def test_decode_step_gathers_no_weights_and_holds_what_the_rules_say():
     assert all(op["bytes"] < smallest for op in gathers), (smallest, gathers)
     assert sum(op["bytes"] * op["times"] for op in gathers) < 0.1 * total
     per_device = e.bytes_per_device()
-    assert per_device["cache"] * 8 == 2 * 2 * 4 * 64 * 8 * 8 * 4   # K and V [L=2, B=4, S=64, K=8, D=8] fp32 / 8
+    assert per_device["cache"] * 8 == 2 * 2 * 4 * 64 * 8 * 8 * 4   # K and V [L=2, B=4, K=8, S=64, D=8] fp32 / 8
     assert abs(per_device["weights"] - total / 4) < 0.05 * total / 4   # TP over 4 (norms replicated)
     arg = memory(compiled)["argument"]
     assert abs(arg - (per_device["weights"] + per_device["cache"])) < 0.02 * arg
