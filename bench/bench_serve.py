@@ -2,7 +2,7 @@
 number of slots, and the bytes each device reads per decode step against the step time.
 
     python bench/bench_serve.py                                       # 8 fake CPU devices, tensor=8
-    python bench/bench_serve.py --devices 1 model.size=125m precision=bf16 mesh.data=1 mesh.fsdp=1 mesh.tensor=1  # a GPU
+    python bench/bench_serve.py --devices 1 model.size=125m mesh.tensor=1      # one GPU (bf16)
 
 Decode is memory-bound: each step reads every weight byte and every KV-cache byte a device holds once,
 so achieved bytes/s per device = (weight bytes + cache bytes per device) / step time, the number to
@@ -32,10 +32,12 @@ def main() -> None:
     import jax
     import numpy as np
     from meshpar.config import load_config
-    from meshpar.serve import Engine, Request
+    from meshpar.serve import Engine
 
-    base = ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=8", "model.layers=4", "model.embed=256", "model.heads=8",
-            "model.kv_heads=8", "model.head_dim=32", "model.mlp=1024", "model.vocab=1024", "precision=bf16"]
+    base = ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=8", "precision=bf16"]
+    if not any(o.startswith("model.size=") for o in args.overrides):     # a small model unless a size is named
+        base += ["model.layers=4", "model.embed=256", "model.heads=8", "model.kv_heads=8", "model.head_dim=32",
+                 "model.mlp=1024", "model.vocab=1024"]
     rows, weights = [], None
     for slots in [int(s) for s in args.slots.split(",")]:
         cfg = load_config(None, base + list(args.overrides) + [f"serve.slots={slots}", f"serve.cache_length={args.cache}",
@@ -46,15 +48,15 @@ def main() -> None:
         ttft = {}
         state = eng.new_state()
         for bucket in eng.buckets[:4]:
-            req = Request(list(np.arange(bucket) % eng.vocab), 1)
-            entry, tok, _ = eng.prefill(req)
-            state = eng.insert(entry, state, 0, req, tok)
+            prompt = list(np.arange(bucket) % eng.vocab)
+            entry, tok, _ = eng.prefill(prompt)
+            state = eng.insert(entry, state, 0)
             jax.block_until_ready(state)
             times = []
             for _ in range(5):
                 t = time.perf_counter()
-                entry, tok, _ = eng.prefill(req)
-                state = eng.insert(entry, state, 0, req, tok)
+                entry, tok, _ = eng.prefill(prompt)
+                state = eng.insert(entry, state, 0)
                 int(tok)
                 times.append(time.perf_counter() - t)
             ttft[bucket] = statistics.median(times)

@@ -5,9 +5,11 @@
 
 The engine's three calls (the prefill/insert/generate split of JetStream and MaxText's engine):
 
-    prefill(weights, tokens [1, P], true length)  -> (entry: a cache of P positions, first token)
-    insert(entry, state, slot)                    -> state with the request in `slot`
-    generate(weights, state)                      -> (state, next token per slot [B], logits [B, V])
+    prefill(tokens, true length, sampling)  -> (entry: a cache of P positions + the request, first token)
+    insert(entry, state, slot)              -> state with the request in `slot`
+    generate(state)                         -> (state, next token per slot [B], logits [B, V])
+
+(each takes `params=` to serve other weights than the engine's own).
 
 A prompt of n tokens is padded to the bucket P = the smallest power of two >= max(n, min_bucket),
 capped at the cache length S: one compilation per bucket; causal attention makes the padding
@@ -259,12 +261,13 @@ class Engine:
         last = jax.lax.dynamic_index_in_dim(logits[0], length - 1, keepdims=False).astype(jnp.float32)
         key = jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(samp["key"]), length - 1))
         tok = sample(last[None], samp["temp"][None], samp["top_k"][None], samp["top_p"][None], key[None])[0]
-        return cache, tok, last
+        return {"cache": cache, "length": length, "token": tok, **samp}, tok, last
 
-    def _insert_fn(self, entry, state, slot, length, token, samp):
+    def _insert_fn(self, entry, state, slot):
         """Write a prefilled request into `slot`: its cache rows (padded to S), position, token, sampling."""
         self.traces["insert"] += 1
         onehot = jnp.arange(self.slots) == slot                                         # [B]
+        length, token = entry["length"], entry["token"]
 
         def put(leaf, e, c):
             bd, ld = leaf.axes.index("cache_batch"), leaf.axes.index("cache_length")
@@ -273,12 +276,12 @@ class Engine:
             mask = onehot.reshape([-1 if d == bd else 1 for d in range(c.ndim)])
             return jnp.where(mask, jnp.pad(e, pad).astype(c.dtype), c)
 
-        cache = jax.tree.map(put, self.cache_spec, entry, state["cache"], is_leaf=is_leaf)
+        cache = jax.tree.map(put, self.cache_spec, entry["cache"], state["cache"], is_leaf=is_leaf)
         new = {"cache": cache, "pos": jnp.where(onehot, length, state["pos"]),
                "token": jnp.where(onehot, token, state["token"])}
         for k in ("temp", "top_k", "top_p"):
-            new[k] = jnp.where(onehot, samp[k], state[k])
-        new["key"] = jnp.where(onehot[:, None], samp["key"][None], state["key"])
+            new[k] = jnp.where(onehot, entry[k], state[k])
+        new["key"] = jnp.where(onehot[:, None], entry["key"][None], state["key"])
         return new
 
     def _generate_fn(self, weights, state):
@@ -315,29 +318,35 @@ class Engine:
     def bucket(self, n: int) -> int:
         return next(p for p in self.buckets if p >= n)
 
-    def prefill(self, request: Request):
-        """-> (entry, first token (device scalar), its logits [V])."""
+    def prefill(self, tokens, true_length: int | None = None, sampling: Sampling | None = None, params=None):
+        """One prompt -> (entry, its first token (a device scalar), the logits that chose it [V]).
+
+        `tokens`: the prompt's ids (padded here to its bucket), or ids already padded to a bucket with
+        `true_length` the real count. The entry holds the prompt's cache [.., 1, P, ..], its length,
+        first token and sampling settings, for `insert`. `params`: weights (default: the engine's)."""
+        tokens = list(np.asarray(tokens).reshape(-1))
+        n = len(tokens) if true_length is None else int(true_length)
+        request = Request(tokens[:n], 1, sampling or Sampling())
         self.check(request)
-        n = len(request.tokens)
-        tokens = np.zeros((1, self.bucket(n)), np.int32)
-        tokens[0, :n] = request.tokens
-        return self._prefill(self.weights, jnp.asarray(tokens), jnp.int32(n), request.sampling.arrays(self.vocab))
+        padded = np.zeros((1, self.bucket(max(n, len(tokens)))), np.int32)
+        padded[0, :n] = tokens[:n]
+        return self._prefill(self.weights if params is None else params, jnp.asarray(padded), jnp.int32(n),
+                             request.sampling.arrays(self.vocab))
 
-    def insert(self, entry, state, slot: int, request: Request, token):
-        return self._insert(entry, state, jnp.int32(slot), jnp.int32(len(request.tokens)), token,
-                            request.sampling.arrays(self.vocab))
+    def insert(self, entry, state, slot: int):
+        """-> `state` with the prefilled request in `slot` (donated: updated in place)."""
+        return self._insert(entry, state, jnp.int32(slot))
 
-    def generate(self, state):
+    def generate(self, state, params=None):
         """-> (state, next token per slot [B], logits [B, V]); `state` is donated."""
-        return self._generate(self.weights, state)
+        return self._generate(self.weights if params is None else params, state)
 
     def warmup(self, requests=()) -> None:
         """Compile prefill/insert for the buckets of `requests` and generate, outside any timing."""
         state = self.new_state()
         for p in sorted({self.bucket(len(r.tokens)) for r in requests if r.tokens}):
-            probe = Request([0] * p, 1)
-            entry, tok, _ = self.prefill(probe)
-            state = self.insert(entry, state, 0, probe, tok)
+            entry, _, _ = self.prefill([0] * p)
+            state = self.insert(entry, state, 0)
         jax.block_until_ready(self.generate(state))
 
     def run(self, requests: list[Request], on_token: Callable[[int, int], None] | None = None) -> list[Completion]:
@@ -368,8 +377,9 @@ class Engine:
         while queue or active:
             while queue and free:
                 i, slot = queue.popleft(), free.pop(0)
-                entry, tok, _ = self.prefill(requests[i])
-                state = self.insert(entry, state, slot, requests[i], tok)
+                r = requests[i]
+                entry, tok, _ = self.prefill(r.tokens, sampling=r.sampling)
+                state = self.insert(entry, state, slot)
                 tok = int(tok)
                 out[i].ttft_s = time.perf_counter() - t0
                 if emit(i, tok):

@@ -45,9 +45,8 @@ def drive(e: Engine, prompts, steps: int):
     state = e.new_state()
     toks, logits = [list(p) for p in prompts], [[] for _ in prompts]
     for i, p in enumerate(prompts):
-        r = Request(p, steps + 1)
-        entry, tok, last = e.prefill(r)
-        state = e.insert(entry, state, i, r, tok)
+        entry, tok, last = e.prefill(p)
+        state = e.insert(entry, state, i)
         toks[i].append(int(tok))
         logits[i].append(np.asarray(last))
     for _ in range(steps):
@@ -257,3 +256,13 @@ def test_trained_checkpoint_continues_the_alphabet_and_other_shapes_are_refused(
         assert main(["generate", *args, *common]) == 2
         err = capsys.readouterr().err
         assert msg in err and err.count("\n") == 1, err
+
+
+def test_prefill_takes_padded_tokens_with_their_true_length_and_other_weights():
+    e = engine("mha", "1")
+    _, tok, logits = e.prefill([5, 9, 2])
+    _, tok2, logits2 = e.prefill([5, 9, 2] + [7] * 13, true_length=3)            # padded to the 16 bucket
+    assert int(tok) == int(tok2) and np.array_equal(np.asarray(logits), np.asarray(logits2))
+    zeros = jax.tree.map(jnp.zeros_like, e.weights)                             # params= serves other weights
+    _, _, flat = e.prefill([5, 9, 2], params=zeros)
+    assert np.allclose(np.asarray(flat), 0.0)
