@@ -48,6 +48,9 @@ class ModelConfig:
     attention: str = "xla"            # jax.nn.dot_product_attention implementation: xla | cudnn | auto
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
+    tie_embeddings: bool = False      # logits from the input embedding (no separate lm_head)
+    rope_scaling: dict[str, Any] = field(default_factory=dict)   # {rope_type: llama3, factor, low_freq_factor, ...}
+    init_from: str | None = None      # hf:DIR: dimensions from DIR/config.json, weights from its safetensors
     args: dict[str, Any] = field(default_factory=dict)   # free mapping for a user factory (model.args.width=64)
 
 
@@ -91,6 +94,7 @@ class DataConfig:
     kind: str = "synthetic"           # synthetic | tokens | text | PKG.MODULE:FN (FN(cfg) -> your source)
     path: str | None = None           # token file (.bin, uint16/uint32) or text file/folder
     dtype: str = "uint16"             # token file dtype
+    tokenizer: str | None = None      # text data and generate prompts: a tokenizer.json (or its folder); None: bytes
     branching: int = 4                # synthetic: successors per state of the Markov chain
     seed: int = 1234
 
@@ -419,6 +423,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"config key 'moe.capacity_factor' must be > 0 or null (dropless), got {cfg.moe.capacity_factor}")
     from meshpar.moe import check_config as check_moe
     check_moe(cfg)
+    if cfg.model.init_from is not None and not cfg.model.init_from.startswith("hf:"):
+        raise ConfigError(f"config key 'model.init_from' must look like hf:DIR (a Hugging Face model directory), "
+                          f"got {cfg.model.init_from!r}")
     if cfg.data.kind in ("tokens", "text") and not cfg.data.path:
         raise ConfigError(f"config key 'data.path' is required when data.kind={cfg.data.kind}")
     for i, rule in enumerate(cfg.rules):

@@ -206,6 +206,16 @@ class Engine:
             if found is not None:
                 tree, step, _ = found
                 weights, source = {"params": tree["params"], "vars": tree.get("vars", {})}, f"checkpoint step {step}"
+        if weights is None and self.cfg.model.init_from:   # a Hugging Face model, read into the serving layout
+            from flax import nnx
+            from meshpar import hf
+            with building(self.policy):
+                abstract = nnx.eval_shape(lambda: self.factory(nnx.Rngs(0)))
+            params = hf.load(self.cfg.model.init_from, abstract, self.weight_shardings["params"],
+                             self.weight_shapes["params"])
+            vars = jax.jit(lambda key: self._init_fn(key)["vars"], out_shardings=self.weight_shardings["vars"])(
+                jax.random.key(self.cfg.train.seed))
+            return {"params": params, "vars": vars}, self.cfg.model.init_from
         if weights is None:                 # born in place, in the serving dtype: one compiled call
             source = f"fresh init (train.seed={self.cfg.train.seed})"
             init = jax.jit(lambda key: self._cast(self._init_fn(key)), out_shardings=self.weight_shardings)

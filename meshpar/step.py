@@ -233,9 +233,29 @@ class Trainer:
                 "opt": self.tx.init(params), "numerics": precision_lib.LOSS_SCALE.init(self.policy)}
 
     def init(self, seed: int | None = None):
-        """Sharded init: the jitted constructor writes each variable straight into its shard."""
+        """Sharded init: the jitted constructor writes each variable straight into its shard. With
+        `model.init_from=hf:DIR` the parameters are read from DIR instead, each straight into its
+        shard (`meshpar.hf`), and the rest of the state (optimizer, step 0) starts fresh."""
         key = jax.random.key(self.cfg.train.seed if seed is None else seed)
+        if self.cfg.model.init_from:
+            return self._init_from(self.load_pretrained(), key)
         return self._init(key)
+
+    def load_pretrained(self, shardings=None, shapes=None, info=None):
+        """`model.init_from`'s parameters, in `shardings` (default: this run's) and `shapes`' dtypes."""
+        from flax import nnx
+        from meshpar import hf
+        with building(self.policy):
+            abstract = nnx.eval_shape(lambda: self.factory(nnx.Rngs(0)))
+        return hf.load(self.cfg.model.init_from, abstract, shardings or self.param_shardings,
+                       shapes or self.spec.shapes, info)
+
+    def _init_from(self, params, key):
+        """The train state around given parameters: fresh optimizer state and variables, step 0."""
+        def fn(params, key):
+            state = self._init_fn(key)   # its random parameters are dead code (XLA drops them)
+            return {**state, "params": params, "opt": self.tx.init(params)}
+        return jax.jit(fn, out_shardings=self.state_shardings, donate_argnums=(0,))(params, key)
 
     def abstract_state(self):
         key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)

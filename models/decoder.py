@@ -47,11 +47,17 @@ class DecoderConfig:
     attention: str = "xla"
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
+    tie_embeddings: bool = False       # logits = x @ embedding.T (no separate lm_head)
+    rope_scaling: tuple | None = None  # llama3: (factor, low_freq_factor, high_freq_factor, original_max_positions)
 
     @classmethod
     def from_config(cls, m) -> "DecoderConfig":
-        """From a `meshpar.config.ModelConfig`: size preset, then explicit fields."""
+        """From a `meshpar.config.ModelConfig`: size preset, then explicit fields; with
+        `model.init_from=hf:DIR`, the dimensions of DIR/config.json (see `meshpar.models.hf_llama`)."""
         from meshpar.errors import ConfigError, suggest
+        if getattr(m, "init_from", None):
+            from meshpar.models.hf_llama import decoder_config
+            return decoder_config(m)
         if m.size not in SIZES:
             raise ConfigError(f"unknown model size '{m.size}'" + suggest(m.size, SIZES))
         base = dict(zip(("layers", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab"), SIZES[m.size]))
@@ -63,8 +69,13 @@ class DecoderConfig:
             raise ConfigError(f"model.heads={base['heads']} must be a multiple of model.kv_heads={base['kv_heads']}")
         if base["head_dim"] % 2:
             raise ConfigError(f"model.head_dim={base['head_dim']} must be even (rotary embedding)")
+        scaling = getattr(m, "rope_scaling", None) or None
+        if scaling:
+            from meshpar.models.hf_llama import llama3_scaling
+            scaling = llama3_scaling(scaling, "model.rope_scaling")
         return cls(**base, remat=m.remat, scan_layers=m.scan_layers, attention=m.attention,
-                   rope_theta=m.rope_theta, norm_eps=m.norm_eps)
+                   rope_theta=m.rope_theta, norm_eps=m.norm_eps,
+                   tie_embeddings=getattr(m, "tie_embeddings", False), rope_scaling=scaling)
 
     def replace(self, **kw) -> "DecoderConfig":
         return dataclasses.replace(self, **kw)
@@ -78,7 +89,8 @@ class Decoder(nnx.Module):
         self.embedding = param(rngs, (cfg.vocab, cfg.embed), ("vocab", "embed"), 1.0)
         self.layers = stacked(block or (lambda r: Block(cfg, r)), cfg.layers, rngs)
         self.final_norm = RMSNorm(cfg.embed, cfg.norm_eps, rngs)
-        self.lm_head = param(rngs, (cfg.embed, cfg.vocab), ("embed", "vocab"), 1.0 / math.sqrt(cfg.embed))
+        if not cfg.tie_embeddings:
+            self.lm_head = param(rngs, (cfg.embed, cfg.vocab), ("embed", "vocab"), 1.0 / math.sqrt(cfg.embed))
 
     def embed(self, tokens, dtype):
         """tokens [B, T] int -> [B, T, E] (row gather of a vocab-parallel table)."""
@@ -88,7 +100,10 @@ class Decoder(nnx.Module):
     def head(self, x, dtype):
         """[B, T, E] -> logits [B, T, V] (vocab-parallel LM head under TP)."""
         x = self.final_norm(x)
-        logits = jnp.einsum("bte,ev->btv", x, self.lm_head[...].astype(dtype))
+        if self.cfg.tie_embeddings:
+            logits = jnp.einsum("bte,ve->btv", x, self.embedding[...].astype(dtype))
+        else:
+            logits = jnp.einsum("bte,ev->btv", x, self.lm_head[...].astype(dtype))
         return constrain(logits, ("batch", "seq", "vocab"))
 
     def __call__(self, tokens, dtype=None):
@@ -111,3 +126,19 @@ class Decoder(nnx.Module):
         x = self.embed(tokens, dtype)
         x, _, cache = scan_layers(self.layers, x, positions, "none", self.cfg.scan_layers, cache=cache)
         return self.head(x, dtype), cache
+
+    # -- Hugging Face format (meshpar.hf) --------------------------------------------------------------
+    def hf_tensors(self) -> dict:
+        """{parameter path: meshpar.hf.Source}: how each parameter reads from / writes to the HF
+        Llama tensors (meshpar.models.hf_llama)."""
+        from meshpar.models.hf_llama import tensors
+        return tensors(self.cfg)
+
+    def hf_config(self) -> dict:
+        """The `config.json` of this model as a `LlamaForCausalLM`."""
+        from meshpar.models.hf_llama import hf_config
+        return hf_config(self.cfg)
+
+    def hf_ignorable(self, name: str) -> bool:
+        from meshpar.models.hf_llama import ignorable
+        return ignorable(name)

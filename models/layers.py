@@ -39,11 +39,30 @@ class RMSNorm(nnx.Module):
 CACHE_AXES = ("layers", "cache_batch", "kv_heads", "cache_length", "kv")
 
 
-def rope(x, positions, theta: float):
-    """Rotary position embedding (Su et al. 2021), rotate-half form. x [B, T, N, D], positions [T]
-    (shared by every row) or [B, T] (each row its own, as in decoding)."""
-    d = x.shape[-1]
+def rope_frequencies(d: int, theta: float, scaling: tuple | None = None):
+    """The D/2 inverse frequencies theta^(-2i/D) in fp32; with `scaling` = (factor, low_freq_factor,
+    high_freq_factor, original_max_positions), Llama 3.1's `llama3` rescaling: wavelengths longer
+    than original/low_freq_factor are divided by `factor`, shorter than original/high_freq_factor
+    kept, and those between interpolated smoothly (the formulas of HF's `_compute_llama3_parameters`)."""
     freqs = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))          # [D/2]
+    if scaling is None:
+        return freqs
+    factor, low, high, original = scaling
+    wavelen = 2 * math.pi / freqs
+    scaled = jnp.where(wavelen > original / low, freqs / factor, freqs)
+    smooth = (original / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < original / high) & ~(wavelen > original / low)
+    return jnp.where(medium, smoothed, scaled)
+
+
+def rope(x, positions, theta: float, scaling: tuple | None = None):
+    """Rotary position embedding (Su et al. 2021), rotate-half form: the first D/2 features of a
+    head pair with the last D/2 (the layout of HF Llama's `rotate_half`, not Meta's interleaved
+    pairs). x [B, T, N, D], positions [T] (shared by every row) or [B, T] (each row its own, as
+    in decoding). `scaling`: see `rope_frequencies`."""
+    d = x.shape[-1]
+    freqs = rope_frequencies(d, theta, scaling)                                     # [D/2]
     pos = positions.astype(jnp.float32)
     pos = pos[None] if pos.ndim == 1 else pos                                        # [B or 1, T]
     angles = pos[..., None] * freqs                                                  # [B or 1, T, D/2]
@@ -79,7 +98,8 @@ class Attention(nnx.Module):
         qkv = constrain(qkv, ("batch", "seq", "kv_heads", None, "kv"))
         q = qkv[:, :, :, :g].reshape(b, t, cfg.heads, cfg.head_dim)                     # head n = k*G + j
         k, v = qkv[:, :, :, g], qkv[:, :, :, g + 1]                                     # [B, T, K, D]
-        q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
+        scaling = getattr(cfg, "rope_scaling", None)
+        q, k = rope(q, positions, cfg.rope_theta, scaling), rope(k, positions, cfg.rope_theta, scaling)
         impl = None if cfg.attention == "auto" else cfg.attention
         adt = attention_dtype(dt)   # = dt, except fp16 on CPU (see meshpar.precision.attention_dtype)
         if cache is None:

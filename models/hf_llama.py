@@ -1,0 +1,215 @@
+"""The Hugging Face Llama format (`LlamaForCausalLM`) <-> the reference decoder (`meshpar.hf`).
+
+config.json -> DecoderConfig: hidden_size E, num_hidden_layers L, num_attention_heads N,
+num_key_value_heads K (default N), head_dim D (default E / N), intermediate_size F, vocab_size V,
+rope theta and `llama3` rope scaling (either transformers 5's `rope_parameters` or 4's
+`rope_theta` + `rope_scaling`), rms_norm_eps, tie_word_embeddings. Refused in one line naming the
+file and key: another architecture, a hidden_act other than silu, attention_bias/mlp_bias true,
+partial rotary embeddings, a rope type other than default/llama3.
+
+Tensors (HF `nn.Linear` weights are [out, in]; meshpar's are [in, out]; G = N / K):
+
+    model.embed_tokens.weight [V, E]                  -> embedding [V, E]
+    lm_head.weight [V, E] (absent when tied)          -> lm_head [E, V] (transposed)
+    model.norm.weight [E]                             -> final_norm.scale [E]
+    model.layers.l.input_layernorm.weight [E]         -> layers.attn_norm.scale [l, E]
+    model.layers.l.post_attention_layernorm.weight    -> layers.ffn_norm.scale [l, E]
+    model.layers.l.self_attn.q_proj.weight [N*D, E]   -> layers.attn.wqkv [l, E, k, j, D], j < G, head n = k*G + j
+    model.layers.l.self_attn.k_proj.weight [K*D, E]   -> layers.attn.wqkv [l, E, k, G, D]
+    model.layers.l.self_attn.v_proj.weight [K*D, E]   -> layers.attn.wqkv [l, E, k, G+1, D]
+    model.layers.l.self_attn.o_proj.weight [E, N*D]   -> layers.attn.wo [l, N, D, E]
+    model.layers.l.mlp.gate_proj.weight [F, E]        -> layers.ffn.w_in [l, E, 0, F]
+    model.layers.l.mlp.up_proj.weight [F, E]          -> layers.ffn.w_in [l, E, 1, F]
+    model.layers.l.mlp.down_proj.weight [E, F]        -> layers.ffn.w_down [l, F, E]
+
+RoPE layout, stated rather than guessed: HF Llama checkpoints store q/k rows for the half-split
+`rotate_half` form (feature i of a head pairs with feature i + D/2; the conversion from Meta's
+interleaved pairs (2i, 2i+1) permuted the rows once, in `convert_llama_weights_to_hf.py`).
+meshpar's `rope` is the same half-split form, so the row order within a head maps as the identity
+(`ROPE_ROWS`); a checkpoint in Meta's interleaved layout would need the permutation
+`interleaved_to_half` (kept here, tested to differ) and is not what `hf:` reads.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from meshpar.errors import ConfigError
+from meshpar.hf import Source, hf_path, read_config
+
+ARCHITECTURES = ("LlamaForCausalLM",)
+ROPE_ROWS = "identity"      # HF rotate_half rows == meshpar rope rows (see the module docstring)
+
+
+def interleaved_to_half(d: int) -> np.ndarray:
+    """Rows of a head in Meta's interleaved RoPE layout, reordered for the half-split form (the
+    permutation HF's conversion script applies): [0, 2, 4, ..., 1, 3, 5, ...]."""
+    return np.concatenate([np.arange(0, d, 2), np.arange(1, d, 2)])
+
+
+def llama3_scaling(rs: dict, where: str) -> tuple:
+    """A `llama3` rope scaling dict -> (factor, low_freq_factor, high_freq_factor, original_max)."""
+    kind = rs.get("rope_type", rs.get("type", "default"))
+    if kind != "llama3":
+        raise ConfigError(f"{where}: rope type '{kind}' is not implemented (default and llama3 are)")
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    for k in keys:
+        if not isinstance(rs.get(k), (int, float)):
+            raise ConfigError(f"{where}: llama3 rope scaling needs a number for '{k}'")
+    return tuple(float(rs[k]) for k in keys)
+
+
+def decoder_config(m):
+    """`model.init_from=hf:DIR` (a `meshpar.config.ModelConfig`) -> DecoderConfig from DIR/config.json."""
+    from meshpar.models.decoder import DecoderConfig
+    hf = read_config(m.init_from)
+    where = str(hf_path(m.init_from) / "config.json")
+
+    def need(key, default=None):
+        v = hf.get(key, default)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ConfigError(f"{where}: key '{key}' must be a positive integer, got {v!r}")
+        return v
+    archs = hf.get("architectures") or [hf.get("model_type", "?")]
+    if not any(a in ARCHITECTURES for a in archs):
+        raise ConfigError(f"{where}: key 'architectures' is {archs}; meshpar implements {', '.join(ARCHITECTURES)}")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"{where}: key 'hidden_act' is {hf['hidden_act']!r}; the decoder's MLP is SwiGLU (silu)")
+    for key in ("attention_bias", "mlp_bias"):
+        if hf.get(key):
+            raise ConfigError(f"{where}: key '{key}' is true; the decoder has no biases")
+    rope = dict(hf.get("rope_parameters") or {})
+    rope.update({k: v for k, v in (hf.get("rope_scaling") or {}).items()})
+    theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    if float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))) != 1.0:
+        raise ConfigError(f"{where}: key 'partial_rotary_factor' is not 1; the decoder rotates whole heads")
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    rkey = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    scaling = None if kind in (None, "default") else llama3_scaling(rope, f"{where}: key '{rkey}'")
+    heads = need("num_attention_heads")
+    dims = {"layers": need("num_hidden_layers"), "embed": need("hidden_size"), "heads": heads,
+            "kv_heads": need("num_key_value_heads", heads), "mlp": need("intermediate_size"),
+            "vocab": need("vocab_size")}
+    dims["head_dim"] = need("head_dim", hf.get("head_dim") or dims["embed"] // heads)
+    if heads % dims["kv_heads"]:
+        raise ConfigError(f"{where}: key 'num_key_value_heads'={dims['kv_heads']} does not divide "
+                          f"num_attention_heads={heads}")
+    for k, v in dims.items():
+        mine = getattr(m, k, None)
+        if mine is not None and mine != v:
+            raise ConfigError(f"model.{k}={mine} disagrees with {where} ({v}); drop it: model.init_from sets the "
+                              "dimensions")
+    return DecoderConfig(**dims, remat=m.remat, scan_layers=m.scan_layers, attention=m.attention,
+                         rope_theta=theta, norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), rope_scaling=scaling)
+
+
+def hf_config(c) -> dict:
+    """DecoderConfig -> a `LlamaForCausalLM` config.json (transformers 5's `rope_parameters`, plus
+    4's `rope_theta`/`rope_scaling` keys so either version reads the same RoPE)."""
+    rope = {"rope_type": "default", "rope_theta": c.rope_theta}
+    if c.rope_scaling:
+        f, lo, hi, orig = c.rope_scaling
+        rope.update(rope_type="llama3", factor=f, low_freq_factor=lo, high_freq_factor=hi,
+                    original_max_position_embeddings=int(orig))
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+            "hidden_size": c.embed, "intermediate_size": c.mlp, "num_hidden_layers": c.layers,
+            "num_attention_heads": c.heads, "num_key_value_heads": c.kv_heads, "head_dim": c.head_dim,
+            "vocab_size": c.vocab, "rms_norm_eps": c.norm_eps, "tie_word_embeddings": c.tie_embeddings,
+            "attention_bias": False, "mlp_bias": False, "rope_parameters": rope, "rope_theta": c.rope_theta,
+            **({"rope_scaling": {k: v for k, v in rope.items() if k != "rope_theta"}} if c.rope_scaling else {})}
+
+
+def _r(a, b):
+    return range(a, b)
+
+
+def tensors(c) -> dict:
+    """{parameter path: Source} for the decoder with config `c` (see the module docstring)."""
+    L, E, N, K, D, F, V = c.layers, c.embed, c.heads, c.kv_heads, c.head_dim, c.mlp, c.vocab
+    G = N // K
+    lay = "model.layers.{}."
+
+    def per_layer(suffix):
+        return [lay.format(i) + suffix for i in range(L)]
+
+    def stacked(suffix, shape, read_one, write_one):
+        names = per_layer(suffix)
+
+        def read(get, box):
+            return np.stack([read_one(lambda *r, n=names[i]: get(n, *r), box[1:]) for i in _r(*box[0])])
+
+        def write(a):
+            return {names[i]: write_one(a[i]) for i in range(L)}
+        return Source({n: shape for n in names}, read, write)
+
+    def norm(suffix):
+        return stacked(suffix, (E,), lambda g, b: g(b[0]), lambda a: a)
+
+    def linear_t(suffix, shape):        # HF [out, in] -> meshpar [in, out]
+        return stacked(suffix, shape, lambda g, b: g(b[1], b[0]).T, lambda a: a.T)
+
+    def qkv_read(get_l, box):
+        """Block [E_s, K_s, J_s, D_s] of one layer's wqkv from q/k/v rows (row of head h, feature
+        d: h * D + d; ROPE_ROWS: the identity within a head)."""
+        (e0, e1), ks, js, (d0, d1) = box
+        out = []
+        for k in _r(*ks):
+            parts = []
+            for j in _r(*js):
+                proj, h = ("q_proj", k * G + j) if j < G else ("k_proj" if j == G else "v_proj", k)
+                parts.append(get_l(f"self_attn.{proj}.weight", (h * D + d0, h * D + d1), (e0, e1)).T)
+            out.append(np.stack(parts, 1))
+        return np.stack(out, 1)
+
+    def qkv_write(a):                   # [E, K, G+2, D] -> q [N*D, E], k/v [K*D, E]
+        return {"self_attn.q_proj.weight": a[:, :, :G].reshape(E, N * D).T,
+                "self_attn.k_proj.weight": a[:, :, G].reshape(E, K * D).T,
+                "self_attn.v_proj.weight": a[:, :, G + 1].reshape(E, K * D).T}
+
+    def group(shapes, read_one, write_one):
+        names = {s: per_layer(s) for s in shapes}
+
+        def read(get, box):
+            return np.stack([read_one(lambda s, *r, i=i: get(names[s][i], *r), box[1:]) for i in _r(*box[0])])
+
+        def write(a):
+            out = {}
+            for i in range(L):
+                out.update({names[s][i]: t for s, t in write_one(a[i]).items()})
+            return out
+        return Source({names[s][i]: shape for s, shape in shapes.items() for i in range(L)}, read, write)
+
+    def wo_read(get_l, box):            # o_proj [E, N*D] -> [N_s, D_s, E_s]
+        (n0, n1), (d0, d1), (e0, e1) = box
+        w = get_l("self_attn.o_proj.weight", (e0, e1), (n0 * D, n1 * D)).reshape(e1 - e0, n1 - n0, D)
+        return w[:, :, d0:d1].transpose(1, 2, 0)
+
+    def w_in_read(get_l, box):          # gate/up [F, E] -> [E_s, C_s, F_s]
+        (e0, e1), cs, fs = box
+        return np.stack([get_l(f"mlp.{('gate_proj', 'up_proj')[c]}.weight", fs, (e0, e1)).T for c in _r(*cs)], 1)
+
+    out = {
+        ("embedding",): Source({"model.embed_tokens.weight": (V, E)}, lambda get, b: get("model.embed_tokens.weight", *b),
+                               lambda a: {"model.embed_tokens.weight": a}),
+        ("final_norm", "scale"): Source({"model.norm.weight": (E,)}, lambda get, b: get("model.norm.weight", *b),
+                                        lambda a: {"model.norm.weight": a}),
+        ("layers", "attn_norm", "scale"): norm("input_layernorm.weight"),
+        ("layers", "ffn_norm", "scale"): norm("post_attention_layernorm.weight"),
+        ("layers", "attn", "wqkv"): group({"self_attn.q_proj.weight": (N * D, E), "self_attn.k_proj.weight": (K * D, E),
+                                           "self_attn.v_proj.weight": (K * D, E)}, qkv_read, qkv_write),
+        ("layers", "attn", "wo"): group({"self_attn.o_proj.weight": (E, N * D)}, wo_read,
+                                        lambda a: {"self_attn.o_proj.weight": a.reshape(N * D, E).T}),
+        ("layers", "ffn", "w_in"): group({"mlp.gate_proj.weight": (F, E), "mlp.up_proj.weight": (F, E)}, w_in_read,
+                                         lambda a: {"mlp.gate_proj.weight": a[:, 0].T, "mlp.up_proj.weight": a[:, 1].T}),
+        ("layers", "ffn", "w_down"): linear_t("mlp.down_proj.weight", (E, F)),
+    }
+    if not c.tie_embeddings:
+        out[("lm_head",)] = Source({"lm_head.weight": (V, E)}, lambda get, b: get("lm_head.weight", b[1], b[0]).T,
+                                   lambda a: {"lm_head.weight": a.T})
+    return out
+
+
+def ignorable(name: str) -> bool:
+    """Tensors a Llama checkpoint may hold that carry nothing the decoder needs: RoPE buffers, and a
+    copy of the embedding saved as lm_head by some tied checkpoints (the embedding is read)."""
+    return name.endswith("rotary_emb.inv_freq") or name == "lm_head.weight"
