@@ -7,6 +7,7 @@
     meshpar generate [--config FILE] [--devices N] [--prompt TEXT | --prompt-ids 1,2,3] [--json] [KEY=VALUE ...]
     meshpar plan [--config FILE] --devices N --hardware h100 [--top K] [--strategies a,b] [--all] [--json]
                  [--bytes-per-param W,G,O] [--out plan.yaml] [--verify K] [KEY=VALUE ...]
+    meshpar export --format hf --out DIR [--dtype bf16|fp32] [--max-shard-size 5GB] [--config FILE] [KEY=VALUE ...]
 
 KEY=VALUE are dotted config overrides: steps=20 strategy=fsdp mesh.tensor=2 mesh.data=-1
 precision=fp32 model.layers=2 batch.global_size=16 train.log_every=1. Flags and overrides may come
@@ -58,7 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true", help="print one JSON object (mesh, params, collectives, memory, flops)")
     g = sub.add_parser("generate", parents=[common],
                        help="continue prompts with a trained model (checkpoint.dir=D) on the serving layout (serve.*)")
-    g.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="a text prompt (byte-level tokens; repeatable)")
+    g.add_argument("--prompt", action="append", default=[], metavar="TEXT",
+                   help="a text prompt (data.tokenizer's tokens, else bytes; repeatable)")
     g.add_argument("--prompt-ids", action="append", default=[], metavar="1,2,3", help="a prompt as token ids (repeatable)")
     g.add_argument("--max-new-tokens", type=int, help="tokens to generate per prompt (default: serve.max_new_tokens)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
@@ -79,7 +81,42 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--out", default="plan.yaml", help="where to write the winner's config (default plan.yaml; '-': none)")
     pl.add_argument("--verify", type=int, default=0, metavar="K", help="compile the top K plans on N (fake) devices "
                     "and print predicted vs compiled memory and collective bytes")
+    ex = sub.add_parser("export", parents=[common], help="write checkpoint.dir's newest weights (or model.init_from's) "
+                        "in another ecosystem's format: --format hf, a Hugging Face directory")
+    ex.add_argument("--format", default="hf", choices=["hf"], help="hf: config.json + safetensors (+ index)")
+    ex.add_argument("--out", required=True, help="the directory to write")
+    ex.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="tensor dtype (default bf16)")
+    ex.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB; 500MB, 2GiB ...)")
     return p
+
+
+def _export(cfg, args) -> None:
+    """`meshpar export`: checkpoint.dir's newest parameters (else model.init_from's), one array at a
+    time, as a Hugging Face directory (meshpar/hf.py)."""
+    from meshpar import hf
+    from meshpar.step import trainer_for
+    trainer = trainer_for(cfg)
+    source, params = None, None
+    if cfg.checkpoint.dir:
+        import jax
+        from meshpar.checkpoint import restore_weights
+        target = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                              {"params": trainer.spec.shapes}, {"params": trainer.param_shardings})
+        found = restore_weights(cfg.checkpoint.dir, target, lambda m: print(m, file=sys.stderr))
+        if found is not None:
+            params, source = found[0]["params"], f"checkpoint step {found[1]} in {cfg.checkpoint.dir}"
+    if params is None and cfg.model.init_from:
+        params, source = trainer.load_pretrained(), cfg.model.init_from
+    if params is None:
+        raise MeshparError("nothing to export: checkpoint.dir holds no checkpoint and model.init_from is not set")
+    from flax import nnx
+    from meshpar.sharding import building
+    with building(trainer.policy):
+        abstract = nnx.eval_shape(lambda: trainer.factory(nnx.Rngs(0)))
+    extra, generation = hf.provenance(cfg)
+    out = hf.export(params, abstract, args.out, args.dtype, args.max_shard_size, extra, generation)
+    print(f"exported {source} to {args.out}: {out['tensors']} tensors, {out['bytes'] / 2**20:.1f} MiB in "
+          f"{len(out['files'])} file(s) ({args.dtype})", file=sys.stderr)
 
 
 def _plan(cfg, args) -> None:
@@ -131,9 +168,10 @@ def _generate(cfg, args) -> None:
     """`meshpar generate`: prompts -> Engine.run, streamed (one prompt) or as JSON."""
     from meshpar.sampling import Sampling
     from meshpar.serve import Engine, Request
-    from meshpar.tokenizer import ByteTokenizer
-    texts = bool(args.prompt) or cfg.data.kind == "text"
-    prompts = [list(p.encode("utf-8")) for p in args.prompt]          # byte-level tokens
+    from meshpar.tokenizer import ByteTokenizer, HFTokenizer
+    texts = bool(args.prompt) or cfg.data.kind == "text" or bool(cfg.data.tokenizer)
+    hf_tok = HFTokenizer(cfg.data.tokenizer) if cfg.data.tokenizer else None
+    prompts = [hf_tok.prompt(p) if hf_tok else list(p.encode("utf-8")) for p in args.prompt]   # default: bytes
     for ids in args.prompt_ids:
         try:
             prompts.append([int(x) for x in ids.replace(" ", "").split(",") if x])
@@ -142,12 +180,21 @@ def _generate(cfg, args) -> None:
     if not prompts:
         raise MeshparError("no prompt: give --prompt TEXT or --prompt-ids 1,2,3")
     n = args.max_new_tokens if args.max_new_tokens is not None else cfg.serve.max_new_tokens
-    reqs = [Request(p, n, Sampling(args.temperature, args.top_k, args.top_p, args.seed + i)) for i, p in enumerate(prompts)]
+    eos = hf_tok.eos_id if hf_tok else None
+    if eos is None and cfg.model.init_from:          # the model's own end token (config.json)
+        from meshpar.hf import read_config
+        eos = read_config(cfg.model.init_from).get("eos_token_id")
+        eos = eos[0] if isinstance(eos, list) and eos else eos
+    reqs = [Request(p, n, Sampling(args.temperature, args.top_k, args.top_p, args.seed + i), eos=eos)
+            for i, p in enumerate(prompts)]
     Engine.precheck(cfg, reqs)                   # before loading anything: what needs no model
     engine = Engine(cfg, info=lambda m: print(m, file=sys.stderr))
     for note in engine.notes:
         print(note, file=sys.stderr)
-    tok = ByteTokenizer(engine.vocab) if texts else None
+    if hf_tok and hf_tok.vocab_size > engine.vocab:
+        raise MeshparError(f"data.tokenizer has {hf_tok.vocab_size} tokens, more than the model's vocabulary "
+                           f"{engine.vocab}")
+    tok = (hf_tok or ByteTokenizer(engine.vocab)) if texts else None
     for r in reqs:
         engine.check(r)
     print(f"serving {engine.source} on {engine.mesh.devices.size} devices ({cfg.serve.strategy}, "
@@ -238,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
             _generate(cfg, args)
         elif args.command == "plan":
             _plan(cfg, args)
+        elif args.command == "export":
+            _export(cfg, args)
         else:
             from meshpar.inspect import render_report, report
             rep = report(cfg)

@@ -172,6 +172,9 @@ def _eval_on(cfg) -> bool:
 
 
 def _file_source(kind: str, path: str, cfg, vocab: int):
+    if kind == "text" and getattr(cfg.data, "tokenizer", None):   # documents tokenized, packed with EOS between
+        from meshpar.tokenizer import packed_text
+        return Span(packed_text(path, cfg.data.tokenizer, vocab), f"data.path '{path}' (tokenized)")
     return TokenFile(path, cfg.data.dtype, vocab) if kind == "tokens" else TextFiles(path, vocab)
 
 

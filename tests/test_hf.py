@@ -221,3 +221,88 @@ def test_export_loads_in_transformers_and_round_trips_bitwise(tmp_path):
         assert np.array_equal(np.asarray(x).astype(jnp.bfloat16).astype(np.float32), np.asarray(y))
     _, info = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "bf16", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
+
+
+def save_tokenizer(path):
+    """A small byte-level BPE tokenizer (tokenizers library) with <s>/</s>, trained here."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    texts = ["the quick brown fox jumps over the lazy dog", "hello world, hello meshpar"] * 20
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    return path
+
+
+def test_tokenizer_packs_documents_with_eos_between(tmp_path):
+    from meshpar.data import make_source
+    from meshpar.tokenizer import HFTokenizer, load_tokenizer, ByteTokenizer
+    d = save_tokenizer(tmp_path / "tok")
+    tok = HFTokenizer(str(d / "tokenizer.json"), 320)
+    assert (tok.bos_id, tok.eos_id) == (1, 2)
+    text = "hello lazy fox, ünïcode"
+    assert tok.decode(tok.encode(text)) == text and tok.prompt(text)[0] == 1
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text("the quick brown fox")
+    (docs / "b.jsonl").write_text(json.dumps({"text": "hello world"}) + "\n" + json.dumps({"text": "lazy dog"}) + "\n")
+    cfg = make_cfg("data.kind=text", f"data.path={docs}", f"data.tokenizer={d}", "batch.length=8")
+    src = make_source(cfg, 320)
+    want = [t for s in ("the quick brown fox", "hello world", "lazy dog") for t in [1, *tok.encode(s), 2]]
+    assert src.tokens.tolist() == want                     # BOS doc EOS BOS doc EOS ...
+    assert isinstance(load_tokenizer(make_cfg(), 320), ByteTokenizer)   # bytes stay the default
+    with pytest.raises(ConfigError, match="more than model.vocab=256"):
+        HFTokenizer(str(d), 256)
+
+
+def test_generate_with_tokenizer_matches_transformers_greedy(tmp_path, capsys):
+    from meshpar.cli import main
+    from meshpar.tokenizer import HFTokenizer
+    m = save_llama(tmp_path / "hf", kv=2, llama3=True)
+    tok_dir = save_tokenizer(tmp_path / "tok")
+    prompt = "the quick brown fox jumps over the lazy dog and says hello world " * 3
+    ids = HFTokenizer(str(tok_dir)).prompt(prompt)
+    m.generation_config.eos_token_id = None
+    with torch.no_grad():
+        want = m.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=12, pad_token_id=0)[0, len(ids):].tolist()
+    capsys.readouterr()
+    assert main(["generate", "--prompt", prompt, "--json", "--max-new-tokens", "12", "--devices", "8",
+                 f"model.init_from=hf:{tmp_path / 'hf'}", f"data.tokenizer={tok_dir}", "precision=fp32",
+                 "serve.cache_length=128", "mesh.data=4", "mesh.fsdp=1", "mesh.tensor=2"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["tokens"][0] == want[:len(out["tokens"][0])] and len(out["tokens"][0]) >= 1
+    assert out["text"][0] == HFTokenizer(str(tok_dir)).decode(out["tokens"][0])
+
+
+def test_finetune_from_hf_export_and_checkpoint_wins(tmp_path):
+    from meshpar.checkpoint import restore_weights
+    from meshpar.cli import main
+    from tests.conftest import metrics_records
+    src = tmp_path / "hf"
+    save_llama(src, kv=2)
+    common = [f"model.init_from=hf:{src}", "precision=fp32", "batch.global_size=8", "batch.length=32",
+              "train.warmup_steps=1", "train.lr=0.01", f"checkpoint.dir={tmp_path / 'ckpt'}", "--devices", "8"]
+    assert main(["train", "steps=2", *common, "--metrics-out", str(tmp_path / "a.jsonl")]) == 0
+    start = metrics_records(tmp_path / "a.jsonl")[0]
+    assert "resumed_from" not in start                                   # fine-tuning starts at step 0
+    assert main(["export", "--out", str(tmp_path / "out"), "--dtype", "fp32", "--max-shard-size", "100KB", *common]) == 0
+    a, b = tensors_of(src), tensors_of(tmp_path / "out")
+    assert sorted(a) == sorted(b) and not all(np.array_equal(a[k], b[k]) for k in a)   # trained, same keys
+    tr = trainer(src, 1)
+    target = {"params": jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                                     tr.spec.shapes, tr.param_shardings)}
+    tree, step, _ = restore_weights(str(tmp_path / "ckpt"), target, lambda m: None)
+    back, info = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert step == 2 and not info["missing_keys"] and not info["unexpected_keys"]
+    diff = np.abs(logits(tr, tree["params"], PROMPT[:2]) - reference(back.eval(), PROMPT[:2])).max()
+    print(f"fine-tuned checkpoint vs its export in transformers: max |logits diff| = {diff:.3g}")
+    assert diff <= 1e-4
+    # a checkpoint in checkpoint.dir wins over model.init_from (train resumes: loop.run initialises,
+    # and so reads init_from, only when restore_latest finds nothing); serving reads it too
+    from meshpar.serve import Engine
+    cfg = make_cfg(*common[:-2], fast=False)
+    assert Engine(cfg, devices=devices(8), info=lambda m: None).source == "checkpoint step 2"
