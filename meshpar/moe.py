@@ -5,13 +5,18 @@ G groups, S tokens per group, E experts, C capacity (slots per expert per group)
 (`embed`), H expert hidden width (`expert_mlp`), K experts per token (top1: 1, top2: 2).
 
     x [B, T, M] -> regroup [G, S, M] -> router logits [G, S, E] (fp32) -> route
-    capacity mode (`capacity_factor` a number):
+    capacity mode (`capacity_factor` a number), GShard's einsums (the reference, `DISPATCH="einsum"`):
         combine  [G, S, E, C] = gate of each kept (token, expert, slot), 0 elsewhere
         dispatch [G, S, E, C] = combine != 0 (as a 0/1 mask)
         GSEC,GSM->EGCM    dispatch:  G-sharded -> E-sharded (XLA: all-to-all over `expert`)
         EGCM,EMH->EGCH    expert FFN in (SwiGLU: gate and up projections)
         EGCH,EHM->EGCM    expert FFN out
         GSEC,EGCM->GSM    combine:   E-sharded -> G-sharded (all-to-all back)
+    what runs by default (`DISPATCH="gather"`, `dispatch_combine_gather`): the same EGCM tensors,
+        layouts and all-to-alls, but dispatch and combine are row gathers by the slot of each kept
+        (token, k) -- a 0/1 mask matmul copies rows, so a gather computes the same numbers without
+        the [G, S, E, C] masks (E x C times the tokens' size) or their 2 x S x E x C x M FLOPs per
+        group each way; gradients are gathers too. tests/test_moe_fast.py holds it to the einsums.
     dropless mode (`capacity_factor: null`): top-K experts [G, S, K] -> every device sorts its tokens
         by expert, sends each expert shard its rows (all-to-all), runs `lax.ragged_dot` grouped
         matmuls over its local experts, sends the rows back (all-to-all), weighted sum over K.
@@ -62,6 +67,9 @@ W_OUT = ("expert", "expert_mlp", "embed")                 # EHM
 
 
 TOP_K = {"top1": 1, "top2": 2}                            # moe.routing -> experts per token (K)
+# capacity mode: "gather" (default, `dispatch_combine_gather`) or "einsum" (GShard's formulation,
+# `dispatch_combine`, the reference the tests hold the gather path to)
+DISPATCH = "gather"
 
 
 @dataclass(frozen=True)
@@ -146,7 +154,7 @@ def z_loss(logits: jax.Array) -> jax.Array:
 
 
 def route(logits: jax.Array, top_k: int, capacity_factor: float | None, second_policy: str = "all",
-          rng: jax.Array | None = None) -> Routing:
+          rng: jax.Array | None = None, with_masks: bool = True) -> Routing:
     """GShard Algorithm 1 (top2) / Switch (top1) on router logits [G, S, E], computed in fp32.
 
     - gates = softmax(logits); expert 1 = argmax, expert 2 = argmax of the rest (ties: lowest index).
@@ -157,6 +165,8 @@ def route(logits: jax.Array, top_k: int, capacity_factor: float | None, second_p
       cumulative sum over S, first choices of the whole group before second choices; assignments at
       slot >= C are dropped (the token then only passes through the residual connection).
     - capacity_factor None: dropless, every routed assignment is kept.
+    - `with_masks=False`: skip the [G, S, E, C] combine/dispatch tensors (None); the fast path needs only
+      index, gates, kept and position.
     """
     logits = logits.astype(jnp.float32)
     g, s, e = logits.shape
@@ -197,7 +207,7 @@ def route(logits: jax.Array, top_k: int, capacity_factor: float | None, second_p
     cap = capacity(s, e, top_k, capacity_factor)
     filled = jnp.zeros((g, 1, e), jnp.float32)                         # slots taken per expert [G, 1, E]
     kept, position = [], []
-    combine = jnp.zeros((g, s, e, cap), jnp.float32)
+    combine = jnp.zeros((g, s, e, cap), jnp.float32) if with_masks else None
     for k in range(top_k):
         mask = onehots[:, :, k]                                        # [G, S, E]
         pos = (jnp.cumsum(mask, axis=1) - 1.0 + filled) * mask         # slot per (token, expert)
@@ -205,17 +215,20 @@ def route(logits: jax.Array, top_k: int, capacity_factor: float | None, second_p
         filled = filled + jnp.sum(mask, axis=1, keepdims=True)
         pos_k = jnp.sum(pos * mask, axis=-1).astype(jnp.int32)         # [G, S]
         kept_k = jnp.sum(mask, axis=-1) > 0                            # [G, S]
-        slot = jax.nn.one_hot(pos_k, cap, dtype=jnp.float32) * kept_k[..., None]   # [G, S, C]
-        combine = combine + (gates[..., k, None] * mask)[..., None] * slot[:, :, None, :]
+        if with_masks:
+            slot = jax.nn.one_hot(pos_k, cap, dtype=jnp.float32) * kept_k[..., None]   # [G, S, C]
+            combine = combine + (gates[..., k, None] * mask)[..., None] * slot[:, :, None, :]
         kept.append(kept_k)
         position.append(pos_k)
     kept = jnp.stack(kept, -1)
     position = jnp.stack(position, -1)
+    drop = (jnp.sum(routed_f) - jnp.sum(kept.astype(jnp.float32))) / jnp.maximum(jnp.sum(routed_f), 1.0)
+    if not with_masks:
+        return Routing(index, gates, routed, kept, position, None, None, aux, zl, drop, load)
     dispatch = jnp.zeros((g, s, e, cap), bool)
     for k in range(top_k):
         hit = jax.nn.one_hot(index[..., k], e, dtype=bool) & kept[..., k, None]      # [G, S, E]
         dispatch = dispatch | (hit[..., None] & jax.nn.one_hot(position[..., k], cap, dtype=bool)[:, :, None, :])
-    drop = (jnp.sum(routed_f) - jnp.sum(kept.astype(jnp.float32))) / jnp.maximum(jnp.sum(routed_f), 1.0)
     return Routing(index, gates, routed, kept, position, combine, dispatch, aux, zl, drop, load)
 
 
@@ -243,6 +256,63 @@ def dispatch_combine(x, r: Routing, w_gate, w_up, w_down):
     ye = _swiglu_experts(xe, w_gate, w_up, w_down)
     ye = constrain(ye, GROUPED, "moe expert output EGCM")
     y = jnp.einsum("gsec,egcm->gsm", r.combine.astype(dt), ye)                        # GSEC,EGCM->GSM
+    return constrain(y, TOKENS, "moe combined GSM")
+
+
+# The same layer without the [G, S, E, C] masks: dispatch and combine as row gathers. Slot (e, c) of a
+# group holds at most one kept assignment (s, k) and every kept (s, k) sits in exactly one slot, so
+# the gather assignment -> slot and the gather slot -> assignment are each other's transpose: the
+# backward of either is the other (custom VJP), never a scatter-add and never a one-hot matmul.
+
+@jax.custom_vjp
+def _move_rows(src, idx, valid, back_idx, back_valid):
+    """out[g, r] = src[g, idx[g, r]] where valid[g, r], else 0. src [G, N, M]; idx, valid [G, R];
+    (back_idx, back_valid) [G, N] is the inverse partial map, used by the backward pass."""
+    rows = jax.vmap(lambda a, i: a[i])(src, idx)
+    return jnp.where(valid[..., None], rows, jnp.zeros((), src.dtype))
+
+
+def _move_rows_fwd(src, idx, valid, back_idx, back_valid):
+    return _move_rows(src, idx, valid, back_idx, back_valid), (idx, valid, back_idx, back_valid)
+
+
+def _move_rows_bwd(res, d):
+    idx, valid, back_idx, back_valid = res
+    return _move_rows(d, back_idx, back_valid, idx, valid), None, None, None, None
+
+
+_move_rows.defvjp(_move_rows_fwd, _move_rows_bwd)
+
+
+def slot_maps(r: Routing, num_experts: int, cap: int):
+    """Index maps of one routing. Assignments a = s * K + k, slots e * C + c; returns
+    (slot of a [G, S*K], a kept [G, S*K], assignment in slot [G, E*C], slot filled [G, E*C])."""
+    g, s, k = r.index.shape
+    a_slot = (r.index * cap + r.position).reshape(g, s * k)
+    a_kept = r.kept.reshape(g, s * k)
+    target = jnp.where(a_kept, a_slot, num_experts * cap)              # dropped: out of range, not written
+    n = num_experts * cap
+    ids = jnp.arange(s * k, dtype=jnp.int32)
+    slot_a = jax.vmap(lambda t: jnp.zeros(n, jnp.int32).at[t].set(ids, mode="drop"))(target)
+    slot_full = jax.vmap(lambda t: jnp.zeros(n, bool).at[t].set(True, mode="drop"))(target)
+    return jnp.where(a_kept, a_slot, 0), a_kept, slot_a, slot_full
+
+
+def dispatch_combine_gather(x, r: Routing, w_gate, w_up, w_down, num_experts: int, cap: int):
+    """`dispatch_combine` computed by gathers: the same numbers (each slot holds one token, each
+    kept assignment reads one slot) without the GSEC masks or their S x E x C x M matmuls. x [G, S, M]
+    -> [G, S, M]; the EGCM layouts, constraints and all-to-alls are those of `dispatch_combine`."""
+    g, s, m = x.shape
+    k = r.index.shape[-1]
+    a_slot, a_kept, slot_a, slot_full = slot_maps(r, num_experts, cap)
+    xk = jnp.broadcast_to(x[:, :, None, :], (g, s, k, m)).reshape(g, s * k, m)     # row a = token s of (s, k)
+    xe = _move_rows(xk, slot_a, slot_full, a_slot, a_kept)                          # [G, E*C, M]
+    xe = xe.reshape(g, num_experts, cap, m).transpose(1, 0, 2, 3)                   # EGCM, groups split
+    xe = constrain(constrain(xe, GROUPED, "moe dispatched EGCM"), EXPERT_IN, "moe dispatched EGCM")
+    ye = constrain(_swiglu_experts(xe, w_gate, w_up, w_down), GROUPED, "moe expert output EGCM")
+    ye = ye.transpose(1, 0, 2, 3).reshape(g, num_experts * cap, m)
+    rows = _move_rows(ye, a_slot, a_kept, slot_a, slot_full).reshape(g, s, k, m)     # expert output per (s, k)
+    y = jnp.einsum("gskm,gsk->gsm", rows, (r.gates * r.kept).astype(x.dtype))
     return constrain(y, TOKENS, "moe combined GSM")
 
 
@@ -393,10 +463,15 @@ def moe_ffn(x, router, w_gate, w_up, w_down, settings: MoESettings):
         # a different stream per layer: fold in the (integer, hence sharding-exact) hash of its router
         bits = jax.lax.bitcast_convert_type(router.astype(jnp.float32), jnp.int32)
         rng = jax.random.fold_in(rng, jnp.sum(bits))
-    r = route(logits, settings.top_k, settings.capacity_factor, settings.second_expert_policy, rng)
+    einsum = DISPATCH == "einsum" and settings.capacity_factor is not None
+    r = route(logits, settings.top_k, settings.capacity_factor, settings.second_expert_policy, rng,
+              with_masks=einsum)
     w = [a.astype(dt) for a in (w_gate, w_up, w_down)]
     if settings.capacity_factor is None:
         y = dropless(xg, r, *w)
+    elif not einsum:
+        cap = capacity(xg.shape[1], settings.num_experts, settings.top_k, settings.capacity_factor)
+        y = dispatch_combine_gather(xg, r, *w, settings.num_experts, cap)
     else:
         r = r._replace(combine=constrain(r.combine, MASKS, "moe combine GSEC"),
                        dispatch=constrain(r.dispatch, MASKS, "moe dispatch GSEC"))

@@ -164,12 +164,12 @@ def test_eval_stream_is_disjoint_from_training(observed, tmp_path):
     cfg, tr = observed["cfg"], observed["trainer"]
     ev = Evaluator(cfg, tr, make_source(cfg, tr.spec.cfg.vocab))
     held = np.concatenate([np.asarray(b) for b in ev._held_out()])
-    data = Batches(make_source(cfg, tr.spec.cfg.vocab), tr.batch_sharding, cfg.batch.global_size, cfg.batch.length, cfg.data.seed)
+    vocab, b, t = tr.spec.cfg.vocab, cfg.batch.global_size, cfg.batch.length
+    data = Batches(make_source(cfg, vocab), tr.batch_sharding, b, t, cfg.data.seed)
     trained = np.concatenate([np.asarray(next(data)) for _ in range(STEPS)])
     assert not {r.tobytes() for r in held} & {r.tobytes() for r in trained}
-    lang = MarkovLanguage(tr.spec.cfg.vocab, cfg.data.branching, cfg.data.seed)
-    np.testing.assert_array_equal(held[:cfg.batch.global_size],
-                                  lang.rows(cfg.data.seed, EVAL_STEP, range(cfg.batch.global_size), cfg.batch.length + 1))
+    lang = MarkovLanguage(vocab, cfg.data.branching, cfg.data.seed)
+    np.testing.assert_array_equal(held[:b], lang.rows(cfg.data.seed, EVAL_STEP, range(b), t + 1))
 
     # token data: training windows never reach the held-out tail; eval windows never leave it
     np.arange(2000, dtype=np.uint16).tofile(tmp_path / "t.bin")
