@@ -71,7 +71,7 @@ def run(cfg, metrics_out: str | None = None, console=None, trainer: Trainer | No
         saved_mesh = " ".join(f"{a}={n}" for a, n in (found.meta.get("mesh") or {}).items() if n > 1) or "1 device"
         log.info(f"resumed from step {found.step} ({found.path}; saved with {found.meta.get('strategy')} on "
                  f"{saved_mesh}, {found.meta.get('processes')} process(es), precision {found.meta.get('precision')})")
-        changes = data_changes(found.meta.get("config") or {}, cfg)
+        changes = data_changes(found.meta.get("config") or {}, cfg) + _holdout_change(found.meta.get("config"), cfg)
         if changes:
             log.info(f"warning: resuming with a different data stream: {', '.join(changes)}; batches from step "
                      f"{found.step + 1} on are not the ones the saved run would have seen")
@@ -181,6 +181,20 @@ def run(cfg, metrics_out: str | None = None, console=None, trainer: Trainer | No
         raise Preempted(stop, f"stopped by {name} after step {progress['step']}; {where}")
     log.end(end)
     return end
+
+
+def _holdout_change(saved: dict | None, cfg) -> list[str]:
+    """Token/text data trains on the first 1 - eval.holdout of data.path when evaluation is on without
+    eval.path (meshpar.data.make_source): a resume that turns that split on, off or resizes it reads
+    other windows."""
+    def split(ev):
+        return ev.get("holdout", 0.1) if ev.get("every") and not ev.get("path") else None
+    if cfg.data.kind not in ("tokens", "text") or not saved or "eval" not in saved:
+        return []
+    old = split(saved["eval"])
+    new = split({"every": cfg.eval.every, "path": cfg.eval.path, "holdout": cfg.eval.holdout})
+    return [] if old == new else [f"training part of data.path: eval.holdout={new} (checkpoint: {old}; "
+                                  "None: whole file)"]
 
 
 def _read(tree):

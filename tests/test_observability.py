@@ -257,3 +257,14 @@ def test_plot_writes_a_png_of_the_requested_size(observed, tmp_path):
 def test_bad_settings_are_one_line(override, match):
     with pytest.raises(ConfigError, match=match):
         make_cfg(override)
+
+
+def test_resume_names_a_changed_training_split_of_token_data():
+    from meshpar.loop import _holdout_change
+    tokens = ["data.kind=tokens", "data.path=t.bin"]
+    saved = {"eval": {"every": 0, "batches": 4, "path": None, "holdout": 0.1}}
+    assert _holdout_change(saved, make_cfg(*tokens)) == []
+    assert _holdout_change(saved, make_cfg(*tokens, "eval.every=10", "eval.path=v.bin")) == []   # no split
+    changed = _holdout_change(saved, make_cfg(*tokens, "eval.every=10"))
+    assert changed and "eval.holdout=0.1 (checkpoint: None" in changed[0]
+    assert _holdout_change(saved, make_cfg("eval.every=10")) == []          # synthetic: the stream is the same
