@@ -7,7 +7,7 @@ The public API (imported lazily, so `import meshpar` stays cheap and sets up no 
     trainer = meshpar.Trainer(cfg, model=my_factory, loss=my_loss, batch_spec=my_batch_spec)
     meshpar.run(cfg, trainer=trainer, source=my_source)
 
-Where each idea lives (each module imports only from the ones above it):
+Where each idea lives (no import cycles; tests/test_user_models.py checks it):
   errors.py      one-line user errors;          mesh.py  the device mesh (pipeline, data, fsdp, expert, tensor)
   rules.py       logical axis names, strategy presets as rule tables, first-match resolution, `constrain`
   precision.py   dtype policies (bf16, fp32, fp16 + dynamic loss scaling), fp32 cross-entropy
@@ -19,12 +19,15 @@ Where each idea lives (each module imports only from the ones above it):
   pipeline.py    pipeline parallelism: shard_map manual over `pipeline`, microbatches through stages
   step.py        optimizer, sharded init, the jitted train step (accumulation, ZeRO-1/2, loss scaling)
   flops.py       model FLOPs and MFU denominators;   inspect.py  compiled-HLO collectives, memory, FLOPs
+  hardware.py, costmodel.py, plan.py, dryrun.py      `meshpar plan`: presets, formulas, search, compile-and-compare
   checkpoint.py  Orbax checkpoints: async save, restore onto any mesh, damaged-checkpoint fallback
   distributed.py jax.distributed set-up, preemption (SIGTERM), peer-failure watchdog
-  metrics.py     progress bar and JSON Lines;        loop.py  the training loop (data, metrics, checkpoints)
+  metrics.py     progress bar, JSON Lines, TensorBoard; loop.py  the training loop (data, metrics, checkpoints)
+  evaluate.py    held-out evaluation;  profile.py  jax.profiler window;  plot.py  `meshpar plot`
   sampling.py    greedy / temperature / top-k / top-p, traced per slot
   serve.py       KV-cache inference: prefill, insert, generate, continuous batching (serving layouts)
-  config.py      YAML + dotted overrides, validated; cli.py / launch.py  `meshpar train|inspect|launch`
+  tokenizer.py   byte-level and `tokenizers` text <-> ids;  hf.py  Hugging Face safetensors import/export
+  config.py      YAML + dotted overrides, validated; cli.py / launch.py  `meshpar train|inspect|launch|plan|generate|export|plot`
 The reference models (`meshpar.models`, the repo's `models/`) use this API like any user model.
 """
 from __future__ import annotations
