@@ -306,3 +306,8 @@ def test_finetune_from_hf_export_and_checkpoint_wins(tmp_path):
     from meshpar.serve import Engine
     cfg = make_cfg(*common[:-2], fast=False)
     assert Engine(cfg, devices=devices(8), info=lambda m: None).source == "checkpoint step 2"
+    # ... and training: a second run with init_from still set resumes the checkpoint (step 2), it does not
+    # start again from the Hugging Face weights
+    assert main(["train", "steps=3", *common, "--metrics-out", str(tmp_path / "b.jsonl")]) == 0
+    recs = metrics_records(tmp_path / "b.jsonl")
+    assert recs[0]["resumed_from"] == 2 and [r["step"] for r in recs if r.get("event") == "step"] == [3]
