@@ -10,6 +10,8 @@ schedules (`meshpar.pipeline`) cut exactly such a stack into stages.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -92,25 +94,22 @@ def scan_layers(layers_mod, x, positions, remat: str = "full", scan: bool = True
         return (y, cache), aux
 
     n = jax.tree.leaves(state)[0].shape[0]
+    loop = jax.lax.scan if scan else functools.partial(_unrolled, n=n)
     if cache is not None:                    # decoding: no backward pass, so no remat
-        xs = (state, jnp.arange(n))
-        if scan:
-            (x, cache), aux = jax.lax.scan(decode_body, (x, cache), xs)
-            return x, aux, cache
-        auxes = []
-        for i in range(n):
-            (x, cache), aux = decode_body((x, cache), jax.tree.map(lambda a: a[i], xs))
-            auxes.append(aux)
-        return x, _stack(auxes), cache
+        (x, cache), aux = loop(decode_body, (x, cache), (state, jnp.arange(n)))
+        return x, aux, cache
     if REMAT_POLICIES[remat] is not None:
         body = jax.checkpoint(body, policy=REMAT_POLICIES[remat](), prevent_cse=not scan)
-    if scan:
-        return jax.lax.scan(body, x, state)
-    auxes = []
+    return loop(body, x, state)
+
+
+def _unrolled(f, carry, xs, n: int):
+    """`lax.scan(f, carry, xs)` as a Python loop over the n layers (one program copy per layer)."""
+    ys = []
     for i in range(n):
-        x, aux = body(x, jax.tree.map(lambda a: a[i], state))
-        auxes.append(aux)
-    return x, _stack(auxes)
+        carry, y = f(carry, jax.tree.map(lambda a: a[i], xs))
+        ys.append(y)
+    return carry, _stack(ys)
 
 
 def _stack(auxes: list):

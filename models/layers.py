@@ -165,7 +165,7 @@ class Block(nnx.Module):
     def __call__(self, x, positions, cache=None):
         """-> (x, aux); with a KV `cache` (decoding) -> (x, aux, cache)."""
         h = constrain(self.attn_norm(x), RESIDUAL)
-        a = self.attn(h, positions) if cache is None else self.attn(h, positions, cache)
+        a = self.attn(h, positions, cache)
         if cache is not None:
             a, cache = a
         x = constrain(x + a, RESIDUAL)

@@ -111,15 +111,12 @@ class MoEDecoder(Decoder):
         return [{"k": leaf, "v": leaf} for _ in range(self.moe_settings.every)]
 
     def decode(self, tokens, positions, cache, dtype=None):
-        """tokens, positions [B, T] -> (logits [B, T, V], cache); MoE layers route dropless."""
-        dtype = dtype or compute_dtype()
-        x = self.embed(tokens, dtype)
+        """The decoder's `decode`, with the MoE layers routing dropless."""
         token = _DECODING.set(True)
         try:
-            x, _, cache = scan_layers(self.layers, x, positions, "none", self.cfg.scan_layers, cache=cache)
+            return super().decode(tokens, positions, cache, dtype)
         finally:
             _DECODING.reset(token)
-        return self.head(x, dtype), cache
 
 
 def build(cfg, rngs: nnx.Rngs) -> MoEDecoder:
