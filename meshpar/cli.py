@@ -171,7 +171,7 @@ def _generate(cfg, args) -> None:
     from meshpar.tokenizer import ByteTokenizer, HFTokenizer
     texts = bool(args.prompt) or cfg.data.kind == "text" or bool(cfg.data.tokenizer)
     hf_tok = HFTokenizer(cfg.data.tokenizer) if cfg.data.tokenizer else None
-    prompts = [hf_tok.prompt(p) if hf_tok else list(p.encode("utf-8")) for p in args.prompt]   # default: bytes
+    prompts = [hf_tok.prompt(p) if hf_tok else ByteTokenizer.encode(p) for p in args.prompt]   # default: bytes
     for ids in args.prompt_ids:
         try:
             prompts.append([int(x) for x in ids.replace(" ", "").split(",") if x])

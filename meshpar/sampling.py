@@ -53,6 +53,12 @@ class Sampling:
                 "top_p": jnp.float32(self.top_p), "key": jax.random.key_data(jax.random.key(self.seed))}
 
 
+def position_key(key, position):
+    """The key that draws the token after `position`: a request's key (key data) folded with it, the
+    same in prefill and decode, so a request samples alike in any slot or batch."""
+    return jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(key), position))
+
+
 def sample(logits, temperature, top_k, top_p, keys):
     """logits [B, V]; temperature, top_p [B] f32; top_k [B] int (1..V); keys [B, 2] key data -> [B] int32."""
     logits = logits.astype(jnp.float32)

@@ -53,7 +53,7 @@ from meshpar.data import Leaf, is_leaf
 from meshpar.errors import ConfigError
 from meshpar.mesh import make_mesh
 from meshpar.rules import BATCH_AXES, Layout, get_strategy, parse_user_rules, table, use_layout
-from meshpar.sampling import Sampling, sample
+from meshpar.sampling import Sampling, position_key, sample
 from meshpar.sharding import building, model_spec, param_shardings, path_name, var_shardings
 
 
@@ -102,6 +102,11 @@ def serving_layout(mesh, strategy: str, user_rules, cache_spec, slots: int) -> t
     return layout, notes
 
 
+def _zeros(spec):
+    """A tree of `Leaf` -> zero arrays of those shapes and dtypes (an empty cache)."""
+    return jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype), spec, is_leaf=is_leaf)
+
+
 def _check_length(request: Request, length: int) -> None:
     n = len(request.tokens)
     if n == 0:
@@ -136,7 +141,7 @@ class Engine:
         self.factory = model or default_model(cfg)
         self.spec = model_spec(self.factory, self.policy)
         with building(self.policy):
-            abstract = nnx.eval_shape(lambda: self.factory(nnx.Rngs(0)))
+            self.abstract = abstract = nnx.eval_shape(lambda: self.factory(nnx.Rngs(0)))
         name = type(abstract).__name__
         if not (callable(getattr(abstract, "decode", None)) and callable(getattr(abstract, "cache_spec", None))):
             raise ConfigError(f"model {name} cannot be served: it needs decode(tokens, positions, cache) and "
@@ -153,11 +158,11 @@ class Engine:
                                   "with a 'cache_batch' and a 'cache_length' axis")
         self.vocab = self._vocab(abstract)
         self.layout, self.notes = serving_layout(self.mesh, cfg.serve.strategy, cfg.rules, self.cache_spec, self.slots)
-        self.notes += self._gather_warning()
         rep = NamedSharding(self.mesh, P())
         params = jax.tree.map(lambda s: s.update(dtype=self._serve_dtype(s.dtype)), self.spec.shapes)
         self.weight_shardings = {"params": param_shardings(self.spec, self.layout),
                                  "vars": var_shardings(self.spec, self.layout)}
+        self.notes += self._gather_warning()
         self.weight_shapes = {"params": params, "vars": self.spec.var_shapes}
         cache_sh = jax.tree.map(lambda leaf: self.layout.sharding(leaf.axes, leaf.shape, "KV cache"),
                                 self.cache_spec, is_leaf=is_leaf)
@@ -179,8 +184,7 @@ class Engine:
             with building(self.policy):
                 m = self.factory(nnx.Rngs(0))
             with precision_lib.use_policy(self.policy):
-                cache = jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype), m.cache_spec(1, 1), is_leaf=is_leaf)
-                return m.decode(t, t, cache)[0]
+                return m.decode(t, t, _zeros(m.cache_spec(1, 1)))[0]
         return int(jax.eval_shape(one, jax.ShapeDtypeStruct((1, 1), jnp.int32)).shape[-1])
 
     def _serve_dtype(self, dtype):
@@ -188,7 +192,7 @@ class Engine:
         return self.dtype if jnp.issubdtype(dtype, jnp.floating) else dtype
 
     def _gather_warning(self) -> list[str]:
-        split = {a for s in jax.tree.leaves(param_shardings(self.spec, self.layout)) for p in s.spec if p
+        split = {a for s in jax.tree.leaves(self.weight_shardings["params"]) for p in s.spec if p
                  for a in ((p,) if isinstance(p, str) else p)} & set(BATCH_AXES)
         if not split:
             return []
@@ -207,11 +211,8 @@ class Engine:
                 tree, step, _ = found
                 weights, source = {"params": tree["params"], "vars": tree.get("vars", {})}, f"checkpoint step {step}"
         if weights is None and self.cfg.model.init_from:   # a Hugging Face model, read into the serving layout
-            from flax import nnx
             from meshpar import hf
-            with building(self.policy):
-                abstract = nnx.eval_shape(lambda: self.factory(nnx.Rngs(0)))
-            params = hf.load(self.cfg.model.init_from, abstract, self.weight_shardings["params"],
+            params = hf.load(self.cfg.model.init_from, self.abstract, self.weight_shardings["params"],
                              self.weight_shapes["params"])
             vars = jax.jit(lambda key: self._init_fn(key)["vars"], out_shardings=self.weight_shardings["vars"])(
                 jax.random.key(self.cfg.train.seed))
@@ -265,11 +266,10 @@ class Engine:
         p = tokens.shape[1]
         layout = _single(self.layout)
         with use_layout(layout), precision_lib.use_policy(self.policy):
-            spec = self._entry_specs[p]
-            cache = jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype), spec, is_leaf=is_leaf)
-            logits, cache = self._model(weights).decode(tokens, jnp.arange(p, dtype=jnp.int32)[None], cache)
+            logits, cache = self._model(weights).decode(tokens, jnp.arange(p, dtype=jnp.int32)[None],
+                                                        _zeros(self._entry_specs[p]))
         last = jax.lax.dynamic_index_in_dim(logits[0], length - 1, keepdims=False).astype(jnp.float32)
-        key = jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(samp["key"]), length - 1))
+        key = position_key(samp["key"], length - 1)
         tok = sample(last[None], samp["temp"][None], samp["top_k"][None], samp["top_p"][None], key[None])[0]
         return {"cache": cache, "length": length, "token": tok, **samp}, tok, last
 
@@ -301,8 +301,7 @@ class Engine:
         with use_layout(self.layout), precision_lib.use_policy(self.policy):
             logits, cache = self._model(weights).decode(state["token"][:, None], pos[:, None], state["cache"])
         logits = logits[:, 0].astype(jnp.float32)                                       # [B, V]
-        keys = jax.vmap(lambda k, p: jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(k), p)))(
-            state["key"], pos)
+        keys = jax.vmap(position_key)(state["key"], pos)
         nxt = sample(logits, state["temp"], state["top_k"], state["top_p"], keys)
         return {**state, "cache": cache, "token": nxt, "pos": state["pos"] + 1}, nxt, logits
 

@@ -16,7 +16,8 @@ class ByteTokenizer:
             raise ConfigError(f"text prompts use byte tokens 0..255 and need model.vocab >= 256, got {model_vocab}; "
                               "give token ids with --prompt-ids instead")
 
-    def encode(self, text: str) -> list[int]:
+    @staticmethod
+    def encode(text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
     def decode(self, ids) -> str:
