@@ -156,7 +156,8 @@ def _plan_estimate(cfg) -> str:
         return "planner estimate: none (a tensor does not divide its mesh axes)"
     m = ev["memory"]
     line = (f"planner estimate per device: {m['total'] / 2**30:.3f} GiB (params {m['params'] / 2**30:.3f}, grads "
-            f"{m['grads'] / 2**30:.3f}, optimizer {m['optimizer'] / 2**30:.3f}, activations {m['activations'] / 2**30:.3f})")
+            f"{m['grads'] / 2**30:.3f}, optimizer {m['optimizer'] / 2**30:.3f}, activations {m['activations'] / 2**30:.3f}, "
+            f"workspace {m['workspace'] / 2**30:.3f})")
     stats = getattr(jax.local_devices()[0], "memory_stats", lambda: None)() or {}
     limit = stats.get("bytes_limit")
     if limit and m["total"] > limit:

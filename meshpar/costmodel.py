@@ -22,14 +22,26 @@ Memory (per device, bytes).
                  output) + 2 a s (softmax output and probabilities) + 4F (gate, up, silu, product)
       save_dots: h (layer input) + (a + 2k) q (QKV output) + 2h (wo, w_down outputs) + 2F (w_in output)
       full:      h (the layer input the scan keeps)
-  Under TP the head and F terms are divided by t; under SP (tp_sp) the h terms too. A layer stores
+  Under TP the head and F terms are divided by t (TP without SP also keeps the two row-parallel
+  outputs, 2h, before their all-reduce); under SP (tp_sp) the h terms are divided too. A layer stores
   its set for every microbatch in flight: 1 without pipelining (accumulation runs microbatches one
   after another); with P stages, GPipe keeps M, 1F1B at most P, interleaved v M (their stash,
   `meshpar.schedules.in_flight`). On top: the working set of the layer being differentiated (its
-  `none` set, twice with recomputation: the recomputed forward and its gradients), the logits in
-  fp32 with their gradient (2 x 4 b s V / t), and under FSDP one layer's gathered weights (twice:
-  XLA prefetches the next). MoE layers add their capacity buffers: dispatch/combine [G,S,E,C] and
-  the expert input/hidden [E,G,C,M|H]: b s k cf (2h + 3H_e/t) per MoE layer.
+  `none` set once), the logits in fp32 with their gradient (2 x 4 b s V / t). MoE layers add their
+  capacity buffers: dispatch/combine [G,S,E,C] and the expert input/hidden [E,G,C,M|H]:
+  b s k cf (2h + 3H_e/t) per MoE layer.
+* Gradients: the backward writes them at the parameters' layout (ZeRO-2: already scattered); with
+  accumulation an accumulator sits beside each microbatch's gradients (x 2).
+* Workspace: weight-sized buffers of the compiled step, read off XLA's buffer assignment and live
+  ranges (`--xla_dump_to`) of the configs in tests/test_plan.py, each a rule of meshpar's step:
+  the layer loops (forward, backward) each copy the stacked weights they read when the update
+  writes those weights in place (every preset without a sharded optimizer state): 2 W_stacked; the
+  layer being computed: one layer's weights (under FSDP gathered over the batch axes); GPipe and
+  interleaved keep the LM head's weights per tick (the head runs inside the tick loop's `cond`);
+  ZeRO-1/2 gather the updated weights after the backward, so that phase (grads + W) counts only
+  where it exceeds the backward's peak.
+  Not modelled: XLA's packing of all temporaries into one buffer, which on CPU adds 15-25% over
+  the largest live set.
 
 Time per step (seconds).
 * Compute: model FLOPs (PaLM appendix B, `meshpar.flops.flops_per_token`) x recomputation
@@ -192,17 +204,17 @@ def _per_token(dims: dict, remat: str, t_heads: int, t_mlp: int, t_res: int, s: 
         return h / t_res
     if remat == "save_dots":
         return 3 * h / t_res + (a + 2 * k) * q / t_heads + 2 * f / t_mlp
-    return 4 * h / t_res + (2 * a + 2 * k) * q / t_heads + 2 * a * s / t_heads + 4 * f / t_mlp
+    partial = 2 * h if t_heads > 1 and t_res == 1 else 0      # TP without SP: the row-parallel outputs (wo, w_down)
+    return 4 * h / t_res + partial + (2 * a + 2 * k) * q / t_heads + 2 * a * s / t_heads + 4 * f / t_mlp
 
 
-def activation_bytes(facts: ModelFacts, cand: Candidate, cfg, c: int, res: Resolver, w: int = 4) -> float:
-    """Per-device activation memory of one step (bytes), including the batch itself; `w`: bytes of
-    a gathered weight element (meshpar gathers the fp32 master weights)."""
+def activation_parts(facts: ModelFacts, cand: Candidate, cfg, c: int) -> dict:
+    """Per-device activation memory of one step (bytes) by term (see the module docstring)."""
     d, shape = facts.dims, cand.shape
     b, s = local_batch(cfg, cand), cfg.batch.length
-    batch = 4 * b * cand.microbatches * cand.pp_microbatches * (s + 1)      # int32 tokens [B, T+1] / dp
+    out = {"batch": 4 * b * cand.microbatches * cand.pp_microbatches * (s + 1)}   # int32 tokens [B, T+1] / dp
     if not all(d.get(k) for k in ("layers", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab")):
-        return batch                                                    # a user model without sizes
+        return out                                                      # a user model without sizes
     t = shape["tensor"]
     tp = get_strategy(cand.strategy).params
     t_heads = t if any(n == "heads" for n, _ in tp) and d["kv_heads"] % t == 0 else 1
@@ -211,21 +223,19 @@ def activation_bytes(facts: ModelFacts, cand: Candidate, cfg, c: int, res: Resol
     t_vocab = t if any(n == "vocab" for n, _ in tp) else 1
     layers = d["layers"] / shape["pipeline"]
     tokens = b * s
-    stored = layers * in_flight(cand) * tokens * _per_token(d, cand.remat, t_heads, t_mlp, t_res, s)
-    working = (1 if cand.remat == "none" else 2) * tokens * _per_token(d, "none", t_heads, t_mlp, t_res, s)
-    act = c * (stored + working) + 2 * 4 * tokens * d["vocab"] / t_vocab
+    out["stored"] = c * layers * in_flight(cand) * tokens * _per_token(d, cand.remat, t_heads, t_mlp, t_res, s)
+    out["working"] = c * tokens * _per_token(d, "none", t_heads, t_mlp, t_res, s)
+    out["logits"] = 2 * 4 * tokens * d["vocab"] / t_vocab
     if facts.moe:
         m = facts.moe
         moe_layers = layers / m["every"]
         buf = tokens * m["top_k"] * m["capacity_factor"] * (2 * d["embed"] + 3 * m["expert_mlp"] / t_mlp)
-        act += c * buf * (moe_layers * (in_flight(cand) if cand.remat == "none" else 0) + 1)
-    gathered = 0.0                                  # FSDP: one layer's weights gathered over the batch axes
-    for lf in facts.leaves:
-        spec = res.spec(lf, cand.strategy, shape, "params")
-        if lf.stacked and _axes(spec) & set(BATCH_AXES):
-            gathered += lf.numel / lf.shape[0] / _factor(spec, shape) * math.prod(
-                shape[a] for a in _axes(spec) & set(BATCH_AXES))
-    return act + 2 * w * gathered + batch
+        out["moe"] = c * buf * (moe_layers * (in_flight(cand) if cand.remat == "none" else 0) + 1)
+    return out
+
+
+def activation_bytes(facts: ModelFacts, cand: Candidate, cfg, c: int) -> float:
+    return sum(activation_parts(facts, cand, cfg, c).values())
 
 
 # -- collectives ---------------------------------------------------------------------------------
@@ -248,7 +258,7 @@ def collectives(facts: ModelFacts, cand: Candidate, cfg, res: Resolver, c: int, 
             out.append({"kind": kind, "axes": sorted(axes, key=MESH_AXES.index), "bytes": float(nbytes),
                         "overlap": overlap})
 
-    remat_ag = 2 if cand.remat == "full" else 1
+    remat_ag = 2                    # the forward and the backward layer loop each gather (none is kept)
     grad_times = 1 if zero1 else ma
     for lf in facts.leaves:
         ps = res.spec(lf, cand.strategy, shape, "params")
@@ -338,16 +348,49 @@ def step_time(facts: ModelFacts, cand: Candidate, cfg, hw, ops: list) -> dict:
             "step_s": step, "mfu": model_flops / (step * n * hw.peak_flops)}
 
 
+def _local(lf: Leaf, cand: Candidate, res: Resolver) -> float:
+    """Elements of `lf` one device holds at rest."""
+    return lf.numel / _factor(res.spec(lf, cand.strategy, cand.shape, "params"), cand.shape)
+
+
+def workspace_parts(facts: ModelFacts, cand: Candidate, res: Resolver, w: float = 4) -> dict:
+    """Weight-sized buffers the compiled step holds beside its state (bytes; see the module
+    docstring), `w` bytes per weight element."""
+    shape, st = cand.shape, get_strategy(cand.strategy)
+    stacked = [lf for lf in facts.leaves if lf.stacked]
+    w_stk = w * sum(_local(lf, cand, res) for lf in stacked)
+    out = {"loop_copies": 2 * w_stk if st.opt_state is None else 0.0}
+    layers = (facts.dims.get("layers") or 1) / shape["pipeline"]
+    gathered = 0.0
+    for lf in stacked:                              # FSDP: the layer being computed, gathered over the batch axes
+        on_batch = _axes(res.spec(lf, cand.strategy, shape, "params")) & set(BATCH_AXES)
+        gathered += _local(lf, cand, res) * math.prod(shape[a] for a in on_batch) / lf.shape[0] if on_batch else 0.0
+    out["layer"] = w * gathered if gathered else w_stk / layers
+    if shape["pipeline"] > 1 and cand.schedule != "1f1b":
+        ticks = cand.virtual * cand.pp_microbatches + shape["pipeline"] - 1
+        head = sum(_local(lf, cand, res) for lf in facts.leaves if not lf.stacked and lf.names[-1:] == ("vocab",))
+        out["head_per_tick"] = w * ticks * head
+    return out
+
+
 def evaluate(facts: ModelFacts, cand: Candidate, cfg, hw, res: Resolver, bpp, c: int) -> dict | None:
     """Memory, collectives and time of one candidate; None when a tensor does not divide its axes."""
     try:
         mem = state_bytes(facts, cand, res, bpp)
-        mem["activations"] = activation_bytes(facts, cand, cfg, c, res)
+        ws = workspace_parts(facts, cand, res, bpp[0])
     except ShardingError:
         return None
+    act = activation_bytes(facts, cand, cfg, c)
+    if cand.microbatches > 1:                       # the accumulator beside each microbatch's gradients
+        mem["grads"] *= 2
+    if get_strategy(cand.strategy).opt_state is not None:   # ZeRO: the gathered updated weights, after the backward
+        update = mem["grads"] / (2 if cand.microbatches > 1 else 1) + mem["params"]
+        ws["zero_gather"] = max(0.0, update - (mem["grads"] + act + sum(ws.values())))
+    mem["activations"] = act
+    mem["workspace"] = sum(ws.values())
     mem["total"] = sum(mem.values())
     ops = collectives(facts, cand, cfg, res, c)
-    return {"memory": mem, "collectives": ops, "time": step_time(facts, cand, cfg, hw, ops),
+    return {"memory": mem, "workspace": ws, "collectives": ops, "time": step_time(facts, cand, cfg, hw, ops),
             "fits": mem["total"] <= hw.memory_bytes}
 
 

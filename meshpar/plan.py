@@ -7,7 +7,7 @@ Search: every way to write N = pipeline x data x fsdp x expert x tensor (sizes t
 model), split into ICI x DCN by filling the hardware's ICI domain from the innermost axis
 (`tensor` first, as `meshpar.mesh` orders them), times every preset that uses those axes, remat
 (`none | save_dots | full`), gradient-accumulation microbatches (powers of two) or, with a
-pipeline axis, pipeline microbatches (P, 2P, 4P, 8P) and schedules (gpipe, 1f1b, interleaved v=2).
+pipeline axis, pipeline microbatches (P, 2P, 4P, ... down to one sequence each) and schedules (gpipe, 1f1b, interleaved v=2).
 Each candidate is costed by `meshpar.costmodel` (its docstring holds every formula and its
 source); those that do not fit in device memory are dropped (kept with --all) and the rest ranked
 by predicted step time. Ties (collectives fully hidden behind compute) go to fewer bytes on the
@@ -93,13 +93,12 @@ def candidates(facts: ModelFacts, cfg, n: int, hw, strategies) -> list[Candidate
                         out.append(replace(base, microbatches=ma))
                         ma *= 2
                     continue
-                for mult in (1, 2, 4, 8):
-                    m = p * mult
-                    if b % (dp * m):
-                        continue
+                m = p                          # P, 2P, 4P, ... down to one sequence per microbatch
+                while b % (dp * m) == 0:
                     out += [replace(base, pp_microbatches=m, schedule=sc) for sc in ("gpipe", "1f1b")]
                     if layers % (2 * p) == 0:
                         out.append(replace(base, pp_microbatches=m, schedule="interleaved", virtual=2))
+                    m *= 2
     return out
 
 
@@ -261,7 +260,7 @@ def render(result: dict, console, top: int = 10) -> None:
                   f"{result['batch']['global_size']} x {result['batch']['length']}  "
                   f"[bold]searched[/] {result['searched']}, {result['fitting']} fit")
     t = Table(title="plans, best first (memory in GiB per device)")
-    for col in ("#", "mesh", "strategy", "remat", "mb", "params", "grads", "opt", "act", "total", "step s", "MFU", "why"):
+    for col in ("#", "mesh", "strategy", "remat", "mb", "params", "grads", "opt", "act", "work", "total", "step s", "MFU", "why"):
         t.add_column(col, justify="right" if col not in ("mesh", "strategy", "remat", "why") else "left")
     for i, c in enumerate(result["candidates"][:top] if top else result["candidates"]):
         m = c["memory"]
@@ -270,7 +269,7 @@ def render(result: dict, console, top: int = 10) -> None:
         t.add_row(str(i + 1), " ".join(f"{a}={v}" for a, v in c["mesh"].items() if v > 1)
                   + ("" if not c["dcn"] else " | dcn " + " ".join(f"{a}={v}" for a, v in c["dcn"].items())),
                   c["strategy"], c["remat"], mb,
-                  *(f"{m[k] / GiB:.2f}" for k in ("params", "grads", "optimizer", "activations", "total")),
+                  *(f"{m[k] / GiB:.2f}" for k in ("params", "grads", "optimizer", "activations", "workspace", "total")),
                   f"{c['time']['step_s']:.4g}", f"{c['time']['mfu']:.2f}", c["why"])
     console.print(t)
 

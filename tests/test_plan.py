@@ -60,7 +60,9 @@ def test_ranking_follows_the_fields_advice_without_special_cases():
     big = _winner(plan(load_config(None, GPT3), 128, h100, top=3))
     assert big["mesh"]["tensor"] > 1 and "tensor" not in big["dcn"]          # TP inside the NVLink node
     assert big["mesh"]["pipeline"] > 1 and big["dcn"].get("pipeline", 1) > 1  # PP across nodes
-    assert big["mesh"]["data"] * big["mesh"]["fsdp"] > 1                      # and data parallel on top
+    replicas = big["mesh"]["data"] * big["mesh"]["fsdp"]
+    assert replicas > 1 and big["dcn"].get("data", 1) * big["dcn"].get("fsdp", 1) == replicas   # DP outermost:
+    assert big["mesh"]["tensor"] == 8                                         # whole nodes, never inside one
 
 
 # 8 fake devices: each config's prediction against its compiled step (fp32: on CPU a bf16 run
@@ -77,49 +79,61 @@ def _m(**k):
 SWEEP = {   # name: (overrides, collective kinds the model must predict within 10%)
     "tiny dp": (_T + _m(data=8) + ["strategy=dp"], ["all-reduce"]),
     "tiny zero1": (_T + _m(data=8) + ["strategy=zero1"], ["all-gather", "reduce-scatter"]),
-    "tiny tp remat none": (_T + _m(data=2, tensor=4) + ["strategy=tp", "model.remat=none"], []),
-    "125m dp none": (_S + _m(data=8) + ["strategy=dp", "model.remat=none"], ["all-reduce"]),
-    "125m fsdp full": (_S + _m(fsdp=8) + ["strategy=fsdp"], ["all-gather", "reduce-scatter"]),
-    "125m tp none": (_S + _m(data=2, tensor=4) + ["strategy=tp", "model.remat=none"], ["all-reduce"]),
-    "125m zero1 4 microbatches": (_S + _m(data=8) + ["strategy=zero1", "batch.global_size=32", "batch.microbatches=4"],
-                                  ["all-gather", "reduce-scatter"]),
+    "tiny zero2 4 microbatches": (_T + _m(data=8) + ["strategy=zero2", "batch.global_size=32",
+                                                     "batch.microbatches=4"], []),
+    "tiny fsdp": (_T + _m(fsdp=8) + ["strategy=fsdp"], []),
+    "tiny fsdp remat none": (_T + _m(fsdp=8) + ["strategy=fsdp", "model.remat=none"], []),
+    "tiny hsdp": (_T + _m(data=2, fsdp=4) + ["strategy=hsdp"], ["all-gather", "all-reduce"]),
+    "tiny tp remat none": (_T + _m(data=2, tensor=4) + ["strategy=tp", "model.remat=none"], ["all-reduce"]),
+    "tiny tp_sp": (_T + _m(data=2, tensor=4) + ["strategy=tp_sp"], ["reduce-scatter"]),
+    "tiny fsdp_tp": (_T + _m(fsdp=4, tensor=2) + ["strategy=fsdp_tp"], []),
     "tiny pipeline 1f1b": (_T + _m(pipeline=2, data=4) + ["strategy=dp", "model.layers=4", "pipeline.schedule=1f1b",
                                                           "pipeline.microbatches=4"], ["collective-permute"]),
+    "tiny gpipe tp": (_T + _m(pipeline=2, data=2, tensor=2) + ["strategy=tp", "model.layers=4",
+                                                               "pipeline.schedule=gpipe"], ["collective-permute"]),
+    "tiny interleaved": (_T + _m(pipeline=2, data=4) + ["strategy=dp", "model.layers=4", "pipeline.schedule=interleaved",
+                                                        "pipeline.microbatches=4", "pipeline.virtual_stages=2"],
+                         ["collective-permute"]),
     "tiny moe expert=4": (_T + _m(data=2, expert=4) + ["strategy=dp", "model.name=moe", "model.layers=4"],
                           ["all-to-all", "all-reduce"]),
+    "tiny moe expert=2 tp": (_T + _m(expert=2, tensor=2, data=2) + ["strategy=tp", "model.name=moe", "model.layers=4"],
+                             ["all-to-all"]),
+    "125m dp none": (_S + _m(data=8) + ["strategy=dp", "model.remat=none"], ["all-reduce"]),
+    "125m dp 4 microbatches none": (_S + _m(data=8) + ["strategy=dp", "model.remat=none", "batch.global_size=32",
+                                                       "batch.microbatches=4"], ["all-reduce"]),
+    "125m zero1 4 microbatches": (_S + _m(data=8) + ["strategy=zero1", "batch.global_size=32", "batch.microbatches=4"],
+                                  ["all-gather", "reduce-scatter"]),
+    "125m zero2 full": (_S + _m(data=8) + ["strategy=zero2"], ["all-gather", "reduce-scatter"]),
+    "125m fsdp full": (_S + _m(fsdp=8) + ["strategy=fsdp"], ["all-gather", "reduce-scatter"]),
+    "125m hsdp full": (_S + _m(data=2, fsdp=4) + ["strategy=hsdp"], ["all-gather", "reduce-scatter", "all-reduce"]),
+    "125m tp none": (_S + _m(data=2, tensor=4) + ["strategy=tp", "model.remat=none"], ["all-reduce"]),
+    "125m tp_sp full": (_S + _m(data=2, tensor=4) + ["strategy=tp_sp"], ["all-gather"]),
+    "125m fsdp_tp none": (_S + _m(fsdp=4, tensor=2) + ["strategy=fsdp_tp", "model.remat=none"],
+                          ["all-gather", "reduce-scatter", "all-reduce"]),
 }
-if os.environ.get("MESHPAR_PLAN_SWEEP"):   # the rest of the 16-config sweep of bench/RESULTS.md (~1 min more)
-    SWEEP.update({
-        "tiny zero2 4 microbatches": (_T + _m(data=8) + ["strategy=zero2", "batch.global_size=32",
-                                                         "batch.microbatches=4"], []),
-        "tiny fsdp": (_T + _m(fsdp=8) + ["strategy=fsdp"], []),
-        "tiny fsdp remat none": (_T + _m(fsdp=8) + ["strategy=fsdp", "model.remat=none"], []),
-        "tiny hsdp": (_T + _m(data=2, fsdp=4) + ["strategy=hsdp"], []),
-        "tiny tp_sp": (_T + _m(data=2, tensor=4) + ["strategy=tp_sp"], []),
-        "tiny fsdp_tp": (_T + _m(fsdp=4, tensor=2) + ["strategy=fsdp_tp"], []),
-        "tiny gpipe tp": (_T + _m(pipeline=2, data=2, tensor=2) + ["strategy=tp", "model.layers=4",
-                                                                   "pipeline.schedule=gpipe"], ["collective-permute"]),
-    })
 
 
 def test_predictions_match_the_compiled_step():
-    """Per config: params + optimizer state = the step's argument bytes within 1% (the train state is
-    the argument, the batch is < 0.1%); the collective kinds the model claims within 10% of the HLO;
-    the total within the band measured over the sweep (printed; see bench/RESULTS.md)."""
+    """23 configs (tiny and 125m; every preset; tensor, pipeline and expert axes; remat none/full;
+    microbatches 1 and 4): params + optimizer state = the step's argument bytes within 1% (the train
+    state is the argument, the batch < 0.1%); total memory within 17% of `memory_analysis` (22 of 23
+    within 15%, bench/RESULTS.md); the collective kinds each config lists within 10% of the HLO."""
     from meshpar.dryrun import compare
-    worst_total, worst_coll = 1.0, (1.0, "")
+    ratios, worst_coll = {}, (1.0, "")
     for name, (overrides, kinds) in SWEEP.items():
         pred, comp = compare(load_config(None, overrides))
         args_ratio = (pred["memory"]["params"] + pred["memory"]["optimizer"]) / comp["memory"]["argument"]
         assert abs(args_ratio - 1) < 0.01, (name, args_ratio)
-        total = pred["memory"]["total"] / comp["memory"]["peak_estimate"]
-        assert 0.5 < total < 1.6, (name, total)
-        worst_total = max(worst_total, total, 1 / total)
+        ratios[name] = pred["memory"]["total"] / comp["memory"]["peak_estimate"]
+        assert abs(ratios[name] - 1) < 0.17, (name, ratios[name], pred["memory"], comp["memory"])
         for kind in kinds:
             r = pred["collectives"].get(kind, 0) / comp["collectives"][kind]
             assert abs(r - 1) < 0.10, (name, kind, r, pred["collectives"], comp["collectives"])
             worst_coll = max(worst_coll, (max(r, 1 / r), f"{name} {kind}"))
-    print(f"worst total memory ratio {worst_total:.2f}; worst modelled collective {worst_coll}")
+    within = sum(abs(r - 1) < 0.15 for r in ratios.values())
+    assert len(SWEEP) >= 20 and within >= len(SWEEP) - 1, ratios
+    print(f"memory within 15%: {within} of {len(SWEEP)}; worst {max(ratios.items(), key=lambda kv: abs(kv[1] - 1))}; "
+          f"worst listed collective {worst_coll}")
 
 
 def test_winner_yaml_is_a_config_train_accepts(tmp_path):
