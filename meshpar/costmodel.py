@@ -36,9 +36,7 @@ Memory (per device, bytes).
   ranges (`--xla_dump_to`) of the configs in tests/test_plan.py, each a rule of meshpar's step:
   the layer loops (forward, backward) each copy the stacked weights they read when the update
   writes those weights in place (every preset without a sharded optimizer state): 2 W_stacked; the
-  layer being computed: one layer's weights (under FSDP gathered over the batch axes); GPipe and
-  interleaved keep the LM head's weights per tick (the head runs inside the tick loop's `cond`);
-  ZeRO-1/2 gather the updated weights after the backward, so that phase (grads + W) counts only
+  layer being computed: one layer's weights (under FSDP gathered over the batch axes); ZeRO-1/2 gather the updated weights after the backward, so that phase (grads + W) counts only
   where it exceeds the backward's peak.
   Not modelled: XLA's packing of all temporaries into one buffer, which on CPU adds 15-25% over
   the largest live set.
@@ -281,9 +279,10 @@ def collectives(facts: ModelFacts, cand: Candidate, cfg, res: Resolver, c: int, 
                 add("all-gather", rs, w * local, True)
                 add("all-reduce", [a for a in batch_axes if a not in rs], g * local * grad_times, True)
                 continue
-        add("all-reduce", rest, g * local * grad_times, True)
-        if not lf.stacked and shape["pipeline"] > 1:   # outer params are psum'd over pipeline once
-            add("all-reduce", ["pipeline"], g * local, False)
+        if not lf.stacked and shape["pipeline"] > 1:   # outer params: one all-reduce over pipeline x rest
+            add("all-reduce", rest + ["pipeline"], g * local * grad_times, False)
+        else:
+            add("all-reduce", rest, g * local * grad_times, True)
     d = facts.dims
     if not d.get("embed"):
         return out
@@ -292,15 +291,17 @@ def collectives(facts: ModelFacts, cand: Candidate, cfg, res: Resolver, c: int, 
     layers = d["layers"] / shape["pipeline"]
     act = c * b * s * h                                 # one [b, s, h] activation per device
     t = shape["tensor"]
+    p = shape["pipeline"]
     if t > 1 and any(n == "heads" for n, _ in st.params):
         per_layer = 4 + (2 if cand.remat == "full" else 0)
-        n = n_mb * (layers * per_layer + 2)             # + embedding forward, head input-gradient
+        # every stage computes on every tick of GPipe / interleaved (bubble ticks too)
+        runs = ma * (cand.virtual * cand.pp_microbatches + p - 1) if p > 1 and cand.schedule != "1f1b" else n_mb
+        n = runs * (layers / cand.virtual * per_layer + 2)   # a tick runs one chunk; + embedding, head
         if any(n_ == "length" for n_, _ in st.params):
             add("all-gather", ["tensor"], act * n, False)
             add("reduce-scatter", ["tensor"], act * n, False)
         else:
             add("all-reduce", ["tensor"], act * n, False)
-    p = shape["pipeline"]
     if p > 1:
         from meshpar.schedules import schedule_table
         table = schedule_table(cand.schedule, p, cand.pp_microbatches, cand.virtual)
@@ -366,10 +367,6 @@ def workspace_parts(facts: ModelFacts, cand: Candidate, res: Resolver, w: float 
         on_batch = _axes(res.spec(lf, cand.strategy, shape, "params")) & set(BATCH_AXES)
         gathered += _local(lf, cand, res) * math.prod(shape[a] for a in on_batch) / lf.shape[0] if on_batch else 0.0
     out["layer"] = w * gathered if gathered else w_stk / layers
-    if shape["pipeline"] > 1 and cand.schedule != "1f1b":
-        ticks = cand.virtual * cand.pp_microbatches + shape["pipeline"] - 1
-        head = sum(_local(lf, cand, res) for lf in facts.leaves if not lf.stacked and lf.names[-1:] == ("vocab",))
-        out["head_per_tick"] = w * ticks * head
     return out
 
 

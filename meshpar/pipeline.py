@@ -3,8 +3,10 @@
 Pipelining is the one strategy GSPMD cannot infer, so it is written by hand: the stacked decoder
 layers [L, ...] are cut into P = mesh.pipeline stages (logical `stage`/`layers` -> mesh `pipeline`)
 and the mini-batch [B, T+1] into M microbatches [M, B/M, T+1]; one `jax.shard_map` is *manual over
-`pipeline` only*, so `data`, `fsdp`, `tensor` and `expert` stay automatic inside it and PP composes
-with DP/FSDP/TP/EP. Activations [b, T, E] (b = B/M) move between neighbouring stages with
+`pipeline`* (and over `data` when `data` leads the batch and splits no parameter), so `fsdp`,
+`tensor` and `expert` stay automatic inside it and PP composes with DP/FSDP/TP/EP. Manual over
+`data`, each replica accumulates its own gradients over the ticks and they are reduced over `data`
+once per step; automatic, XLA all-reduced a stage's whole gradient on every tick. Activations [b, T, E] (b = B/M) move between neighbouring stages with
 `lax.ppermute`. The embedding and the LM head sit outside the pipelined stack: the first stage
 embeds (tokens -> [b, T, E]) and the last applies the head and the cross-entropy, microbatch by
 microbatch, so no tensor with a full-batch or full-stack dimension crosses the pipeline. Their
@@ -38,18 +40,19 @@ per-device switch, on every stage, with a zero cotangent except on stage 0.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from dataclasses import dataclass
 from functools import partial
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from meshpar.errors import ConfigError, ShardingError
-from meshpar.schedules import schedule_table
+from meshpar.schedules import one_f_one_b_program
 
 AXIS = "pipeline"
 
@@ -91,10 +94,7 @@ def check(cfg, layout, shapes: dict) -> None:
     if rows % m:
         raise ConfigError(f"{what} does not split into pipeline.microbatches={m} microbatches; "
                           f"use a multiple of {m * cfg.batch.microbatches} for batch.global_size")
-    spec = layout.spec(("batch",))
-    axes = spec[0] if len(spec) else None
-    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-    dp = math.prod(layout.shape[a] for a in axes)
+    dp = math.prod(layout.shape[a] for a in _parts(layout.spec(("batch",))[:1]))
     if (rows // m) % dp:
         raise ShardingError(f"the pipeline microbatch of {rows // m} sequences ({what} / pipeline.microbatches={m})"
                             f" is not divisible by the data-parallel size {dp}; use a multiple of "
@@ -104,11 +104,29 @@ def check(cfg, layout, shapes: dict) -> None:
 # ----------------------------------------------------------------------------------------------
 # Executors.
 
+_MANUAL = contextvars.ContextVar("meshpar_pipeline_manual", default=(AXIS,))
+
+
 def _vary(x):
-    """Mark a value as varying over `pipeline` (loop carries and branch outputs must agree)."""
-    if AXIS in jax.typeof(x).mat.varying:
-        return x
-    return lax.pcast(x, AXIS, to="varying")
+    """Mark a value as varying over the manual axes (`pipeline`, and `data` when the pipeline is
+    manual over it): loop carries and branch outputs must agree."""
+    missing = tuple(a for a in _MANUAL.get() if a not in jax.typeof(x).mat.varying)
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
+@contextlib.contextmanager
+def _manual(axes):
+    token = _MANUAL.set(axes)
+    try:
+        yield
+    finally:
+        _MANUAL.reset(token)
+
+
+def _reduce_batch(x):
+    """Mean over the manual batch axis (`data`), once per step; identity without one."""
+    axes = tuple(a for a in _MANUAL.get() if a != AXIS)
+    return lax.pmean(x, axes) if axes else x
 
 
 def _vary_tree(tree):
@@ -174,7 +192,7 @@ def _circular_loss(model: _Model, p: int, m: int, v: int, outer, layers, tokens)
     autodiff. layers: this device's chunks [v, Lc, ...]; tokens [M, b, T+1] -> (loss, metrics)."""
     # Invariant inputs become varying here, once: the transpose of this pcast (a psum of the outer
     # parameters' cotangent) then runs outside every per-device branch instead of inside one.
-    outer = _vary_tree(outer)
+    outer, layers = _vary_tree(outer), _vary_tree(layers)   # (over `data` too: its psum, once)
     outer_e = model.for_embed(outer)
     s = lax.axis_index(AXIS)
     n_items, ticks = v * m, v * m + p - 1
@@ -189,6 +207,14 @@ def _circular_loss(model: _Model, p: int, m: int, v: int, outer, layers, tokens)
     def run_stage(lay, r, x):
         chunk = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, r, 0, keepdims=False), lay)
         return model.stage(outer, chunk, x)
+
+    # Remat around the `cond`, not inside it: the checkpoint's residuals are then its inputs, and the
+    # loop-invariant outer parameters stay one residual, where a checkpoint inside the branch made
+    # the branch's inputs (the LM head's weights) a per-tick residual: [ticks, embed, vocab].
+    @jax.checkpoint
+    def head_or_zero(o, y, targets, last):
+        return lax.cond(last, lambda: _vary(model.head_loss(o, chunk0, y, targets)),
+                        lambda: _vary(jnp.zeros((), jnp.float32)))
 
     def tick(carry, t):
         recv, loss, aux_loss, metrics = carry
@@ -205,8 +231,7 @@ def _circular_loss(model: _Model, p: int, m: int, v: int, outer, layers, tokens)
         x = lax.cond(first, lambda: _vary(model.embed(outer_e, chunk0, tok[:, :-1])), lambda: recv)
         y, a_loss, met = run_stage(layers, r, x)
         last = (s == p - 1) & (r == v - 1) & valid
-        ce = lax.cond(last, lambda: _vary(jax.checkpoint(model.head_loss)(outer, chunk0, y, tok[:, 1:])),
-                      lambda: _vary(jnp.zeros((), jnp.float32)))
+        ce = head_or_zero(outer, y, tok[:, 1:], last)
         w = valid.astype(jnp.float32)
         metrics = jax.tree.map(lambda acc, x_: lax.dynamic_update_index_in_dim(
             acc, lax.dynamic_index_in_dim(acc, r, 0, False) + w * x_, r, 0), metrics, met)
@@ -216,8 +241,8 @@ def _circular_loss(model: _Model, p: int, m: int, v: int, outer, layers, tokens)
     init = _zeros_like_varying((x_spec, jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct((), jnp.float32),
                                 jax.tree.map(lambda a: jax.ShapeDtypeStruct((v,) + a.shape, a.dtype), met_spec)))
     (_, ce, aux_loss, metrics), _ = lax.scan(tick, init, jnp.arange(ticks))
-    ce, aux_loss = lax.psum(ce, AXIS) / m, lax.psum(aux_loss, AXIS) / m
-    metrics = jax.tree.map(lambda a: a / m, metrics)
+    ce, aux_loss = _reduce_batch(lax.psum(ce, AXIS) / m), _reduce_batch(lax.psum(aux_loss, AXIS) / m)
+    metrics = jax.tree.map(lambda a: _reduce_batch(a / m), metrics)
     return ce + aux_loss, (ce, metrics)
 
 
@@ -232,25 +257,12 @@ def _one_f_one_b_grads(model: _Model, p: int, m: int, outer, layers, tokens, see
     the embedding's own backward runs after the per-device switch, on every stage (zero cotangent
     but on stage 0), because XLA's SPMD partitioner crashes on that scatter inside the branch.
     """
-    table = schedule_table("1f1b", p, m)
-    n = len(table)
-    kind = np.zeros((n, p), np.int32)         # 0 idle, 1 F, 2 B
-    micro = np.zeros((n, p), np.int32)
-    recv_f = np.full((n, p), -1, np.int32)    # microbatch whose activation arrives from s-1 this tick
-    recv_b = np.full((n, p), -1, np.int32)    # microbatch whose cotangent arrives from s+1 this tick
-    for t, row in enumerate(table):
-        for s, op in enumerate(row):
-            if op is None:
-                continue
-            kind[t, s], micro[t, s] = (1 if op.kind == "F" else 2), op.micro
-            if t + 1 < n and op.kind == "F" and s + 1 < p:
-                recv_f[t + 1, s + 1] = op.micro
-            if t + 1 < n and op.kind == "B" and s > 0:
-                recv_b[t + 1, s - 1] = op.micro
-    k_act, k_grad = _slots(recv_f, kind, micro), _slots(recv_b, kind, micro)
+    (kind, micro, recv_f, recv_b), (k_act, k_grad) = one_f_one_b_program(p, m)
+    n = kind.shape[0]
     kind, micro, recv_f, recv_b = map(jnp.asarray, (kind, micro, recv_f, recv_b))
 
-    outer = _vary_tree(outer)       # per-stage partial gradients; psum'd once at the end
+    # per-stage (and, manual over `data`, per-replica) partial gradients; psum'd once at the end
+    outer, layers = _vary_tree(outer), _vary_tree(layers)
     outer_e = model.for_embed(outer)
     s = lax.axis_index(AXIS)
     pos = jnp.where(s == 0, 0, jnp.where(s == p - 1, 2, 1))    # first / middle / last stage
@@ -358,30 +370,15 @@ def _one_f_one_b_grads(model: _Model, p: int, m: int, outer, layers, tokens, see
         "ce": f32, "aux_loss": f32, "metrics": met_spec})
     carry["d_embed"] = model.for_embed(carry["d_embed"])
     c, _ = lax.scan(tick, carry, jnp.arange(n))
-    ce = lax.psum(c["ce"], AXIS) * inv_m
-    aux_loss = lax.psum(c["aux_loss"], AXIS) * inv_m
-    # embedding-path gradients live in the gathered layout inside the loop (see _Model.for_embed)
-    d_outer = jax.tree.map(lambda g, e: lax.psum(g + e, AXIS), c["d_outer"], c["d_embed"])
-    metrics = jax.tree.map(lambda a: a * inv_m, c["metrics"])
-    return ce + aux_loss, ce, metrics, d_outer, c["d_layers"]
-
-
-def _slots(recv, kind, micro) -> int:
-    """Buffer slots a stage needs: the most microbatches received and not yet backwarded (F) /
-    consumed (B) at once. Slot = micro % slots never collides since microbatches flow in order."""
-    n, p = recv.shape
-    history = []
-    for s in range(p):
-        live = set()
-        for t in range(n):
-            if recv[t, s] >= 0:
-                live.add(int(recv[t, s]))
-            history.append(frozenset(live))
-            if kind[t, s] == 2:
-                live.discard(int(micro[t, s]))
-    peak = max(1, max(map(len, history)))
-    assert all(len({x % peak for x in live}) == len(live) for live in history)
-    return peak
+    ce = _reduce_batch(lax.psum(c["ce"], AXIS) * inv_m)
+    aux_loss = _reduce_batch(lax.psum(c["aux_loss"], AXIS) * inv_m)
+    # embedding-path gradients live in the gathered layout inside the loop (see _Model.for_embed);
+    # a replica's gradients are of its own mean loss: averaged over `data`, once per step
+    # (one all-reduce over pipeline x data: a sum over stages, a mean over replicas)
+    d_outer = jax.tree.map(lambda g, e: lax.pmean(g + e, _MANUAL.get()) * p, c["d_outer"], c["d_embed"])
+    d_layers = jax.tree.map(_reduce_batch, c["d_layers"])
+    metrics = jax.tree.map(lambda a: _reduce_batch(a * inv_m), c["metrics"])
+    return ce + aux_loss, ce, metrics, d_outer, d_layers
 
 
 def _store(buf, k, slots: int, value):
@@ -409,15 +406,26 @@ def value_and_grad(spec, params: dict, tokens, cfg, layout, policy, loss_scale=N
     model = _Model(spec, policy, getattr(mcfg, "remat", "full"), getattr(mcfg, "scan_layers", True),
                    _embed_specs(spec, layout))
     mesh = layout.mesh
+    data = _manual_batch_axes(spec, layout)
+    manual = (AXIS,) + data
+    tok_spec = P(None, data or None)
+
+    def in_body(f):
+        """Trace `f` with the manual axes known to `_vary` and hidden from `constrain`."""
+        def run(*args):
+            with _manual(manual), use_layout(layout.hiding(data)):
+                return f(*args)
+        return run
+
     with use_layout(layout):
         outer, layers = _split_params(params)
         n_layers = jax.tree.leaves(layers)[0].shape[0]
         from meshpar.sharding import split_microbatches
         mbs = split_microbatches(tokens, m, layout)
         if pc.schedule == "1f1b":
-            body = partial(_one_f_one_b_grads, model, p, m)
-            fn = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(AXIS), P(), P()),
-                               out_specs=(P(), P(), P(AXIS), P(), P(AXIS)), axis_names={AXIS})
+            body = in_body(partial(_one_f_one_b_grads, model, p, m))
+            fn = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(AXIS), tok_spec, P()),
+                               out_specs=(P(), P(), P(AXIS), P(), P(AXIS)), axis_names=set(manual))
             seed = jnp.ones((), jnp.float32) if loss_scale is None else jnp.asarray(loss_scale, jnp.float32)
             loss, ce, metrics, d_outer, d_layers = fn(outer, layers, mbs, seed)
             grads = {**d_outer, "layers": d_layers}
@@ -425,15 +433,31 @@ def value_and_grad(spec, params: dict, tokens, cfg, layout, policy, loss_scale=N
             def loss_fn(prm):
                 o, lay = _split_params(prm)
                 chunks = _to_chunks(lay, p, v)          # [v, P*Lc, ...], device s holds chunks r*P + s
-                body = partial(_circular_loss, model, p, m, v)
-                fn = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(None, AXIS), P()),
-                                   out_specs=(P(), (P(), P(None, AXIS))), axis_names={AXIS})
+                body = in_body(partial(_circular_loss, model, p, m, v))
+                fn = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(None, AXIS), tok_spec),
+                                   out_specs=(P(), (P(), P(None, AXIS))), axis_names=set(manual))
                 loss_, (ce_, met_) = fn(o, chunks, mbs)
                 met_ = jax.tree.map(lambda a: a.reshape((n_layers,) + a.shape[2:]), met_)
                 scaled = loss_ if loss_scale is None else loss_ * jnp.asarray(loss_scale).astype(loss_.dtype)
                 return scaled, (loss_, ce_, met_)
             (_, (loss, ce, metrics)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     return (loss, {"ce": ce, **metrics}), grads
+
+
+def _manual_batch_axes(spec, layout) -> tuple:
+    """("data",) when the pipeline can also be manual over `data` (the batch's leading axis, and
+    no parameter is split over it), else (): see the module docstring."""
+    batch = layout.spec(("batch",))
+    if layout.shape.get("data", 1) <= 1 or not len(batch) or _parts(batch[:1])[:1] != ("data",):
+        return ()
+    specs = jax.tree.leaves(jax.tree.map(lambda sh, names: layout.spec(names, sh.shape), spec.shapes, spec.logical,
+                                         is_leaf=lambda x: isinstance(x, tuple)), is_leaf=lambda x: isinstance(x, P))
+    return () if any("data" in _parts(sp) for sp in specs) else ("data",)
+
+
+def _parts(spec) -> tuple:
+    """The mesh axes a PartitionSpec (or a slice of one) names, in order."""
+    return tuple(a for part in spec if part is not None for a in ((part,) if isinstance(part, str) else part))
 
 
 def _embed_specs(spec, layout):

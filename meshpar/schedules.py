@@ -173,3 +173,45 @@ def describe(cfg, p: int) -> dict:
     return {"schedule": pc.schedule, "stages": p, "microbatches": pc.microbatches, "virtual_stages": v,
             "ticks": len(table), "table": [[str(op) if op else None for op in row] for row in table],  # [tick][stage]
             "lines": render_table(table), "bubble": bubble_fraction(table), "in_flight": in_flight(table)}
+
+
+def one_f_one_b_program(p: int, m: int):
+    """The 1F1B table as arrays [ticks, P] for the executor (`meshpar.pipeline`): op kind (0 idle,
+    1 F, 2 B), its microbatch, the microbatch whose activation arrives from stage s-1 (recv_f) and
+    whose cotangent arrives from s+1 (recv_b) at each tick (-1: none); and the buffer slots those
+    arrivals need (activations, cotangents)."""
+    import numpy as np
+    table = schedule_table("1f1b", p, m)
+    n = len(table)
+    kind = np.zeros((n, p), np.int32)         # 0 idle, 1 F, 2 B
+    micro = np.zeros((n, p), np.int32)
+    recv_f = np.full((n, p), -1, np.int32)    # microbatch whose activation arrives from s-1 this tick
+    recv_b = np.full((n, p), -1, np.int32)    # microbatch whose cotangent arrives from s+1 this tick
+    for t, row in enumerate(table):
+        for s, op in enumerate(row):
+            if op is None:
+                continue
+            kind[t, s], micro[t, s] = (1 if op.kind == "F" else 2), op.micro
+            if t + 1 < n and op.kind == "F" and s + 1 < p:
+                recv_f[t + 1, s + 1] = op.micro
+            if t + 1 < n and op.kind == "B" and s > 0:
+                recv_b[t + 1, s - 1] = op.micro
+    return (kind, micro, recv_f, recv_b), (_slots(recv_f, kind, micro), _slots(recv_b, kind, micro))
+
+
+def _slots(recv, kind, micro) -> int:
+    """Buffer slots a stage needs: the most microbatches received and not yet backwarded (F) /
+    consumed (B) at once. Slot = micro % slots never collides since microbatches flow in order."""
+    n, p = recv.shape
+    history = []
+    for s in range(p):
+        live = set()
+        for t in range(n):
+            if recv[t, s] >= 0:
+                live.add(int(recv[t, s]))
+            history.append(frozenset(live))
+            if kind[t, s] == 2:
+                live.discard(int(micro[t, s]))
+    peak = max(1, max(map(len, history)))
+    assert all(len({x % peak for x in live}) == len(live) for live in history)
+    return peak

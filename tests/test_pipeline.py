@@ -172,6 +172,22 @@ def test_hlo_permutes_activations_and_never_gathers_the_stack(compiled_2x2x2):
         assert not any(o["computation"] in branches for o in permutes)
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
+def test_gradients_are_reduced_over_data_once_per_step(schedule):
+    """With weights replicated over `data` (tp), the pipeline is manual over `data` too and each
+    replica keeps its gradients over the ticks: the all-reduces over `data` carry the parameters'
+    gradients once per step, none inside the tick loop (before: a stage's whole gradient on every
+    tick). FSDP-style presets shard weights over `data` and reduce-scatter per use, as FSDP does."""
+    v = 2 if schedule == "interleaved" else 1
+    cfg = pp_cfg(schedule, 2, 4, v, 4, {"pipeline": 2, "data": 2, "tensor": 2}, "strategy=tp")
+    tr = Trainer(cfg, devices=devices(8))
+    ops = collectives(tr.compile().as_text(), tr.describe()["mesh"])
+    over_data = [o for o in ops if o["kind"] == "all-reduce" and "data" in o["axes"] and o["bytes"] > 1024]
+    assert over_data and all(o.get("times", 1) == 1 for o in over_data), over_data   # (scalars aside)
+    per_device = sum(int(np.prod(a.shape)) * 4 for a in jax.tree.leaves(tr.spec.shapes)) / 2   # split over P or t
+    assert sum(o["bytes"] for o in over_data) <= 1.05 * per_device
+
+
 # -- schedules: tick tables and bubbles ----------------------------------------------------------
 
 @pytest.mark.parametrize("p", [2, 4])
