@@ -57,7 +57,7 @@ def make_mesh(mesh_cfg, devices: Sequence | None = None):
     """Build a `jax.sharding.Mesh` from a `MeshConfig` (ICI sizes, optional DCN sizes).
 
     All axes are `AxisType.Auto`, so XLA's partitioner (GSPMD/Shardy) propagates shardings and inserts
-    the collectives; only pipelining enters `shard_map` and goes manual over `pipeline`.
+    the collectives; only pipelining enters `shard_map` and goes manual over `pipeline` (and `data`).
     """
     import jax
     import numpy as np

@@ -380,7 +380,7 @@ def _dropless_local(x, index, routed, gates, w_gate, w_up, w_down, ep_axes=(), e
 
 
 def _in_manual_region() -> bool:
-    """True inside a shard_map (the pipeline's, manual over `pipeline`)."""
+    """True inside a shard_map (the pipeline's, manual over `pipeline` and maybe `data`)."""
     ctx = jax.sharding.get_abstract_mesh()
     return any(t == jax.sharding.AxisType.Manual for t in ctx.axis_types)
 
