@@ -36,8 +36,9 @@ Memory (per device, bytes).
   ranges (`--xla_dump_to`) of the configs in tests/test_plan.py, each a rule of meshpar's step:
   the layer loops (forward, backward) each copy the stacked weights they read when the update
   writes those weights in place (every preset without a sharded optimizer state): 2 W_stacked; the
-  layer being computed: one layer's weights (under FSDP gathered over the batch axes); ZeRO-1/2 gather the updated weights after the backward, so that phase (grads + W) counts only
-  where it exceeds the backward's peak.
+  layer being computed: one layer's weights (under FSDP gathered over the batch axes); ZeRO-1/2
+  gather the updated weights after the backward, so that phase (grads + W) counts only where it
+  exceeds the backward's peak.
   Not modelled: XLA's packing of all temporaries into one buffer, which on CPU adds 15-25% over
   the largest live set.
 
@@ -66,7 +67,7 @@ import jax
 
 from meshpar.errors import ShardingError
 from meshpar.mesh import MESH_AXES
-from meshpar.rules import BATCH_AXES, get_strategy, parse_user_rules, resolve
+from meshpar.rules import BATCH_AXES, get_strategy, parse_user_rules, resolve, spec_axes
 
 REMATS = ("none", "save_dots", "full")
 
@@ -137,12 +138,11 @@ class Candidate:
 
 
 def _factor(spec, shape: dict) -> int:
-    axes = [a for part in spec if part is not None for a in ((part,) if isinstance(part, str) else part)]
-    return math.prod(shape[a] for a in axes)
+    return math.prod(shape[a] for a in spec_axes(spec))
 
 
 def _axes(spec) -> set:
-    return {a for part in spec if part is not None for a in ((part,) if isinstance(part, str) else part)}
+    return set(spec_axes(spec))
 
 
 class Resolver:
@@ -378,16 +378,16 @@ def evaluate(facts: ModelFacts, cand: Candidate, cfg, hw, res: Resolver, bpp, c:
     except ShardingError:
         return None
     act = activation_bytes(facts, cand, cfg, c)
+    grads = mem["grads"]
     if cand.microbatches > 1:                       # the accumulator beside each microbatch's gradients
-        mem["grads"] *= 2
+        mem["grads"] = 2 * grads
     if get_strategy(cand.strategy).opt_state is not None:   # ZeRO: the gathered updated weights, after the backward
-        update = mem["grads"] / (2 if cand.microbatches > 1 else 1) + mem["params"]
-        ws["zero_gather"] = max(0.0, update - (mem["grads"] + act + sum(ws.values())))
+        ws["zero_gather"] = max(0.0, grads + mem["params"] - (mem["grads"] + act + sum(ws.values())))
     mem["activations"] = act
     mem["workspace"] = sum(ws.values())
     mem["total"] = sum(mem.values())
     ops = collectives(facts, cand, cfg, res, c)
-    return {"memory": mem, "workspace": ws, "collectives": ops, "time": step_time(facts, cand, cfg, hw, ops),
+    return {"memory": mem, "collectives": ops, "time": step_time(facts, cand, cfg, hw, ops),
             "fits": mem["total"] <= hw.memory_bytes}
 
 

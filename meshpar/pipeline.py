@@ -6,8 +6,8 @@ and the mini-batch [B, T+1] into M microbatches [M, B/M, T+1]; one `jax.shard_ma
 `pipeline`* (and over `data` when `data` leads the batch and splits no parameter), so `fsdp`,
 `tensor` and `expert` stay automatic inside it and PP composes with DP/FSDP/TP/EP. Manual over
 `data`, each replica accumulates its own gradients over the ticks and they are reduced over `data`
-once per step; automatic, XLA all-reduced a stage's whole gradient on every tick. Activations [b, T, E] (b = B/M) move between neighbouring stages with
-`lax.ppermute`. The embedding and the LM head sit outside the pipelined stack: the first stage
+once per step; automatic, XLA all-reduced a stage's whole gradient on every tick. Activations
+[b, T, E] (b = B/M) move between neighbouring stages with `lax.ppermute`. The embedding and the LM head sit outside the pipelined stack: the first stage
 embeds (tokens -> [b, T, E]) and the last applies the head and the cross-entropy, microbatch by
 microbatch, so no tensor with a full-batch or full-stack dimension crosses the pipeline. Their
 parameters enter the shard_map replicated over `pipeline` (still split over the other axes) and their
@@ -40,8 +40,6 @@ per-device switch, on every stage, with a zero cotangent except on stage 0.
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
 from dataclasses import dataclass
 from functools import partial
@@ -52,6 +50,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from meshpar.errors import ConfigError, ShardingError
+from meshpar.rules import spec_axes
 from meshpar.schedules import one_f_one_b_program
 
 AXIS = "pipeline"
@@ -94,7 +93,7 @@ def check(cfg, layout, shapes: dict) -> None:
     if rows % m:
         raise ConfigError(f"{what} does not split into pipeline.microbatches={m} microbatches; "
                           f"use a multiple of {m * cfg.batch.microbatches} for batch.global_size")
-    dp = math.prod(layout.shape[a] for a in _parts(layout.spec(("batch",))[:1]))
+    dp = math.prod(layout.shape[a] for a in spec_axes(layout.spec(("batch",))[:1]))
     if (rows // m) % dp:
         raise ShardingError(f"the pipeline microbatch of {rows // m} sequences ({what} / pipeline.microbatches={m})"
                             f" is not divisible by the data-parallel size {dp}; use a multiple of "
@@ -104,28 +103,22 @@ def check(cfg, layout, shapes: dict) -> None:
 # ----------------------------------------------------------------------------------------------
 # Executors.
 
-_MANUAL = contextvars.ContextVar("meshpar_pipeline_manual", default=(AXIS,))
+def _manual_axes() -> tuple[str, ...]:
+    """The mesh axes the enclosing shard_map is manual over (`pipeline`, maybe `data`)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return tuple(a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Manual)
 
 
 def _vary(x):
     """Mark a value as varying over the manual axes (`pipeline`, and `data` when the pipeline is
     manual over it): loop carries and branch outputs must agree."""
-    missing = tuple(a for a in _MANUAL.get() if a not in jax.typeof(x).mat.varying)
+    missing = tuple(a for a in _manual_axes() if a not in jax.typeof(x).mat.varying)
     return lax.pcast(x, missing, to="varying") if missing else x
-
-
-@contextlib.contextmanager
-def _manual(axes):
-    token = _MANUAL.set(axes)
-    try:
-        yield
-    finally:
-        _MANUAL.reset(token)
 
 
 def _reduce_batch(x):
     """Mean over the manual batch axis (`data`), once per step; identity without one."""
-    axes = tuple(a for a in _MANUAL.get() if a != AXIS)
+    axes = tuple(a for a in _manual_axes() if a != AXIS)
     return lax.pmean(x, axes) if axes else x
 
 
@@ -375,7 +368,7 @@ def _one_f_one_b_grads(model: _Model, p: int, m: int, outer, layers, tokens, see
     # embedding-path gradients live in the gathered layout inside the loop (see _Model.for_embed);
     # a replica's gradients are of its own mean loss: averaged over `data`, once per step
     # (one all-reduce over pipeline x data: a sum over stages, a mean over replicas)
-    d_outer = jax.tree.map(lambda g, e: lax.pmean(g + e, _MANUAL.get()) * p, c["d_outer"], c["d_embed"])
+    d_outer = jax.tree.map(lambda g, e: lax.pmean(g + e, _manual_axes()) * p, c["d_outer"], c["d_embed"])
     d_layers = jax.tree.map(_reduce_batch, c["d_layers"])
     metrics = jax.tree.map(lambda a: _reduce_batch(a * inv_m), c["metrics"])
     return ce + aux_loss, ce, metrics, d_outer, d_layers
@@ -411,9 +404,9 @@ def value_and_grad(spec, params: dict, tokens, cfg, layout, policy, loss_scale=N
     tok_spec = P(None, data or None)
 
     def in_body(f):
-        """Trace `f` with the manual axes known to `_vary` and hidden from `constrain`."""
+        """Trace `f` with the manual batch axis hidden from `constrain`."""
         def run(*args):
-            with _manual(manual), use_layout(layout.hiding(data)):
+            with use_layout(layout.hiding(data)):
                 return f(*args)
         return run
 
@@ -448,16 +441,11 @@ def _manual_batch_axes(spec, layout) -> tuple:
     """("data",) when the pipeline can also be manual over `data` (the batch's leading axis, and
     no parameter is split over it), else (): see the module docstring."""
     batch = layout.spec(("batch",))
-    if layout.shape.get("data", 1) <= 1 or not len(batch) or _parts(batch[:1])[:1] != ("data",):
+    if layout.shape.get("data", 1) <= 1 or not len(batch) or spec_axes(batch[:1])[:1] != ("data",):
         return ()
     specs = jax.tree.leaves(jax.tree.map(lambda sh, names: layout.spec(names, sh.shape), spec.shapes, spec.logical,
                                          is_leaf=lambda x: isinstance(x, tuple)), is_leaf=lambda x: isinstance(x, P))
-    return () if any("data" in _parts(sp) for sp in specs) else ("data",)
-
-
-def _parts(spec) -> tuple:
-    """The mesh axes a PartitionSpec (or a slice of one) names, in order."""
-    return tuple(a for part in spec if part is not None for a in ((part,) if isinstance(part, str) else part))
+    return () if any("data" in spec_axes(sp) for sp in specs) else ("data",)
 
 
 def _embed_specs(spec, layout):
@@ -465,8 +453,7 @@ def _embed_specs(spec, layout):
     from meshpar.rules import BATCH_AXES
 
     def drop(part):
-        axes = () if part is None else (part,) if isinstance(part, str) else tuple(part)
-        axes = tuple(a for a in axes if a not in BATCH_AXES)
+        axes = tuple(a for a in spec_axes((part,)) if a not in BATCH_AXES)
         return None if not axes else axes[0] if len(axes) == 1 else axes
 
     def one(shape, names):

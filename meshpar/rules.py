@@ -66,6 +66,12 @@ Candidate = str | tuple[str, ...]
 RuleTable = tuple[tuple[str, tuple[Candidate, ...]], ...]
 
 
+def spec_axes(spec) -> tuple[str, ...]:
+    """The mesh axes a PartitionSpec (or a slice of one) names, in order: P('data', ('fsdp', 'tensor'))
+    -> ('data', 'fsdp', 'tensor')."""
+    return tuple(a for part in spec if part is not None for a in ((part,) if isinstance(part, str) else part))
+
+
 def table(**rules: Candidate | Sequence[Candidate] | None) -> RuleTable:
     """table(batch=[("data", "fsdp")], heads="tensor") -> normalised RuleTable."""
     out = []

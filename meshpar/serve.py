@@ -52,7 +52,7 @@ from meshpar import precision as precision_lib
 from meshpar.data import Leaf, is_leaf
 from meshpar.errors import ConfigError
 from meshpar.mesh import make_mesh
-from meshpar.rules import BATCH_AXES, Layout, get_strategy, parse_user_rules, table, use_layout
+from meshpar.rules import BATCH_AXES, Layout, get_strategy, parse_user_rules, spec_axes, table, use_layout
 from meshpar.sampling import Sampling, position_key, sample
 from meshpar.sharding import building, model_spec, param_shardings, path_name, var_shardings
 
@@ -192,8 +192,7 @@ class Engine:
         return self.dtype if jnp.issubdtype(dtype, jnp.floating) else dtype
 
     def _gather_warning(self) -> list[str]:
-        split = {a for s in jax.tree.leaves(self.weight_shardings["params"]) for p in s.spec if p
-                 for a in ((p,) if isinstance(p, str) else p)} & set(BATCH_AXES)
+        split = {a for s in jax.tree.leaves(self.weight_shardings["params"]) for a in spec_axes(s.spec)} & set(BATCH_AXES)
         if not split:
             return []
         return [f"warning: serve.strategy={self.cfg.serve.strategy} splits weights over {', '.join(sorted(split))}: "
