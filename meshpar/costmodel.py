@@ -23,13 +23,16 @@ Memory (per device, bytes).
       save_dots: h (layer input) + (a + 2k) q (QKV output) + 2h (wo, w_down outputs) + 2F (w_in output)
       full:      h (the layer input the scan keeps)
   Under TP the head and F terms are divided by t (TP without SP also keeps the two row-parallel
-  outputs, 2h, before their all-reduce); under SP (tp_sp) the h terms are divided too. A layer stores
-  its set for every microbatch in flight: 1 without pipelining (accumulation runs microbatches one
-  after another); with P stages, GPipe keeps M, 1F1B at most P, interleaved v M (their stash,
-  `meshpar.schedules.in_flight`). On top: the working set of the layer being differentiated (its
+  outputs, 2h, before their all-reduce); under SP (tp_sp) the h terms are divided too. Without
+  pipelining every layer stores its set for one microbatch (accumulation runs microbatches one after
+  another). meshpar's pipeline recomputes each stage in its backward, so a stage stores only stage
+  inputs [b, s, h]: one per tick for GPipe and interleaved (v M + P - 1 ticks, as they are
+  differentiated as one loop), two per microbatch in flight for 1F1B (inputs and output gradients,
+  at most P; `meshpar.schedules.in_flight`), plus one microbatch's sets of its L/(P v) layers while
+  that stage runs backward. On top: the working set of the layer being differentiated (its
   `none` set once), the logits in fp32 with their gradient (2 x 4 b s V / t). MoE layers add their
-  capacity buffers: dispatch/combine [G,S,E,C] and the expert input/hidden [E,G,C,M|H]:
-  b s k cf (2h + 3H_e/t) per MoE layer.
+  capacity buffers, the expert input/output and hidden [E,G,C,M|H]: b s k cf (2h + 3H_e/t) per
+  MoE layer (meshpar's default gather dispatch holds no [G,S,E,C] masks).
 * Gradients: the backward writes them at the parameters' layout (ZeRO-2: already scattered); with
   accumulation an accumulator sits beside each microbatch's gradients (x 2).
 * Workspace: weight-sized buffers of the compiled step, read off XLA's buffer assignment and live
@@ -45,12 +48,25 @@ Memory (per device, bytes).
 Time per step (seconds).
 * Compute: model FLOPs (PaLM appendix B, `meshpar.flops.flops_per_token`) x recomputation
   (full remat: one extra forward of the layers, x 4/3 of their FLOPs; save_dots: the attention
-  score/PV matmuls again) / (N x peak x efficiency). The efficiency is an assumption of the
-  hardware preset (0.5: what tuned dense-LM runs report as MFU at scale).
+  score/PV matmuls again; a pipeline recomputes each stage in its backward: one more forward of the
+  layers, as GPipe's re-materialization (Huang et al. 2019)) / (N x peak x efficiency). The
+  efficiency is an assumption of the hardware preset (0.5: what tuned dense-LM runs report as MFU
+  at scale).
 * Collectives on ring formulas (Patarasuk & Yuan 2009; NCCL's bus-bandwidth note): all-gather and
   reduce-scatter (n-1)/n x V / bw, all-reduce twice that, all-to-all (n-1)/n x V / bw, a permute
   V / bw; V is the whole tensor (what `meshpar inspect` reports). An axis set that spans ICI and
   DCN runs hierarchically: (n_i - 1)/n_i V / bw_ici + (n_d - 1)/n_d (V / n_i) / bw_dcn.
+  Bytes, read off the compiled steps of tests/test_plan.py: data-parallel gradients and FSDP/ZeRO
+  gathers per parameter; Megatron TP per layer and pass, in [b, s, h] units: column-parallel entries
+  (SP: all-gather) in each forward pass (the forward, the layer recompute of full remat, the
+  pipeline's stage recompute) and transposed in the backward, row-parallel exits likewise, where
+  the layer recompute's last exit is dead code (the layer's output feeds nothing in its backward);
+  a MoE layer's expert collectives move its [E,G,C,M] buffer (k cf [b, s, h]), its gate and up
+  projections transposed separately. A lookup table split over the batch axes moves looked-up rows
+  (all-to-all of [b, s, h], and the row gradients back) when they are fewer bytes than the table;
+  a replicated table's gradient under ZeRO (or an hsdp table's) is an all-gather of every
+  device's row gradients when those are fewer bytes than the table's reduce-scatter. The
+  interleaved schedule moves the stacked layers to chunk order and the gradients back (all-to-all).
 * Pipeline bubble (Narayanan et al. 2021, sec. 2.2): (p - 1) / (v M) of the compute time (GPipe and
   1F1B alike; interleaving divides it by v).
 * Overlap, assumed once: collectives over the batch axes (data, fsdp, expert-replicated gradient
@@ -93,6 +109,7 @@ class ModelFacts:
     flops_per_token: float
     dims: dict                      # layers, embed, heads, kv_heads, head_dim, mlp, vocab (None if unknown)
     moe: dict = field(default_factory=dict)    # num_experts, every, top_k, capacity_factor, expert_mlp
+    lookups: tuple = ()             # paths of tables read by a lookup only ([vocab, embed], embeddings not tied)
 
     @classmethod
     def from_config(cls, cfg) -> "ModelFacts":
@@ -113,7 +130,9 @@ class ModelFacts:
             moe = {"num_experts": cfg.moe.num_experts, "every": cfg.moe.every, "top_k": TOP_K[cfg.moe.routing],
                    "capacity_factor": cfg.moe.capacity_factor or 1.0, "expert_mlp": dims["mlp"]}
         n = sum(lf.numel for lf in leaves)
-        return cls(leaves, n, flops_per_token(m, active_params(spec, cfg), cfg.batch.length), dims, moe)
+        lookups = () if getattr(m, "tie_embeddings", False) else tuple(
+            lf.path for lf in leaves if not lf.stacked and lf.names == ("vocab", "embed"))
+        return cls(leaves, n, flops_per_token(m, active_params(spec, cfg), cfg.batch.length), dims, moe, lookups)
 
 
 @dataclass(frozen=True)
@@ -221,14 +240,21 @@ def activation_parts(facts: ModelFacts, cand: Candidate, cfg, c: int) -> dict:
     t_vocab = t if any(n == "vocab" for n, _ in tp) else 1
     layers = d["layers"] / shape["pipeline"]
     tokens = b * s
-    out["stored"] = c * layers * in_flight(cand) * tokens * _per_token(d, cand.remat, t_heads, t_mlp, t_res, s)
+    per_layer = _per_token(d, cand.remat, t_heads, t_mlp, t_res, s)
+    if shape["pipeline"] == 1:
+        out["stored"] = c * layers * tokens * per_layer
+    else:       # the stash of stage inputs, then one microbatch's residuals while its stage runs backward
+        ticks = cand.virtual * cand.pp_microbatches + shape["pipeline"] - 1
+        stash = 2 * in_flight(cand) if cand.schedule == "1f1b" else ticks     # 1F1B: inputs and output grads
+        out["stored"] = c * tokens * (stash * d["embed"] / t_res + layers / cand.virtual * per_layer)
     out["working"] = c * tokens * _per_token(d, "none", t_heads, t_mlp, t_res, s)
     out["logits"] = 2 * 4 * tokens * d["vocab"] / t_vocab
     if facts.moe:
         m = facts.moe
         moe_layers = layers / m["every"]
         buf = tokens * m["top_k"] * m["capacity_factor"] * (2 * d["embed"] + 3 * m["expert_mlp"] / t_mlp)
-        out["moe"] = c * buf * (moe_layers * (in_flight(cand) if cand.remat == "none" else 0) + 1)
+        held = moe_layers / cand.virtual if shape["pipeline"] > 1 else moe_layers   # one microbatch's
+        out["moe"] = c * buf * ((held if cand.remat == "none" else 0) + 1)
     return out
 
 
@@ -258,6 +284,7 @@ def collectives(facts: ModelFacts, cand: Candidate, cfg, res: Resolver, c: int, 
 
     remat_ag = 2                    # the forward and the backward layer loop each gather (none is kept)
     grad_times = 1 if zero1 else ma
+    tokens = local_batch(cfg, cand) * cand.pp_microbatches * cfg.batch.length   # per device, accumulation microbatch
     for lf in facts.leaves:
         ps = res.spec(lf, cand.strategy, shape, "params")
         sharded = _axes(ps)
@@ -265,6 +292,19 @@ def collectives(facts: ModelFacts, cand: Candidate, cfg, res: Resolver, c: int, 
         rest = [a for a in batch_axes if a not in sharded]          # partial sums to all-reduce
         local = lf.numel / _factor(ps, shape)          # per-device elements at rest
         full_over_batch = local * math.prod(shape[a] for a in on_batch)
+        rows = c * tokens * lf.shape[-1] if lf.path in facts.lookups else math.inf   # looked-up rows, per device
+        if on_batch and sharded <= set(batch_axes) and rows < w * full_over_batch:
+            add("all-to-all", on_batch, rows * ma, False)              # lookup: rows move, not the table
+            rows_all = rows * math.prod(shape[a] for a in batch_axes)  # every device's row gradients
+            if not rest:                                                # row gradients back the same way
+                add("all-to-all", on_batch, rows * ma, False)
+            elif rows_all < g * (full_over_batch + local):              # hsdp: gathered, scatter-added locally
+                add("all-gather", batch_axes, rows_all * ma, True)
+                add("all-reduce", rest, g * local * ma, True)
+            else:
+                add("reduce-scatter", on_batch, g * full_over_batch * ma, True)
+                add("all-reduce", rest, g * local * ma, True)
+            continue
         if on_batch:                                   # FSDP: gather for use, reduce-scatter the grads
             mb = ma * (cand.pp_microbatches if lf.stacked else 1)   # a stage gathers its layers per microbatch
             add("all-gather", on_batch, w * full_over_batch * (remat_ag if lf.stacked else 1) * mb, True)
@@ -275,7 +315,11 @@ def collectives(facts: ModelFacts, cand: Candidate, cfg, res: Resolver, c: int, 
             os_ = res.spec(lf, cand.strategy, shape, "opt_state")
             rs = [a for a in batch_axes if a in _axes(os_)]
             if rs:
-                add("reduce-scatter", rs, g * local * grad_times, True)
+                rows_all = rows * math.prod(shape[a] for a in rs)      # every device's row gradients
+                if (st.shard_grads or ma == 1) and rows_all < g * local:
+                    add("all-gather", rs, rows_all * ma, True)         # scatter-added into the local shard
+                else:
+                    add("reduce-scatter", rs, g * local * grad_times, True)
                 add("all-gather", rs, w * local, True)
                 add("all-reduce", [a for a in batch_axes if a not in rs], g * local * grad_times, True)
                 continue
@@ -293,21 +337,40 @@ def collectives(facts: ModelFacts, cand: Candidate, cfg, res: Resolver, c: int, 
     t = shape["tensor"]
     p = shape["pipeline"]
     if t > 1 and any(n == "heads" for n, _ in st.params):
-        per_layer = 4 + (2 if cand.remat == "full" else 0)
         # every stage computes on every tick of GPipe / interleaved (bubble ticks too)
         runs = ma * (cand.virtual * cand.pp_microbatches + p - 1) if p > 1 and cand.schedule != "1f1b" else n_mb
-        n = runs * (layers / cand.virtual * per_layer + 2)   # a tick runs one chunk; + embedding, head
-        if any(n_ == "length" for n_, _ in st.params):
-            add("all-gather", ["tensor"], act * n, False)
-            add("reduce-scatter", ["tensor"], act * n, False)
-        else:
-            add("all-reduce", ["tensor"], act * n, False)
+        moe, kc = 0.0, 0.0          # share of MoE layers; their buffer [E,G,C,M] relative to [b, s, h]
+        if facts.moe and any(n_ == "expert_mlp" for n_, _ in st.params):
+            moe, kc = 1 / facts.moe["every"], facts.moe["top_k"] * facts.moe["capacity_factor"]
+        dense, full = 1 - moe, cand.remat == "full"
+        f = 1 + full + (p > 1)      # forward passes: forward, layer recompute, stage recompute
+        # The layer recompute's last row-parallel output (a dense layer's, the layer's own output) feeds
+        # nothing: dead code. MoE models scan groups of layers that end in a MoE combine, not a collective.
+        dead = dense * (full and not facts.moe)
+        # per layer, in [b, s, h]: column-parallel entries / row-parallel exits, in forward passes (f)
+        # and transposed in the backward (b); attention, dense MLP, MoE expert gate+up (2 entries) and down
+        ent_f, ex_f = f * (1 + dense + moe * kc), f * (1 + dense + moe * kc) - dead
+        ent_b, ex_b = 1 + dense + 2 * moe * kc, 1 + dense + moe * kc
+        lc = layers / cand.virtual                      # layers a tick runs
+        sp = any(n_ == "length" for n_, _ in st.params)
+        # the head's input (and its gradient) and the lookup's output; under SP a lookup table split
+        # over tensor is gathered whole instead (and its gradient reduce-scattered)
+        table = sum(lf.numel for lf in facts.leaves if lf.path in facts.lookups and sp
+                    and "tensor" in _axes(res.spec(lf, cand.strategy, shape, "params")))
+        for kind, per_layer in ((("all-gather", ent_f + ex_b), ("reduce-scatter", ex_f + ent_b)) if sp else
+                                (("all-reduce", ex_f + ent_b),)):
+            lookup = (w if kind == "all-gather" else g) * table if table else act
+            add(kind, ["tensor"], runs * (act * (lc * per_layer + 1) + lookup), False)
     if p > 1:
         from meshpar.schedules import schedule_table
         table = schedule_table(cand.schedule, p, cand.pp_microbatches, cand.virtual)
         permutes = 2 * len(table) if cand.schedule == "1f1b" else len(table)
         sp = t if any(n_ == "length" for n_, _ in st.params) else 1   # SP: the residual is split over tensor
         add("collective-permute", ["pipeline"], act / sp * permutes * ma, False)
+        if cand.schedule == "interleaved" and cand.virtual > 1:   # layers to chunk order and gradients back
+            stacked = sum(lf.numel / _factor(res.spec(lf, cand.strategy, shape, "params"), shape)
+                          for lf in facts.leaves if lf.stacked)
+            add("all-to-all", ["pipeline"], (w + g) * stacked * ma, False)
     if facts.moe and shape["expert"] > 1:
         m = facts.moe
         per = 4 + (2 if cand.remat == "full" else 0)
@@ -338,6 +401,8 @@ def step_time(facts: ModelFacts, cand: Candidate, cfg, hw, ops: list) -> dict:
     layer_share = 1.0 - 6.0 * (d["vocab"] or 0) * (d["embed"] or 0) / max(facts.flops_per_token, 1.0)
     extra = {"none": 0.0, "full": layer_share / 3, "offload": attn / facts.flops_per_token / 3,
              "save_dots": attn / facts.flops_per_token / 3}[cand.remat]
+    if cand.shape["pipeline"] > 1:                  # the pipeline recomputes each stage in its backward
+        extra += layer_share / 3
     compute = model_flops * (1 + extra) / (n * hw.peak_flops * hw.efficiency)
     times = [collective_time(op, cand, hw) for op in ops]
     overlapped = sum(tm for tm, op in zip(times, ops) if op["overlap"])

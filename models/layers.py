@@ -145,6 +145,7 @@ class MLP(nnx.Module):
     def __call__(self, x):
         dt = x.dtype
         h = jnp.einsum("bte,ecf->btcf", x, self.w_in[...].astype(dt))                 # [B, T, 2, F]
+        h = constrain(h, ("batch", "seq", None, "mlp"))     # pinned here, or SP may gather Wg|Wu instead
         h = constrain(jax.nn.silu(h[:, :, 0]) * h[:, :, 1], ("batch", "seq", "mlp"))
         return jnp.einsum("btf,fe->bte", h, self.w_down[...].astype(dt))
 

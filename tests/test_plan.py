@@ -43,7 +43,7 @@ def _winner(result):
     return result["candidates"][0]
 
 
-def test_ranking_follows_the_fields_advice_without_special_cases():
+def test_ranking_follows_the_costs_without_special_cases():
     h100 = load_hardware("h100")
     small = plan(load_config(None, ["model.size=125m", "batch.global_size=64", "batch.length=2048"]), 8, h100)
     w = _winner(small)
@@ -57,12 +57,22 @@ def test_ranking_follows_the_fields_advice_without_special_cases():
     w = _winner(seven)
     assert w["fits"] and w["strategy"] in ("fsdp", "zero1", "zero2", "hsdp") and w["mesh"]["tensor"] == 1
 
-    big = _winner(plan(load_config(None, GPT3), 128, h100, top=3))
-    assert big["mesh"]["tensor"] > 1 and "tensor" not in big["dcn"]          # TP inside the NVLink node
-    assert big["mesh"]["pipeline"] > 1 and big["dcn"].get("pipeline", 1) > 1  # PP across nodes
-    replicas = big["mesh"]["data"] * big["mesh"]["fsdp"]
-    assert replicas > 1 and big["dcn"].get("data", 1) * big["dcn"].get("fsdp", 1) == replicas   # DP outermost:
-    assert big["mesh"]["tensor"] == 8                                         # whole nodes, never inside one
+    # 175B on 16 nodes of 8 H100s. meshpar's pipeline recomputes each stage in its backward (GPipe's
+    # re-materialization; 1F1B's backward tick re-runs the stage), so a pipelined plan pays the
+    # compute of full remat, then its bubble and exposed TP collectives. At batch 256 x 2048, FSDP's
+    # gathers (fp32, hierarchical over NVLink and InfiniBand) hide behind the same compute, so FSDP
+    # over every device wins. The best pipelined plan still lays out as the field's 3D recipe.
+    ranked = plan(load_config(None, GPT3), 128, h100, keep_all=True)["candidates"]
+    fits = [c for c in ranked if c["fits"]]
+    w = fits[0]
+    assert w["strategy"] in ("fsdp", "fsdp_tp") and w["mesh"]["pipeline"] == 1 and w["remat"] == "full"
+    assert w["mesh"]["fsdp"] >= 16 and w["dcn"] == {"fsdp": 16}                # ZeRO-3 across every node
+    assert w["time"]["exposed_comm_s"] < 0.05 * w["time"]["step_s"]            # its gathers overlap
+    pp = next(c for c in fits if c["mesh"]["pipeline"] > 1)
+    assert pp["dcn"].get("pipeline", 1) > 1 and "tensor" not in pp["dcn"] and pp["mesh"]["tensor"] > 1
+    assert pp["time"]["compute_s"] == pytest.approx(w["time"]["compute_s"])   # stage recompute = full remat
+    assert pp["time"]["step_s"] - w["time"]["step_s"] >= pp["time"]["bubble_s"]
+    assert all("tensor" not in c["dcn"] for c in fits[:10])                   # TP inside the NVLink node
 
 
 # 8 fake devices: each config's prediction against its compiled step (fp32: on CPU a bf16 run
@@ -80,60 +90,72 @@ SWEEP = {   # name: (overrides, collective kinds the model must predict within 1
     "tiny dp": (_T + _m(data=8) + ["strategy=dp"], ["all-reduce"]),
     "tiny zero1": (_T + _m(data=8) + ["strategy=zero1"], ["all-gather", "reduce-scatter"]),
     "tiny zero2 4 microbatches": (_T + _m(data=8) + ["strategy=zero2", "batch.global_size=32",
-                                                     "batch.microbatches=4"], []),
-    "tiny fsdp": (_T + _m(fsdp=8) + ["strategy=fsdp"], []),
-    "tiny fsdp remat none": (_T + _m(fsdp=8) + ["strategy=fsdp", "model.remat=none"], []),
-    "tiny hsdp": (_T + _m(data=2, fsdp=4) + ["strategy=hsdp"], ["all-gather", "all-reduce"]),
+                                                     "batch.microbatches=4"], ["all-gather", "reduce-scatter"]),
+    "tiny fsdp": (_T + _m(fsdp=8) + ["strategy=fsdp"], ["all-gather", "reduce-scatter", "all-to-all"]),
+    "tiny fsdp remat none": (_T + _m(fsdp=8) + ["strategy=fsdp", "model.remat=none"],
+                             ["all-gather", "reduce-scatter", "all-to-all"]),
+    "tiny hsdp": (_T + _m(data=2, fsdp=4) + ["strategy=hsdp"], ["all-gather", "all-reduce", "reduce-scatter",
+                                                                 "all-to-all"]),
     "tiny tp remat none": (_T + _m(data=2, tensor=4) + ["strategy=tp", "model.remat=none"], ["all-reduce"]),
-    "tiny tp_sp": (_T + _m(data=2, tensor=4) + ["strategy=tp_sp"], ["reduce-scatter"]),
+    "tiny tp_sp": (_T + _m(data=2, tensor=4) + ["strategy=tp_sp"], ["all-gather", "reduce-scatter"]),
     "tiny fsdp_tp": (_T + _m(fsdp=4, tensor=2) + ["strategy=fsdp_tp"], []),
     "tiny pipeline 1f1b": (_T + _m(pipeline=2, data=4) + ["strategy=dp", "model.layers=4", "pipeline.schedule=1f1b",
                                                           "pipeline.microbatches=4"], ["collective-permute", "all-reduce"]),
+    "tiny gpipe remat none": (_T + _m(pipeline=2, data=4) + ["strategy=dp", "model.layers=4", "model.remat=none",
+                                                            "pipeline.schedule=gpipe"],
+                              ["collective-permute", "all-reduce"]),
     "tiny gpipe tp": (_T + _m(pipeline=2, data=2, tensor=2) + ["strategy=tp", "model.layers=4",
-                                                               "pipeline.schedule=gpipe"], ["collective-permute"]),
+                                                               "pipeline.schedule=gpipe"],
+                      ["collective-permute", "all-reduce"]),
     "tiny interleaved": (_T + _m(pipeline=2, data=4) + ["strategy=dp", "model.layers=4", "pipeline.schedule=interleaved",
                                                         "pipeline.microbatches=4", "pipeline.virtual_stages=2"],
-                         ["collective-permute", "all-reduce"]),
+                         ["collective-permute", "all-reduce", "all-to-all"]),
     "tiny moe expert=4": (_T + _m(data=2, expert=4) + ["strategy=dp", "model.name=moe", "model.layers=4"],
                           ["all-to-all", "all-reduce"]),
     "tiny moe expert=2 tp": (_T + _m(expert=2, tensor=2, data=2) + ["strategy=tp", "model.name=moe", "model.layers=4"],
-                             ["all-to-all"]),
+                             ["all-to-all", "all-reduce"]),
     "125m dp none": (_S + _m(data=8) + ["strategy=dp", "model.remat=none"], ["all-reduce"]),
     "125m dp 4 microbatches none": (_S + _m(data=8) + ["strategy=dp", "model.remat=none", "batch.global_size=32",
                                                        "batch.microbatches=4"], ["all-reduce"]),
     "125m zero1 4 microbatches": (_S + _m(data=8) + ["strategy=zero1", "batch.global_size=32", "batch.microbatches=4"],
                                   ["all-gather", "reduce-scatter"]),
     "125m zero2 full": (_S + _m(data=8) + ["strategy=zero2"], ["all-gather", "reduce-scatter"]),
-    "125m fsdp full": (_S + _m(fsdp=8) + ["strategy=fsdp"], ["all-gather", "reduce-scatter"]),
-    "125m hsdp full": (_S + _m(data=2, fsdp=4) + ["strategy=hsdp"], ["all-gather", "reduce-scatter", "all-reduce"]),
+    "125m fsdp full": (_S + _m(fsdp=8) + ["strategy=fsdp"], ["all-gather", "reduce-scatter", "all-to-all"]),
+    "125m hsdp full": (_S + _m(data=2, fsdp=4) + ["strategy=hsdp"], ["all-gather", "reduce-scatter", "all-reduce",
+                                                                     "all-to-all"]),
     "125m tp none": (_S + _m(data=2, tensor=4) + ["strategy=tp", "model.remat=none"], ["all-reduce"]),
-    "125m tp_sp full": (_S + _m(data=2, tensor=4) + ["strategy=tp_sp"], ["all-gather"]),
+    "125m tp_sp full": (_S + _m(data=2, tensor=4) + ["strategy=tp_sp"], ["all-gather", "reduce-scatter"]),
     "125m fsdp_tp none": (_S + _m(fsdp=4, tensor=2) + ["strategy=fsdp_tp", "model.remat=none"],
                           ["all-gather", "reduce-scatter", "all-reduce"]),
 }
 
 
 def test_predictions_match_the_compiled_step():
-    """23 configs (tiny and 125m; every preset; tensor, pipeline and expert axes; remat none/full;
+    """24 configs (tiny and 125m; every preset; tensor, pipeline and expert axes; remat none/full;
     microbatches 1 and 4): params + optimizer state = the step's argument bytes within 1% (the train
-    state is the argument, the batch < 0.1%); total memory within 17% of `memory_analysis` (22 of 23
-    within 15%, bench/RESULTS.md); the collective kinds each config lists within 10% of the HLO."""
+    state is the argument, the batch < 0.1%); total memory within 17% of `memory_analysis` (all but
+    one within 15%: tiny zero1, bench/RESULTS.md); every config's collective bytes within 10% of the
+    HLO's, and each kind a config lists within 10%."""
     from meshpar.dryrun import compare
-    ratios, worst_coll = {}, (1.0, "")
+    mem, coll, worst_kind = {}, {}, (1.0, "")
     for name, (overrides, kinds) in SWEEP.items():
         pred, comp = compare(load_config(None, overrides))
         args_ratio = (pred["memory"]["params"] + pred["memory"]["optimizer"]) / comp["memory"]["argument"]
         assert abs(args_ratio - 1) < 0.01, (name, args_ratio)
-        ratios[name] = pred["memory"]["total"] / comp["memory"]["peak_estimate"]
-        assert abs(ratios[name] - 1) < 0.17, (name, ratios[name], pred["memory"], comp["memory"])
+        mem[name] = pred["memory"]["total"] / comp["memory"]["peak_estimate"]
+        assert abs(mem[name] - 1) < 0.17, (name, mem[name], pred["memory"], comp["memory"])
+        coll[name] = sum(pred["collectives"].values()) / sum(comp["collectives"].values())
         for kind in kinds:
             r = pred["collectives"].get(kind, 0) / comp["collectives"][kind]
             assert abs(r - 1) < 0.10, (name, kind, r, pred["collectives"], comp["collectives"])
-            worst_coll = max(worst_coll, (max(r, 1 / r), f"{name} {kind}"))
-    within = sum(abs(r - 1) < 0.15 for r in ratios.values())
-    assert len(SWEEP) >= 20 and within >= len(SWEEP) - 1, ratios
-    print(f"memory within 15%: {within} of {len(SWEEP)}; worst {max(ratios.items(), key=lambda kv: abs(kv[1] - 1))}; "
-          f"worst listed collective {worst_coll}")
+            worst_kind = max(worst_kind, (max(r, 1 / r), f"{name} {kind}"))
+    worst = {k: max(v.items(), key=lambda kv: abs(kv[1] - 1)) for k, v in (("memory", mem), ("collectives", coll))}
+    within = {"memory": sum(abs(r - 1) < 0.15 for r in mem.values()),
+              "collectives": sum(abs(r - 1) < 0.10 for r in coll.values())}
+    assert len(SWEEP) >= 20 and within["memory"] >= len(SWEEP) - 1, mem
+    assert within["collectives"] == len(SWEEP), coll
+    print(f"of {len(SWEEP)}: memory within 15% {within['memory']}, collective bytes within 10% "
+          f"{within['collectives']}; worst {worst}; worst listed kind {worst_kind}")
 
 
 def test_winner_yaml_is_a_config_train_accepts(tmp_path):
