@@ -202,14 +202,14 @@ def _generate(cfg, args) -> None:
           f"{engine.slots} slots, cache {engine.length})", file=sys.stderr)
     engine.warmup(reqs)
     show = (lambda ids: tok.decode(ids)) if tok else (lambda ids: "".join(f"{t} " for t in ids))
-    stream = None
-    if not args.json and len(reqs) == 1:        # one prompt: stream its tokens as they come
-        sys.stdout.write(show(reqs[0].tokens))
+    def stream(i, t):
+        sys.stdout.write(show([t]))
+        sys.stdout.flush()
 
-        def stream(i, t):
-            sys.stdout.write(show([t]))
-            sys.stdout.flush()
-    out = engine.run(reqs, on_token=stream)
+    one = not args.json and len(reqs) == 1      # one prompt: stream its tokens as they come
+    if one:
+        sys.stdout.write(show(reqs[0].tokens))
+    out = engine.run(reqs, on_token=stream if one else None)
     rate = engine.decode_steps and sum(max(0, len(c.tokens) - 1) for c in out) / max(engine.decode_s, 1e-9)
     if args.json:
         rec = {"tokens": [c.tokens for c in out], "text": [tok.decode(c.tokens) for c in out] if tok else None,
@@ -220,7 +220,7 @@ def _generate(cfg, args) -> None:
         sys.stdout.write("\n")
         return
     for r, c in zip(reqs, out):                 # several prompts decode together: each printed whole
-        print("" if stream else show(r.tokens) + show(c.tokens))
+        print("" if one else show(r.tokens) + show(c.tokens))
     print(f"first token {out[0].ttft_s:.3f} s, decode {rate:.1f} tokens/s", file=sys.stderr)
 
 

@@ -51,7 +51,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from meshpar.errors import ConfigError
 from meshpar.rules import active_layout, constrain

@@ -49,7 +49,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from meshpar import precision as precision_lib
-from meshpar.data import Leaf, is_leaf
+from meshpar.data import is_leaf
 from meshpar.errors import ConfigError
 from meshpar.mesh import make_mesh
 from meshpar.rules import BATCH_AXES, Layout, get_strategy, parse_user_rules, spec_axes, table, use_layout

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from meshpar import loop as loop_lib
-from meshpar.data import EVAL_STEP, Batches, MarkovLanguage, Prefetch, TokenFile, make_eval_source, make_source
+from meshpar.data import EVAL_STEP, Batches, MarkovLanguage, Prefetch, make_eval_source, make_source
 from meshpar.errors import ConfigError, MeshparError
 from meshpar.loop import run
 from meshpar.step import Trainer

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from meshpar import pipeline, schedules
+from meshpar import schedules
 from meshpar.errors import ConfigError, ShardingError
 from meshpar.inspect import collectives
 from meshpar.step import Trainer
