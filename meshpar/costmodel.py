@@ -49,7 +49,8 @@ Time per step (seconds).
 * Compute: model FLOPs (PaLM appendix B, `meshpar.flops.flops_per_token`) x recomputation
   (full remat: one extra forward of the layers, x 4/3 of their FLOPs; save_dots: the attention
   score/PV matmuls again; a pipeline recomputes each stage in its backward: one more forward of the
-  layers, as GPipe's re-materialization (Huang et al. 2019)) / (N x peak x efficiency). The
+  layers, as GPipe's re-materialization (Huang et al. 2019), except a one-layer stage under full
+  remat) / (N x peak x efficiency). The
   efficiency is an assumption of the hardware preset (0.5: what tuned dense-LM runs report as MFU
   at scale).
 * Collectives on ring formulas (Patarasuk & Yuan 2009; NCCL's bus-bandwidth note): all-gather and
@@ -59,8 +60,10 @@ Time per step (seconds).
   Bytes, read off the compiled steps of tests/test_plan.py: data-parallel gradients and FSDP/ZeRO
   gathers per parameter; Megatron TP per layer and pass, in [b, s, h] units: column-parallel entries
   (SP: all-gather) in each forward pass (the forward, the layer recompute of full remat, the
-  pipeline's stage recompute) and transposed in the backward, row-parallel exits likewise, where
+  pipeline's stage recompute, dead when the stage is one layer under full remat; 1F1B's last
+  stage runs its forward once) and transposed in the backward, row-parallel exits likewise, where
   the layer recompute's last exit is dead code (the layer's output feeds nothing in its backward);
+  1F1B's head and lookup run on one stage each (bytes averaged over the stages, as `inspect`);
   a MoE layer's expert collectives move its [E,G,C,M] buffer (k cf [b, s, h]), its gate and up
   projections transposed separately. A lookup table split over the batch axes moves looked-up rows
   (all-to-all of [b, s, h], and the row gradients back) when they are fewer bytes than the table;
@@ -268,6 +271,16 @@ def _batch_axes(shape: dict) -> list:
     return [a for a in BATCH_AXES if shape[a] > 1]
 
 
+def stage_recompute(cand: Candidate, lc: float) -> float:
+    """Forward passes of a stage its backward reruns (meshpar's pipeline keeps only stage inputs): one
+    with a pipeline; none when the stage is one layer under full remat (the backward needs only
+    that layer's input, which the stage already holds, so the rerun is dead code). A scan of two or
+    more layers is rerun whole (one loop body for all layers)."""
+    if cand.shape["pipeline"] == 1:
+        return 0.0
+    return 0.0 if cand.remat == "full" and lc <= 1 else 1.0
+
+
 def collectives(facts: ModelFacts, cand: Candidate, cfg, res: Resolver, c: int, g: int = 4, w: int = 4) -> list:
     """Predicted collectives of one step: [{kind, axes, bytes (whole tensor, per step), overlap}],
     bytes counted as `meshpar inspect` counts them. g, w: bytes of a gradient / weight element on
@@ -343,7 +356,11 @@ def collectives(facts: ModelFacts, cand: Candidate, cfg, res: Resolver, c: int, 
         if facts.moe and any(n_ == "expert_mlp" for n_, _ in st.params):
             moe, kc = 1 / facts.moe["every"], facts.moe["top_k"] * facts.moe["capacity_factor"]
         dense, full = 1 - moe, cand.remat == "full"
-        f = 1 + full + (p > 1)      # forward passes: forward, layer recompute, stage recompute
+        one_f = p > 1 and cand.schedule == "1f1b"       # bytes averaged over its stages (per-device branches)
+        lc = layers / cand.virtual                      # layers a tick runs
+        # forward passes: forward, layer recompute, stage recompute (1F1B's last stage runs its forward
+        # once, in its backward tick)
+        f = 1 + full + stage_recompute(cand, lc) * ((p - 1) / p if one_f else 1)
         # The layer recompute's last row-parallel output (a dense layer's, the layer's own output) feeds
         # nothing: dead code. MoE models scan groups of layers that end in a MoE combine, not a collective.
         dead = dense * (full and not facts.moe)
@@ -351,7 +368,6 @@ def collectives(facts: ModelFacts, cand: Candidate, cfg, res: Resolver, c: int, 
         # and transposed in the backward (b); attention, dense MLP, MoE expert gate+up (2 entries) and down
         ent_f, ex_f = f * (1 + dense + moe * kc), f * (1 + dense + moe * kc) - dead
         ent_b, ex_b = 1 + dense + 2 * moe * kc, 1 + dense + moe * kc
-        lc = layers / cand.virtual                      # layers a tick runs
         sp = any(n_ == "length" for n_, _ in st.params)
         # the head's input (and its gradient) and the lookup's output; under SP a lookup table split
         # over tensor is gathered whole instead (and its gradient reduce-scattered)
@@ -360,7 +376,9 @@ def collectives(facts: ModelFacts, cand: Candidate, cfg, res: Resolver, c: int, 
         for kind, per_layer in ((("all-gather", ent_f + ex_b), ("reduce-scatter", ex_f + ent_b)) if sp else
                                 (("all-reduce", ex_f + ent_b),)):
             lookup = (w if kind == "all-gather" else g) * table if table else act
-            add(kind, ["tensor"], runs * (act * (lc * per_layer + 1) + lookup), False)
+            # 1F1B: the head on the last stage, the lookup on the first (its forward and backward ticks)
+            edges = (act + 2 * lookup) / p if one_f else act + lookup
+            add(kind, ["tensor"], runs * (act * lc * per_layer + edges), False)
     if p > 1:
         from meshpar.schedules import schedule_table
         table = schedule_table(cand.schedule, p, cand.pp_microbatches, cand.virtual)
@@ -401,8 +419,8 @@ def step_time(facts: ModelFacts, cand: Candidate, cfg, hw, ops: list) -> dict:
     layer_share = 1.0 - 6.0 * (d["vocab"] or 0) * (d["embed"] or 0) / max(facts.flops_per_token, 1.0)
     extra = {"none": 0.0, "full": layer_share / 3, "offload": attn / facts.flops_per_token / 3,
              "save_dots": attn / facts.flops_per_token / 3}[cand.remat]
-    if cand.shape["pipeline"] > 1:                  # the pipeline recomputes each stage in its backward
-        extra += layer_share / 3
+    lc = (d.get("layers") or 1) / cand.shape["pipeline"] / cand.virtual
+    extra += stage_recompute(cand, lc) * layer_share / 3   # the pipeline reruns each stage in its backward
     compute = model_flops * (1 + extra) / (n * hw.peak_flops * hw.efficiency)
     times = [collective_time(op, cand, hw) for op in ops]
     overlapped = sum(tm for tm, op in zip(times, ops) if op["overlap"])

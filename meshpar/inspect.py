@@ -15,6 +15,8 @@ from collections import defaultdict
 
 import numpy as np
 
+from meshpar.schedules import BRANCH_SHARE
+
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
                 "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1}
@@ -176,6 +178,9 @@ def collectives(hlo: str, mesh_shape: dict[str, int] | None = None) -> list[dict
     An all-reduce whose results are only ever sliced per device is reported as kind
     `reduce-scatter` with `lowered_as: "all-reduce+dynamic-slice"` (what it is on GPU/TPU, what it
     means for memory, and honest about what runs on CPU); tuple all-reduces are split per element.
+    A collective inside a per-device branch named with `meshpar.schedules.BRANCH_SHARE` (1F1B's
+    switch) runs that share of its loop's iterations, averaged over the devices; any other branch
+    counts on every run of its conditional (an upper bound).
     """
     comps, entry = _split_computations(hlo)
     mult = _multipliers(comps, entry)
@@ -191,7 +196,9 @@ def collectives(hlo: str, mesh_shape: dict[str, int] | None = None) -> list[dict
                 shapes = shapes[len(shapes) // 2:]          # async start: (operands..., outputs...)
             groups = _groups(line)
             group_size = len(groups[0]) if groups and kind != "collective-permute" else 1
-            base = {"times": max(mult.get(comp, 1), 1), "computation": comp,
+            share = re.search(re.escape(BRANCH_SHARE) + r"([\d.e+-]+)", line)   # a per-device branch
+            times = max(mult.get(comp, 1), 1) * (float(share.group(1)) if share else 1)
+            base = {"times": times, "computation": comp,
                     "axes": _axes_of_groups(groups, mesh_shape) if mesh_shape else [],
                     "group_size": group_size if groups else None}
             if kind == "all-reduce" and not start and group_size > 1:

@@ -51,7 +51,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshpar.errors import ConfigError, ShardingError
 from meshpar.rules import spec_axes
-from meshpar.schedules import one_f_one_b_program
+from meshpar.schedules import BRANCH_SHARE, one_f_one_b_branch_shares, one_f_one_b_program
 
 AXIS = "pipeline"
 
@@ -252,6 +252,7 @@ def _one_f_one_b_grads(model: _Model, p: int, m: int, outer, layers, tokens, see
     """
     (kind, micro, recv_f, recv_b), (k_act, k_grad) = one_f_one_b_program(p, m)
     n = kind.shape[0]
+    shares = one_f_one_b_branch_shares(kind)
     kind, micro, recv_f, recv_b = map(jnp.asarray, (kind, micro, recv_f, recv_b))
 
     # per-stage (and, manual over `data`, per-replica) partial gradients; psum'd once at the end
@@ -329,9 +330,15 @@ def _one_f_one_b_grads(model: _Model, p: int, m: int, outer, layers, tokens, see
             return _vary_tree({**out, "send_f": _vary(zero_x)})
         return run
 
+    def scoped(i, fn):              # named with its share of the ticks, for `meshpar inspect`
+        def run(c, mi):
+            with jax.named_scope(f"{BRANCH_SHARE}{shares[i]:.6g}"):
+                return fn(c, mi)
+        return run
+
     # switch index: 0 idle, 1 + position forward, 4 + position backward (position 0 first, 1 middle, 2 last)
-    branches = ([lambda c, mi: _vary_tree(idle(c, mi))] + [f_branch(q) for q in range(3)]
-                + [b_branch(q) for q in range(3)])
+    branches = [scoped(i, fn) for i, fn in enumerate([lambda c, mi: _vary_tree(idle(c, mi))]
+                                                     + [f_branch(q) for q in range(3)] + [b_branch(q) for q in range(3)])]
 
     def tick(c, t):
         # 1. exchange what was sent at the end of the previous tick (every stage, every tick)

@@ -199,6 +199,22 @@ def one_f_one_b_program(p: int, m: int):
     return (kind, micro, recv_f, recv_b), (_slots(recv_f, kind, micro), _slots(recv_b, kind, micro))
 
 
+# A per-device branch (1F1B's switch) carries this named scope with the share of its loop's ticks it
+# runs, averaged over the stages; `meshpar.inspect` counts the collectives inside by it instead of
+# counting every branch on every tick.
+BRANCH_SHARE = "meshpar_branch_share="
+
+
+def one_f_one_b_branch_shares(kind) -> list[float]:
+    """Per switch branch of the 1F1B executor (0 idle, 1 + position forward, 4 + position backward;
+    position 0 first, 1 middle, 2 last stage): the share of (tick, stage) pairs that run it."""
+    import numpy as np
+    n, p = kind.shape
+    pos = np.array([0 if s == 0 else 2 if s == p - 1 else 1 for s in range(p)])
+    idx = np.where(kind == 0, 0, np.where(kind == 1, 1 + pos, 4 + pos))
+    return [float(np.mean(idx == b)) for b in range(7)]
+
+
 def _slots(recv, kind, micro) -> int:
     """Buffer slots a stage needs: the most microbatches received and not yet backwarded (F) /
     consumed (B) at once. Slot = micro % slots never collides since microbatches flow in order."""

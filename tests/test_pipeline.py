@@ -170,6 +170,9 @@ def test_hlo_permutes_activations_and_never_gathers_the_stack(compiled_2x2x2):
                 branches |= {c.strip().lstrip("%") for c in found.group(1).split(",")}
         assert len(branches) >= 7
         assert not any(o["computation"] in branches for o in permutes)
+        ticks = len(schedules.schedule_table("1f1b", 2, 4))
+        tensor = [o for o in ops if o["axes"] == ["tensor"] and o["bytes"] > 1024]
+        assert tensor and all(o["times"] < ticks for o in tensor)   # counted by branch share, not every tick
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
@@ -206,6 +209,19 @@ def test_bubble_fractions_match_the_papers(p, k):
             for op in ops:
                 if op.kind == "B":
                     assert ops.index(schedules.Op("F", op.micro, op.chunk)) < ops.index(op)
+
+
+def test_one_f_one_b_branches_carry_their_share_of_the_ticks():
+    """`meshpar inspect` counts a collective inside 1F1B's per-device switch by the share of
+    (tick, stage) pairs that run its branch, not on every tick: each stage runs each microbatch's F
+    and B once, in the branch of its position (first, middle, last)."""
+    p, m = 4, 8
+    (kind, *_), _ = schedules.one_f_one_b_program(p, m)
+    shares = schedules.one_f_one_b_branch_shares(kind)
+    pairs = kind.size                                   # ticks x stages
+    assert sum(shares) == pytest.approx(1)
+    assert [round(x * pairs) for x in shares[1:]] == [m, 2 * m, m, m, 2 * m, m]   # F0 F1 F2 B0 B1 B2
+    assert shares[0] * pairs == pairs - 2 * m * p       # idle
 
 
 def test_one_f_one_b_stashes_at_most_p_minus_s_microbatches():

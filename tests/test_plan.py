@@ -101,6 +101,12 @@ SWEEP = {   # name: (overrides, collective kinds the model must predict within 1
     "tiny fsdp_tp": (_T + _m(fsdp=4, tensor=2) + ["strategy=fsdp_tp"], []),
     "tiny pipeline 1f1b": (_T + _m(pipeline=2, data=4) + ["strategy=dp", "model.layers=4", "pipeline.schedule=1f1b",
                                                           "pipeline.microbatches=4"], ["collective-permute", "all-reduce"]),
+    "tiny 1f1b tp": (_T + _m(pipeline=2, data=2, tensor=2) + ["strategy=tp", "model.layers=4", "pipeline.schedule=1f1b",
+                                                              "pipeline.microbatches=4"],
+                     ["collective-permute", "all-reduce"]),
+    "tiny 1f1b 4 stages tp": (_T + _m(pipeline=4, tensor=2) + ["strategy=tp", "model.layers=4", "pipeline.schedule=1f1b",
+                                                               "pipeline.microbatches=8"],
+                              ["collective-permute", "all-reduce"]),
     "tiny gpipe remat none": (_T + _m(pipeline=2, data=4) + ["strategy=dp", "model.layers=4", "model.remat=none",
                                                             "pipeline.schedule=gpipe"],
                               ["collective-permute", "all-reduce"]),
@@ -131,7 +137,7 @@ SWEEP = {   # name: (overrides, collective kinds the model must predict within 1
 
 
 def test_predictions_match_the_compiled_step():
-    """24 configs (tiny and 125m; every preset; tensor, pipeline and expert axes; remat none/full;
+    """26 configs (tiny and 125m; every preset; tensor, pipeline and expert axes; remat none/full;
     microbatches 1 and 4): params + optimizer state = the step's argument bytes within 1% (the train
     state is the argument, the batch < 0.1%); total memory within 17% of `memory_analysis` (all but
     one within 15%: tiny zero1, bench/RESULTS.md); every config's collective bytes within 10% of the
