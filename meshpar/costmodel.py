@@ -271,14 +271,15 @@ def _batch_axes(shape: dict) -> list:
     return [a for a in BATCH_AXES if shape[a] > 1]
 
 
-def stage_recompute(cand: Candidate, lc: float) -> float:
+def stage_recompute(facts: ModelFacts, cand: Candidate) -> float:
     """Forward passes of a stage its backward reruns (meshpar's pipeline keeps only stage inputs): one
-    with a pipeline; none when the stage is one layer under full remat (the backward needs only
+    with a pipeline; none when a tick runs one layer under full remat (the backward needs only
     that layer's input, which the stage already holds, so the rerun is dead code). A scan of two or
     more layers is rerun whole (one loop body for all layers)."""
     if cand.shape["pipeline"] == 1:
         return 0.0
-    return 0.0 if cand.remat == "full" and lc <= 1 else 1.0
+    per_tick = (facts.dims.get("layers") or 1) / cand.shape["pipeline"] / cand.virtual
+    return 0.0 if cand.remat == "full" and per_tick <= 1 else 1.0
 
 
 def collectives(facts: ModelFacts, cand: Candidate, cfg, res: Resolver, c: int, g: int = 4, w: int = 4) -> list:
@@ -349,6 +350,7 @@ def collectives(facts: ModelFacts, cand: Candidate, cfg, res: Resolver, c: int, 
     act = c * b * s * h                                 # one [b, s, h] activation per device
     t = shape["tensor"]
     p = shape["pipeline"]
+    sp = any(n_ == "length" for n_, _ in st.params)     # SP: the residual is split over tensor
     if t > 1 and any(n == "heads" for n, _ in st.params):
         # every stage computes on every tick of GPipe / interleaved (bubble ticks too)
         runs = ma * (cand.virtual * cand.pp_microbatches + p - 1) if p > 1 and cand.schedule != "1f1b" else n_mb
@@ -360,7 +362,7 @@ def collectives(facts: ModelFacts, cand: Candidate, cfg, res: Resolver, c: int, 
         lc = layers / cand.virtual                      # layers a tick runs
         # forward passes: forward, layer recompute, stage recompute (1F1B's last stage runs its forward
         # once, in its backward tick)
-        f = 1 + full + stage_recompute(cand, lc) * ((p - 1) / p if one_f else 1)
+        f = 1 + full + stage_recompute(facts, cand) * ((p - 1) / p if one_f else 1)
         # The layer recompute's last row-parallel output (a dense layer's, the layer's own output) feeds
         # nothing: dead code. MoE models scan groups of layers that end in a MoE combine, not a collective.
         dead = dense * (full and not facts.moe)
@@ -368,14 +370,13 @@ def collectives(facts: ModelFacts, cand: Candidate, cfg, res: Resolver, c: int, 
         # and transposed in the backward (b); attention, dense MLP, MoE expert gate+up (2 entries) and down
         ent_f, ex_f = f * (1 + dense + moe * kc), f * (1 + dense + moe * kc) - dead
         ent_b, ex_b = 1 + dense + 2 * moe * kc, 1 + dense + moe * kc
-        sp = any(n_ == "length" for n_, _ in st.params)
         # the head's input (and its gradient) and the lookup's output; under SP a lookup table split
         # over tensor is gathered whole instead (and its gradient reduce-scattered)
-        table = sum(lf.numel for lf in facts.leaves if lf.path in facts.lookups and sp
-                    and "tensor" in _axes(res.spec(lf, cand.strategy, shape, "params")))
+        table_numel = sum(lf.numel for lf in facts.leaves if lf.path in facts.lookups and sp
+                          and "tensor" in _axes(res.spec(lf, cand.strategy, shape, "params")))
         for kind, per_layer in ((("all-gather", ent_f + ex_b), ("reduce-scatter", ex_f + ent_b)) if sp else
                                 (("all-reduce", ex_f + ent_b),)):
-            lookup = (w if kind == "all-gather" else g) * table if table else act
+            lookup = (w if kind == "all-gather" else g) * table_numel if table_numel else act
             # 1F1B: the head on the last stage, the lookup on the first (its forward and backward ticks)
             edges = (act + 2 * lookup) / p if one_f else act + lookup
             add(kind, ["tensor"], runs * (act * lc * per_layer + edges), False)
@@ -383,8 +384,7 @@ def collectives(facts: ModelFacts, cand: Candidate, cfg, res: Resolver, c: int, 
         from meshpar.schedules import schedule_table
         table = schedule_table(cand.schedule, p, cand.pp_microbatches, cand.virtual)
         permutes = 2 * len(table) if cand.schedule == "1f1b" else len(table)
-        sp = t if any(n_ == "length" for n_, _ in st.params) else 1   # SP: the residual is split over tensor
-        add("collective-permute", ["pipeline"], act / sp * permutes * ma, False)
+        add("collective-permute", ["pipeline"], act / (t if sp else 1) * permutes * ma, False)
         if cand.schedule == "interleaved" and cand.virtual > 1:   # layers to chunk order and gradients back
             stacked = sum(lf.numel / _factor(res.spec(lf, cand.strategy, shape, "params"), shape)
                           for lf in facts.leaves if lf.stacked)
@@ -419,8 +419,7 @@ def step_time(facts: ModelFacts, cand: Candidate, cfg, hw, ops: list) -> dict:
     layer_share = 1.0 - 6.0 * (d["vocab"] or 0) * (d["embed"] or 0) / max(facts.flops_per_token, 1.0)
     extra = {"none": 0.0, "full": layer_share / 3, "offload": attn / facts.flops_per_token / 3,
              "save_dots": attn / facts.flops_per_token / 3}[cand.remat]
-    lc = (d.get("layers") or 1) / cand.shape["pipeline"] / cand.virtual
-    extra += stage_recompute(cand, lc) * layer_share / 3   # the pipeline reruns each stage in its backward
+    extra += stage_recompute(facts, cand) * layer_share / 3   # the pipeline reruns each stage in its backward
     compute = model_flops * (1 + extra) / (n * hw.peak_flops * hw.efficiency)
     times = [collective_time(op, cand, hw) for op in ops]
     overlapped = sum(tm for tm, op in zip(times, ops) if op["overlap"])

@@ -17,6 +17,7 @@ import numpy as np
 
 from meshpar.schedules import BRANCH_SHARE
 
+_SHARE = re.compile(re.escape(BRANCH_SHARE) + r"([\d.e+-]+)")   # a per-device branch's share of its loop
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
                 "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1}
@@ -196,7 +197,7 @@ def collectives(hlo: str, mesh_shape: dict[str, int] | None = None) -> list[dict
                 shapes = shapes[len(shapes) // 2:]          # async start: (operands..., outputs...)
             groups = _groups(line)
             group_size = len(groups[0]) if groups and kind != "collective-permute" else 1
-            share = re.search(re.escape(BRANCH_SHARE) + r"([\d.e+-]+)", line)   # a per-device branch
+            share = _SHARE.search(line)
             times = max(mult.get(comp, 1), 1) * (float(share.group(1)) if share else 1)
             base = {"times": times, "computation": comp,
                     "axes": _axes_of_groups(groups, mesh_shape) if mesh_shape else [],

@@ -51,7 +51,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshpar.errors import ConfigError, ShardingError
 from meshpar.rules import spec_axes
-from meshpar.schedules import BRANCH_SHARE, one_f_one_b_branch_shares, one_f_one_b_program
+from meshpar.schedules import BRANCH_SHARE, branch_shares, one_f_one_b_branches, one_f_one_b_program
 
 AXIS = "pipeline"
 
@@ -252,14 +252,14 @@ def _one_f_one_b_grads(model: _Model, p: int, m: int, outer, layers, tokens, see
     """
     (kind, micro, recv_f, recv_b), (k_act, k_grad) = one_f_one_b_program(p, m)
     n = kind.shape[0]
-    shares = one_f_one_b_branch_shares(kind)
-    kind, micro, recv_f, recv_b = map(jnp.asarray, (kind, micro, recv_f, recv_b))
+    branch = one_f_one_b_branches(kind)         # [ticks, P] switch index
+    shares = branch_shares(branch, 7)
+    branch, micro, recv_f, recv_b = map(jnp.asarray, (branch, micro, recv_f, recv_b))
 
     # per-stage (and, manual over `data`, per-replica) partial gradients; psum'd once at the end
     outer, layers = _vary_tree(outer), _vary_tree(layers)
     outer_e = model.for_embed(outer)
     s = lax.axis_index(AXIS)
-    pos = jnp.where(s == 0, 0, jnp.where(s == p - 1, 2, 1))    # first / middle / last stage
     inv_m = 1.0 / m
     seed = _vary(seed.astype(jnp.float32))
     seed_m = seed * inv_m               # cotangent of each microbatch's aux loss (the loss is a mean)
@@ -336,7 +336,7 @@ def _one_f_one_b_grads(model: _Model, p: int, m: int, outer, layers, tokens, see
                 return fn(c, mi)
         return run
 
-    # switch index: 0 idle, 1 + position forward, 4 + position backward (position 0 first, 1 middle, 2 last)
+    # in the order of `meshpar.schedules.one_f_one_b_branches`: idle, forward and backward by position
     branches = [scoped(i, fn) for i, fn in enumerate([lambda c, mi: _vary_tree(idle(c, mi))]
                                                      + [f_branch(q) for q in range(3)] + [b_branch(q) for q in range(3)])]
 
@@ -350,9 +350,7 @@ def _one_f_one_b_grads(model: _Model, p: int, m: int, outer, layers, tokens, see
         grad = _store(c["grad"], kb, k_grad, rb)
         c = {**c, "act": act, "grad": grad}
         # 3. this stage's own op (a per-device conditional)
-        k = kind[t, s]
-        idx = jnp.where(k == 0, 0, jnp.where(k == 1, 1 + pos, 4 + pos))
-        c = lax.switch(idx, branches, c, micro[t, s])
+        c = lax.switch(branch[t, s], branches, c, micro[t, s])
         # 4. the embedding's backward (a scatter-add into the table) on every stage, with a zero
         # cotangent except on stage 0 after its backward: XLA's SPMD partitioner crashes on this
         # scatter inside a per-device branch when the table is FSDP-sharded (JAX 0.10).

@@ -205,14 +205,19 @@ def one_f_one_b_program(p: int, m: int):
 BRANCH_SHARE = "meshpar_branch_share="
 
 
-def one_f_one_b_branch_shares(kind) -> list[float]:
-    """Per switch branch of the 1F1B executor (0 idle, 1 + position forward, 4 + position backward;
-    position 0 first, 1 middle, 2 last stage): the share of (tick, stage) pairs that run it."""
+def one_f_one_b_branches(kind):
+    """[ticks, P] index of the 1F1B executor's switch branch at each (tick, stage): 0 idle,
+    1 + position forward, 4 + position backward (position 0 first, 1 middle, 2 last stage)."""
     import numpy as np
-    n, p = kind.shape
+    p = kind.shape[1]
     pos = np.array([0 if s == 0 else 2 if s == p - 1 else 1 for s in range(p)])
-    idx = np.where(kind == 0, 0, np.where(kind == 1, 1 + pos, 4 + pos))
-    return [float(np.mean(idx == b)) for b in range(7)]
+    return np.where(kind == 0, 0, np.where(kind == 1, 1 + pos, 4 + pos))
+
+
+def branch_shares(branches, n: int) -> list[float]:
+    """Per branch 0..n-1: the share of (tick, stage) pairs that run it."""
+    import numpy as np
+    return [float(np.mean(branches == b)) for b in range(n)]
 
 
 def _slots(recv, kind, micro) -> int:

@@ -217,7 +217,7 @@ def test_one_f_one_b_branches_carry_their_share_of_the_ticks():
     and B once, in the branch of its position (first, middle, last)."""
     p, m = 4, 8
     (kind, *_), _ = schedules.one_f_one_b_program(p, m)
-    shares = schedules.one_f_one_b_branch_shares(kind)
+    shares = schedules.branch_shares(schedules.one_f_one_b_branches(kind), 7)
     pairs = kind.size                                   # ticks x stages
     assert sum(shares) == pytest.approx(1)
     assert [round(x * pairs) for x in shares[1:]] == [m, 2 * m, m, m, 2 * m, m]   # F0 F1 F2 B0 B1 B2
