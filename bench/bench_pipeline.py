@@ -4,7 +4,7 @@
     python bench/bench_pipeline.py --stages 2 --json
 
 The microbatch (b sequences) is fixed and the mini-batch is M x b, so doubling M doubles the work:
-GPipe stashes one stage input [b, T, E] per microbatch (M of them) while 1F1B holds at most P in
+GPipe stashes one stage input [b, T, E] per microbatch (M of them) while 1F1B holds at most 2P - 1 in
 flight, so 1F1B's temporary memory should barely move with M and GPipe's should grow ~linearly.
 Nothing runs: every number is from compiling one train step on fake CPU devices.
 """

@@ -25,11 +25,14 @@ Memory (per device, bytes).
   Under TP the head and F terms are divided by t (TP without SP also keeps the two row-parallel
   outputs, 2h, before their all-reduce); under SP (tp_sp) the h terms are divided too. Without
   pipelining every layer stores its set for one microbatch (accumulation runs microbatches one after
-  another). meshpar's pipeline recomputes each stage in its backward, so a stage stores only stage
-  inputs [b, s, h]: one per tick for GPipe and interleaved (v M + P - 1 ticks, as they are
-  differentiated as one loop), two per microbatch in flight for 1F1B (inputs and output gradients,
-  at most P; `meshpar.schedules.in_flight`), plus one microbatch's sets of its L/(P v) layers while
-  that stage runs backward. On top: the working set of the layer being differentiated (its
+  another). meshpar's GPipe and interleaved schedules recompute each stage in its backward, so a
+  stage stores only stage inputs [b, s, h], one per tick (v M + P - 1 ticks, as they are
+  differentiated as one loop), plus one microbatch's sets of its L/(P v) layers while that stage
+  runs backward. 1F1B stashes each microbatch in flight's sets of its L/P layers (at most 2P - 1 in
+  meshpar's lockstep 1F1B; `meshpar.schedules`; three more sets are in motion, `stash_slots`) and
+  receives two [b, s, h] per tick (an input, a gradient);
+  under `none` the sets include the stage's weights in the compute dtype (XLA keeps the cast as a
+  residual), so a slot holds them too. On top: the working set of the layer being differentiated (its
   `none` set once), the logits in fp32 with their gradient (2 x 4 b s V / t). MoE layers add their
   capacity buffers, the expert input/output and hidden [E,G,C,M|H]: b s k cf (2h + 3H_e/t) per
   MoE layer (meshpar's default gather dispatch holds no [G,S,E,C] masks).
@@ -48,9 +51,9 @@ Memory (per device, bytes).
 Time per step (seconds).
 * Compute: model FLOPs (PaLM appendix B, `meshpar.flops.flops_per_token`) x recomputation
   (full remat: one extra forward of the layers, x 4/3 of their FLOPs; save_dots: the attention
-  score/PV matmuls again; a pipeline recomputes each stage in its backward: one more forward of the
-  layers, as GPipe's re-materialization (Huang et al. 2019), except a one-layer stage under full
-  remat) / (N x peak x efficiency). The
+  score/PV matmuls again; GPipe and interleaved recompute each stage in its backward: one more
+  forward of the layers, as GPipe's re-materialization (Huang et al. 2019), except a one-layer stage
+  under full remat; 1F1B stashes residuals and recomputes nothing more) / (N x peak x efficiency). The
   efficiency is an assumption of the hardware preset (0.5: what tuned dense-LM runs report as MFU
   at scale).
 * Collectives on ring formulas (Patarasuk & Yuan 2009; NCCL's bus-bandwidth note): all-gather and
@@ -208,13 +211,21 @@ def local_batch(cfg, cand: Candidate) -> float:
 
 
 def in_flight(cand: Candidate) -> int:
-    """Microbatches whose activations a stage holds at once (GPipe M, 1F1B <= P, interleaved v M)."""
+    """Microbatches whose activations a stage holds at once (GPipe M, lockstep 1F1B <= 2P - 1,
+    interleaved v M; `meshpar.schedules`)."""
     p = cand.shape["pipeline"]
     if p == 1:
         return 1
     if cand.schedule == "1f1b":
-        return min(p, cand.pp_microbatches)
+        return min(2 * p - 1, cand.pp_microbatches)
     return cand.pp_microbatches * (cand.virtual if cand.schedule == "interleaved" else 1)
+
+
+def stash_slots(cand: Candidate) -> int:
+    """1F1B's residual sets of one stage alive at once: one slot per microbatch in flight, the spare
+    slot a tick that keeps nothing writes to, the set a forward tick produces and the slot a tick
+    reads (`meshpar.pipeline`: the switch's branches see one slot, never the buffers)."""
+    return in_flight(cand) + 3
 
 
 def _per_token(dims: dict, remat: str, t_heads: int, t_mlp: int, t_res: int, s: int) -> float:
@@ -246,10 +257,11 @@ def activation_parts(facts: ModelFacts, cand: Candidate, cfg, c: int) -> dict:
     per_layer = _per_token(d, cand.remat, t_heads, t_mlp, t_res, s)
     if shape["pipeline"] == 1:
         out["stored"] = c * layers * tokens * per_layer
+    elif cand.schedule == "1f1b":   # residual slots (see stash_slots); the input and the gradient received
+        out["stored"] = c * tokens * (stash_slots(cand) * layers * per_layer + 2 * d["embed"] / t_res)
     else:       # the stash of stage inputs, then one microbatch's residuals while its stage runs backward
         ticks = cand.virtual * cand.pp_microbatches + shape["pipeline"] - 1
-        stash = 2 * in_flight(cand) if cand.schedule == "1f1b" else ticks     # 1F1B: inputs and output grads
-        out["stored"] = c * tokens * (stash * d["embed"] / t_res + layers / cand.virtual * per_layer)
+        out["stored"] = c * tokens * (ticks * d["embed"] / t_res + layers / cand.virtual * per_layer)
     out["working"] = c * tokens * _per_token(d, "none", t_heads, t_mlp, t_res, s)
     out["logits"] = 2 * 4 * tokens * d["vocab"] / t_vocab
     if facts.moe:
@@ -272,11 +284,11 @@ def _batch_axes(shape: dict) -> list:
 
 
 def stage_recompute(facts: ModelFacts, cand: Candidate) -> float:
-    """Forward passes of a stage its backward reruns (meshpar's pipeline keeps only stage inputs): one
-    with a pipeline; none when a tick runs one layer under full remat (the backward needs only
-    that layer's input, which the stage already holds, so the rerun is dead code). A scan of two or
-    more layers is rerun whole (one loop body for all layers)."""
-    if cand.shape["pipeline"] == 1:
+    """Forward passes of a stage its backward reruns: one for GPipe and interleaved (they keep only
+    stage inputs); none when a tick runs one layer under full remat (the backward needs only that
+    layer's input, which the stage already holds, so the rerun is dead code). A scan of two or more
+    layers is rerun whole (one loop body for all layers). None for 1F1B, which stashes residuals."""
+    if cand.shape["pipeline"] == 1 or cand.schedule == "1f1b":
         return 0.0
     per_tick = (facts.dims.get("layers") or 1) / cand.shape["pipeline"] / cand.virtual
     return 0.0 if cand.remat == "full" and per_tick <= 1 else 1.0
@@ -360,19 +372,21 @@ def collectives(facts: ModelFacts, cand: Candidate, cfg, res: Resolver, c: int, 
         dense, full = 1 - moe, cand.remat == "full"
         one_f = p > 1 and cand.schedule == "1f1b"       # bytes averaged over its stages (per-device branches)
         lc = layers / cand.virtual                      # layers a tick runs
-        # forward passes: forward, layer recompute, stage recompute (1F1B's last stage runs its forward
-        # once, in its backward tick)
-        f = 1 + full + stage_recompute(facts, cand) * ((p - 1) / p if one_f else 1)
+        f = 1 + full + stage_recompute(facts, cand)    # forward passes: forward, layer and stage recompute
         # The layer recompute's last row-parallel output (a dense layer's, the layer's own output) feeds
         # nothing: dead code. MoE models scan groups of layers that end in a MoE combine, not a collective.
         dead = dense * (full and not facts.moe)
         # per layer, in [b, s, h]: column-parallel entries / row-parallel exits, in forward passes (f)
         # and transposed in the backward (b); attention, dense MLP, MoE expert gate+up (2 entries) and down
-        ent_f, ex_f = f * (1 + dense + moe * kc), f * (1 + dense + moe * kc) - dead
+        # (under SP, save_dots/offload keep the projections, not their gathered inputs: the backward
+        # gathers each entry's input again for its weight gradient)
+        regather = 1 if sp and cand.remat in ("save_dots", "offload") else 0
+        ent_f, ex_f = (f + regather) * (1 + dense + moe * kc), f * (1 + dense + moe * kc) - dead
         ent_b, ex_b = 1 + dense + 2 * moe * kc, 1 + dense + moe * kc
         # the head's input (and its gradient) and the lookup's output; under SP a lookup table split
-        # over tensor is gathered whole instead (and its gradient reduce-scattered)
-        table_numel = sum(lf.numel for lf in facts.leaves if lf.path in facts.lookups and sp
+        # over tensor is gathered whole instead (and its gradient reduce-scattered), but not by a
+        # pipeline, whose first stage reads the table as its own layout allows (`_Model.for_embed`)
+        table_numel = sum(lf.numel for lf in facts.leaves if lf.path in facts.lookups and sp and p == 1
                           and "tensor" in _axes(res.spec(lf, cand.strategy, shape, "params")))
         for kind, per_layer in ((("all-gather", ent_f + ex_b), ("reduce-scatter", ex_f + ent_b)) if sp else
                                 (("all-reduce", ex_f + ent_b),)):
@@ -380,10 +394,14 @@ def collectives(facts: ModelFacts, cand: Candidate, cfg, res: Resolver, c: int, 
             # 1F1B: the head on the last stage, the lookup on the first (its forward and backward ticks)
             edges = (act + 2 * lookup) / p if one_f else act + lookup
             add(kind, ["tensor"], runs * (act * lc * per_layer + edges), False)
+        if one_f and sp:        # 1F1B's embedding backward runs every tick on every stage (`meshpar.pipeline`),
+            ticks = cand.pp_microbatches + 2 * p - 2              # on the gathered sequence-split cotangent
+            add("all-gather", ["tensor"], act * ticks * ma, False)
     if p > 1:
         from meshpar.schedules import schedule_table
         table = schedule_table(cand.schedule, p, cand.pp_microbatches, cand.virtual)
-        permutes = 2 * len(table) if cand.schedule == "1f1b" else len(table)
+        # 1F1B: an input and a gradient every one of its M + 2P - 2 ticks; GPipe/interleaved: one per tick
+        permutes = 2 * (cand.pp_microbatches + 2 * p - 2) if cand.schedule == "1f1b" else len(table)
         add("collective-permute", ["pipeline"], act / (t if sp else 1) * permutes * ma, False)
         if cand.schedule == "interleaved" and cand.virtual > 1:   # layers to chunk order and gradients back
             stacked = sum(lf.numel / _factor(res.spec(lf, cand.strategy, shape, "params"), shape)
@@ -419,7 +437,7 @@ def step_time(facts: ModelFacts, cand: Candidate, cfg, hw, ops: list) -> dict:
     layer_share = 1.0 - 6.0 * (d["vocab"] or 0) * (d["embed"] or 0) / max(facts.flops_per_token, 1.0)
     extra = {"none": 0.0, "full": layer_share / 3, "offload": attn / facts.flops_per_token / 3,
              "save_dots": attn / facts.flops_per_token / 3}[cand.remat]
-    extra += stage_recompute(facts, cand) * layer_share / 3   # the pipeline reruns each stage in its backward
+    extra += stage_recompute(facts, cand) * layer_share / 3   # GPipe/interleaved rerun each stage in its backward
     compute = model_flops * (1 + extra) / (n * hw.peak_flops * hw.efficiency)
     times = [collective_time(op, cand, hw) for op in ops]
     overlapped = sum(tm for tm, op in zip(times, ops) if op["overlap"])
@@ -436,9 +454,9 @@ def _local(lf: Leaf, cand: Candidate, res: Resolver) -> float:
     return lf.numel / _factor(res.spec(lf, cand.strategy, cand.shape, "params"), cand.shape)
 
 
-def workspace_parts(facts: ModelFacts, cand: Candidate, res: Resolver, w: float = 4) -> dict:
+def workspace_parts(facts: ModelFacts, cand: Candidate, res: Resolver, w: float = 4, c: int = 2) -> dict:
     """Weight-sized buffers the compiled step holds beside its state (bytes; see the module
-    docstring), `w` bytes per weight element."""
+    docstring), `w` bytes per weight element, `c` per compute-dtype element."""
     shape, st = cand.shape, get_strategy(cand.strategy)
     stacked = [lf for lf in facts.leaves if lf.stacked]
     w_stk = w * sum(_local(lf, cand, res) for lf in stacked)
@@ -449,6 +467,9 @@ def workspace_parts(facts: ModelFacts, cand: Candidate, res: Resolver, w: float 
         on_batch = _axes(res.spec(lf, cand.strategy, shape, "params")) & set(BATCH_AXES)
         gathered += _local(lf, cand, res) * math.prod(shape[a] for a in on_batch) / lf.shape[0] if on_batch else 0.0
     out["layer"] = w * gathered if gathered else w_stk / layers
+    if shape["pipeline"] > 1 and cand.schedule == "1f1b" and cand.remat == "none":
+        # 1F1B's stash under `none`: each slot keeps the stage's weights cast to the compute dtype
+        out["stash_weights"] = stash_slots(cand) * c * sum(_local(lf, cand, res) for lf in stacked)
     return out
 
 
@@ -456,7 +477,7 @@ def evaluate(facts: ModelFacts, cand: Candidate, cfg, hw, res: Resolver, bpp, c:
     """Memory, collectives and time of one candidate; None when a tensor does not divide its axes."""
     try:
         mem = state_bytes(facts, cand, res, bpp)
-        ws = workspace_parts(facts, cand, res, bpp[0])
+        ws = workspace_parts(facts, cand, res, bpp[0], c)
     except ShardingError:
         return None
     act = activation_bytes(facts, cand, cfg, c)

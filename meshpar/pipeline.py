@@ -19,7 +19,11 @@ M microbatches, b sequences per microbatch, T length, E embed. `F3` = forward of
 
 The schedules themselves (GPipe, 1F1B, interleaved) are tick tables in `meshpar.schedules`; this
 module executes them. GPipe and the interleaved schedule are differentiated by autodiff of the
-forward tick loop; 1F1B runs forward and backward explicitly from its table.
+forward tick loop, each stage rematerialised (GPipe's re-materialization: the backward reruns the
+stage's forward from its stashed input). 1F1B runs forward and backward explicitly from its table
+and reruns nothing: a forward tick keeps the stage's `jax.vjp` residuals, which the model's remat
+policy decides (`save_dots` is Megatron's selective recompute, Korthikanti et al. 2022), and the
+backward tick applies them (`_Residuals`).
 
 Stored layer order stays the model's order (so a checkpoint means the same model on any mesh, and the
 pipelined loss equals the non-pipelined one); at rest device s holds layers [s L/P, (s+1) L/P). The
@@ -27,7 +31,8 @@ interleaved schedule needs chunks {r P + s}; the step moves them there with one 
 `pipeline` (and the gradients back), never an all-gather of the stack.
 
 Memory: GPipe stashes M stage inputs per device, interleaved v M (one per microbatch and chunk, since
-it too is differentiated as one loop), 1F1B at most P (bench/RESULTS.md, `## Pipeline`).
+it too is differentiated as one loop), 1F1B the residuals of at most 2P - 1 microbatches
+(bench/RESULTS.md, `## Pipeline`).
 
 `batch.microbatches` (gradient accumulation, outside) and `pipeline.microbatches` (M, inside one
 pipelined forward/backward) are independent: each accumulation step is pipelined into M microbatches.
@@ -46,6 +51,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
@@ -239,22 +245,65 @@ def _circular_loss(model: _Model, p: int, m: int, v: int, outer, layers, tokens)
     return ce + aux_loss, (ce, metrics)
 
 
+class _Residuals:
+    """A stage's pullback kept between its forward and backward ticks (1F1B): the residual leaves
+    of `jax.vjp` (what the model's remat policy saves: every layer's input under `full`, the
+    projections under `save_dots`, everything under `none`), minus the stage's own weights, which
+    the pullback reads back from `layers` instead of a copy per slot. One abstract trace fixes the
+    pullback's structure, which leaves are weights, and the stashed leaves' shapes [...]."""
+
+    def __init__(self, fn, weights, x_spec):
+        info = {}
+
+        def probe(w, x):
+            w, x = _vary_tree(w), _vary(x)      # typed as in the loop (else the pullback holds a psum)
+            _, pull, _ = jax.vjp(fn, w, x, has_aux=True)
+            leaves, info["treedef"] = jax.tree.flatten(pull)
+            info["weight_of"] = self._weight_of(leaves, w)
+            return [a for a, j in zip(leaves, info["weight_of"]) if j is None]
+        self.shapes = jax.eval_shape(probe, weights, jnp.zeros(x_spec.shape, x_spec.dtype))
+        self.treedef, self.weight_of = info["treedef"], info["weight_of"]
+
+    @staticmethod
+    def _weight_of(leaves, weights) -> tuple:
+        """Per residual leaf: the index of the weight leaf it is, or None (an activation to stash)."""
+        ids = {id(a): j for j, a in enumerate(jax.tree.leaves(weights))}
+        return tuple(ids.get(id(a)) for a in leaves)
+
+    def split(self, pull, weights) -> list:
+        """The pullback -> the leaves to stash (the rest are `weights`)."""
+        leaves = jax.tree.leaves(pull)
+        if self._weight_of(leaves, weights) != self.weight_of:
+            raise ShardingError("1F1B: the stage's residuals differ between two traces of the same stage; "
+                                "set pipeline.schedule=gpipe for this model")
+        return [a for a, j in zip(leaves, self.weight_of) if j is None]
+
+    def join(self, stashed, weights):
+        """Stashed leaves + the stage's weights -> the pullback."""
+        w, it = jax.tree.leaves(weights), iter(stashed)
+        return jax.tree.unflatten(self.treedef, [next(it) if j is None else w[j] for j in self.weight_of])
+
+
 def _one_f_one_b_grads(model: _Model, p: int, m: int, outer, layers, tokens, seed):
-    """Body of the shard_map for 1F1B: forward and backward run explicitly from the tick table.
+    """Body of the shard_map for 1F1B: forward and backward run explicitly from the lockstep program
+    (`meshpar.schedules.one_f_one_b_program`: at tick t stage s runs F(t - s), then B(t - 2(P-1) + s)).
 
     layers [Lc, ...] (this stage), tokens [M, b, T+1], seed: the loss's cotangent (1, or the fp16 loss
     scale S) -> (loss, ce, metrics, d_outer, d_layers), gradients of loss * seed.
-    Carry: act [K, b, T, E] stage inputs received and not yet backwarded (slot micro % K), grad
-    [Kg, b, T, E] output cotangents received and not yet used, the two outgoing payloads, the
-    gradient accumulators. Stage 0 re-embeds in its backward instead of stashing the embedding, and
-    the embedding's own backward runs after the per-device switch, on every stage (zero cotangent
-    but on stage 0), because XLA's SPMD partitioner crashes on that scatter inside the branch.
+    Carry: res [Kr + 1, ...] per residual leaf: the residuals of the microbatches a stage has forwarded
+    and not yet backwarded (`_Residuals`; Kr <= 2P - 1, plus a spare slot that ticks without a
+    forward write to), the two outgoing payloads [b, T, E], the gradient accumulators. An activation
+    or cotangent is used the tick it arrives. The last stage runs F(m) and B(m) in one tick, fused,
+    and stashes nothing. The embedding's backward runs after the per-device switch, on every stage
+    (zero cotangent but on stage 0), because XLA's SPMD partitioner crashes on that scatter inside
+    the branch.
     """
-    (kind, micro, recv_f, recv_b), (k_act, k_grad) = one_f_one_b_program(p, m)
-    n = kind.shape[0]
-    branch = one_f_one_b_branches(kind)         # [ticks, P] switch index
-    shares = branch_shares(branch, 7)
-    branch, micro, recv_f, recv_b = map(jnp.asarray, (branch, micro, recv_f, recv_b))
+    (f_micro, b_micro), k_res = one_f_one_b_program(p, m)
+    n = f_micro.shape[0]
+    branch = one_f_one_b_branches(f_micro, b_micro)          # [ticks, P] switch index
+    shares = branch_shares(branch, 10)
+    stashes = jnp.asarray((f_micro >= 0) & (np.arange(p) < p - 1)[None, :])   # a forward that keeps residuals
+    branch, f_micro, b_micro = map(jnp.asarray, (branch, f_micro, b_micro))
 
     # per-stage (and, manual over `data`, per-replica) partial gradients; psum'd once at the end
     outer, layers = _vary_tree(outer), _vary_tree(layers)
@@ -274,87 +323,76 @@ def _one_f_one_b_grads(model: _Model, p: int, m: int, outer, layers, tokens, see
         y, a_loss, met = model.stage(outer, lp, x)
         return (y, a_loss), met
 
-    def fwd(position, c, mi):
-        act = c["act"]
+    residuals = _Residuals(stage_only, layers, x_spec)
+
+    # The branches read and write one slot of the stash (`ins["res"]`, `res_new`), never the stash
+    # itself: a buffer passed through a conditional is copied whole.
+    def fwd(position, c, ins, mi):
+        """Stages before the last: microbatch mi's forward; its residuals go to `res_new`."""
         tok = lax.dynamic_index_in_dim(tokens, mi, 0, keepdims=False)
-        if position == 2:            # last stage: its backward recomputes the forward from the stash
-            return {**c, "send_f": _vary(zero_x)}
-        x = (model.embed(outer_e, layers, tok[:, :-1]) if position == 0
-             else lax.dynamic_index_in_dim(act, mi % k_act, 0, keepdims=False))
-        y, _, _ = model.stage(outer, layers, x)
-        return {**c, "send_f": _vary(y)}
+        x = model.embed(outer_e, layers, tok[:, :-1]) if position == 0 else ins["x"]
+        (y, a_loss), pull, met = jax.vjp(stage_only, layers, x, has_aux=True)
+        return {**c, "send_f": _vary(y), "res_new": residuals.split(pull, layers), "aux_loss": c["aux_loss"] + a_loss,
+                "metrics": jax.tree.map(jnp.add, c["metrics"], met)}
 
-    def bwd(position, c, mi):
+    def bwd(position, c, ins, mi):
+        """Stages before the last: microbatch mi's backward from its stashed residuals."""
+        d_lp, dx = residuals.join(ins["res"], layers)((ins["dy"], seed_m))
+        # stage 0's dx is the embedding's cotangent: its backward runs after the switch (see tick)
+        out = {**c, "dx0": dx} if position == 0 else {**c, "send_b": _vary(dx)}
+        return {**out, "d_layers": jax.tree.map(jnp.add, c["d_layers"], d_lp)}
+
+    def last(c, ins, mi):
+        """The last stage: microbatch mi's forward, head, loss and backward in one go."""
         tok = lax.dynamic_index_in_dim(tokens, mi, 0, keepdims=False)
-        if position == 0:
-            x = model.embed(outer_e, layers, tok[:, :-1])
-            (y, a_loss), vjp, met = jax.vjp(stage_only, layers, x, has_aux=True)
-            dy = lax.dynamic_index_in_dim(c["grad"], mi % k_grad, 0, keepdims=False)
-            d_lp, dx = vjp((dy, seed_m))
-            d_o, ce, send_b = None, jnp.zeros((), jnp.float32), zero_x
-            c = {**c, "dx0": dx}      # the embedding's backward runs after the switch (see tick)
-        elif position == 1:
-            x = lax.dynamic_index_in_dim(c["act"], mi % k_act, 0, keepdims=False)
-            (y, a_loss), vjp, met = jax.vjp(stage_only, layers, x, has_aux=True)
-            dy = lax.dynamic_index_in_dim(c["grad"], mi % k_grad, 0, keepdims=False)
-            d_lp, send_b = vjp((dy, seed_m))
-            d_o, ce = None, jnp.zeros((), jnp.float32)
-        else:
-            x = lax.dynamic_index_in_dim(c["act"], mi % k_act, 0, keepdims=False)
 
-            def f(lp, o, x_):
-                y_, a_, met_ = model.stage(o, lp, x_)
-                ce_ = model.head_loss(o, lp, y_, tok[:, 1:])
-                return (ce_ + a_) * inv_m, (ce_, a_, met_)
-            _, vjp, (ce, a_loss, met) = jax.vjp(f, layers, outer, x, has_aux=True)
-            d_lp, d_o, send_b = vjp(seed)
-        out = {**c, "send_b": _vary(send_b), "d_layers": jax.tree.map(jnp.add, c["d_layers"], d_lp),
-               "ce": c["ce"] + ce, "aux_loss": c["aux_loss"] + a_loss,
-               "metrics": jax.tree.map(jnp.add, c["metrics"], met)}
-        if d_o is not None:
-            out["d_outer"] = jax.tree.map(jnp.add, c["d_outer"], d_o)
-        return _vary_tree(out)
+        def f(lp, o, x_):
+            y_, a_, met_ = model.stage(o, lp, x_)
+            ce_ = model.head_loss(o, lp, y_, tok[:, 1:])
+            return (ce_ + a_) * inv_m, (ce_, a_, met_)
+        _, vjp, (ce, a_loss, met) = jax.vjp(f, layers, outer, ins["x"], has_aux=True)
+        d_lp, d_o, send_b = vjp(seed)
+        return {**c, "send_b": _vary(send_b), "d_outer": jax.tree.map(jnp.add, c["d_outer"], d_o),
+                "d_layers": jax.tree.map(jnp.add, c["d_layers"], d_lp), "ce": c["ce"] + ce,
+                "aux_loss": c["aux_loss"] + a_loss, "metrics": jax.tree.map(jnp.add, c["metrics"], met)}
 
-    def idle(c, mi):
-        return {**c, "send_f": _vary(zero_x), "send_b": _vary(zero_x)}
-
-    def f_branch(position):
-        def run(c, mi):
-            out = fwd(position, c, mi)
-            return _vary_tree({**out, "send_b": _vary(zero_x)})
+    def branch_fn(i, position, ops):
+        """Branch i: position's ops ("F", "B", "FB", "" idle), named with its share of the ticks
+        (for `meshpar inspect`) and what it runs (`middle_FB`: a middle stage's forward and backward)."""
+        def run(c, ins, mf, mb):
+            what = f"{('first', 'middle', 'last')[position]}_{ops or 'idle'}"
+            with jax.named_scope(f"{BRANCH_SHARE}{shares[i]:.6g}"), jax.named_scope(what):
+                c = {**c, "send_f": _vary(zero_x), "send_b": _vary(zero_x)}
+                if position == 2 and ops:
+                    c = last(c, ins, mf)
+                else:
+                    c = fwd(position, c, ins, mf) if "F" in ops else c
+                    c = bwd(position, c, ins, mb) if "B" in ops else c
+                return _vary_tree(c)
         return run
 
-    def b_branch(position):
-        def run(c, mi):
-            out = bwd(position, c, mi)
-            return _vary_tree({**out, "send_f": _vary(zero_x)})
-        return run
-
-    def scoped(i, fn):              # named with its share of the ticks, for `meshpar inspect`
-        def run(c, mi):
-            with jax.named_scope(f"{BRANCH_SHARE}{shares[i]:.6g}"):
-                return fn(c, mi)
-        return run
-
-    # in the order of `meshpar.schedules.one_f_one_b_branches`: idle, forward and backward by position
-    branches = [scoped(i, fn) for i, fn in enumerate([lambda c, mi: _vary_tree(idle(c, mi))]
-                                                     + [f_branch(q) for q in range(3)] + [b_branch(q) for q in range(3)])]
+    # in the order of `meshpar.schedules.one_f_one_b_branches`: idle, then F, B, F+B by position
+    branches = [branch_fn(0, 0, "")] + [branch_fn(1 + 3 * q + k, q, ops) for q in range(3)
+                                        for k, ops in enumerate(("F", "B", "FB"))]
 
     def tick(c, t):
-        # 1. exchange what was sent at the end of the previous tick (every stage, every tick)
+        # 1. exchange what was sent at the end of the previous tick (every stage, every tick): this
+        # tick's forward input and backward cotangent
         rf = lax.ppermute(c["send_f"], AXIS, fwd_perm)
         rb = lax.ppermute(c["send_b"], AXIS, bwd_perm)
-        # 2. file the arrivals under their microbatch's slot
-        kf, kb = recv_f[t, s], recv_b[t, s]
-        act = _store(c["act"], kf, k_act, rf)
-        grad = _store(c["grad"], kb, k_grad, rb)
-        c = {**c, "act": act, "grad": grad}
-        # 3. this stage's own op (a per-device conditional)
-        c = lax.switch(branch[t, s], branches, c, micro[t, s])
-        # 4. the embedding's backward (a scatter-add into the table) on every stage, with a zero
+        # 2. this stage's ops (a per-device conditional) on the slots of its microbatches
+        mf, mb = f_micro[t, s], b_micro[t, s]
+        stash = c["res"]
+        ins = {"x": rf, "dy": rb, "res": [lax.dynamic_index_in_dim(r, mb % k_res, 0, keepdims=False) for r in stash]}
+        rest = {k: v for k, v in c.items() if k != "res"}
+        rest["res_new"] = ins["res"]         # what a tick without a forward writes to the spare slot
+        c = lax.switch(branch[t, s], branches, rest, ins, mf, mb)
+        at = jnp.where(stashes[t, s], mf % k_res, k_res)
+        c["res"] = [lax.dynamic_update_index_in_dim(r, new, at, 0) for r, new in zip(stash, c.pop("res_new"))]
+        # 3. the embedding's backward (a scatter-add into the table) on every stage, with a zero
         # cotangent except on stage 0 after its backward: XLA's SPMD partitioner crashes on this
         # scatter inside a per-device branch when the table is FSDP-sharded (JAX 0.10).
-        tok = lax.dynamic_index_in_dim(tokens, micro[t, s], 0, keepdims=False)
+        tok = lax.dynamic_index_in_dim(tokens, jnp.maximum(mb, 0), 0, keepdims=False)
         _, embed_vjp = jax.vjp(lambda o: model.embed(model.for_embed(o), layers, tok[:, :-1]), outer_e)
         (d_e,) = embed_vjp(c["dx0"])
         d_embed = model.for_embed(jax.tree.map(jnp.add, c["d_embed"], d_e))
@@ -362,8 +400,7 @@ def _one_f_one_b_grads(model: _Model, p: int, m: int, outer, layers, tokens, see
 
     f32 = jax.ShapeDtypeStruct((), jnp.float32)
     carry = _zeros_like_varying({
-        "act": jax.ShapeDtypeStruct((k_act,) + x_spec.shape, x_spec.dtype),
-        "grad": jax.ShapeDtypeStruct((k_grad,) + x_spec.shape, x_spec.dtype),
+        "res": [jax.ShapeDtypeStruct((k_res + 1,) + r.shape, r.dtype) for r in residuals.shapes],   # + a spare slot
         "send_f": x_spec, "send_b": x_spec, "dx0": x_spec, "d_layers": layers, "d_outer": outer, "d_embed": outer,
         "ce": f32, "aux_loss": f32, "metrics": met_spec})
     carry["d_embed"] = model.for_embed(carry["d_embed"])
@@ -377,13 +414,6 @@ def _one_f_one_b_grads(model: _Model, p: int, m: int, outer, layers, tokens, see
     d_layers = jax.tree.map(_reduce_batch, c["d_layers"])
     metrics = jax.tree.map(lambda a: _reduce_batch(a * inv_m), c["metrics"])
     return ce + aux_loss, ce, metrics, d_outer, d_layers
-
-
-def _store(buf, k, slots: int, value):
-    """buf[k % slots] = value where k >= 0 (a masked dynamic update)."""
-    i = jnp.maximum(k, 0) % slots
-    old = lax.dynamic_index_in_dim(buf, i, 0, keepdims=False)
-    return lax.dynamic_update_index_in_dim(buf, jnp.where(k >= 0, value, old), i, 0)
 
 
 # ----------------------------------------------------------------------------------------------

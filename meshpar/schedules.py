@@ -15,22 +15,28 @@ P = 4, M = 4:
     stage 2 | .  .  F0 F1 F2 F3 .  |  .  B3 B2 B1 B0 .  .
     stage 3 | .  .  .  F0 F1 F2 F3 |  B3 B2 B1 B0 .  .  .        bubble (P-1)/(M+P-1) = 3/7
 
-1F1B, PipeDream-Flush (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
-Clusters Using Megatron-LM", §2.2; Narayanan et al. 2021 "Memory-Efficient Pipeline-Parallel DNN
-Training"): stage s runs P - s - 1 warm-up forwards, then alternates one forward and one backward,
-then drains the remaining backwards. Same bubble as GPipe, but a stage holds at most P - s
-microbatches in flight (stashed inputs) instead of M. Here the backward is explicit: `jax.vjp` of the
-stage recomputes it from the stashed input (the last stage folds its forward into its backward, and
-stage 0 re-embeds instead of stashing). The schedule is a static table [ticks, P]; every tick
-every device reads its own op with `lax.axis_index('pipeline')` and runs it in a `lax.switch` (a
-real per-device conditional: each stage executes only its branch), while both ppermutes (activations
-down, gradients up) run every tick *outside* the branches with masked payloads, so no stage ever
-waits on a collective another stage skipped. P = 4, M = 4 (ticks of equal length):
+1F1B (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
+Megatron-LM", §2.2; PipeDream-Flush, Narayanan et al. 2021 "Memory-Efficient Pipeline-Parallel DNN
+Training"): after a warm-up, each stage alternates one forward and one backward, so a stage holds a
+bounded number of microbatches in flight instead of M. Here it runs in lockstep ticks, as SPMD code
+with a ppermute per tick must: at tick t stage s runs F(t - s) and then B(t - 2(P-1) + s). A tick
+that pairs an F with a B costs tf + tb on every busy stage, so no stage waits for a neighbour's
+longer op (PipeDream-Flush's one-op ticks would each last max(tf, tb): a backward, twice a
+forward), the step takes (M + P - 1)(tf + tb) as in the paper, and stage s holds 2(P - s) - 1
+microbatches (the round trip of its output to the last stage and back), at most 2P - 1. Forward
+and backward are explicit: a forward keeps the stage's residuals (`jax.vjp`, what the model's remat
+policy saves) in a slot and its backward applies them, so no stage is recomputed (the last stage
+runs F(m) and B(m) in one tick, fused). Every device reads its ops with
+`lax.axis_index('pipeline')` and runs them in a `lax.switch` (a real per-device conditional: each
+stage executes only its branch), while both ppermutes (activations down, gradients up) run every
+tick *outside* the branches with masked payloads, so no stage ever waits on a collective another
+stage skipped. The table shows each tick as its forward phase, then its backward phase (phases in
+which no stage works are left out). P = 4, M = 8 (bubble 2(P-1)/2(M+P-1) = 3/11, in flight 7 5 3 1):
 
-    stage 0 | F0 F1 F2 F3 .  .  .  B0 .  B1 .  B2 .  B3
-    stage 1 | .  F0 F1 F2 .  .  B0 F3 B1 .  B2 .  B3 .
-    stage 2 | .  .  F0 F1 .  B0 F2 B1 F3 B2 .  B3 .  .
-    stage 3 | .  .  .  F0 B0 F1 B1 F2 B2 F3 B3 .  .  .        bubble 2(P-1)/2(M+P-1) = 3/7
+    stage 0 | F0 F1 F2 F3 .  F4 .  F5 .  F6 B0 F7 B1 .  B2 .  B3 .  B4 B5 B6 B7
+    stage 1 | .  F0 F1 F2 .  F3 .  F4 B0 F5 B1 F6 B2 F7 B3 .  B4 .  B5 B6 B7 .
+    stage 2 | .  .  F0 F1 .  F2 B0 F3 B1 F4 B2 F5 B3 F6 B4 F7 B5 .  B6 B7 .  .
+    stage 3 | .  .  .  F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7 .  .  .
 
 Interleaved / circular (Narayanan et al. 2021 §2.2.2, virtual pipeline stages; the circular
 repeat of Praxis/MaxText): device s holds v non-adjacent chunks, chunk r*P + s for r < v, and
@@ -93,34 +99,14 @@ def _mirror(fwd: Table) -> Table:
 
 
 def _one_f_one_b(p: int, m: int) -> Table:
-    """PipeDream-Flush by simulation: per-stage op order (warm-up, 1F1B, cool-down), each op run at
-    the first tick its input is ready (F(m) on s after F(m) on s-1; B(m) on s after B(m) on s+1)."""
-    orders = []
-    for s in range(p):
-        warm = min(p - s - 1, m)
-        ops = [Op("F", i) for i in range(warm)]
-        for i in range(m - warm):
-            ops += [Op("F", warm + i), Op("B", i)]
-        ops += [Op("B", i) for i in range(m - warm, m)]
-        orders.append(ops)
-    done: dict[tuple[str, int, int], int] = {}
-    pos, table, t = [0] * p, [], 0
-    while any(pos[s] < len(orders[s]) for s in range(p)):
-        row = [None] * p
-        for s in range(p):
-            if pos[s] == len(orders[s]):
-                continue
-            op = orders[s][pos[s]]
-            dep = (("F", s - 1, op.micro) if s > 0 else None) if op.kind == "F" else \
-                  (("B", s + 1, op.micro) if s < p - 1 else ("F", s, op.micro))
-            if dep is None or done.get(dep, t) < t:
-                row[s] = op
-        for s, op in enumerate(row):
-            if op is not None:
-                done[(op.kind, s, op.micro)] = t
-                pos[s] += 1
-        table.append(row)
-        t += 1
+    """Lockstep 1F1B: at tick t stage s runs F(t - s), then B(t - 2(P-1) + s), each when it names a
+    microbatch; every tick gives a forward row and a backward row, empty rows are left out."""
+    table: Table = []
+    for t in range(m + 2 * p - 2):
+        for kind, micro in (("F", lambda s: t - s), ("B", lambda s: t - 2 * (p - 1) + s)):
+            row = [Op(kind, micro(s)) if 0 <= micro(s) < m else None for s in range(p)]
+            if any(op is not None for op in row):
+                table.append(row)
     return table
 
 
@@ -176,27 +162,17 @@ def describe(cfg, p: int) -> dict:
 
 
 def one_f_one_b_program(p: int, m: int):
-    """The 1F1B table as arrays [ticks, P] for the executor (`meshpar.pipeline`): op kind (0 idle,
-    1 F, 2 B), its microbatch, the microbatch whose activation arrives from stage s-1 (recv_f) and
-    whose cotangent arrives from s+1 (recv_b) at each tick (-1: none); and the buffer slots those
-    arrivals need (activations, cotangents)."""
+    """Lockstep 1F1B as arrays [ticks, P] for the executor (`meshpar.pipeline`): the microbatch each
+    stage forwards (f) and backwards (b) at each of the M + 2P - 2 ticks (-1: none), and the residual
+    slots a stage needs (microbatches forwarded and not yet backwarded, on the stages before the
+    last: 2(P - s) - 1, so slot = micro % slots never collides). An activation (cotangent) arrives
+    from stage s-1 (s+1) exactly at the tick that uses it, so neither needs a buffer."""
     import numpy as np
-    table = schedule_table("1f1b", p, m)
-    n = len(table)
-    kind = np.zeros((n, p), np.int32)         # 0 idle, 1 F, 2 B
-    micro = np.zeros((n, p), np.int32)
-    recv_f = np.full((n, p), -1, np.int32)    # microbatch whose activation arrives from s-1 this tick
-    recv_b = np.full((n, p), -1, np.int32)    # microbatch whose cotangent arrives from s+1 this tick
-    for t, row in enumerate(table):
-        for s, op in enumerate(row):
-            if op is None:
-                continue
-            kind[t, s], micro[t, s] = (1 if op.kind == "F" else 2), op.micro
-            if t + 1 < n and op.kind == "F" and s + 1 < p:
-                recv_f[t + 1, s + 1] = op.micro
-            if t + 1 < n and op.kind == "B" and s > 0:
-                recv_b[t + 1, s - 1] = op.micro
-    return (kind, micro, recv_f, recv_b), (_slots(recv_f, kind, micro), _slots(recv_b, kind, micro))
+    t, s = np.arange(m + 2 * p - 2)[:, None], np.arange(p)[None, :]
+    f, b = t - s, t - 2 * (p - 1) + s
+    f, b = np.where((f >= 0) & (f < m), f, -1), np.where((b >= 0) & (b < m), b, -1)
+    k_res = max([1] + in_flight([row[:-1] for row in _one_f_one_b(p, m)]) if p > 1 else [1])
+    return (f.astype(np.int32), b.astype(np.int32)), k_res
 
 
 # A per-device branch (1F1B's switch) carries this named scope with the share of its loop's ticks it
@@ -205,34 +181,17 @@ def one_f_one_b_program(p: int, m: int):
 BRANCH_SHARE = "meshpar_branch_share="
 
 
-def one_f_one_b_branches(kind):
-    """[ticks, P] index of the 1F1B executor's switch branch at each (tick, stage): 0 idle,
-    1 + position forward, 4 + position backward (position 0 first, 1 middle, 2 last stage)."""
+def one_f_one_b_branches(f, b):
+    """[ticks, P] index of the 1F1B executor's switch branch at each (tick, stage), from the
+    program's f and b: 0 idle, then F, B, F+B for position 0 (first stage), 1 (middle), 2 (last)."""
     import numpy as np
-    p = kind.shape[1]
+    p = f.shape[1]
     pos = np.array([0 if s == 0 else 2 if s == p - 1 else 1 for s in range(p)])
-    return np.where(kind == 0, 0, np.where(kind == 1, 1 + pos, 4 + pos))
+    ops = (f >= 0).astype(int) + 2 * (b >= 0)          # 0 idle, 1 F, 2 B, 3 F+B
+    return np.where(ops == 0, 0, 3 * pos + ops)
 
 
 def branch_shares(branches, n: int) -> list[float]:
     """Per branch 0..n-1: the share of (tick, stage) pairs that run it."""
     import numpy as np
     return [float(np.mean(branches == b)) for b in range(n)]
-
-
-def _slots(recv, kind, micro) -> int:
-    """Buffer slots a stage needs: the most microbatches received and not yet backwarded (F) /
-    consumed (B) at once. Slot = micro % slots never collides since microbatches flow in order."""
-    n, p = recv.shape
-    history = []
-    for s in range(p):
-        live = set()
-        for t in range(n):
-            if recv[t, s] >= 0:
-                live.add(int(recv[t, s]))
-            history.append(frozenset(live))
-            if kind[t, s] == 2:
-                live.discard(int(micro[t, s]))
-    peak = max(1, max(map(len, history)))
-    assert all(len({x % peak for x in live}) == len(live) for live in history)
-    return peak
