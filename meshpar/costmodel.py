@@ -36,8 +36,10 @@ Memory (per device, bytes).
   `none` set once), the logits in fp32 with their gradient (2 x 4 b s V / t). MoE layers add their
   capacity buffers, the expert input/output and hidden [E,G,C,M|H]: b s k cf (2h + 3H_e/t) per
   MoE layer (meshpar's default gather dispatch holds no [G,S,E,C] masks).
-* Gradients: the backward writes them at the parameters' layout (ZeRO-2: already scattered); with
-  accumulation an accumulator sits beside each microbatch's gradients (x 2).
+* Gradients: the backward writes them at the parameters' layout (ZeRO-2: already scattered; ZeRO-1
+  without accumulation: XLA reduce-scatters each layer's gradient inside the backward loop, so the
+  stacked layers' are held scattered too); with accumulation an accumulator sits beside each
+  microbatch's gradients (x 2).
 * Workspace: weight-sized buffers of the compiled step, read off XLA's buffer assignment and live
   ranges (`--xla_dump_to`) of the configs in tests/test_plan.py, each a rule of meshpar's step:
   the layer loops (forward, backward) each copy the stacked weights they read when the update
@@ -482,9 +484,17 @@ def evaluate(facts: ModelFacts, cand: Candidate, cfg, hw, res: Resolver, bpp, c:
         return None
     act = activation_bytes(facts, cand, cfg, c)
     grads = mem["grads"]
+    st = get_strategy(cand.strategy)
     if cand.microbatches > 1:                       # the accumulator beside each microbatch's gradients
         mem["grads"] = 2 * grads
-    if get_strategy(cand.strategy).opt_state is not None:   # ZeRO: the gathered updated weights, after the backward
+    elif st.opt_state is not None and not st.shard_grads:
+        # ZeRO-1 without accumulation: XLA reduce-scatters each layer's gradient into the optimizer's
+        # layout inside the backward loop, so the stacked layers' gradients are held scattered
+        mem["grads"] = grads = sum(bpp[1] * lf.numel / _factor(res.spec(lf, cand.strategy, cand.shape,
+                                                                         "opt_state" if lf.stacked else "params"),
+                                                                cand.shape)
+                                   for lf in facts.leaves)
+    if st.opt_state is not None:                    # ZeRO: the gathered updated weights, after the backward
         ws["zero_gather"] = max(0.0, grads + mem["params"] - (mem["grads"] + act + sum(ws.values())))
     mem["activations"] = act
     mem["workspace"] = sum(ws.values())

@@ -136,6 +136,7 @@ SWEEP = {   # name: (overrides, collective kinds the model must predict within 1
                                                        "batch.microbatches=4"], ["all-reduce"]),
     "125m zero1 4 microbatches": (_S + _m(data=8) + ["strategy=zero1", "batch.global_size=32", "batch.microbatches=4"],
                                   ["all-gather", "reduce-scatter"]),
+    "125m zero1 full": (_S + _m(data=8) + ["strategy=zero1"], ["all-gather", "reduce-scatter"]),
     "125m zero2 full": (_S + _m(data=8) + ["strategy=zero2"], ["all-gather", "reduce-scatter"]),
     "125m fsdp full": (_S + _m(fsdp=8) + ["strategy=fsdp"], ["all-gather", "reduce-scatter", "all-to-all"]),
     "125m hsdp full": (_S + _m(data=2, fsdp=4) + ["strategy=hsdp"], ["all-gather", "reduce-scatter", "all-reduce",
@@ -148,11 +149,11 @@ SWEEP = {   # name: (overrides, collective kinds the model must predict within 1
 
 
 def test_predictions_match_the_compiled_step():
-    """26 configs (tiny and 125m; every preset; tensor, pipeline and expert axes; remat none/full;
-    microbatches 1 and 4): params + optimizer state = the step's argument bytes within 1% (the train
-    state is the argument, the batch < 0.1%); total memory within 17% of `memory_analysis` (all but
-    one within 15%: tiny zero1, bench/RESULTS.md); every config's collective bytes within 10% of the
-    HLO's, and each kind a config lists within 10%."""
+    """29 configs (tiny and 125m; every preset; tensor, pipeline and expert axes; remat none, full and
+    save_dots; microbatches 1 and 4): params + optimizer state = the step's argument bytes within 1%
+    (the train state is the argument, the batch < 0.1%); total memory within 15% of
+    `memory_analysis`; every config's collective bytes within 10% of the HLO's, and each kind a
+    config lists within 10%."""
     from meshpar.dryrun import compare
     mem, coll, worst_kind = {}, {}, (1.0, "")
     for name, (overrides, kinds) in SWEEP.items():
@@ -160,7 +161,7 @@ def test_predictions_match_the_compiled_step():
         args_ratio = (pred["memory"]["params"] + pred["memory"]["optimizer"]) / comp["memory"]["argument"]
         assert abs(args_ratio - 1) < 0.01, (name, args_ratio)
         mem[name] = pred["memory"]["total"] / comp["memory"]["peak_estimate"]
-        assert abs(mem[name] - 1) < 0.17, (name, mem[name], pred["memory"], comp["memory"])
+        assert abs(mem[name] - 1) < 0.15, (name, mem[name], pred["memory"], comp["memory"])
         coll[name] = sum(pred["collectives"].values()) / sum(comp["collectives"].values())
         for kind in kinds:
             r = pred["collectives"].get(kind, 0) / comp["collectives"][kind]
@@ -169,8 +170,7 @@ def test_predictions_match_the_compiled_step():
     worst = {k: max(v.items(), key=lambda kv: abs(kv[1] - 1)) for k, v in (("memory", mem), ("collectives", coll))}
     within = {"memory": sum(abs(r - 1) < 0.15 for r in mem.values()),
               "collectives": sum(abs(r - 1) < 0.10 for r in coll.values())}
-    assert len(SWEEP) >= 20 and within["memory"] >= len(SWEEP) - 1, mem
-    assert within["collectives"] == len(SWEEP), coll
+    assert len(SWEEP) >= 20 and within["collectives"] == len(SWEEP), coll
     print(f"of {len(SWEEP)}: memory within 15% {within['memory']}, collective bytes within 10% "
           f"{within['collectives']}; worst {worst}; worst listed kind {worst_kind}")
 
