@@ -24,16 +24,12 @@ Memory (per device, bytes).
       full:      h (the layer input the scan keeps)
   Under TP the head and F terms are divided by t (TP without SP also keeps the two row-parallel
   outputs, 2h, before their all-reduce); under SP (tp_sp) the h terms are divided too. Without
-  pipelining every layer stores its set for one microbatch (accumulation runs microbatches one after
-  another). meshpar's GPipe and interleaved schedules recompute each stage in its backward, so a
-  stage stores only stage inputs [b, s, h], one per tick (v M + P - 1 ticks, as they are
-  differentiated as one loop), plus one microbatch's sets of its L/(P v) layers while that stage
-  runs backward. 1F1B stashes each microbatch in flight's sets of its L/P layers (at most 2P - 1 in
-  meshpar's lockstep 1F1B; `meshpar.schedules`; three more sets are in motion, `stash_slots`) and
-  receives two [b, s, h] per tick (an input, a gradient);
-  under `none` the sets include the stage's weights in the compute dtype (XLA keeps the cast as a
-  residual), so a slot holds them too. On top: the working set of the layer being differentiated (its
-  `none` set once), the logits in fp32 with their gradient (2 x 4 b s V / t). MoE layers add their
+  pipelining every layer stores its set for one microbatch (accumulation runs them one by one).
+  GPipe and interleaved rerun each stage in its backward: a stage stores a stage input [b, s, h] per
+  tick (v M + P - 1) plus one microbatch's sets of its L/(P v) layers. 1F1B stores the sets of its
+  L/P layers per slot (`stash_slots`; under `none` with the stage's weights in the compute dtype)
+  and two [b, s, h] received per tick. On top: the working set of the layer being differentiated
+  (its `none` set once), the logits in fp32 with their gradient (2 x 4 b s V / t). MoE layers add their
   capacity buffers, the expert input/output and hidden [E,G,C,M|H]: b s k cf (2h + 3H_e/t) per
   MoE layer (meshpar's default gather dispatch holds no [G,S,E,C] masks).
 * Gradients: the backward writes them at the parameters' layout (ZeRO-2: already scattered; ZeRO-1
@@ -53,21 +49,19 @@ Memory (per device, bytes).
 Time per step (seconds).
 * Compute: model FLOPs (PaLM appendix B, `meshpar.flops.flops_per_token`) x recomputation
   (full remat: one extra forward of the layers, x 4/3 of their FLOPs; save_dots: the attention
-  score/PV matmuls again; GPipe and interleaved recompute each stage in its backward: one more
-  forward of the layers, as GPipe's re-materialization (Huang et al. 2019), except a one-layer stage
-  under full remat; 1F1B stashes residuals and recomputes nothing more) / (N x peak x efficiency). The
-  efficiency is an assumption of the hardware preset (0.5: what tuned dense-LM runs report as MFU
-  at scale).
+  score/PV matmuls again; GPipe and interleaved rerun each stage's forward in its backward, as
+  GPipe's re-materialization (Huang et al. 2019), except a one-layer stage under full remat; 1F1B
+  reruns nothing) / (N x peak x efficiency), the efficiency an assumption of the hardware preset
+  (0.5: what tuned dense-LM runs report as MFU at scale).
 * Collectives on ring formulas (Patarasuk & Yuan 2009; NCCL's bus-bandwidth note): all-gather and
   reduce-scatter (n-1)/n x V / bw, all-reduce twice that, all-to-all (n-1)/n x V / bw, a permute
   V / bw; V is the whole tensor (what `meshpar inspect` reports). An axis set that spans ICI and
   DCN runs hierarchically: (n_i - 1)/n_i V / bw_ici + (n_d - 1)/n_d (V / n_i) / bw_dcn.
   Bytes, read off the compiled steps of tests/test_plan.py: data-parallel gradients and FSDP/ZeRO
   gathers per parameter; Megatron TP per layer and pass, in [b, s, h] units: column-parallel entries
-  (SP: all-gather) in each forward pass (the forward, the layer recompute of full remat, the
-  pipeline's stage recompute, dead when the stage is one layer under full remat; 1F1B's last
-  stage runs its forward once) and transposed in the backward, row-parallel exits likewise, where
-  the layer recompute's last exit is dead code (the layer's output feeds nothing in its backward);
+  (SP: all-gather) in each forward pass (the forward, full remat's layer recompute, GPipe's stage
+  recompute; SP under save_dots gathers the inputs again) and transposed in the backward,
+  row-parallel exits likewise, the layer recompute's last exit dead code (it feeds nothing);
   1F1B's head and lookup run on one stage each (bytes averaged over the stages, as `inspect`);
   a MoE layer's expert collectives move its [E,G,C,M] buffer (k cf [b, s, h]), its gate and up
   projections transposed separately. A lookup table split over the batch axes moves looked-up rows
@@ -76,7 +70,7 @@ Time per step (seconds).
   device's row gradients when those are fewer bytes than the table's reduce-scatter. The
   interleaved schedule moves the stacked layers to chunk order and the gradients back (all-to-all).
 * Pipeline bubble (Narayanan et al. 2021, sec. 2.2): (p - 1) / (v M) of the compute time (GPipe and
-  1F1B alike; interleaving divides it by v).
+  1F1B, whose ticks pair an F with a B, alike; interleaving divides it by v).
 * Overlap, assumed once: collectives over the batch axes (data, fsdp, expert-replicated gradient
   reductions, FSDP gathers, ZeRO's gather of updated weights) overlap with compute (XLA's async
   collectives and latency-hiding scheduler); tensor-parallel collectives, MoE all-to-alls and
@@ -224,9 +218,8 @@ def in_flight(cand: Candidate) -> int:
 
 
 def stash_slots(cand: Candidate) -> int:
-    """1F1B's residual sets of one stage alive at once: one slot per microbatch in flight, the spare
-    slot a tick that keeps nothing writes to, the set a forward tick produces and the slot a tick
-    reads (`meshpar.pipeline`: the switch's branches see one slot, never the buffers)."""
+    """1F1B's residual sets alive on a stage: one per microbatch in flight, the spare slot, the set a
+    tick writes and the one it reads (`meshpar.pipeline`: its branches see one slot, never the stash)."""
     return in_flight(cand) + 3
 
 
@@ -286,10 +279,9 @@ def _batch_axes(shape: dict) -> list:
 
 
 def stage_recompute(facts: ModelFacts, cand: Candidate) -> float:
-    """Forward passes of a stage its backward reruns: one for GPipe and interleaved (they keep only
-    stage inputs); none when a tick runs one layer under full remat (the backward needs only that
-    layer's input, which the stage already holds, so the rerun is dead code). A scan of two or more
-    layers is rerun whole (one loop body for all layers). None for 1F1B, which stashes residuals."""
+    """Forward passes of a stage its backward reruns: one for GPipe and interleaved (they keep stage
+    inputs; a scan of two or more layers reruns whole), none for 1F1B (it keeps residuals) or for a
+    one-layer tick under full remat (the rerun is dead: the stage holds the layer's only residual)."""
     if cand.shape["pipeline"] == 1 or cand.schedule == "1f1b":
         return 0.0
     per_tick = (facts.dims.get("layers") or 1) / cand.shape["pipeline"] / cand.virtual
@@ -379,15 +371,13 @@ def collectives(facts: ModelFacts, cand: Candidate, cfg, res: Resolver, c: int, 
         # nothing: dead code. MoE models scan groups of layers that end in a MoE combine, not a collective.
         dead = dense * (full and not facts.moe)
         # per layer, in [b, s, h]: column-parallel entries / row-parallel exits, in forward passes (f)
-        # and transposed in the backward (b); attention, dense MLP, MoE expert gate+up (2 entries) and down
-        # (under SP, save_dots/offload keep the projections, not their gathered inputs: the backward
-        # gathers each entry's input again for its weight gradient)
+        # and transposed in the backward (b); attention, dense MLP, MoE expert gate+up (2 entries) and
+        # down; SP under save_dots/offload gathers each entry's input again for its weight gradient
         regather = 1 if sp and cand.remat in ("save_dots", "offload") else 0
         ent_f, ex_f = (f + regather) * (1 + dense + moe * kc), f * (1 + dense + moe * kc) - dead
         ent_b, ex_b = 1 + dense + 2 * moe * kc, 1 + dense + moe * kc
-        # the head's input (and its gradient) and the lookup's output; under SP a lookup table split
-        # over tensor is gathered whole instead (and its gradient reduce-scattered), but not by a
-        # pipeline, whose first stage reads the table as its own layout allows (`_Model.for_embed`)
+        # the head's input (and its gradient) and the lookup's output; under SP (no pipeline: see
+        # `_Model.for_embed`) a lookup table split over tensor is gathered whole instead
         table_numel = sum(lf.numel for lf in facts.leaves if lf.path in facts.lookups and sp and p == 1
                           and "tensor" in _axes(res.spec(lf, cand.strategy, shape, "params")))
         for kind, per_layer in ((("all-gather", ent_f + ex_b), ("reduce-scatter", ex_f + ent_b)) if sp else
@@ -402,8 +392,7 @@ def collectives(facts: ModelFacts, cand: Candidate, cfg, res: Resolver, c: int, 
     if p > 1:
         from meshpar.schedules import schedule_table
         table = schedule_table(cand.schedule, p, cand.pp_microbatches, cand.virtual)
-        # 1F1B: an input and a gradient every one of its M + 2P - 2 ticks; GPipe/interleaved: one per tick
-        permutes = 2 * (cand.pp_microbatches + 2 * p - 2) if cand.schedule == "1f1b" else len(table)
+        permutes = 2 * (cand.pp_microbatches + 2 * p - 2) if cand.schedule == "1f1b" else len(table)   # per tick
         add("collective-permute", ["pipeline"], act / (t if sp else 1) * permutes * ma, False)
         if cand.schedule == "interleaved" and cand.virtual > 1:   # layers to chunk order and gradients back
             stacked = sum(lf.numel / _factor(res.spec(lf, cand.strategy, shape, "params"), shape)
@@ -487,13 +476,10 @@ def evaluate(facts: ModelFacts, cand: Candidate, cfg, hw, res: Resolver, bpp, c:
     st = get_strategy(cand.strategy)
     if cand.microbatches > 1:                       # the accumulator beside each microbatch's gradients
         mem["grads"] = 2 * grads
-    elif st.opt_state is not None and not st.shard_grads:
-        # ZeRO-1 without accumulation: XLA reduce-scatters each layer's gradient into the optimizer's
-        # layout inside the backward loop, so the stacked layers' gradients are held scattered
-        mem["grads"] = grads = sum(bpp[1] * lf.numel / _factor(res.spec(lf, cand.strategy, cand.shape,
-                                                                         "opt_state" if lf.stacked else "params"),
-                                                                cand.shape)
-                                   for lf in facts.leaves)
+    elif st.opt_state is not None and not st.shard_grads:   # ZeRO-1: each layer's gradient is
+        # reduce-scattered inside the backward loop (XLA), so the stacked layers' are held scattered
+        mem["grads"] = grads = sum(bpp[1] * lf.numel / _factor(res.spec(
+            lf, cand.strategy, cand.shape, "opt_state" if lf.stacked else "params"), cand.shape) for lf in facts.leaves)
     if st.opt_state is not None:                    # ZeRO: the gathered updated weights, after the backward
         ws["zero_gather"] = max(0.0, grads + mem["params"] - (mem["grads"] + act + sum(ws.values())))
     mem["activations"] = act

@@ -7,32 +7,28 @@ and the mini-batch [B, T+1] into M microbatches [M, B/M, T+1]; one `jax.shard_ma
 `tensor` and `expert` stay automatic inside it and PP composes with DP/FSDP/TP/EP. Manual over
 `data`, each replica accumulates its own gradients over the ticks and they are reduced over `data`
 once per step; automatic, XLA all-reduced a stage's whole gradient on every tick. Activations
-[b, T, E] (b = B/M) move between neighbouring stages with `lax.ppermute`. The embedding and the LM head sit outside the pipelined stack: the first stage
-embeds (tokens -> [b, T, E]) and the last applies the head and the cross-entropy, microbatch by
-microbatch, so no tensor with a full-batch or full-stack dimension crosses the pipeline. Their
-parameters enter the shard_map replicated over `pipeline` (still split over the other axes) and their
-gradients are psum'd over `pipeline` once per step.
+[b, T, E] (b = B/M) move between neighbouring stages with `lax.ppermute`. The embedding and the LM
+head sit outside the pipelined stack: the first stage embeds (tokens -> [b, T, E]), the last applies
+the head and the cross-entropy, microbatch by microbatch, so no tensor with a full-batch or
+full-stack dimension crosses the pipeline. Their parameters enter the shard_map replicated over
+`pipeline` (still split over the other axes), their gradients psum'd over `pipeline` once per step.
 
 Shapes: L layers, P stages, v virtual stages (chunks) per device, Lc = L / (P v) layers per chunk,
 M microbatches, b sequences per microbatch, T length, E embed. `F3` = forward of microbatch 3,
 `B3` = its backward, `.` = idle (the bubble); interleaved ops carry their chunk, `F3.1`.
 
-The schedules themselves (GPipe, 1F1B, interleaved) are tick tables in `meshpar.schedules`; this
-module executes them. GPipe and the interleaved schedule are differentiated by autodiff of the
-forward tick loop, each stage rematerialised (GPipe's re-materialization: the backward reruns the
-stage's forward from its stashed input). 1F1B runs forward and backward explicitly from its table
-and reruns nothing: a forward tick keeps the stage's `jax.vjp` residuals, which the model's remat
-policy decides (`save_dots` is Megatron's selective recompute, Korthikanti et al. 2022), and the
-backward tick applies them (`_Residuals`).
+The schedules (tick tables) live in `meshpar.schedules`; this module executes them. GPipe and
+interleaved are differentiated by autodiff of the forward tick loop, each stage rematerialised (its
+forward rerun in the backward from its stashed input): a device stashes M stage inputs (interleaved
+v M). 1F1B runs forward and backward explicitly and reruns nothing: a forward tick keeps the stage's
+`jax.vjp` residuals (what the remat policy saves; `save_dots` is Megatron's selective recompute,
+Korthikanti et al. 2022) for at most 2P - 1 microbatches, and the backward tick applies them
+(`_Residuals`; memory in bench/RESULTS.md, `## Pipeline`).
 
 Stored layer order stays the model's order (so a checkpoint means the same model on any mesh, and the
 pipelined loss equals the non-pipelined one); at rest device s holds layers [s L/P, (s+1) L/P). The
 interleaved schedule needs chunks {r P + s}; the step moves them there with one all-to-all over
 `pipeline` (and the gradients back), never an all-gather of the stack.
-
-Memory: GPipe stashes M stage inputs per device, interleaved v M (one per microbatch and chunk, since
-it too is differentiated as one loop), 1F1B the residuals of at most 2P - 1 microbatches
-(bench/RESULTS.md, `## Pipeline`).
 
 `batch.microbatches` (gradient accumulation, outside) and `pipeline.microbatches` (M, inside one
 pipelined forward/backward) are independent: each accumulation step is pipelined into M microbatches.
@@ -290,13 +286,11 @@ def _one_f_one_b_grads(model: _Model, p: int, m: int, outer, layers, tokens, see
 
     layers [Lc, ...] (this stage), tokens [M, b, T+1], seed: the loss's cotangent (1, or the fp16 loss
     scale S) -> (loss, ce, metrics, d_outer, d_layers), gradients of loss * seed.
-    Carry: res [Kr + 1, ...] per residual leaf: the residuals of the microbatches a stage has forwarded
-    and not yet backwarded (`_Residuals`; Kr <= 2P - 1, plus a spare slot that ticks without a
-    forward write to), the two outgoing payloads [b, T, E], the gradient accumulators. An activation
-    or cotangent is used the tick it arrives. The last stage runs F(m) and B(m) in one tick, fused,
-    and stashes nothing. The embedding's backward runs after the per-device switch, on every stage
-    (zero cotangent but on stage 0), because XLA's SPMD partitioner crashes on that scatter inside
-    the branch.
+    Carry: res [Kr + 1, ...] per residual leaf (`_Residuals`; Kr <= 2P - 1 microbatches forwarded and
+    not yet backwarded, plus a spare slot for ticks without a forward), the two outgoing payloads
+    [b, T, E] (each used the tick it arrives), the gradient accumulators. The last stage runs F(m)
+    and B(m) in one tick, fused. The embedding's backward runs after the switch (see the module
+    docstring).
     """
     (f_micro, b_micro), k_res = one_f_one_b_program(p, m)
     n = f_micro.shape[0]
@@ -357,8 +351,7 @@ def _one_f_one_b_grads(model: _Model, p: int, m: int, outer, layers, tokens, see
                 "aux_loss": c["aux_loss"] + a_loss, "metrics": jax.tree.map(jnp.add, c["metrics"], met)}
 
     def branch_fn(i, position, ops):
-        """Branch i: position's ops ("F", "B", "FB", "" idle), named with its share of the ticks
-        (for `meshpar inspect`) and what it runs (`middle_FB`: a middle stage's forward and backward)."""
+        """Branch i: a position's ops ("F", "B", "FB", "" idle), scoped by tick share (`inspect`) and name."""
         def run(c, ins, mf, mb):
             what = f"{('first', 'middle', 'last')[position]}_{ops or 'idle'}"
             with jax.named_scope(f"{BRANCH_SHARE}{shares[i]:.6g}"), jax.named_scope(what):
