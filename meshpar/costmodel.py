@@ -86,6 +86,7 @@ import jax
 from meshpar.errors import ShardingError
 from meshpar.mesh import MESH_AXES
 from meshpar.rules import BATCH_AXES, get_strategy, parse_user_rules, resolve, spec_axes
+from meshpar.schedules import one_f_one_b_ticks, schedule_table
 
 REMATS = ("none", "save_dots", "full")
 
@@ -387,12 +388,11 @@ def collectives(facts: ModelFacts, cand: Candidate, cfg, res: Resolver, c: int, 
             edges = (act + 2 * lookup) / p if one_f else act + lookup
             add(kind, ["tensor"], runs * (act * lc * per_layer + edges), False)
         if one_f and sp:        # 1F1B's embedding backward runs every tick on every stage (`meshpar.pipeline`),
-            ticks = cand.pp_microbatches + 2 * p - 2              # on the gathered sequence-split cotangent
+            ticks = one_f_one_b_ticks(p, cand.pp_microbatches)    # on the gathered sequence-split cotangent
             add("all-gather", ["tensor"], act * ticks * ma, False)
     if p > 1:
-        from meshpar.schedules import schedule_table
         table = schedule_table(cand.schedule, p, cand.pp_microbatches, cand.virtual)
-        permutes = 2 * (cand.pp_microbatches + 2 * p - 2) if cand.schedule == "1f1b" else len(table)   # per tick
+        permutes = 2 * one_f_one_b_ticks(p, cand.pp_microbatches) if cand.schedule == "1f1b" else len(table)  # per tick
         add("collective-permute", ["pipeline"], act / (t if sp else 1) * permutes * ma, False)
         if cand.schedule == "interleaved" and cand.virtual > 1:   # layers to chunk order and gradients back
             stacked = sum(lf.numel / _factor(res.spec(lf, cand.strategy, shape, "params"), shape)

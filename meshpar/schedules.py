@@ -98,15 +98,29 @@ def _mirror(fwd: Table) -> Table:
     return [[None if op is None else Op("B", op.micro, op.chunk) for op in row] for row in reversed(fwd)]
 
 
+def one_f_one_b_ticks(p: int, m: int) -> int:
+    """Ticks of lockstep 1F1B: the last backward, B(M-1) on stage 0, runs at tick M - 1 + 2(P-1)."""
+    return m + 2 * p - 2
+
+
+def _lockstep(p: int, m: int):
+    """Lockstep 1F1B as arrays [ticks, P]: at tick t stage s runs F(t - s), then B(t - 2(P-1) + s),
+    each when it names a microbatch (-1: none)."""
+    import numpy as np
+    t, s = np.arange(one_f_one_b_ticks(p, m))[:, None], np.arange(p)[None, :]
+    f, b = t - s, t - 2 * (p - 1) + s
+    return (np.where((f >= 0) & (f < m), f, -1).astype(np.int32),
+            np.where((b >= 0) & (b < m), b, -1).astype(np.int32))
+
+
 def _one_f_one_b(p: int, m: int) -> Table:
-    """Lockstep 1F1B: at tick t stage s runs F(t - s), then B(t - 2(P-1) + s), each when it names a
-    microbatch; every tick gives a forward row and a backward row, empty rows are left out."""
+    """Lockstep 1F1B as a table: each tick gives a forward row and a backward row, empty rows left out."""
     table: Table = []
-    for t in range(m + 2 * p - 2):
-        for kind, micro in (("F", lambda s: t - s), ("B", lambda s: t - 2 * (p - 1) + s)):
-            row = [Op(kind, micro(s)) if 0 <= micro(s) < m else None for s in range(p)]
-            if any(op is not None for op in row):
-                table.append(row)
+    f, b = _lockstep(p, m)
+    for f_row, b_row in zip(f, b):
+        for kind, row in (("F", f_row), ("B", b_row)):
+            if (row >= 0).any():
+                table.append([Op(kind, int(i)) if i >= 0 else None for i in row])
     return table
 
 
@@ -167,12 +181,8 @@ def one_f_one_b_program(p: int, m: int):
     slots a stage needs (microbatches forwarded and not yet backwarded, on the stages before the
     last: 2(P - s) - 1, so slot = micro % slots never collides). An activation (cotangent) arrives
     from stage s-1 (s+1) exactly at the tick that uses it, so neither needs a buffer."""
-    import numpy as np
-    t, s = np.arange(m + 2 * p - 2)[:, None], np.arange(p)[None, :]
-    f, b = t - s, t - 2 * (p - 1) + s
-    f, b = np.where((f >= 0) & (f < m), f, -1), np.where((b >= 0) & (b < m), b, -1)
     k_res = max([1] + in_flight([row[:-1] for row in _one_f_one_b(p, m)]) if p > 1 else [1])
-    return (f.astype(np.int32), b.astype(np.int32)), k_res
+    return _lockstep(p, m), k_res
 
 
 # A per-device branch (1F1B's switch) carries this named scope with the share of its loop's ticks it
