@@ -68,6 +68,32 @@ _API = {
 __all__ = sorted(_API)
 
 
+def _models_beside_the_package() -> None:
+    """A source checkout keeps the reference models in `models/` beside this package (an install
+    puts them in `meshpar/models`). From the repository root the checkout shadows any install
+    (`python -m meshpar.cli`, `meshpar launch`'s processes), so map `meshpar.models` to that folder;
+    nothing is imported until a config names a reference model."""
+    import importlib.abc
+    import importlib.util
+    import os
+    import sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    beside = os.path.join(os.path.dirname(here), "models")
+    if os.path.isdir(os.path.join(here, "models")) or not os.path.isfile(os.path.join(beside, "__init__.py")):
+        return
+
+    class BesideFinder(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name != "meshpar.models":
+                return None
+            return importlib.util.spec_from_file_location(name, os.path.join(beside, "__init__.py"),
+                                                          submodule_search_locations=[beside])
+    sys.meta_path.append(BesideFinder())
+
+
+_models_beside_the_package()
+
+
 def __getattr__(name: str):
     if name in _API:
         value = getattr(importlib.import_module(_API[name]), name)

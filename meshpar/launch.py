@@ -13,17 +13,49 @@ Contract, the same as `launch/local.sh` (now a thin wrapper around this module):
   naming it (meshpar/distributed.py);
 - the launcher returns the first non-zero exit status (0 when all succeed).
 Launch again with the same arguments to resume from checkpoint.dir.
+
+Output: every line of every process reaches the launcher's stdout/stderr whole, one line at a
+time (two processes never share a line); lines of process i > 0 are prefixed `[process i]` (only
+process 0 logs the run; the others print errors); Gloo's connection reports (`[Gloo] Rank 0 is
+connected to 1 peer ranks...`, about 40 lines) are dropped. The processes write into pipes, so
+there is no progress bar: each logged step is a line.
 """
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 PROG = "meshpar launch"
+# Gloo's connection report, `[Gloo] Rank 3 is connected to 7 peer ranks. Expected number of connected
+# peer ranks is : 7`, printed piece by piece from several threads: pieces of two reports share lines
+CHATTER = re.compile(rb"\[Gloo\] Rank \d*| ?is connected to \d*| peer ranks\. ?|Expected number of connected peer ranks is : \d*")
+_write_lock = threading.Lock()
+
+
+def _relay(pipe, out, prefix: bytes) -> None:
+    """Copy a child's stream to `out` line by line (whole lines, prefixed), dropping Gloo chatter."""
+    burst = False                    # inside a run of report lines: a lone number is a piece of one
+    for line in iter(pipe.readline, b""):
+        kept = CHATTER.sub(b"", line)
+        pieces = not kept.strip(b" \t\r\n0123456789")
+        burst, drop = (kept != line) or (burst and pieces), pieces and ((kept != line) or burst)
+        if drop:
+            continue
+        line = prefix + kept.rstrip(b"\n") + b"\n"
+        with _write_lock:
+            out.flush()
+            if hasattr(out, "buffer"):
+                out.buffer.write(line)
+            else:                  # a text-only stream (a test's capture)
+                out.write(line.decode(errors="replace"))
+            out.flush()
+    pipe.close()
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -46,11 +78,17 @@ def launch(n: int, train_args: list[str], env: dict | None = None, poll_s: float
     base = dict(os.environ if env is None else env)
     base.setdefault("JAX_PLATFORMS", "cpu")
     port = int(base.get("MESHPAR_PORT") or free_port())
-    procs = []
+    procs, relays = [], []
     for i in range(n):
         penv = {**base, "MESHPAR_COORDINATOR": f"127.0.0.1:{port}", "MESHPAR_NUM_PROCESSES": str(n),
                 "MESHPAR_PROCESS_ID": str(i)}
-        procs.append(subprocess.Popen([sys.executable, "-m", "meshpar.cli", "train", *train_args], env=penv))
+        p = subprocess.Popen([sys.executable, "-m", "meshpar.cli", "train", *train_args], env=penv,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        procs.append(p)
+        prefix = b"" if i == 0 else f"[process {i}] ".encode()
+        for pipe, out in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
+            relays.append(threading.Thread(target=_relay, args=(pipe, out, prefix), daemon=True))
+            relays[-1].start()
     print(f"{PROG}: {n} processes on 127.0.0.1:{port}: pids {' '.join(str(p.pid) for p in procs)}",
           file=sys.stderr, flush=True)
 
@@ -77,6 +115,8 @@ def launch(n: int, train_args: list[str], env: dict | None = None, poll_s: float
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+        for t in relays:           # the children's last lines (their error messages) come out whole
+            t.join(timeout=5)
     return status
 
 

@@ -3,12 +3,11 @@
 Properties: every preset's first steps equal the single-device run, with dropout on (its masks do
 not depend on the mesh); Flax's own annotations and meshpar's helper give the same shardings;
 non-Param state (dropout RNG streams) survives a checkpoint and a restore onto another mesh; the
-reference models install as `meshpar.models` and nothing named `models`; bad input is one line.
+framework never imports the reference models; bad input is one line. (How they install:
+tests/test_install.py.)
 """
 import subprocess
 import sys
-import textwrap
-import zipfile
 from pathlib import Path
 
 import jax
@@ -82,6 +81,19 @@ def test_examples_equal_the_single_device_run_under_every_preset(example, strate
     for g, w in zip(got, want):
         assert abs(g - w) / abs(w) <= 1e-5, (strategy, got, want)
     assert got[1] != got[0]
+
+
+@pytest.mark.slow
+def test_the_gpt2_example_trains_well_with_its_own_settings(tmp_path):
+    """`meshpar train --config examples/gpt2.yaml` as shipped (issue 20: it closed 61% of the gap and
+    its last loss rose): most of the way to the entropy floor, still falling at the end."""
+    from tests.conftest import metrics_losses
+    cfg = meshpar.load_config(REPO / "examples" / "gpt2.yaml")
+    end = meshpar.run(cfg, metrics_out=str(tmp_path / "m.jsonl"),
+                      trainer=meshpar.Trainer(cfg, model=lambda rngs: gpt2_example.gpt2(cfg, rngs)))
+    loss = metrics_losses(tmp_path / "m.jsonl")
+    assert end["gap_closed"] >= 0.9, end
+    assert loss[cfg.steps] < min(loss[s] for s in loss if s <= cfg.steps - 20)
 
 
 def test_fp16_loss_scaling_works_for_a_user_loss():
@@ -190,25 +202,7 @@ def test_non_param_state_survives_checkpoint_and_cross_mesh_restore(tmp_path):
     assert abs(float(m3b["loss"]) - float(m3["loss"])) / float(m3["loss"]) <= 1e-5
 
 
-# -- packaging -----------------------------------------------------------------------------------
-
-def test_reference_models_install_as_meshpar_models_only(tmp_path):
-    """The wheel holds meshpar/models/* and no top-level `models`; in the installed environment
-    (run from a folder outside the repository) `import meshpar.models` works and `models` does not."""
-    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q",
-                          "-w", str(tmp_path), str(REPO)], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr[-2000:]
-    names = zipfile.ZipFile(next(tmp_path.glob("meshpar-*.whl"))).namelist()
-    assert "meshpar/models/decoder.py" in names and "meshpar/models/__init__.py" in names
-    assert not [n for n in names if n.startswith("models/")]
-    code = textwrap.dedent("""
-        import importlib.util, meshpar.models
-        assert sorted(meshpar.models.REGISTRY) == ["decoder", "moe"]
-        assert importlib.util.find_spec("models") is None, importlib.util.find_spec("models")
-    """)
-    run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr[-2000:]
-
+# -- layering -------------------------------------------------------------------------------------
 
 def test_the_framework_never_imports_the_reference_models():
     """No meshpar module imports `meshpar.models` (or `models`): the reference models are users of
