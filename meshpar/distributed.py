@@ -31,6 +31,7 @@ owns SIGTERM once `jax.distributed` is up) agrees on it, and SIGINT is forwarded
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -227,6 +228,37 @@ def _peer_lost(what: str, me: int) -> None:
 
 # ----------------------------------------------------------------------------------------------
 # Preemption.
+
+on_interrupt: list = []     # run before an exit on Ctrl-C outside the loop (the metrics logger's close)
+
+
+@contextlib.contextmanager
+def interrupts_exit():
+    """While inside: SIGINT (Ctrl-C) ends the program at once, status 130, after `on_interrupt`'s
+    callbacks (the progress bar stopped, metrics files closed). Not by raising KeyboardInterrupt:
+    raised inside a garbage-collector callback (JAX's `_xla_gc_callback` runs at every collection)
+    it is printed and dropped, and the run goes on; raised while XLA compiles on its own threads,
+    interpreter finalization under them segfaults (exit 139). Outside the training loop nothing is
+    being written that an exit could leave half-done; inside it, `PreemptionGuard` takes over."""
+    def handler(signum, frame):
+        for fn in reversed(on_interrupt):
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - exiting anyway
+                pass
+        sys.stdout.flush()
+        sys.stderr.write("meshpar: interrupted\n")
+        sys.stderr.flush()
+        os._exit(128 + signum)
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+
 
 class PreemptionGuard:
     """`with PreemptionGuard() as guard: ... if guard.reached(step): save and stop`.

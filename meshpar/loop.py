@@ -48,7 +48,7 @@ def run(cfg, metrics_out: str | None = None, console=None, trainer: Trainer | No
     step reached and raise `Preempted`. A non-finite step never reaches the state (the compiled step
     skips it); with `train.on_nan=stop` the loop raises naming the step before any later save.
     """
-    from meshpar.checkpoint import Checkpointer, data_changes
+    from meshpar.checkpoint import SCHEDULE_KEYS, Checkpointer, data_changes
     from meshpar.data import Batches, Prefetch
     from meshpar.distributed import Preempted, PreemptionGuard, progress
     from meshpar.metrics import MetricsLogger
@@ -60,116 +60,143 @@ def run(cfg, metrics_out: str | None = None, console=None, trainer: Trainer | No
     facts = trainer.describe()
     log = MetricsLogger(metrics_out, cfg.steps, console=console, tensorboard=cfg.metrics.tensorboard)
     floor = getattr(source, "entropy_rate", None)
-    ckpt = Checkpointer(cfg, trainer, info=log.info) if cfg.checkpoint.dir else None
-    found = ckpt.restore_latest() if ckpt else None
-    resumed = {} if found is None else {"resumed_from": found.step, "resumed_path": found.path,
-                                        "damaged_checkpoints": found.damaged}
-    log.start({**facts, "processes": jax.process_count(), "entropy_floor": floor, **resumed, "config": cfg}, trainer)
-    for line in trainer.warnings():
-        log.info(line)
-    if found:
-        saved_mesh = " ".join(f"{a}={n}" for a, n in (found.meta.get("mesh") or {}).items() if n > 1) or "1 device"
-        log.info(f"resumed from step {found.step} ({found.path}; saved with {found.meta.get('strategy')} on "
-                 f"{saved_mesh}, {found.meta.get('processes')} process(es), precision {found.meta.get('precision')})")
-        changes = data_changes(found.meta.get("config") or {}, cfg) + _holdout_change(found.meta.get("config"), cfg)
-        if changes:
-            log.info(f"warning: resuming with a different data stream: {', '.join(changes)}; batches from step "
-                     f"{found.step + 1} on are not the ones the saved run would have seen")
+    ckpt = data = profiler = None
+    closed = []
 
-    t0 = time.perf_counter()
-    compiled = trainer.compile()
-    compile_s = time.perf_counter() - t0
-    state = found.state if found else trainer.init()
-    if found and found.meta.get("precision") != cfg.precision:   # the loss scale belongs to the old policy
-        state["numerics"] = jax.device_put(precision_lib.LOSS_SCALE.init(trainer.policy),
-                                           trainer.state_shardings["numerics"])
-    data = Batches(source, trainer.batch_sharding, cfg.batch.global_size, cfg.batch.length, cfg.data.seed,
-                   batch_spec=trainer.batch_spec)
-    if found:
-        data.restore(found.data)
-    if PREFETCH:
-        data = Prefetch(data, PREFETCH)
-    evaluate = None
-    if cfg.eval.every:
-        from meshpar.evaluate import Evaluator
-        evaluate = Evaluator(cfg, trainer, source)
-    profiler = ProfileWindow(cfg, info=log.info)
-    peak, peak_src = peak_flops_per_device(cfg)
-    # model FLOPs per token (LM) or per example (any other loss: 6N, the attention term unknown)
-    fpt = flops_per_token(trainer.spec.cfg if trainer.is_lm else None, active_params(trainer.spec, cfg),
-                          cfg.batch.length)
-    log.info(f"compiled train step in {compile_s:.1f}s; MFU against {peak / 1e12:.3g} TFLOP/s/device ({peak_src})")
-
-    start = int(_read(state["step"]))
-    profiler.note_start(start + 1, cfg.steps)
-    first_loss, last, stop = None, None, None
-    unchecked = []     # (step, nonfinite, loss) on the device, not yet read (train.on_nan=stop)
-    window_start, window_steps = time.perf_counter(), 0
-
-    def check_finite(values=None):
-        """Read (unless given) and check the flags of the steps not yet checked, oldest first."""
-        nonlocal unchecked
-        if unchecked:
-            values = _read([u[1:] for u in unchecked]) if values is None else values
-            for (n, _, _), (bad, loss) in zip(unchecked, values):
-                _check_finite(cfg, n, bad, loss)
-        unchecked = []
-
-    try:
-        with PreemptionGuard() as guard:
-            for step in range(start, cfg.steps):
-                n = step + 1                     # steps are numbered from 1 in logs, checkpoints, profiles
-                batch = next(data)
-                profiler.before(n, state)
-                with profiler.annotate(n):
-                    state, metrics = compiled(state, batch)
-                profiler.after(n, metrics, last=n == cfg.steps)
-                window_steps += 1
-                if cfg.train.on_nan == "stop":
-                    unchecked.append((n, metrics["nonfinite"], metrics["loss"]))
-                progress["step"] = n
-                if n % cfg.train.log_every == 0 or n == cfg.steps or step == start:
-                    metrics, flags = _read((metrics, [u[1:] for u in unchecked]))   # waits for step n
-                    dt = (time.perf_counter() - window_start) / window_steps
-                    per_step = facts["tokens_per_step"] or facts["examples_per_step"]
-                    rec = {"step": n, **{k: _jsonable(v) for k, v in metrics.items()}, "step_time_s": dt,
-                           "examples_per_s": facts["examples_per_step"] / dt,
-                           "tokens_per_s": facts["tokens_per_step"] / dt if facts["tokens_per_step"] else None,
-                           "mfu": fpt * per_step / dt / (peak * facts["devices"])}
-                    first_loss = rec["loss"] if first_loss is None else first_loss
-                    last = rec
-                    log.step(rec)
-                    check_finite(flags)
-                    window_start, window_steps = time.perf_counter(), 0
-                if evaluate is not None and n % cfg.eval.every == 0:
-                    check_finite()
-                    log.eval({"step": n, **evaluate(state)})
-                    window_start, window_steps = time.perf_counter(), 0
-                stop = guard.reached(n)
-                if ckpt and (ckpt.due(n) or stop or n == cfg.steps):
-                    check_finite()                # never save past a step that must stop the run
-                    path = ckpt.save(n, state, data.state(), wait=bool(stop))
-                    log.info(f"checkpoint step {n} -> {path}" + (" (written)" if stop else " (writing)"))
-                if stop:
-                    break
-            check_finite()
-    except Exception as e:
-        log.close()                      # the JSON Lines and TensorBoard files hold every step logged
-        if jax.process_count() > 1:      # a collective failed: if a peer died, exit naming it
-            from meshpar.distributed import await_peer_verdict
-            await_peer_verdict(e)
-        raise
-    finally:
-        profiler.stop()
+    def close_all():
+        """Once: stop the profiler and the prefetch thread, finish the checkpoint writes in flight."""
+        if closed:
+            return
+        closed.append(True)
+        if profiler is not None:
+            profiler.stop()
         if isinstance(data, Prefetch):
             data.close()
         if ckpt:
-            ckpt.close()     # finish the writes in flight: they hold good states
-    end = {"steps": cfg.steps, "initial_loss": first_loss, "final_loss": last and last["loss"],
+            ckpt.close()     # they hold good states
+
+    try:
+        ckpt = Checkpointer(cfg, trainer, info=log.info) if cfg.checkpoint.dir else None
+        found = ckpt.restore_latest() if ckpt else None
+        resumed = {} if found is None else {"resumed_from": found.step, "resumed_path": found.path,
+                                            "damaged_checkpoints": found.damaged}
+        log.start({**facts, "processes": jax.process_count(), "entropy_floor": floor, **resumed, "config": cfg},
+                  trainer)
+        for line in trainer.warnings():
+            log.info(line)
+        if found:
+            saved_mesh = " ".join(f"{a}={n}" for a, n in (found.meta.get("mesh") or {}).items() if n > 1) or "1 device"
+            log.info(f"resumed from step {found.step} ({found.path}; saved with {found.meta.get('strategy')} on "
+                     f"{saved_mesh}, {found.meta.get('processes')} process(es), precision {found.meta.get('precision')})")
+            saved = found.meta.get("config") or {}
+            changes = data_changes(saved, cfg) + _holdout_change(saved, cfg)
+            if changes:
+                log.info(f"warning: resuming with a different data stream: {', '.join(changes)}; batches from step "
+                         f"{found.step + 1} on are not the ones the saved run would have seen")
+            changes = data_changes(saved, cfg, SCHEDULE_KEYS)
+            if changes:
+                log.info(f"warning: resuming with a different learning-rate schedule: {', '.join(changes)}; warmup and "
+                         f"cosine decay from step {found.step + 1} on follow the new values, not the saved run's")
+
+        t0 = time.perf_counter()
+        compiled = trainer.compile()
+        compile_s = time.perf_counter() - t0
+        state = found.state if found else trainer.init()
+        if found and found.meta.get("precision") != cfg.precision:   # the loss scale belongs to the old policy
+            state["numerics"] = jax.device_put(precision_lib.LOSS_SCALE.init(trainer.policy),
+                                               trainer.state_shardings["numerics"])
+        data = Batches(source, trainer.batch_sharding, cfg.batch.global_size, cfg.batch.length, cfg.data.seed,
+                       batch_spec=trainer.batch_spec)
+        if found:
+            data.restore(found.data)
+        if PREFETCH:
+            data = Prefetch(data, PREFETCH)
+        evaluate = None
+        if cfg.eval.every:
+            from meshpar.evaluate import Evaluator
+            evaluate = Evaluator(cfg, trainer, source)
+        profiler = ProfileWindow(cfg, info=log.info)
+        peak, peak_src = peak_flops_per_device(cfg)
+        # model FLOPs per token (LM) or per example (any other loss: 6N, the attention term unknown)
+        fpt = flops_per_token(trainer.spec.cfg if trainer.is_lm else None, active_params(trainer.spec, cfg),
+                              cfg.batch.length)
+        log.info(f"compiled train step in {compile_s:.1f}s; MFU against {peak / 1e12:.3g} TFLOP/s/device ({peak_src})")
+
+        start = int(_read(state["step"]))
+        profiler.note_start(start + 1, cfg.steps)
+        # the whole run's first logged loss: kept in every checkpoint, so a resumed run reports its gap too
+        first_loss = found.meta.get("initial_loss") if found else None
+        stop, metrics = None, None
+        unchecked = []     # (step, nonfinite, loss) on the device, not yet read (train.on_nan=stop)
+        window_start, window_steps = time.perf_counter(), 0
+
+        def check_finite(values=None):
+            """Read (unless given) and check the flags of the steps not yet checked, oldest first."""
+            nonlocal unchecked
+            if unchecked:
+                values = _read([u[1:] for u in unchecked]) if values is None else values
+                for (n, _, _), (bad, loss) in zip(unchecked, values):
+                    _check_finite(cfg, n, bad, loss)
+            unchecked = []
+
+        # Ctrl-C from here on (second one: at once) saves at the step reached and stops, and one that
+        # lands while the cleanup finishes the checkpoint writes waits for them
+        with PreemptionGuard() as guard:
+            try:
+                for step in range(start, cfg.steps):
+                    n = step + 1                     # steps are numbered from 1 in logs, checkpoints, profiles
+                    batch = next(data)
+                    profiler.before(n, state)
+                    with profiler.annotate(n):
+                        state, metrics = compiled(state, batch)
+                    profiler.after(n, metrics, last=n == cfg.steps)
+                    window_steps += 1
+                    if cfg.train.on_nan == "stop":
+                        unchecked.append((n, metrics["nonfinite"], metrics["loss"]))
+                    progress["step"] = n
+                    if n % cfg.train.log_every == 0 or n == cfg.steps or step == start:
+                        metrics, flags = _read((metrics, [u[1:] for u in unchecked]))   # waits for step n
+                        dt = (time.perf_counter() - window_start) / window_steps
+                        per_step = facts["tokens_per_step"] or facts["examples_per_step"]
+                        rec = {"step": n, **{k: _jsonable(v) for k, v in metrics.items()}, "step_time_s": dt,
+                               "examples_per_s": facts["examples_per_step"] / dt,
+                               "tokens_per_s": facts["tokens_per_step"] / dt if facts["tokens_per_step"] else None,
+                               "mfu": fpt * per_step / dt / (peak * facts["devices"])}
+                        first_loss = rec["loss"] if first_loss is None else first_loss
+                        log.step(rec)
+                        check_finite(flags)
+                        window_start, window_steps = time.perf_counter(), 0
+                    if evaluate is not None and n % cfg.eval.every == 0:
+                        check_finite()
+                        log.eval({"step": n, **evaluate(state)})
+                        window_start, window_steps = time.perf_counter(), 0
+                    stop = guard.reached(n)
+                    if ckpt and (ckpt.due(n) or stop or n == cfg.steps):
+                        check_finite()                # never save past a step that must stop the run
+                        path = ckpt.save(n, state, data.state(), wait=bool(stop), run={"initial_loss": first_loss})
+                        log.info(f"checkpoint step {n} -> {path}" + (" (written)" if stop else " (writing)"))
+                    if stop:
+                        break
+                check_finite()
+            except Exception as e:
+                if jax.process_count() > 1:      # a collective failed: if a peer died, exit naming it
+                    from meshpar.distributed import await_peer_verdict
+                    await_peer_verdict(e)
+                raise
+            finally:
+                close_all()
+    except BaseException:
+        log.close()           # the bar stopped, the JSON Lines and TensorBoard files hold every step logged
+        raise
+    finally:                  # also on an error before the loop
+        close_all()
+    # the loss at the step reached (after an interrupt that may be past the last logged step)
+    final = None if metrics is None else float(_read(metrics["loss"]))
+    end = {"steps": cfg.steps, "initial_loss": first_loss, "final_loss": final,
            "entropy_floor": floor, "compile_s": compile_s, "wall_s": time.perf_counter() - t0, **resumed}
-    if floor is not None and first_loss is not None:
+    if floor is not None and first_loss is not None and final is not None:
         from meshpar.data import floor_gap_closed
-        end["gap_closed"] = floor_gap_closed(first_loss, last["loss"], floor)
+        end["gap_closed"] = floor_gap_closed(first_loss, final, floor)
     if stop:
         import signal as signal_lib
         name = signal_lib.Signals(stop).name

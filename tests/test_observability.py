@@ -268,3 +268,73 @@ def test_resume_names_a_changed_training_split_of_token_data():
     changed = _holdout_change(saved, make_cfg(*tokens, "eval.every=10"))
     assert changed and "eval.holdout=0.1 (checkpoint: None" in changed[0]
     assert _holdout_change(saved, make_cfg("eval.every=10")) == []          # synthetic: the stream is the same
+
+
+def test_a_resumed_run_appends_its_metrics_and_plots_as_one_run(tmp_path):
+    """A resume appends to --metrics-out (a new start record), warns when the lr schedule changed,
+    reports the gap over the whole run, and `meshpar plot` draws one continuous run: log-scale loss,
+    each segment's first step out of the throughput, labelled by strategy and mesh."""
+    from io import StringIO
+
+    from rich.console import Console
+
+    from meshpar.data import floor_gap_closed
+    from meshpar.plot import draw, read_run
+    out, ck = tmp_path / "m.jsonl", tmp_path / "ck"
+    run(make_cfg("steps=3", f"checkpoint.dir={ck}"), metrics_out=str(out))
+    text = StringIO()
+    end = run(make_cfg("steps=5", f"checkpoint.dir={ck}"), metrics_out=str(out), console=Console(file=text, width=300))
+    recs = metrics_records(out)
+    assert [(r["event"], r.get("step"), r.get("resumed_from")) for r in recs] == [
+        ("start", None, None), ("step", 1, None), ("step", 2, None), ("step", 3, None), ("end", None, None),
+        ("start", None, 3), ("step", 4, None), ("step", 5, None), ("end", None, 3)]
+    assert "warning: resuming with a different learning-rate schedule: steps=5 (checkpoint: 3)" in text.getvalue()
+    loss = {r["step"]: r["loss"] for r in recs if r["event"] == "step"}
+    assert end["initial_loss"] == loss[1] and end["final_loss"] == pytest.approx(loss[5])
+    assert end["gap_closed"] > 0
+    assert end["gap_closed"] == pytest.approx(floor_gap_closed(loss[1], loss[5], end["entropy_floor"]))
+    assert f"done: loss {loss[1]:.4f} -> {loss[5]:.4f}" in text.getvalue()
+
+    whole = read_run(str(out))
+    assert [r["step"] for r in whole["steps"]] == [1, 2, 3, 4, 5] and whole["warmup"] == [1, 4]
+    # a run that got further than its last checkpoint: the steps it redoes replace the old ones
+    lines = out.read_text().splitlines()
+    redo = tmp_path / "redo.jsonl"
+    redo.write_text("\n".join(lines[:5] + [lines[5].replace('"resumed_from": 3', '"resumed_from": 1'),
+                                           lines[2].replace('"loss": ', '"loss": 1'), *lines[6:]]) + "\n")
+    again = read_run(str(redo))
+    assert [r["step"] for r in again["steps"]] == [1, 2, 4, 5] and again["steps"][1]["loss"] > 10
+    fig = draw([whole])
+    loss_ax, rate_ax, _ = fig.axes
+    assert loss_ax.get_yscale() == "log"
+    assert list(rate_ax.lines[0].get_xdata()) == [2, 3, 5]          # steps 1 and 4 waited for warm-up
+    assert "m fsdp_tp (data=2 fsdp=2 tensor=2) train" in [t.get_text() for t in loss_ax.get_legend().get_texts()]
+
+
+def test_logged_steps_are_lines_that_stay_above_the_bar_and_pipes_do_not_wrap(capsys):
+    """On a terminal each logged step prints a line that stays (the bar lives below); in a pipe
+    nothing wraps at 80 columns (rich did: `PartitionSpe c`)."""
+    import io
+    import re
+
+    from rich.console import Console
+
+    from meshpar.metrics import MetricsLogger, make_console
+    from meshpar.sharding import render_sharding_table, sharding_table
+    buf = io.StringIO()
+    log = MetricsLogger(None, 20, console=Console(file=buf, force_terminal=True, width=100))
+    log.start({"strategy": "dp", "mesh_str": "data=8", "devices": 8, "params": 1e6, "precision": "fp32"})
+    assert log.progress is not None
+    for n in (1, 10, 20):
+        log.step({"step": n, "loss": 2.0 / n, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 1000.0,
+                  "examples_per_s": 10.0, "mfu": 0.1})
+    log.end({"steps": 20, "initial_loss": 2.0, "final_loss": 0.1, "wall_s": 1.0})
+    text = re.sub(r"\x1b\[[0-9;?]*[a-zA-Z]", "", buf.getvalue())
+    for n in (1, 10, 20):
+        assert text.count(f"step {n:>5}/20 | loss {2.0 / n:.4f} | lr 0.001 | grad norm 0.5 | 1,000 tok/s") == 1
+    piped = make_console()                      # pytest captures stdout: not a terminal
+    tr = Trainer(make_cfg(), devices=devices(8))
+    piped.print(render_sharding_table(sharding_table(tr.spec, tr.layout)))
+    lines = capsys.readouterr().out.splitlines()
+    assert not piped.is_terminal and max(len(ln) for ln in lines) > 80
+    assert any("PartitionSpec" in ln for ln in lines) and any("layers.ffn.w_in" in ln for ln in lines)
