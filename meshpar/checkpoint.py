@@ -70,17 +70,20 @@ class FingerprintMismatch(ValueError):
     """Restored contents differ from the fingerprint saved with them (silent corruption)."""
 
 
-DATA_KEYS = (("data", "seed"), ("batch", "global_size"), ("batch", "length"), ("data", "kind"), ("data", "path"))
+DATA_KEYS = ("data.seed", "batch.global_size", "batch.length", "data.kind", "data.path")
+SCHEDULE_KEYS = ("steps", "train.lr", "train.warmup_steps", "train.min_lr_ratio")   # the lr schedule's shape
 
 
-def data_changes(saved_config: dict, cfg) -> list[str]:
-    """`key=new (checkpoint: old)` for every setting of the data stream that differs from the saved run."""
+def data_changes(saved_config: dict, cfg, keys=DATA_KEYS) -> list[str]:
+    """`key=new (checkpoint: old)` for every dotted key of `keys` (default: the data stream's) whose
+    value differs from the saved run's config."""
     out = []
-    for section, key in DATA_KEYS:
-        old = (saved_config.get(section) or {}).get(key, None)
-        new = getattr(getattr(cfg, section), key, None)
-        if (section in saved_config) and old != new:
-            out.append(f"{section}.{key}={new} (checkpoint: {old})")
+    for key in keys:
+        *section, name = key.split(".")
+        saved = saved_config.get(section[0]) if section else saved_config
+        new = getattr(getattr(cfg, section[0]) if section else cfg, name, None)
+        if isinstance(saved, dict) and saved.get(name) != new:
+            out.append(f"{key}={new} (checkpoint: {saved.get(name)})")
     return out
 
 
@@ -187,9 +190,10 @@ class Checkpointer:
     def due(self, step: int) -> bool:
         return bool(self.every) and step % self.every == 0
 
-    def save(self, step: int, state, data_state: dict, *, wait: bool = False) -> str:
+    def save(self, step: int, state, data_state: dict, *, wait: bool = False, run: dict | None = None) -> str:
         """Start an asynchronous save of `state` at `step` (all processes call it). Returns the path.
-        The previous save, if still writing, is finished first (Orbax), so at most one is in flight."""
+        The previous save, if still writing, is finished first (Orbax), so at most one is in flight.
+        `run`: facts of the run so far kept in meta (the loop's `initial_loss`)."""
         if step in self.damaged_steps:
             self._replace_damaged(step)
         if step in self.manager.all_steps():       # e.g. the end of a run that resumed at its last step
@@ -201,7 +205,7 @@ class Checkpointer:
                 "mesh": self.trainer.describe()["mesh"], "strategy": self.cfg.strategy,
                 "precision": self.cfg.precision, "processes": jax.process_count(),
                 "signature": self.signature,
-                "fingerprint": fingerprint(state)}
+                "fingerprint": fingerprint(state), **(run or {})}
         try:
             self.manager.save(step, force=True, args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(dict(data_state)),
@@ -340,15 +344,38 @@ def _one_line(e: BaseException) -> str:
 # ----------------------------------------------------------------------------------------------
 # Weights only (serving): a part of the train state, read straight into another layout.
 
+def _existing(directory) -> epath.Path:
+    root = local_or_remote(directory)
+    if not root.exists():
+        raise CheckpointError(f"checkpoint.dir '{directory}' does not exist; give the folder `meshpar train "
+                              "checkpoint.dir=...` wrote (or leave checkpoint.dir unset for a fresh init)")
+    return root
+
+
+def saved_config(directory) -> tuple[int, dict] | None:
+    """(step, resolved config) saved with the newest checkpoint in `directory`; None if it holds none."""
+    import orbax.checkpoint as ocp
+    manager = ocp.CheckpointManager(_existing(directory), item_names=ITEMS)
+    try:
+        for step in sorted(manager.all_steps(), reverse=True):
+            try:
+                meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+            except Exception:  # noqa: BLE001 - a damaged step: its predecessor's config
+                continue
+            return step, meta.get("config") or {}
+    finally:
+        manager.close()
+    return None
+
+
 def restore_weights(directory, target: dict, info: Callable[[str], None] = print):
     """The newest usable checkpoint's `params` and `vars` in `directory`, read straight into
     `target`'s shardings (a dict {"params", "vars"} of ShapeDtypeStructs carrying them): optimizer
     state is never read, each process reads only its slices. Returns (tree, step, meta), or None
-    when the folder holds no checkpoint. A checkpoint of another model is an error naming the leaf."""
+    when the folder holds no checkpoint; a folder that does not exist is an error (a mistyped path
+    must not serve a random model), and so is a checkpoint of another model (naming the leaf)."""
     import orbax.checkpoint as ocp
-    root = local_or_remote(directory)
-    if not root.exists():
-        return None
+    root = _existing(directory)
     manager = ocp.CheckpointManager(root, item_names=ITEMS)
     steps = sorted(manager.all_steps())
     target = {k: v for k, v in target.items() if jax.tree.leaves(v)}   # e.g. no non-Param variables

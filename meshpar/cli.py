@@ -1,6 +1,7 @@
-"""`meshpar train`, `meshpar inspect`, `meshpar launch` and `meshpar generate`.
+"""The `meshpar` command: train, config, inspect, launch, plot, generate, plan, export.
 
     meshpar train [--config FILE] [--devices N] [--metrics-out FILE] [KEY=VALUE ...]
+    meshpar config [--config FILE] [KEY=VALUE ...]    # the resolved config, every key with its meaning
     meshpar inspect [--config FILE] [--devices N] [--json] [KEY=VALUE ...]
     meshpar launch N [train arguments...]        # N loopback processes (meshpar/launch.py)
     meshpar plot RUN.jsonl [RUN2.jsonl ...] [-o out.png] [--size 1200x800]   # meshpar/plot.py
@@ -37,9 +38,12 @@ def _parser() -> argparse.ArgumentParser:
     """The top-level parser (for --help and the command name); each command is parsed by its own
     parser with `parse_intermixed_args`, so flags and KEY=VALUE mix freely (argparse refuses
     intermixed parsing on a parser with subcommands, hence the two stages)."""
+    from meshpar import __version__
     from meshpar.rules import PRESETS
+    keys = "config keys: `meshpar config` prints every key with its value and meaning"
     p = argparse.ArgumentParser(prog="meshpar", description="Sharded training of Flax NNX models on a named device mesh.",
-                                epilog="strategies: " + ", ".join(PRESETS))
+                                epilog=f"strategies: {', '.join(PRESETS)}; {keys}")
+    p.add_argument("--version", action="version", version=f"meshpar {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("launch", add_help=False, help="N training processes on this machine: meshpar launch N [train args]")
     sub.add_parser("plot", add_help=False, help="loss, eval loss, tokens/s and MFU of --metrics-out files: "
@@ -47,8 +51,12 @@ def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--config", help="YAML config (default: the embedded configs/tiny.yaml)")
     common.add_argument("--devices", type=int, help="devices to fake on a CPU-only host (default: config `devices`)")
-    common.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides, e.g. mesh.tensor=2")
-    t = sub.add_parser("train", parents=[common], help="train a model (default: the tiny LM on 8 fake CPU devices)")
+    common.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides, e.g. mesh.tensor=2 "
+                        "(`meshpar config` lists every key)")
+    sub.add_parser("config", parents=[common], help="print the resolved config as YAML, every key with its meaning "
+                   "(`meshpar config [--config F] [KEY=VALUE ...] > my.yaml` writes a config to edit)")
+    t = sub.add_parser("train", parents=[common], help="train a model (default: the tiny LM on 8 fake CPU devices)",
+                       epilog=keys)
     t.add_argument("--metrics-out", help="write JSON Lines metrics (start/step/end records) to this file")
     mp = t.add_argument_group("multi-process (see meshpar/distributed.py; srun/mpirun/TPU pods are detected)")
     mp.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address (env MESHPAR_COORDINATOR)")
@@ -90,6 +98,25 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+SAVED_SETTINGS = ("model", "data", "precision", "rules", "batch.length")
+
+
+def _with_saved_settings(cfg, args):
+    """`generate` / `export`: the settings checkpoint.dir's newest checkpoint was trained with
+    (`SAVED_SETTINGS`, kept in its meta), under the --config file and KEY=VALUE overrides given now."""
+    from meshpar.checkpoint import saved_config
+    from meshpar.config import load_config
+    found = saved_config(cfg.checkpoint.dir)
+    if found is None:
+        return cfg
+    under = {}
+    for key in SAVED_SETTINGS:
+        section, _, name = key.partition(".")
+        if section in found[1]:
+            under[section] = {name: found[1][section][name]} if name else found[1][section]
+    return load_config(args.config, args.overrides, under=under)
+
+
 def _export(cfg, args) -> None:
     """`meshpar export`: checkpoint.dir's newest parameters (else model.init_from's), one array at a
     time, as a Hugging Face directory (meshpar/hf.py)."""
@@ -108,7 +135,8 @@ def _export(cfg, args) -> None:
     if params is None and cfg.model.init_from:
         params, source = trainer.load_pretrained(), cfg.model.init_from
     if params is None:
-        raise MeshparError("nothing to export: checkpoint.dir holds no checkpoint and model.init_from is not set")
+        where = f"checkpoint.dir '{cfg.checkpoint.dir}' holds no checkpoint" if cfg.checkpoint.dir else "no checkpoint.dir"
+        raise MeshparError(f"nothing to export: {where} and model.init_from is not set")
     from flax import nnx
     from meshpar.sharding import building
     with building(trainer.policy):
@@ -120,30 +148,39 @@ def _export(cfg, args) -> None:
 
 
 def _plan(cfg, args) -> None:
-    """`meshpar plan`: cost model search (meshpar/plan.py), table or JSON, winner YAML, --verify."""
+    """`meshpar plan`: cost model search (meshpar/plan.py), table or JSON, --verify, then the YAML of
+    the best plan: with --verify the best one that fits once compiled."""
     from meshpar.hardware import load_hardware
     from meshpar.plan import parse_bytes_per_param, plan, render, winner_yaml
     hw = load_hardware(args.hardware)
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()] if args.strategies else None
     result = plan(cfg, cfg.devices, hw, strategies, parse_bytes_per_param(args.bytes_per_param, cfg) if
                   args.bytes_per_param else None, keep_all=args.all, top=max(args.top, args.verify))
+    best, why = next((c for c in result["candidates"] if c["fits"]), None), ""
     if args.verify:
         from meshpar.dryrun import verify
         result["verify"] = verify(result, args.config, args.overrides, args.verify)
-    if any(c["fits"] for c in result["candidates"]) and args.out != "-":
-        with open(args.out, "w") as f:
-            f.write(winner_yaml(result, args.config, args.overrides))
-        print(f"wrote the best plan to {args.out} (meshpar train --config {args.out})", file=sys.stderr)
+        ok = [r["rank"] for r in result["verify"] if r["fits_compiled"]]
+        best = result["candidates"][ok[0] - 1] if ok else None
+        lost = "" if not ok or ok[0] == 1 else "; #1 does not" if ok[0] == 2 else f"; #1..#{ok[0] - 1} do not"
+        why = f" (#{ok[0]}, the best that fits once compiled{lost})" if ok else ""
     if args.json:
         json.dump(result, sys.stdout, default=str)
         sys.stdout.write("\n")
-        return
-    from rich.console import Console
-    console = Console(width=None if sys.stdout.isatty() else 200)
-    render(result, console, args.top)
-    if args.verify:
-        from meshpar.dryrun import render as render_verify
-        render_verify(result["verify"], console)
+    else:
+        from meshpar.metrics import make_console
+        console = make_console()
+        render(result, console, args.top)
+        if args.verify:
+            from meshpar.dryrun import render as render_verify
+            render_verify(result["verify"], console)
+    if best is None and args.verify:
+        print(f"none of the top {args.verify} plans fits once compiled: nothing written (try a larger --verify)",
+              file=sys.stderr)
+    elif best is not None and args.out != "-":
+        with open(args.out, "w") as f:
+            f.write(winner_yaml(result, args.config, args.overrides, best))
+        print(f"wrote the best plan{why} to {args.out} (meshpar train --config {args.out})", file=sys.stderr)
 
 
 def _plan_estimate(cfg) -> str:
@@ -198,7 +235,8 @@ def _generate(cfg, args) -> None:
     tok = (hf_tok or ByteTokenizer(engine.vocab)) if texts else None
     for r in reqs:
         engine.check(r)
-    print(f"serving {engine.source} on {engine.mesh.devices.size} devices ({cfg.serve.strategy}, "
+    saved = " with the settings it was trained with" if engine.source.startswith("checkpoint") else ""
+    print(f"serving {engine.source}{saved} on {engine.mesh.devices.size} devices ({cfg.serve.strategy}, "
           f"{engine.slots} slots, cache {engine.length})", file=sys.stderr)
     engine.warmup(reqs)
     show = (lambda ids: tok.decode(ids)) if tok else (lambda ids: "".join(f"{t} " for t in ids))
@@ -221,12 +259,17 @@ def _generate(cfg, args) -> None:
         return
     for r, c in zip(reqs, out):                 # several prompts decode together: each printed whole
         print("" if one else show(r.tokens) + show(c.tokens))
+    for i, c in enumerate(out):
+        if c.finish == "cache_full":
+            print(f"note: prompt {i + 1} stopped after {len(c.tokens)} tokens: the KV cache holds "
+                  f"{engine.length} positions (serve.cache_length); raise it for longer output", file=sys.stderr)
     print(f"first token {out[0].ttft_s:.3f} s, decode {rate:.1f} tokens/s", file=sys.stderr)
 
 
-def _setup_devices(cfg, devices_flag: int | None, processes: int = 1) -> None:
+def _setup_devices(cfg, devices_flag: int | None, processes: int = 1, planning: bool = False) -> None:
     """Fake host devices before JAX initialises (only CPU-only hosts are affected). `devices` counts
-    all processes together; each of `processes` fakes its share."""
+    all processes together; each of `processes` fakes its share. One device (not for `plan`, which
+    searches meshes of `devices` itself) collapses the configured mesh."""
     from meshpar.mesh import fake_cpu_devices
     n = devices_flag if devices_flag is not None else cfg.devices
     if n < 1:
@@ -234,8 +277,23 @@ def _setup_devices(cfg, devices_flag: int | None, processes: int = 1) -> None:
     if n % processes:
         raise MeshparError(f"--devices {n} (all processes) is not divisible by the {processes} processes")
     cfg.devices = n
+    if n == 1 and not planning:
+        _one_device(cfg)
     if os.environ.get("JAX_PLATFORMS", "cpu") in ("cpu", "") or not _has_accelerator():
         fake_cpu_devices(n // processes)
+
+
+def _one_device(cfg) -> None:
+    """On one device every mesh axis is 1, whatever the config asked for (said in one line)."""
+    from meshpar.mesh import MESH_AXES
+    asked = [f"{a}={getattr(cfg.mesh, a)}" for a in MESH_AXES if getattr(cfg.mesh, a) != 1]
+    asked += [f"dcn.{a}={v}" for a, v in cfg.mesh.dcn.items() if v != 1]
+    for a in MESH_AXES:
+        setattr(cfg.mesh, a, 1)
+    cfg.mesh.dcn = {}
+    if asked:
+        print(f"warning: one device: the mesh ({' '.join(asked)}) collapses to a single device; "
+              f"{cfg.strategy} runs unsharded", file=sys.stderr)
 
 
 def _has_accelerator() -> bool:
@@ -263,13 +321,27 @@ def main(argv: list[str] | None = None) -> int:
         from meshpar.plot import main as plot_main
         return plot_main(argv[1:])
     args = _parse(argv)
+    from meshpar.distributed import interrupts_exit
+    with interrupts_exit():
+        return _run(args)
+
+
+def _run(args) -> int:
+    """One parsed command; user errors become one line and exit status 2."""
     try:
         from meshpar.config import load_config
         cfg = load_config(args.config, args.overrides)
+        if args.command == "config":             # no devices: the configuration only
+            from meshpar.config import annotated_yaml
+            cfg.devices = args.devices if args.devices is not None else cfg.devices
+            sys.stdout.write(annotated_yaml(cfg))
+            return 0
+        if args.command in ("generate", "export") and cfg.checkpoint.dir:
+            cfg = _with_saved_settings(cfg, args)
         from meshpar import distributed
         multi = distributed.resolve(getattr(args, "coordinator", None), getattr(args, "num_processes", None),
                                     getattr(args, "process_id", None))
-        _setup_devices(cfg, args.devices, (multi.num_processes or 1) if multi else 1)
+        _setup_devices(cfg, args.devices, (multi.num_processes or 1) if multi else 1, args.command == "plan")
         if multi:
             distributed.initialize(multi)
         import jax
@@ -296,8 +368,8 @@ def main(argv: list[str] | None = None) -> int:
                 json.dump(rep, sys.stdout, default=str)
                 sys.stdout.write("\n")
             else:
-                from rich.console import Console
-                render_report(rep, Console())
+                from meshpar.metrics import make_console
+                render_report(rep, make_console())
                 print(rep["plan_estimate"])
     except MeshparError as e:
         from meshpar.distributed import Preempted
@@ -312,5 +384,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def entry() -> None:
+    """The `meshpar` program (and `python -m meshpar.cli`): `main()`, then exit with its status.
+
+    After Ctrl-C the exit skips interpreter finalization (`os._exit`, once the streams are flushed):
+    a SIGINT that lands while XLA compiles leaves its compile threads running, and finalizing the
+    interpreter under them crashes (SIGSEGV, exit 139). Nothing is left half-written by then: the
+    loop closed its files and finished its checkpoint writes on the way out."""
+    code = main()
+    if code == 130:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -34,20 +34,21 @@ DEFAULT_CONFIG = CONFIG_DIR / "tiny.yaml"
 
 @dataclass
 class ModelConfig:
+    """The model: a reference model of meshpar.models by size, or your own factory."""
     name: str = "decoder"             # decoder | moe (meshpar.models), or PKG.MODULE:FACTORY -> FACTORY(cfg, rngs)
     size: str = "tiny"                # tiny | 125m | 1b | 7b: dimensions below default from this
-    layers: int | None = None
-    embed: int | None = None
-    heads: int | None = None
+    layers: int | None = None         # transformer blocks (None: from model.size)
+    embed: int | None = None          # model width d_model (None: from model.size)
+    heads: int | None = None          # attention (query) heads (None: from model.size)
     kv_heads: int | None = None       # grouped-query attention; = heads for plain MHA
-    head_dim: int | None = None
-    mlp: int | None = None
-    vocab: int | None = None
+    head_dim: int | None = None       # features per head (None: embed / heads)
+    mlp: int | None = None            # feed-forward hidden width (None: from model.size)
+    vocab: int | None = None          # vocabulary size (None: from model.size)
     scan_layers: bool = True          # stack layers on a `layers` axis and lax.scan them
     remat: str = "full"               # none | full | save_dots | offload
     attention: str = "xla"            # jax.nn.dot_product_attention implementation: xla | cudnn | auto
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-6
+    rope_theta: float = 10000.0       # RoPE base frequency
+    norm_eps: float = 1e-6            # RMSNorm epsilon
     tie_embeddings: bool = False      # logits from the input embedding (no separate lm_head)
     rope_scaling: dict[str, Any] = field(default_factory=dict)   # {rope_type: llama3, factor, low_freq_factor, ...}
     init_from: str | None = None      # hf:DIR: dimensions from DIR/config.json, weights from its safetensors
@@ -57,16 +58,17 @@ class ModelConfig:
 @dataclass
 class MeshConfig:
     """Sizes of the named mesh axes (ICI, within a slice/node); one may be -1 (fill)."""
-    data: int = 1
-    fsdp: int = 1
-    tensor: int = 1
-    pipeline: int = 1
-    expert: int = 1
+    data: int = 1                     # data parallelism: replicas of the weights, each with its own rows of the batch
+    fsdp: int = 1                     # fully sharded data parallelism: weights split, gathered per layer (ZeRO-3)
+    tensor: int = 1                   # tensor parallelism (Megatron): heads and MLP columns split inside a layer
+    pipeline: int = 1                 # pipeline stages: the stacked layers cut into consecutive groups (pipeline.*)
+    expert: int = 1                   # expert parallelism: MoE experts split (model.name=moe, moe.*)
     dcn: dict[str, int] = field(default_factory=dict)   # multi-slice/multi-node sizes, e.g. {data: 2}
 
 
 @dataclass
 class BatchConfig:
+    """The global batch of one optimizer step."""
     global_size: int = 16             # sequences per optimizer step, over all devices
     length: int = 64                  # tokens per sequence
     microbatches: int = 1             # gradient accumulation steps inside one optimizer step
@@ -74,15 +76,16 @@ class BatchConfig:
 
 @dataclass
 class TrainConfig:
-    lr: float = 3e-3
-    warmup_steps: int = 20
+    """Optimizer (AdamW, warmup + cosine, clipping), loss, logging and numerics."""
+    lr: float = 3e-3                  # peak learning rate (AdamW), reached after warmup_steps
+    warmup_steps: int = 20            # linear warmup from 0 to lr
     min_lr_ratio: float = 0.1         # cosine decays to lr * min_lr_ratio
-    weight_decay: float = 0.01
-    b1: float = 0.9
-    b2: float = 0.95
-    clip_norm: float = 1.0
-    seed: int = 0
-    log_every: int = 10
+    weight_decay: float = 0.01        # AdamW decoupled weight decay (not on norms and vectors)
+    b1: float = 0.9                   # AdamW first-moment decay
+    b2: float = 0.95                  # AdamW second-moment decay
+    clip_norm: float = 1.0            # gradients clipped to this global norm
+    seed: int = 0                     # initialisation seed
+    log_every: int = 10               # log (console, --metrics-out, TensorBoard) every N steps, the first and the last
     peak_tflops: float | None = None  # per device; None: from the device kind (a quick matmul probe on CPU)
     on_nan: str = "stop"              # non-finite loss/gradients: skip (drop the update) | stop (error naming the step)
     loss: str = "lm"                  # lm (next-token cross-entropy) | PKG.MODULE:FN, FN(model, batch) -> (loss, metrics)
@@ -91,29 +94,32 @@ class TrainConfig:
 
 @dataclass
 class DataConfig:
+    """Where batches come from."""
     kind: str = "synthetic"           # synthetic | tokens | text | PKG.MODULE:FN (FN(cfg) -> your source)
     path: str | None = None           # token file (.bin, uint16/uint32) or text file/folder
     dtype: str = "uint16"             # token file dtype
     tokenizer: str | None = None      # text data and generate prompts: a tokenizer.json (or its folder); None: bytes
     branching: int = 4                # synthetic: successors per state of the Markov chain
-    seed: int = 1234
+    seed: int = 1234                  # batch s row r is a pure function of (seed, s, r): exact resume
 
 
 @dataclass
 class PipelineConfig:
+    """Pipeline parallelism (read when mesh.pipeline > 1)."""
     schedule: str = "gpipe"           # gpipe | 1f1b | interleaved
-    microbatches: int = 4
-    virtual_stages: int = 1
+    microbatches: int = 4             # microbatches per step flowing through the stages (bubble (P-1)/(M+P-1))
+    virtual_stages: int = 1           # interleaved: layer chunks per device
 
 
 @dataclass
 class MoEConfig:
+    """Mixture of experts (read by model.name=moe and user factories)."""
     routing: str = "top2"             # top1 | top2
     capacity_factor: float | None = 1.25   # None: dropless
-    num_experts: int = 4
+    num_experts: int = 4              # experts per MoE layer (divisible by mesh.expert)
     every: int = 2                    # MoE feed-forward in every k-th layer
-    aux_loss_weight: float = 0.01
-    z_loss_weight: float = 0.001
+    aux_loss_weight: float = 0.01     # load-balancing loss weight (GShard/Switch)
+    z_loss_weight: float = 0.001      # router z-loss weight (ST-MoE)
     group_size: int | None = None     # tokens per routing group S; None: one sequence per group
     second_expert_policy: str = "all"  # all | random (GShard's random routing of the 2nd expert)
 
@@ -123,26 +129,28 @@ class ProfileConfig:
     """A `jax.profiler` trace of steps start_step .. start_step + steps - 1 (numbered as logged, from 1)."""
     dir: str | None = None            # None: no trace; else TensorBoard's --logdir (plugins/profile/...)
     start_step: int = 5               # first traced step: after compilation and warm-up
-    steps: int = 3
+    steps: int = 3                    # steps traced
 
 
 @dataclass
 class MetricsConfig:
+    """Metrics beyond the console and --metrics-out."""
     tensorboard: str | None = None    # write TensorBoard event files (scalars) here, beside the JSON Lines
 
 
 @dataclass
 class EvalConfig:
     """Loss on held-out data every `every` steps (0: never) over `batches` batches of batch.global_size."""
-    every: int = 0
-    batches: int = 4
+    every: int = 0                    # evaluate every N steps (0: never)
+    batches: int = 4                  # held-out batches of batch.global_size per evaluation
     path: str | None = None           # tokens/text: a held-out file of data.kind; None: the holdout split
     holdout: float = 0.1              # tokens/text without eval.path: this last fraction is never trained on
 
 
 @dataclass
 class CheckpointConfig:
-    dir: str | None = None
+    """Asynchronous Orbax checkpoints; a run resumes from checkpoint.dir's newest usable one."""
+    dir: str | None = None            # save here and resume from here (local path or gs://...); None: no checkpoints
     every: int = 0                    # 0: only at the end / on preemption
     keep: int = 3                     # newest checkpoints kept; older ones are deleted only after a newer one is complete
 
@@ -154,7 +162,7 @@ class ServeConfig:
     slots: int = 8                    # requests decoded together (continuous batching)
     cache_length: int | None = None   # positions per slot (prompt + generated); None: batch.length
     min_bucket: int = 16              # prompts are padded to powers of two >= this, up to cache_length
-    max_new_tokens: int = 32
+    max_new_tokens: int = 32          # generate's default budget of new tokens per prompt
 
 
 @dataclass
@@ -171,10 +179,10 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
-    strategy: str = "fsdp_tp"         # a preset of meshpar.rules.PRESETS
+    strategy: str = "fsdp_tp"         # dp | zero1 | zero2 | fsdp | hsdp | tp | tp_sp | fsdp_tp (meshpar.rules.PRESETS)
     rules: list[list[Any]] = field(default_factory=list)  # user rules, [[logical, [mesh axes...]], ...], tried first
     precision: str = "bf16"           # bf16 | fp32 | fp16 (meshpar.precision.POLICIES; fp16 scales the loss)
-    steps: int = 200
+    steps: int = 200                  # optimizer steps of the whole run (the cosine schedule ends here)
     devices: int = 8                  # devices to fake on a CPU-only host
 
 
@@ -333,13 +341,52 @@ def ignored_warning(cfg: Config) -> str | None:
     return f"warning: ignoring {', '.join(keys)}: {'; '.join(why)}"
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None, under: dict | None = None) -> Config:
+    """The YAML file (default: the embedded configs/tiny.yaml) + KEY=VALUE overrides, validated.
+    `under`: settings laid under them (a checkpoint's saved model settings, for `generate`): a given
+    file and the overrides win over them, and they win over the embedded default."""
     data = _read_yaml(Path(path) if path else DEFAULT_CONFIG)
+    if under:
+        data = _merge(under, data) if path else _merge(data, under)
     return from_dict(apply_overrides(data, overrides or []))
 
 
 def to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
+
+
+def field_comments() -> dict[tuple[str, str], str]:
+    """{(class, field): the comment beside that field in this file}: the meaning of every key."""
+    import ast
+    import io
+    import tokenize
+    src = Path(__file__).read_text()
+    notes = {t.start[0]: t.string[1:].strip() for t in tokenize.generate_tokens(io.StringIO(src).readline)
+             if t.type == tokenize.COMMENT}
+    return {(c.name, s.target.id): notes[s.lineno] for c in ast.parse(src).body if isinstance(c, ast.ClassDef)
+            for s in c.body if isinstance(s, ast.AnnAssign) and s.lineno in notes}
+
+
+def annotated_yaml(cfg: Config) -> str:
+    """`meshpar config`: the resolved config as YAML that `--config` reads back, every key with its
+    comment (meaning, allowed values) and every section with its docstring's first line."""
+    comments = field_comments()
+
+    def scalar(v) -> str:
+        return yaml.safe_dump(v, default_flow_style=True, width=1 << 20).split("\n...")[0].strip()
+
+    def emit(obj, indent: str) -> list[str]:
+        out = []
+        for f in dataclasses.fields(obj):
+            v = getattr(obj, f.name)
+            if dataclasses.is_dataclass(v):
+                doc = (type(v).__doc__ or "").strip().splitlines()[0]
+                out += [f"{indent}{f.name}:  # {doc}", *emit(v, indent + "  ")]
+                continue
+            line, note = f"{indent}{f.name}: {scalar(v)}", comments.get((type(obj).__name__, f.name))
+            out.append(f"{line:<36}  # {note}" if note else line)
+        return out
+    return "\n".join(emit(cfg, "")) + "\n"
 
 
 def import_object(path: str, key: str):

@@ -10,9 +10,10 @@ model), split into ICI x DCN by filling the hardware's ICI domain from the inner
 pipeline axis, pipeline microbatches (P, 2P, 4P, ... down to one sequence each) and schedules (gpipe, 1f1b, interleaved v=2).
 Each candidate is costed by `meshpar.costmodel` (its docstring holds every formula and its
 source); those that do not fit in device memory are dropped (kept with --all) and the rest ranked
-by predicted step time. Ties (collectives fully hidden behind compute) go to fewer bytes on the
-wire, then the simpler preset (dp < zero1 < zero2 < fsdp < hsdp < tp < tp_sp < fsdp_tp), then less
-memory. Nothing is special-cased: TP inside a node, PP across nodes and DP outermost come out of
+by predicted step time. Ties (collectives fully hidden behind compute) go first to plans that fit
+with the planner's own margin of error (its memory is within 15% of the compiled step's), then to
+fewer bytes on the wire, then to the most memory headroom, then the simpler preset (dp < zero1 <
+zero2 < fsdp < hsdp < tp < tp_sp < fsdp_tp). Nothing is special-cased: TP inside a node, PP across nodes and DP outermost come out of
 the bandwidths and the memory, or do not.
 
 Each mesh axis maps to one preset family so the same layout is not listed twice: dp/zero1/zero2
@@ -153,23 +154,48 @@ def _why(row: dict, best: dict | None, hw) -> str:
     key = max(diffs, key=diffs.get)
     slower = a["step_s"] / w["step_s"] - 1
     if slower < 1e-3:
-        return "tie: more bytes on the wire" if a["comm_s"] > w["comm_s"] * 1.001 else "tie: simpler preset first"
+        if _tight(row, hw.memory_bytes) and not _tight(best, hw.memory_bytes):
+            return f"tie: under {MARGIN - 1:.0%} memory headroom"
+        if a["comm_s"] > w["comm_s"] * 1.001:
+            return "tie: more bytes on the wire"
+        return "tie: less memory headroom" if row["memory"]["total"] > best["memory"]["total"] else \
+            "tie: simpler preset first"
     return f"+{100 * slower:.0f}% step: {key} +{diffs[key]:.3g} s"
 
 
-def _rank(rows: list) -> list:
-    """Fitting first, then by step time; candidates within 0.1% of each other's step time (all
-    collectives hidden) are ordered by time on the wire, then the simpler preset, then memory."""
-    rows = sorted(rows, key=lambda r: (not r["fits"], r["time"]["step_s"]))
+def _runs(rows: list, key, rel: float = 1e-3) -> list[list]:
+    """`rows` (sorted by `key`) cut into runs whose values lie within `rel` of the run's first."""
     out, i = [], 0
     while i < len(rows):
         j = i
-        while j < len(rows) and rows[j]["fits"] == rows[i]["fits"] and \
-                rows[j]["time"]["step_s"] <= rows[i]["time"]["step_s"] * 1.001:
+        while j < len(rows) and key(rows[j]) <= key(rows[i]) * (1 + rel):
             j += 1
-        out += sorted(rows[i:j], key=lambda r: (r["time"]["comm_s"], ORDER.index(r["cand"].strategy),
-                                                r["memory"]["total"]))
+        out.append(rows[i:j])
         i = j
+    return out
+
+
+MARGIN = 1.15     # the planner's memory is within 15% of the compiled step's (bench/RESULTS.md, ## Planner)
+
+
+def _tight(row: dict, memory_bytes: float) -> bool:
+    """Predicted to fit, but not by the planner's own margin of error."""
+    return row["memory"]["total"] * MARGIN > memory_bytes
+
+
+def _rank(rows: list, memory_bytes: float) -> list:
+    """Fitting first, then by step time. Candidates within 0.1% of each other's step time (all
+    collectives hidden) are ordered: those that fit with the planner's margin of error (`MARGIN`)
+    first, then by time on the wire, then by memory per device (the most headroom first), then the
+    simpler preset."""
+    out = []
+    for fits in (True, False):
+        part = sorted((r for r in rows if r["fits"] == fits), key=lambda r: r["time"]["step_s"])
+        for tie in _runs(part, lambda r: r["time"]["step_s"]):
+            for tight in (False, True):
+                room = sorted((r for r in tie if _tight(r, memory_bytes) == tight), key=lambda r: r["time"]["comm_s"])
+                for same in _runs(room, lambda r: r["time"]["comm_s"]):
+                    out += sorted(same, key=lambda r: (r["memory"]["total"], ORDER.index(r["cand"].strategy)))
     return out
 
 
@@ -204,7 +230,7 @@ def plan(cfg, devices: int, hardware, strategies=None, bytes_per_param=None, kee
                           f"({small['cand'].strategy}, {_mesh_str(small['cand'])}, remat {small['cand'].remat}) "
                           f"and a device has {hardware.memory_bytes / GiB:.0f} GiB; add devices or shrink the batch")
 
-    ordered = _rank(rows if keep_all else fitting)
+    ordered = _rank(rows if keep_all else fitting, hardware.memory_bytes)
     best = ordered[0] if ordered[0]["fits"] else None
     limit = None if keep_all else (top or 10)
     if not keep_all:                   # one row per layout: its best remat / microbatching
@@ -231,15 +257,15 @@ def plan(cfg, devices: int, hardware, strategies=None, bytes_per_param=None, kee
             "searched": len(rows), "fitting": len(fitting), "candidates": out}
 
 
-def winner_yaml(result: dict, config_path: str | None, user_overrides: list[str]) -> str:
-    """The best plan as a YAML file `meshpar train --config` accepts: the user's config (as `base`),
-    their KEY=VALUE overrides, then the plan's."""
+def winner_yaml(result: dict, config_path: str | None, user_overrides: list[str], best: dict | None = None) -> str:
+    """A plan (default: the best that fits) as a YAML file `meshpar train --config` accepts: the
+    user's config (as `base`), their KEY=VALUE overrides, then the plan's."""
     import os
 
     import yaml
 
     from meshpar.config import apply_overrides
-    best = next((c for c in result["candidates"] if c["fits"]), None)
+    best = best or next((c for c in result["candidates"] if c["fits"]), None)
     if best is None:
         raise ConfigError("no candidate fits, so there is no plan to write")
     data = apply_overrides({}, list(user_overrides) + best["overrides"])

@@ -126,7 +126,8 @@ class Engine:
 
     `model`: factory rngs -> nnx.Module implementing the protocol above (default: `cfg.model.name`).
     `weights`: {"params", "vars"} pure dicts to serve (default: `cfg.checkpoint.dir`'s newest
-    checkpoint, else a fresh init from train.seed)."""
+    checkpoint (a folder that is missing or empty is an error), else `model.init_from`, else a fresh
+    init from train.seed)."""
 
     def __init__(self, cfg, *, model: Callable | None = None, devices=None, weights=None,
                  info: Callable[[str], None] = print):
@@ -209,6 +210,9 @@ class Engine:
             if found is not None:
                 tree, step, _ = found
                 weights, source = {"params": tree["params"], "vars": tree.get("vars", {})}, f"checkpoint step {step}"
+            elif not self.cfg.model.init_from:
+                raise ConfigError(f"checkpoint.dir '{self.cfg.checkpoint.dir}' holds no checkpoint to serve; train "
+                                  "into it first, or leave checkpoint.dir unset to serve a fresh random init")
         if weights is None and self.cfg.model.init_from:   # a Hugging Face model, read into the serving layout
             from meshpar import hf
             params = hf.load(self.cfg.model.init_from, self.abstract, self.weight_shardings["params"],

@@ -64,3 +64,38 @@ def test_hybrid_dcn_mesh_multiplies_ici_and_dcn_sizes():
     mesh = make_mesh(cfg.mesh, devices(8))
     assert dict(zip(mesh.axis_names, mesh.devices.shape))["data"] == 2
     assert dict(zip(mesh.axis_names, mesh.devices.shape))["fsdp"] == 4
+
+
+def test_meshpar_config_prints_every_key_with_its_meaning_as_yaml_train_reads(capsys, tmp_path):
+    """`meshpar config [--config F] [KEY=VALUE ...]`: the resolved config, each key with a comment,
+    and the text is a config file that resolves to the same config."""
+    import dataclasses
+
+    from meshpar.cli import main
+    assert main(["config", "steps=7", "mesh.dcn={data: 2}", "rules=[[embed, [tensor]]]"]) == 0
+    text = capsys.readouterr().out
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    leaves = [ln for ln in lines if not ln.rstrip().split("#")[0].rstrip().endswith(":")]
+    assert all(" # " in ln for ln in lines), [ln for ln in lines if " # " not in ln]   # keys and sections
+    def keys(obj):
+        return sum((keys(getattr(obj, f.name)) if dataclasses.is_dataclass(getattr(obj, f.name)) else 1
+                    for f in dataclasses.fields(obj)), 0)
+    assert len(leaves) == keys(load_config()) > 70 and "steps: 7" in text and "checkpoint:" in text
+    assert any(ln.startswith("  every: 0") and "only at the end" in ln for ln in lines)
+    (tmp_path / "c.yaml").write_text(text)
+    want = load_config(None, ["steps=7", "mesh.dcn={data: 2}", "rules=[[embed, [tensor]]]"])
+    assert dataclasses.asdict(load_config(tmp_path / "c.yaml")) == dataclasses.asdict(want)
+    assert main(["config", "stepz=3"]) == 2
+    err = capsys.readouterr().err
+    assert err == "meshpar: error: unknown config key 'stepz' (did you mean 'steps'?)\n"
+
+
+def test_meshpar_version_and_help_point_to_the_keys(capsys):
+    from meshpar import __version__
+    from meshpar.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"meshpar {__version__}"
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    assert "`meshpar config` prints every key" in capsys.readouterr().out

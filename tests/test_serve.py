@@ -245,6 +245,27 @@ def test_trained_checkpoint_continues_the_alphabet_and_other_shapes_are_refused(
     # streaming without --json: prompt then its continuation on stdout
     assert main(["generate", "--prompt", "uvw", *common, "--max-new-tokens", "5", "--devices", "8"]) == 0
     assert capsys.readouterr().out.strip() == "uvwxyzab"
+    # the model settings come from the checkpoint's saved config: checkpoint.dir is enough
+    ck = f"checkpoint.dir={tmp_path / 'ck'}"
+    assert main(["generate", ck, "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=4", "--prompt", "abcd",
+                 "--max-new-tokens", "8"]) == 0                                    # the README's command
+    out = capsys.readouterr()
+    assert out.out.strip() == "abcdefghijkl" and "with the settings it was trained with" in out.err
+    assert main(["export", "--out", str(tmp_path / "hf"), ck]) == 0
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["vocab_size"] == 256
+    # a prompt that fills the cache (batch.length 32 from the checkpoint): the output says it stopped
+    assert main(["generate", "--prompt", "abcdefghijklmnopqrstuvwxyzabc", ck, "--max-new-tokens", "8"]) == 0
+    out = capsys.readouterr()
+    assert out.out.strip() == "abcdefghijklmnopqrstuvwxyzabcdefg"          # 29 + 4 tokens, 32 positions
+    assert "note: prompt 1 stopped after 4 tokens: the KV cache holds 32 positions" in out.err
+    # a mistyped or empty checkpoint.dir is an error, not a random model
+    (tmp_path / "empty").mkdir()
+    for cmd in ("generate", "export"):
+        for d, msg in ((tmp_path / "ckk", "does not exist"), (tmp_path / "empty", "holds no checkpoint")):
+            args = ["--prompt", "ab"] if cmd == "generate" else ["--out", str(tmp_path / "x")]
+            assert main([cmd, *args, f"checkpoint.dir={d}"]) == 2
+            err = capsys.readouterr().err
+            assert msg in err and f"checkpoint.dir '{d}'" in err and err.count("\n") == 1, err
     # a checkpoint of another model: one line naming the leaf and the shapes
     assert main(["generate", "--prompt", "abc", *common, "model.embed=32"]) == 2
     err = capsys.readouterr().err
