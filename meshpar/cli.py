@@ -120,9 +120,15 @@ def _with_saved_settings(cfg, args):
 def _export(cfg, args) -> None:
     """`meshpar export`: checkpoint.dir's newest parameters (else model.init_from's), one array at a
     time, as a Hugging Face directory (meshpar/hf.py)."""
+    from flax import nnx
+
     from meshpar import hf
+    from meshpar.sharding import building
     from meshpar.step import trainer_for
     trainer = trainer_for(cfg)
+    with building(trainer.policy):
+        abstract = nnx.eval_shape(lambda: trainer.factory(nnx.Rngs(0)))
+    hf.hf_sources(abstract, export=True)        # what the model lacks, before any weights are read
     source, params = None, None
     if cfg.checkpoint.dir:
         import jax
@@ -137,10 +143,6 @@ def _export(cfg, args) -> None:
     if params is None:
         where = f"checkpoint.dir '{cfg.checkpoint.dir}' holds no checkpoint" if cfg.checkpoint.dir else "no checkpoint.dir"
         raise MeshparError(f"nothing to export: {where} and model.init_from is not set")
-    from flax import nnx
-    from meshpar.sharding import building
-    with building(trainer.policy):
-        abstract = nnx.eval_shape(lambda: trainer.factory(nnx.Rngs(0)))
     extra, generation = hf.provenance(cfg)
     out = hf.export(params, abstract, args.out, args.dtype, args.max_shard_size, extra, generation)
     print(f"exported {source} to {args.out}: {out['tensors']} tensors, {out['bytes'] / 2**20:.1f} MiB in "

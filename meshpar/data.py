@@ -14,6 +14,12 @@ Sources:
   `rows(seed, step, rows, length) -> the same tree of numpy arrays [len(rows), ...]`, named on the
   command line as `data.kind=PKG.MODULE:FN` (`FN(cfg) -> source`). A batch is then any pytree; each
   leaf declares its logical axes, led by `batch` (e.g. images `("batch", None, None, None)`).
+
+The contract is one thing: `rows` gets the `length` its `batch_spec` was given (`batch.length`), and
+returns for every leaf exactly the spec's shape with `len(rows)` rows (the built-in language-model
+sources declare [B, T+1], inputs and shifted targets, and ask themselves for T+1 tokens). What a
+source returns is checked against its spec (keys, shapes, dtypes) before it reaches the devices,
+first once before the step compiles: one line naming the leaf.
 """
 from __future__ import annotations
 
@@ -44,6 +50,43 @@ def lm_batch_spec(global_size: int, length: int) -> Leaf:
     return Leaf((global_size, length + 1), np.int32, ("batch", None))
 
 
+class LMSource:
+    """A token source for the built-in LM loss: `rows(seed, step, rows, length)` -> tokens [R, length+1],
+    the rows of `lm_batch_spec(global_size, length)`, from `sample(seed, step, rows, n)` -> [R, n]."""
+
+    def batch_spec(self, global_size: int, length: int) -> Leaf:
+        return lm_batch_spec(global_size, length)
+
+    def rows(self, seed: int, step: int, rows: range, length: int) -> np.ndarray:
+        return self.sample(seed, step, rows, length + 1)
+
+
+def check_rows(spec, tree, n: int, length: int) -> None:
+    """What a source's `rows(..., length)` returned for `n` rows against its batch spec: the same
+    keys, each leaf [n, *spec.shape[1:]] and of the declared kind of dtype (ints for ints, floats for
+    floats); one line naming the leaf otherwise."""
+    import jax
+    leaves, treedef = jax.tree.flatten(spec, is_leaf=is_leaf)
+    try:
+        got = treedef.flatten_up_to(tree)
+    except (ValueError, TypeError):
+        have = sorted(tree) if isinstance(tree, dict) else type(tree).__name__
+        want = sorted(spec) if isinstance(spec, dict) else type(spec).__name__
+        raise ConfigError(f"the data source's rows() returned {have}; its batch_spec declares {want}: return one "
+                          "numpy array per batch leaf") from None
+    kinds = {"i": "int", "u": "int", "f": "float", "b": "bool", "c": "complex"}
+    for (path, leaf), array in zip(jax.tree_util.tree_leaves_with_path(spec, is_leaf=is_leaf), got):
+        name = jax.tree_util.keystr(path) or "batch"
+        want, shape = (n, *leaf.shape[1:]), tuple(np.shape(array))
+        if shape != want:
+            raise ConfigError(f"batch leaf {name}: the data source's rows(rows={n}, length={length}) returned shape "
+                              f"{shape}, its batch_spec declares {want} (rows get the length batch_spec gets)")
+        have, declared = np.asarray(array).dtype, np.dtype(leaf.dtype)
+        if kinds.get(have.kind) != kinds.get(declared.kind):
+            raise ConfigError(f"batch leaf {name}: the data source's rows() returned {have}, its batch_spec declares "
+                              f"{declared}")
+
+
 def check_batch_spec(batch_spec) -> None:
     """Every leaf is a `Leaf` whose axes match its rank and lead with `batch`; one line naming it otherwise."""
     import jax
@@ -61,7 +104,7 @@ def _row_rng(seed: int, step: int, row: int) -> np.random.Generator:
     return np.random.default_rng([seed, step, row])
 
 
-class MarkovLanguage:
+class MarkovLanguage(LMSource):
     """A sparse random Markov chain: successors [V, b] and probabilities [V, b]."""
 
     def __init__(self, vocab: int, branching: int, seed: int):
@@ -89,7 +132,7 @@ class MarkovLanguage:
         h = -np.sum(self.probs * np.log(np.maximum(self.probs, 1e-30)), axis=1)
         return float(np.sum(self.stationary * h))
 
-    def rows(self, seed: int, step: int, rows: range, length: int) -> np.ndarray:
+    def sample(self, seed: int, step: int, rows: range, length: int) -> np.ndarray:
         """Token rows [len(rows), length]; row r of step s is the same on every process."""
         u = np.stack([_row_rng(seed, step, r).random(length) for r in rows])       # [R, L]
         out = np.empty((len(rows), length), np.int32)
@@ -102,13 +145,14 @@ class MarkovLanguage:
         return out
 
 
-class _Windows:
+class _Windows(LMSource):
     """Random fixed-length windows of a flat token array."""
     tokens: np.ndarray
     entropy_rate = None
     what = "data.path"
 
-    def rows(self, seed: int, step: int, rows: range, length: int) -> np.ndarray:
+    def sample(self, seed: int, step: int, rows: range, length: int) -> np.ndarray:
+        """Windows [len(rows), length] at random starts."""
         n = len(self.tokens)
         if n <= length:
             raise ConfigError(f"{self.what} holds {n} tokens, fewer than batch.length+1={length}")
@@ -231,6 +275,10 @@ class Batches:
         self.spec = batch_spec if batch_spec is not None else lm_batch_spec(global_size, length)
         self.seed, self.step = seed, step
 
+    def probe(self) -> None:
+        """Check the source against the batch spec on one row (before anything compiles)."""
+        check_rows(self.spec, self.source.rows(self.seed, self.step, range(0, 1), self.length), 1, self.length)
+
     def state(self) -> dict:
         return {"step": self.step}
 
@@ -266,8 +314,10 @@ class Batches:
                 need.update(range(*index[0].indices(leaf.shape[0])))
         rows = np.array(sorted(need), np.int64)
         breaks = np.flatnonzero(np.diff(rows) != 1) + 1
-        parts = [self.source.rows(self.seed, step, range(int(run[0]), int(run[-1]) + 1), self.length + 1)
-                 for run in np.split(rows, breaks)]
+        parts = []
+        for run in np.split(rows, breaks):
+            parts.append(self.source.rows(self.seed, step, range(int(run[0]), int(run[-1]) + 1), self.length))
+            check_rows(self.spec, parts[-1], len(run), self.length)
         return rows, (parts[0] if len(parts) == 1 else jax.tree.map(lambda *a: np.concatenate(a), *parts))
 
 

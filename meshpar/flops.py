@@ -64,3 +64,55 @@ def peak_flops_per_device(cfg) -> tuple[float, str]:
     r.block_until_ready()
     host = 2 * n ** 3 * reps / (time.perf_counter() - t0)
     return host / jax.local_device_count(), "measured host matmul / fake devices"
+
+
+def matmul_flops(jaxpr) -> float:
+    """FLOPs of the matrix products in a (closed) jaxpr: 2 per multiply-add of every dot_general and
+    convolution, sub-jaxprs included (a scan's body times its length; a cond's costliest branch; a
+    while loop's body once, its trip count being unknown)."""
+    import numpy as np
+    total = 0.0
+    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+        prim = eqn.primitive.name
+        if prim == "dot_general":
+            (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+            lhs, rhs = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
+            total += 2.0 * np.prod(lhs) * np.prod([d for i, d in enumerate(rhs) if i not in (*rc, *rb)])
+        elif prim == "conv_general_dilated":
+            rhs, out = eqn.invars[1].aval.shape, eqn.outvars[0].aval.shape
+            features = rhs[eqn.params["dimension_numbers"].rhs_spec[0]]
+            total += 2.0 * np.prod(out) * np.prod(rhs) / features
+        subs = [v for v in eqn.params.values() if hasattr(v, "eqns") or hasattr(getattr(v, "jaxpr", None), "eqns")]
+        subs += [b for v in eqn.params.values() if isinstance(v, tuple) for b in v if hasattr(b, "jaxpr")]
+        if prim == "cond":
+            total += max(matmul_flops(b) for b in eqn.params["branches"])
+        elif subs:
+            total += (eqn.params.get("length", 1) if prim == "scan" else 1) * sum(matmul_flops(j) for j in subs)
+    return total
+
+
+def loss_forward_flops(trainer) -> float:
+    """Matmul FLOPs of `trainer.loss` on the whole global batch, forward only (traced, not compiled)."""
+    from meshpar.data import is_leaf
+    from meshpar.precision import use_policy
+    spec = trainer.spec
+    batch = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(tuple(leaf.shape), leaf.dtype), trainer.batch_spec,
+                         is_leaf=is_leaf)
+
+    def forward(params, vars, b):
+        with use_policy(trainer.policy):
+            return trainer.loss(spec.merge(params, vars), b)[0]
+    return matmul_flops(jax.make_jaxpr(forward)(spec.shapes, spec.var_shapes or {}, batch))
+
+
+def model_flops_per_step(trainer, cfg) -> tuple[float, str]:
+    """Model FLOPs of one optimizer step, what MFU divides, and how they were counted: the built-in
+    LM loss by PaLM's per-token formula; another loss by `train.flops_per_example` if set, else as 3 x
+    the matmul FLOPs of its forward over the global batch (forward + backward, the 6N = 3 x 2N of
+    Kaplan et al. 2020: the same count for any model, tokens or not)."""
+    if trainer.is_lm:
+        per_token = flops_per_token(trainer.spec.cfg, active_params(trainer.spec, cfg), cfg.batch.length)
+        return per_token * cfg.batch.global_size * cfg.batch.length, "6N + 12LHQT per token (PaLM)"
+    if cfg.train.flops_per_example:
+        return cfg.train.flops_per_example * cfg.batch.global_size, "train.flops_per_example"
+    return 3.0 * loss_forward_flops(trainer), "3 x the loss's forward matmuls"

@@ -215,10 +215,15 @@ def _build(ckpt: Checkpoint, src: Source, sds, sharding, key: tuple) -> jax.Arra
     return jax.make_array_from_single_device_arrays(tuple(sds.shape), sharding, shards)
 
 
-def hf_sources(model) -> dict:
-    if not callable(getattr(model, "hf_tensors", None)):
-        raise ConfigError(f"model {type(model).__name__} cannot read Hugging Face checkpoints: it needs hf_tensors() "
-                          "(see meshpar.hf)")
+def hf_sources(model, export: bool = False) -> dict:
+    """`model.hf_tensors()`; one line naming what the model lacks to be read from (or, `export`,
+    written as) a Hugging Face checkpoint."""
+    needs = ("hf_tensors", "hf_config") if export else ("hf_tensors",)
+    missing = [f"{n}()" for n in needs if not callable(getattr(model, n, None))]
+    if missing:
+        what = "be exported to Hugging Face format" if export else "read Hugging Face checkpoints"
+        raise ConfigError(f"model {type(model).__name__} cannot {what}: it needs {' and '.join(missing)} "
+                          "(see meshpar.hf; meshpar.models.decoder implements them)")
     return model.hf_tensors()
 
 
@@ -281,7 +286,7 @@ def export(params: dict, model, out: str, dtype: str = "bf16", max_shard_size: s
     if dtype not in EXPORT_DTYPES:
         raise ConfigError(f"--dtype '{dtype}' must be one of {', '.join(EXPORT_DTYPES)}")
     dt = EXPORT_DTYPES[dtype]
-    sources = hf_sources(model)
+    sources = hf_sources(model, export=True)
     flat = jax.tree_util.tree_leaves_with_path(params)
     meta, order = {}, []
     for path, _ in flat:

@@ -257,23 +257,20 @@ def flops(compiled) -> float | None:
 
 def report(cfg, trainer=None) -> dict:
     """Compile one train step of `cfg` (no run) and describe it: the `meshpar inspect` JSON."""
-    from meshpar.flops import active_params, flops_per_token
-    from meshpar.sharding import sharding_table
+    from meshpar.flops import model_flops_per_step
     from meshpar.step import trainer_for
 
     trainer = trainer or trainer_for(cfg)
     compiled = trainer.compile()
     shape = trainer.describe()["mesh"]
     ops = collectives(compiled.as_text(), shape)
-    per_step = trainer.describe()["tokens_per_step"] or cfg.batch.global_size
+    model_flops, counted = model_flops_per_step(trainer, cfg)
     out = {
         "mesh": shape, "strategy": cfg.strategy, "precision": cfg.precision, "warnings": trainer.warnings(),
-        "params": sharding_table(trainer.spec, trainer.layout),
+        "params": trainer.sharding_table(),
         "collectives": {"summary": summarize(ops), "ops": ops},
         "memory": memory(compiled),
-        "flops": {"xla_per_device": flops(compiled),
-                  "model_per_step": flops_per_token(trainer.spec.cfg if trainer.is_lm else None,
-                                                    active_params(trainer.spec, cfg), cfg.batch.length) * per_step},
+        "flops": {"xla_per_device": flops(compiled), "model_per_step": model_flops, "model_counted_as": counted},
     }
     if shape.get("pipeline", 1) > 1:   # schedule tick table, its bubble, peak temporary memory per device
         from meshpar.schedules import describe as describe_pipeline
@@ -303,7 +300,7 @@ def render_report(rep: dict, console) -> None:
     console.print(m)
     f = rep["flops"]
     console.print(f"FLOPs: XLA cost_analysis {f['xla_per_device'] or 0:.4g} per device; "
-                  f"model (6N + 12LHQT) {f['model_per_step']:.4g} per step")
+                  f"model {f['model_per_step']:.4g} per step ({f['model_counted_as']})")
     if "pipeline" in rep:
         pp = rep["pipeline"]
         v = f", v={pp['virtual_stages']}" if pp["virtual_stages"] > 1 else ""

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from meshpar import precision as precision_lib
-from meshpar.flops import active_params, flops_per_token, peak_flops_per_device
+from meshpar.flops import model_flops_per_step, peak_flops_per_device
 from meshpar.step import Trainer, trainer_for, user_source
 
 PREFETCH = 2          # batches built ahead of the step that consumes them (0: build in the loop)
@@ -98,6 +98,11 @@ def run(cfg, metrics_out: str | None = None, console=None, trainer: Trainer | No
                 log.info(f"warning: resuming with a different learning-rate schedule: {', '.join(changes)}; warmup and "
                          f"cosine decay from step {found.step + 1} on follow the new values, not the saved run's")
 
+        data = Batches(source, trainer.batch_sharding, cfg.batch.global_size, cfg.batch.length, cfg.data.seed,
+                       batch_spec=trainer.batch_spec)
+        if found:
+            data.restore(found.data)
+        data.probe()                         # the source against the batch spec, before compiling
         t0 = time.perf_counter()
         compiled = trainer.compile()
         compile_s = time.perf_counter() - t0
@@ -105,10 +110,6 @@ def run(cfg, metrics_out: str | None = None, console=None, trainer: Trainer | No
         if found and found.meta.get("precision") != cfg.precision:   # the loss scale belongs to the old policy
             state["numerics"] = jax.device_put(precision_lib.LOSS_SCALE.init(trainer.policy),
                                                trainer.state_shardings["numerics"])
-        data = Batches(source, trainer.batch_sharding, cfg.batch.global_size, cfg.batch.length, cfg.data.seed,
-                       batch_spec=trainer.batch_spec)
-        if found:
-            data.restore(found.data)
         if PREFETCH:
             data = Prefetch(data, PREFETCH)
         evaluate = None
@@ -117,9 +118,7 @@ def run(cfg, metrics_out: str | None = None, console=None, trainer: Trainer | No
             evaluate = Evaluator(cfg, trainer, source)
         profiler = ProfileWindow(cfg, info=log.info)
         peak, peak_src = peak_flops_per_device(cfg)
-        # model FLOPs per token (LM) or per example (any other loss: 6N, the attention term unknown)
-        fpt = flops_per_token(trainer.spec.cfg if trainer.is_lm else None, active_params(trainer.spec, cfg),
-                              cfg.batch.length)
+        step_flops, _ = model_flops_per_step(trainer, cfg)     # model FLOPs of one step (meshpar.flops)
         log.info(f"compiled train step in {compile_s:.1f}s; MFU against {peak / 1e12:.3g} TFLOP/s/device ({peak_src})")
 
         start = int(_read(state["step"]))
@@ -157,11 +156,10 @@ def run(cfg, metrics_out: str | None = None, console=None, trainer: Trainer | No
                     if n % cfg.train.log_every == 0 or n == cfg.steps or step == start:
                         metrics, flags = _read((metrics, [u[1:] for u in unchecked]))   # waits for step n
                         dt = (time.perf_counter() - window_start) / window_steps
-                        per_step = facts["tokens_per_step"] or facts["examples_per_step"]
                         rec = {"step": n, **{k: _jsonable(v) for k, v in metrics.items()}, "step_time_s": dt,
                                "examples_per_s": facts["examples_per_step"] / dt,
                                "tokens_per_s": facts["tokens_per_step"] / dt if facts["tokens_per_step"] else None,
-                               "mfu": fpt * per_step / dt / (peak * facts["devices"])}
+                               "mfu": step_flops / dt / (peak * facts["devices"])}
                         first_loss = rec["loss"] if first_loss is None else first_loss
                         log.step(rec)
                         check_finite(flags)

@@ -79,8 +79,8 @@ class MetricsLogger:
                            f"{facts['params'] / 1e6:.2f}M params, precision {facts['precision']}"
                            + (f", entropy floor {floor:.4f} nats/token" if floor is not None else ""))
         if trainer is not None:
-            from meshpar.sharding import render_sharding_table, sharding_table
-            self.console.print(render_sharding_table(sharding_table(trainer.spec, trainer.layout)))
+            from meshpar.sharding import render_sharding_table
+            self.console.print(render_sharding_table(trainer.sharding_table()))
         if self.console.is_terminal:   # the bar stays below the step lines (which stay on screen)
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
             self.progress = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),

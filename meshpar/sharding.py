@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 
 from meshpar.errors import ConfigError, ShardingError
-from meshpar.rules import Layout, uncovered
+from meshpar.rules import LOGICAL_AXES, Layout, uncovered
 
 
 def _is_var(x) -> bool:
@@ -213,10 +213,29 @@ def spec_str(spec) -> str:
     return ", ".join(parts) if any(p != "-" for p in parts) else "replicated"
 
 
-def sharding_table(spec: ModelSpec, layout: Layout) -> list[dict]:
-    """One row per model variable (parameters, then other state): name, shape, logical axes,
-    PartitionSpec, bytes per device, and a `note` where a variable is replicated for want of an
-    annotation or of a rule for one of its names."""
+def unruled_batch_axes(batch_spec, layout: Layout) -> list[str]:
+    """One line per batch-leaf axis name that is neither meshpar's nor any rule's (its dimension is
+    not split: a typo, often), with the closest known name."""
+    import difflib
+
+    from meshpar.data import is_leaf
+    rules = layout.rules()
+    known = sorted({n for n, _ in rules} | set(LOGICAL_AXES))
+    out = []
+    for path, leaf in jax.tree_util.tree_leaves_with_path(batch_spec, is_leaf=is_leaf):
+        for name in uncovered(leaf.axes, rules):
+            close = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            out.append(f"batch leaf '{path_name(path) or 'batch'}' names axis '{name}', which no rule maps{hint}: "
+                       "that dimension is not split; fix the name or add a rule")
+    return out
+
+
+def sharding_table(spec: ModelSpec, layout: Layout, batch_spec=None) -> list[dict]:
+    """One row per model variable (parameters, then other state, then the batch leaves of
+    `batch_spec`, kind `batch`): name, shape, logical axes, PartitionSpec, bytes per device, and a
+    `note` where a variable is replicated for want of an annotation or of a rule for one of its
+    names."""
     rows = []
     rules = layout.rules()
     unannotated = set(spec.unannotated)
@@ -231,6 +250,16 @@ def sharding_table(spec: ModelSpec, layout: Layout) -> list[dict]:
             rows.append({"name": name, "kind": kind, "shape": list(shape.shape), "logical": list(names),
                          "spec": spec_str(sh.spec), "bytes_per_device": bytes_per_device(shape.shape, shape.dtype, sh),
                          "bytes": int(math.prod(shape.shape) * np.dtype(shape.dtype).itemsize), "note": note})
+    if batch_spec is not None:
+        from meshpar.data import is_leaf
+        for (path, leaf), sh in zip(jax.tree_util.tree_leaves_with_path(batch_spec, is_leaf=is_leaf),
+                                    jax.tree.leaves(batch_shardings(batch_spec, layout))):
+            lost = uncovered(leaf.axes, rules)
+            rows.append({"name": "batch" + (f".{path_name(path)}" if path else ""), "kind": "batch",
+                         "shape": list(leaf.shape), "logical": list(leaf.axes), "spec": spec_str(sh.spec),
+                         "bytes_per_device": bytes_per_device(leaf.shape, leaf.dtype, sh),
+                         "bytes": int(math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize),
+                         "note": "no rule for " + ", ".join(repr(n) for n in lost) if lost else ""})
     return rows
 
 
@@ -243,6 +272,6 @@ def render_sharding_table(rows: list[dict]):
     for r in rows:
         t.add_row(r["name"], "x".join(map(str, r["shape"])), ", ".join(n or "-" for n in r["logical"]), r["spec"],
                   f"{r['bytes_per_device']:,}", r["note"])
-    total = sum(r["bytes_per_device"] for r in rows)
-    t.add_row("total", "", "", "", f"{total:,}", "", style="bold")
+    total = sum(r["bytes_per_device"] for r in rows if r["kind"] != "batch")
+    t.add_row("total (model state)", "", "", "", f"{total:,}", "", style="bold")
     return t

@@ -10,7 +10,7 @@ from tests.conftest import devices
 
 def test_entropy_rate_matches_the_empirical_negative_log_likelihood():
     lang = MarkovLanguage(vocab=64, branching=4, seed=3)
-    rows = lang.rows(seed=0, step=0, rows=range(64), length=400)
+    rows = lang.sample(seed=0, step=0, rows=range(64), length=400)
     prob = {(int(s), int(t)): p for s in range(64) for t, p in zip(lang.succ[s], lang.probs[s])}
     nll = -np.mean([np.log(prob[(int(a), int(b))]) for r in rows for a, b in zip(r[:-1], r[1:])])
     assert nll == pytest.approx(lang.entropy_rate, rel=0.05)
@@ -41,8 +41,8 @@ def test_token_file_and_text_sources(tmp_path):
     tokens = np.arange(1000, dtype=np.uint16) % 50
     tokens.tofile(tmp_path / "t.bin")
     src = TokenFile(str(tmp_path / "t.bin"), "uint16", vocab=64)
-    rows = src.rows(seed=0, step=0, rows=range(3), length=17)
-    assert rows.shape == (3, 17) and all(np.all(np.diff(r) % 50 == 1) for r in rows)
+    rows = src.rows(seed=0, step=0, rows=range(3), length=17)     # an LM source: length + 1 tokens a row
+    assert rows.shape == (3, 18) and all(np.all(np.diff(r) % 50 == 1) for r in rows)
     with pytest.raises(ConfigError, match="holds token id 32 >= model.vocab=32 at position 32"):
         TokenFile(str(tmp_path / "t.bin"), "uint16", vocab=32)
     (tmp_path / "a.txt").write_text("hello meshpar " * 20)

@@ -83,9 +83,9 @@ def test_every_entry_point_runs_from_the_repository_root_and_elsewhere(installed
     run = _run(installed, [str(REPO / "launch" / "local.sh"), "2", "steps=1", "model.name=nope"], tmp_path,
                PYTHON=python)
     assert run.returncode == 2
-    errors = [ln for ln in run.stderr.splitlines() if "error" in ln]
-    assert errors[0].startswith("meshpar: error: unknown model.name 'nope'"), run.stderr
-    assert errors[1].startswith("[process 1] meshpar: error: unknown model.name 'nope'"), run.stderr
+    errors = sorted(ln for ln in run.stderr.splitlines() if "error:" in ln)          # in either order
+    assert len(errors) == 2 and errors[1].startswith("meshpar: error: unknown model.name 'nope'"), run.stderr
+    assert errors[0].startswith("[process 1] meshpar: error: unknown model.name 'nope'"), run.stderr
     # a user script from elsewhere
     run = _run(installed, [python, str(REPO / "examples" / "vision.py"), "steps=2", "train.log_every=1"], tmp_path)
     assert run.returncode == 0 and "loss" in run.stdout.splitlines()[-1], run.stderr[-2000:]

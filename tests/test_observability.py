@@ -122,7 +122,7 @@ def test_prefetch_raises_a_source_error_at_the_step_that_needs_it():
         def rows(self, seed, step, rows, length):
             if step == 2:
                 raise ConfigError("the source broke at step 2")
-            return np.full((len(rows), length), step, np.int32)
+            return np.full((len(rows), length + 1), step, np.int32)     # the LM batch: [B, T+1]
     from jax.sharding import NamedSharding, PartitionSpec as P
     mesh = jax.sharding.Mesh(np.array(devices(8)), ("data",))
     it = Prefetch(Batches(Breaks(), NamedSharding(mesh, P("data")), 8, 3, 0))
@@ -147,7 +147,7 @@ def test_each_row_is_built_once_per_process_whatever_the_local_devices():
     it = Batches(Counting(), NamedSharding(mesh, P("data")), global_size=16, length=8, seed=1)
     first = np.asarray(next(it))
     assert calls == [(0, list(range(16)))]
-    np.testing.assert_array_equal(first, lang.rows(1, 0, range(16), 9))
+    np.testing.assert_array_equal(first, lang.rows(1, 0, range(16), 8))
 
 
 def test_eval_records_every_n_steps_close_to_the_training_loss(observed):
@@ -169,7 +169,7 @@ def test_eval_stream_is_disjoint_from_training(observed, tmp_path):
     trained = np.concatenate([np.asarray(next(data)) for _ in range(STEPS)])
     assert not {r.tobytes() for r in held} & {r.tobytes() for r in trained}
     lang = MarkovLanguage(vocab, cfg.data.branching, cfg.data.seed)
-    np.testing.assert_array_equal(held[:b], lang.rows(cfg.data.seed, EVAL_STEP, range(b), t + 1))
+    np.testing.assert_array_equal(held[:b], lang.rows(cfg.data.seed, EVAL_STEP, range(b), t))
 
     # token data: training windows never reach the held-out tail; eval windows never leave it
     np.arange(2000, dtype=np.uint16).tofile(tmp_path / "t.bin")
@@ -178,8 +178,8 @@ def test_eval_stream_is_disjoint_from_training(observed, tmp_path):
     train_src = make_source(tcfg, 4096)
     eval_src = make_eval_source(tcfg, 4096, train_src)
     for step in range(20):
-        t = train_src.rows(0, step, range(16), 17)
-        e = eval_src.rows(0, EVAL_STEP + step, range(16), 17)
+        t = train_src.rows(0, step, range(16), 16)
+        e = eval_src.rows(0, EVAL_STEP + step, range(16), 16)
         assert t.max() < 1500 <= e.min()
     with pytest.raises(ConfigError, match="eval.holdout=0.995 splits data.path"):
         make_source(make_cfg("data.kind=tokens", f"data.path={tmp_path / 't.bin'}", "eval.every=5",

@@ -295,3 +295,97 @@ def test_readme_script_runs_as_written(tmp_path):
     run = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "step    30/30" in run.stdout and "ppl" in run.stdout
+
+
+# -- an encoder-decoder of the user's (examples/reverse.py): the data contract, batch axes, FLOPs ---
+
+from examples import reverse as reverse_example  # noqa: E402
+
+SOURCES = '''
+import numpy as np
+from examples.reverse import Reversals
+
+class OffByOne(Reversals):            # the old convention: ask for batch.length + 1
+    def rows(self, seed, step, rows, length):
+        return super().rows(seed, step, rows, length + 1)
+
+class NoTarget(Reversals):
+    def rows(self, seed, step, rows, length):
+        out = super().rows(seed, step, rows, length)
+        del out["tgt_out"]
+        return out
+
+class FloatSource(Reversals):
+    def rows(self, seed, step, rows, length):
+        return {**super().rows(seed, step, rows, length), "src": np.zeros((len(rows), length), np.float32)}
+
+def off_by_one(cfg): return OffByOne(12)
+def no_target(cfg): return NoTarget(12)
+def float_source(cfg): return FloatSource(12)
+'''
+
+
+@pytest.mark.parametrize("name,message", [
+    ("off_by_one", "batch leaf ['src']: the data source's rows(rows=1, length=8) returned shape (1, 9), its "
+                   "batch_spec declares (1, 8)"),
+    ("no_target", "the data source's rows() returned ['src', 'tgt_in']; its batch_spec declares "
+                  "['src', 'tgt_in', 'tgt_out']"),
+    ("float_source", "batch leaf ['src']: the data source's rows() returned float32, its batch_spec declares int32"),
+])
+def test_a_source_that_breaks_its_batch_spec_is_one_line_before_compiling(capsys, monkeypatch, tmp_path, name,
+                                                                          message):
+    (tmp_path / "usersrc.py").write_text(SOURCES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code = main(["train", "--config", str(REPO / "examples" / "reverse.yaml"), f"data.kind=usersrc:{name}"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"meshpar: error: {message}") and err.count("\n") == 1, err[-2000:]
+
+
+def test_the_encoder_decoder_trains_from_a_source_that_uses_its_length_and_counts_its_flops(tmp_path):
+    """rows() gets batch.length (the spec's length, 8): the model trains; its model FLOPs (3 x the
+    forward's matmuls, not 6N per example) are within 0.5-1.5x of the compiled step's summed over
+    the devices, and the training log's MFU uses the same count."""
+    from meshpar.inspect import report
+    from tests.conftest import metrics_records
+    cfg = meshpar.load_config(REPO / "examples" / "reverse.yaml", ["steps=30", "train.log_every=10",
+                                                                  "train.peak_tflops=1"])
+    src = reverse_example.source(cfg)
+    tr = meshpar.Trainer(cfg, model=lambda rngs: reverse_example.reverser(cfg, rngs), loss=reverse_example.loss,
+                         batch_spec=src.batch_spec(cfg.batch.global_size, cfg.batch.length))
+    flops = report(cfg, tr)["flops"]
+    ratio = flops["model_per_step"] / (flops["xla_per_device"] * 8)
+    assert 0.5 <= ratio <= 1.5 and flops["model_counted_as"] == "3 x the loss's forward matmuls", flops
+    meshpar.run(cfg, metrics_out=str(tmp_path / "m.jsonl"), trainer=tr, source=src)
+    steps = [r for r in metrics_records(tmp_path / "m.jsonl") if r["event"] == "step"]
+    assert steps[-1]["loss"] < 0.95 * steps[0]["loss"]
+    for rec in steps:           # MFU = model FLOPs per step / step time / (1 TFLOP/s x 8 devices)
+        assert rec["mfu"] == pytest.approx(flops["model_per_step"] / rec["step_time_s"] / 8e12, rel=1e-9)
+    declared = meshpar.load_config(REPO / "examples" / "reverse.yaml", ["train.flops_per_example=1e6"])
+    from meshpar.flops import model_flops_per_step
+    assert model_flops_per_step(tr, declared) == (1e6 * 32, "train.flops_per_example")
+
+
+def test_a_batch_axis_no_rule_covers_is_a_note_a_warning_with_a_suggestion_or_an_error(capsys):
+    cfg = meshpar.load_config(REPO / "examples" / "reverse.yaml")
+    leaf = meshpar.Leaf((32, 8), np.int32, ("batch", "lenght"))
+    spec = {"src": leaf, "tgt_in": leaf, "tgt_out": meshpar.Leaf((32, 8), np.int32, ("batch", "length"))}
+    tr = meshpar.Trainer(cfg, model=lambda rngs: reverse_example.reverser(cfg, rngs), loss=reverse_example.loss,
+                         batch_spec=spec)
+    rows = {r["name"]: r for r in tr.sharding_table() if r["kind"] == "batch"}
+    assert rows["batch.src"]["note"] == "no rule for 'lenght'" and rows["batch.tgt_out"]["note"] == ""
+    assert rows["batch.src"]["spec"] == "data+fsdp" and rows["batch.src"]["bytes_per_device"] * 4 == rows["batch.src"]["bytes"]
+    warning = ("warning: batch leaf 'src' names axis 'lenght', which no rule maps (did you mean 'length'?): that "
+               "dimension is not split; fix the name or add a rule")
+    assert warning in tr.warnings() and sum("lenght" in w for w in tr.warnings()) == 2
+    strict = meshpar.load_config(REPO / "examples" / "reverse.yaml", ["train.require_annotations=true"])
+    with pytest.raises(meshpar.ShardingError, match=r"batch leaf 'src' names axis 'lenght'.*require_annotations"):
+        meshpar.Trainer(strict, model=lambda rngs: reverse_example.reverser(strict, rngs), loss=reverse_example.loss,
+                        batch_spec=spec)
+
+
+def test_export_of_a_model_without_the_hugging_face_protocol_says_what_it_lacks(capsys, tmp_path):
+    code = main(["export", "--out", str(tmp_path / "hf"), "--config", str(REPO / "examples" / "vision.yaml")])
+    err = capsys.readouterr().err
+    assert code == 2 and err == ("meshpar: error: model Mixer cannot be exported to Hugging Face format: it needs "
+                                 "hf_tensors() and hf_config() (see meshpar.hf; meshpar.models.decoder implements "
+                                 "them)\n")
