@@ -15,6 +15,7 @@ Where each idea lives (no import cycles; tests/test_user_models.py checks it):
   sharding.py    abstract model -> parameter / variable / optimizer-state / batch shardings, sharding table
   data.py        batch specs (`Leaf`), synthetic Markov language, token files, text; per-process rows
   moe.py         mixture of experts: GShard/Switch routing, dispatch/combine (all-to-all over `expert`)
+  stages.py      the stage protocol: a model as pre / stacked layers / post / loss, what a pipeline cuts
   schedules.py   pipeline schedules as tick tables (GPipe, 1F1B, interleaved), bubble, stash
   pipeline.py    pipeline parallelism: shard_map manual over `pipeline`, microbatches through stages
   step.py        optimizer, sharded init, the jitted train step (accumulation, ZeRO-1/2, loss scaling)
@@ -47,6 +48,7 @@ _API = {
     "use_layout": "meshpar.rules",
     # model-building helpers
     "param": "meshpar.layers", "stacked": "meshpar.layers", "scan_layers": "meshpar.layers",
+    "stage_loss": "meshpar.stages", "apply_layers": "meshpar.stages",
     "use_policy": "meshpar.precision", "get_policy": "meshpar.precision", "compute_dtype": "meshpar.precision",
     "param_dtype": "meshpar.precision", "cross_entropy": "meshpar.precision",
     # shardings of a model

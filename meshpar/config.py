@@ -87,8 +87,9 @@ class TrainConfig:
     seed: int = 0                     # initialisation seed
     log_every: int = 10               # log (console, --metrics-out, TensorBoard) every N steps, the first and the last
     peak_tflops: float | None = None  # per device; None: from the device kind (a quick matmul probe on CPU)
+    flops_per_example: float | None = None  # model FLOPs of one example, forward + backward (MFU of a loss other than lm); None: counted
     on_nan: str = "stop"              # non-finite loss/gradients: skip (drop the update) | stop (error naming the step)
-    loss: str = "lm"                  # lm (next-token cross-entropy) | PKG.MODULE:FN, FN(model, batch) -> (loss, metrics)
+    loss: str = "lm"                  # lm (next-token cross-entropy) | stages (the model's pre/layers/post/loss) | PKG.MODULE:FN, FN(model, batch) -> (loss, metrics)
     require_annotations: bool = False  # a model variable without logical axis names is an error, not replicated
 
 
@@ -424,9 +425,11 @@ def model_factory(cfg: Config):
 
 
 def loss_function(cfg: Config):
-    """`train.loss` -> FN(model, batch) -> (loss, metrics): `lm` is meshpar.step.lm_loss."""
-    if cfg.train.loss == "lm":
-        return import_object("meshpar.step:lm_loss", "train.loss")
+    """`train.loss` -> FN(model, batch) -> (loss, metrics): `lm` is meshpar.step.lm_loss, `stages`
+    meshpar.stages.stage_loss (a model with pre/layers/post/loss, which can also be pipelined)."""
+    if cfg.train.loss in ("lm", "stages"):
+        return import_object({"lm": "meshpar.step:lm_loss", "stages": "meshpar.stages:stage_loss"}[cfg.train.loss],
+                             "train.loss")
     return import_object(cfg.train.loss, "train.loss")
 
 

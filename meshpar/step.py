@@ -43,7 +43,8 @@ from meshpar.errors import ConfigError, ShardingError
 from meshpar.mesh import describe, make_mesh, mesh_shape
 from meshpar.rules import Layout, check_rule_names, get_strategy, parse_user_rules, use_layout
 from meshpar.sharding import (ModelSpec, batch_shardings, building, model_spec, opt_state_shardings,
-                              param_shardings, split_microbatches, state_shardings, var_shardings)
+                              param_shardings, sharding_table, split_microbatches, state_shardings,
+                              unruled_batch_axes, var_shardings)
 
 
 def make_optimizer(cfg, spec: ModelSpec) -> optax.GradientTransformation:
@@ -182,14 +183,13 @@ class Trainer:
         self.batch_spec = (self.batch_spec if self.batch_spec is not None
                            else lm_batch_spec(cfg.batch.global_size, cfg.batch.length))
         check_batch_spec(self.batch_spec)
+        self.batch_warnings = unruled_batch_axes(self.batch_spec, self.layout)
+        if self.batch_warnings and cfg.train.require_annotations:
+            raise ShardingError(f"{self.batch_warnings[0]} (train.require_annotations=true)")
         self.idle_rules = check_rule_names(self.layout.user_rules, self._names_used())
         self.pipelined = self.layout.shape.get("pipeline", 1) > 1
         if self.pipelined:
-            from meshpar import pipeline
-            if self.loss is not lm_loss or self.spec.var_treedef is not None:
-                raise ConfigError("pipelining (mesh.pipeline > 1) runs the built-in LM loss on a model without "
-                                  "non-Param state (see meshpar.pipeline); use mesh.pipeline=1 for this model/loss")
-            pipeline.check(cfg, self.layout, self.spec.shapes)
+            self._check_pipeline()
         self.tx = make_optimizer(cfg, self.spec)
         replicated = NamedSharding(self.mesh, P())
         self.param_shardings = param_shardings(self.spec, self.layout)
@@ -206,6 +206,23 @@ class Trainer:
                              out_shardings=(self.state_shardings, replicated), donate_argnums=(0,))
         self._compiled = None
 
+    def _check_pipeline(self) -> None:
+        """A pipeline cuts the loss into stages (meshpar.stages): the built-in LM loss of a model
+        with embed/layers/head, or `stage_loss` of one with pre/layers/post/loss."""
+        from flax import nnx
+
+        from meshpar import pipeline
+        from meshpar.stages import check_protocol, check_state, stage_loss
+        if self.loss not in (lm_loss, stage_loss):
+            raise ConfigError(f"pipelining (mesh.pipeline > 1) cuts the loss into stages: train.loss=lm (a model with "
+                              f"embed/layers/head) or train.loss=stages (a model with pre/layers/post/loss, see "
+                              f"meshpar.stages); {self.loss_name} is neither. Set mesh.pipeline=1, or give the model "
+                              "those parts and train it with train.loss=stages")
+        with building(self.policy):
+            check_protocol(nnx.eval_shape(lambda: self.factory(nnx.Rngs(0))), lm=self.is_lm)
+        check_state(self.spec)
+        pipeline.check(self.cfg, self.layout, self.spec.shapes)
+
     def warnings(self) -> list[str]:
         """One line each for what this run will ignore: config keys it does not read, user rules
         that name no parameter, variable or batch leaf (they can only reach activations)."""
@@ -214,7 +231,11 @@ class Trainer:
         if self.idle_rules:
             out.append(f"warning: {', '.join(self.idle_rules)} name no parameter, variable or batch leaf of this "
                        "model: they apply only to activations constrained with those names")
-        return out
+        return out + [f"warning: {w}" for w in self.batch_warnings]
+
+    def sharding_table(self) -> list[dict]:
+        """The sharding table of this run: parameters, other state, batch leaves."""
+        return sharding_table(self.spec, self.layout, self.batch_spec)
 
     def _names_used(self) -> set[str]:
         from meshpar.data import is_leaf
@@ -267,12 +288,11 @@ class Trainer:
         """((loss, aux), grads) of one (micro)batch; aux["vars"] is the model's non-Param state after
         the call. With `loss_scale` S (fp16) the grads are those of loss * S, for the caller to
         unscale; loss and aux are never scaled."""
+        vars = {} if vars is None else vars
         if self.pipelined:   # hand-written schedule (meshpar/pipeline.py)
             from meshpar import pipeline
-            (loss, aux), grads = pipeline.value_and_grad(self.spec, params, batch, self.cfg, self.layout, self.policy,
-                                                         loss_scale)
-            return (loss, {**aux, "vars": {}}), grads
-        vars = {} if vars is None else vars
+            return pipeline.value_and_grad(self.spec, params, batch, self.cfg, self.layout, self.policy, loss_scale,
+                                           vars, self.is_lm, self.batch_spec)
 
         def loss_fn(p, b):
             model = self.spec.merge(p, vars)
