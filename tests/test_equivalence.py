@@ -9,7 +9,7 @@ import pytest
 
 from meshpar.data import Batches, make_source
 from meshpar.step import Trainer
-from tests.conftest import devices, make_cfg, rel
+from tests.conftest import devices, make_cfg, rel, tiered
 
 CASES = {
     "dp": {"data": 8},
@@ -41,7 +41,7 @@ def reference():
     return one_step(make_cfg("strategy=dp", mesh={}), devices(1))
 
 
-@pytest.mark.parametrize("strategy", sorted(CASES))
+@pytest.mark.parametrize("strategy", tiered(sorted(CASES), {"dp", "zero2", "tp_sp", "fsdp_tp"}))
 def test_sharded_step_equals_single_device(strategy, reference):
     loss1, grads1, params1, _ = reference
     loss, grads, params, metrics = one_step(make_cfg(f"strategy={strategy}", mesh=CASES[strategy]), devices(8))

@@ -41,6 +41,7 @@ def _run(installed, argv, cwd, **env):
     return subprocess.run(argv, capture_output=True, text=True, cwd=cwd, timeout=300, env={**environ, **env})
 
 
+@pytest.mark.slow
 def test_reference_models_install_as_meshpar_models_only(installed, tmp_path):
     """The wheel holds meshpar/models/* and no top-level `models`; installed (run from a folder
     outside the repository) `import meshpar.models` works and `models` does not."""

@@ -13,7 +13,7 @@ import pytest
 from meshpar.config import CONFIG_DIR, load_config
 from meshpar.inspect import _split_computations, collectives
 from meshpar.step import Trainer
-from tests.conftest import devices, make_cfg, rel
+from tests.conftest import devices, make_cfg, rel, tiered
 
 BASE = ["model.name=moe", "model.layers=4", "moe.every=2", "moe.num_experts=4"]   # two MoE layers
 ROUTINGS = {"top2": ["moe.routing=top2"], "top1": ["moe.routing=top1"], "dropless": ["moe.capacity_factor=null"],
@@ -59,7 +59,8 @@ def _flat(tree):
 
 
 
-@pytest.mark.parametrize("routing,mesh_name", CASES)
+@pytest.mark.parametrize("routing,mesh_name", tiered(CASES, {("top2", "expert4-data2"), ("dropless", "expert2-data2-tensor2")},
+                                                     [f"{r}-{m}" for r, m in CASES]))
 def test_expert_parallel_equals_single_device_and_uses_all_to_all(setup, routing, mesh_name):
     params, tokens, _ = setup
     strategy, mesh = MESHES[mesh_name]

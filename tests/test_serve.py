@@ -224,6 +224,7 @@ def test_sampling_greedy_top_k_top_p_and_seeds():
 
 
 # -- end to end: meshpar train -> meshpar generate -------------------------------------------------
+@pytest.mark.slow
 def test_trained_checkpoint_continues_the_alphabet_and_other_shapes_are_refused(tmp_path, capsys):
     import json
     from meshpar.cli import main

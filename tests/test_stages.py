@@ -1,0 +1,88 @@
+"""The stage protocol (meshpar/stages.py): a user's model with its own loss and non-Param state
+(examples/vit.py: BatchNorm stem, dropout) pipelined with GPipe and 1F1B equals one device
+accumulating the same microbatches; what the protocol cannot express is refused in one line.
+"""
+import jax
+import numpy as np
+import pytest
+
+from meshpar.errors import ConfigError
+from meshpar.step import Trainer
+from tests.conftest import devices, make_cfg, rel, tiered
+from tests.pipelines import TINY
+
+
+# -- a user's model with its own loss: the stage protocol (meshpar.stages) ----------------------
+
+def _vit(mesh: dict, n: int, *extra, steps: int = 3):
+    """examples/vit.py (BatchNorm stem and dropout in `pre`, its own loss) for `steps` steps ->
+    (losses, params, non-Param state)."""
+    import sys
+    from pathlib import Path
+
+    import meshpar
+    repo = Path(__file__).resolve().parent.parent
+    sys.path.insert(0, str(repo))
+    from examples import vision, vit
+    cfg = meshpar.load_config(repo / "examples" / "vit.yaml", [
+        "precision=fp32", "train.warmup_steps=1", "batch.global_size=16",
+        *[f"mesh.{a}={mesh.get(a, 1)}" for a in ("data", "fsdp", "tensor", "pipeline", "expert")], *extra])
+    src = vision.source(cfg)
+    tr = Trainer(cfg, devices=devices(n), model=lambda rngs: vit.vit(cfg, rngs), loss=meshpar.stage_loss,
+                 batch_spec=src.batch_spec(cfg.batch.global_size, cfg.batch.length))
+    data = meshpar.Batches(src, tr.batch_sharding, cfg.batch.global_size, cfg.batch.length, cfg.data.seed,
+                           batch_spec=tr.batch_spec)
+    state, losses = tr.init(), []
+    for _ in range(steps):
+        state, m = tr.step(state, next(data))
+        losses.append(float(m["loss"]))
+    return losses, jax.device_get(state["params"]), jax.device_get(state["vars"])
+
+
+_VIT: dict = {}
+
+
+@pytest.mark.parametrize("schedule", tiered(["gpipe", "1f1b"], {"gpipe"}))
+def test_a_user_model_with_its_own_loss_and_a_batchnorm_stem_pipelines_like_one_device(schedule):
+    """pipeline=2 x data=2 x tensor=2, 4 microbatches == 1 device accumulating the same 4 microbatches
+    (BatchNorm normalises each microbatch either way), after 3 steps: losses, parameters and the
+    BatchNorm running statistics (relative <= 1e-5), the dropout RNG stream exactly."""
+    if "ref" not in _VIT:
+        _VIT["ref"] = _vit({}, 1, "batch.microbatches=4")
+    want_l, want_p, want_v = _VIT["ref"]
+    got_l, got_p, got_v = _vit({"pipeline": 2, "data": 2, "tensor": 2}, 8, f"pipeline.schedule={schedule}",
+                               "pipeline.microbatches=4")
+    assert rel(got_l, want_l) <= 1e-5 and rel(got_p, want_p) <= 1e-5, (got_l, want_l)
+    stats = lambda v: {k: v["stem"][k] for k in ("mean", "var")}
+    assert rel(stats(got_v), stats(want_v)) <= 1e-5
+    assert not np.allclose(want_v["stem"]["mean"], 0.0)                          # the statistics trained
+    assert jax.tree.all(jax.tree.map(np.array_equal, got_v["drop"], want_v["drop"]))   # the RNG stream
+
+
+def test_pipelining_refuses_what_the_stage_protocol_cannot_express_in_one_line():
+    """A loss that is neither lm nor stages; a model without post; state inside the stacked layers."""
+    cfg = make_cfg(*TINY, "model.layers=2", mesh={"pipeline": 2})
+    with pytest.raises(ConfigError, match=r"cuts the loss into stages: train.loss=lm .* or train.loss=stages"):
+        Trainer(cfg, devices=devices(2), loss=lambda model, tokens: (0.0, {}))
+    from meshpar.stages import stage_loss
+    with pytest.raises(ConfigError, match=r"model Decoder cannot be pipelined: train.loss=stages needs .* it lacks "
+                                          r"\.pre, \.post, \.loss"):
+        Trainer(cfg, devices=devices(2), loss=stage_loss)
+
+    import meshpar
+    from flax import nnx
+
+    class Counting(nnx.Module):                  # BatchNorm inside the repeated layers: state that would travel
+        def __init__(self, rngs):
+            self.layers = meshpar.stacked(lambda r: nnx.BatchNorm(4, rngs=r), 2, rngs)
+
+        def pre(self, batch):
+            return batch
+
+        def post(self, x):
+            return x
+
+        def loss(self, outputs, batch):
+            return outputs.mean(), {}
+    with pytest.raises(ConfigError, match=r"the stacked layers hold non-Param state \(layers\.(mean|var)"):
+        Trainer(cfg, devices=devices(2), model=lambda rngs: Counting(rngs), loss=stage_loss)
