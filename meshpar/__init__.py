@@ -7,7 +7,7 @@ The public API (imported lazily, so `import meshpar` stays cheap and sets up no 
     trainer = meshpar.Trainer(cfg, model=my_factory, loss=my_loss, batch_spec=my_batch_spec)
     meshpar.run(cfg, trainer=trainer, source=my_source)
 
-Where each idea lives (no import cycles; tests/test_user_models.py checks it):
+Where each idea lives (no import cycles; tests/test_user_contract.py checks it):
   errors.py      one-line user errors;          mesh.py  the device mesh (pipeline, data, fsdp, expert, tensor)
   rules.py       logical axis names, strategy presets as rule tables, first-match resolution, `constrain`
   precision.py   dtype policies (bf16, fp32, fp16 + dynamic loss scaling), fp32 cross-entropy
