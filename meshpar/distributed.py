@@ -112,6 +112,16 @@ def _detected(env) -> str | None:
     return None
 
 
+def scheduler_job(environ=None) -> dict | None:
+    """The batch job this process runs in (SLURM: job id, restart count after a requeue, step), for
+    the start record; None outside a scheduler."""
+    env = os.environ if environ is None else environ
+    if not env.get("SLURM_JOB_ID"):
+        return None
+    return {"name": "slurm", "job_id": env["SLURM_JOB_ID"], "restart_count": _env_int(env, "SLURM_RESTART_COUNT") or 0,
+            "step_id": env.get("SLURM_STEP_ID"), "nodes": env.get("SLURM_JOB_NODELIST")}
+
+
 def initialize(settings: Settings, local_devices: int | None = None) -> None:
     """Start `jax.distributed` (must run before any JAX backend is used) and the peer watchdog.
 

@@ -50,7 +50,7 @@ def run(cfg, metrics_out: str | None = None, console=None, trainer: Trainer | No
     """
     from meshpar.checkpoint import SCHEDULE_KEYS, Checkpointer, data_changes
     from meshpar.data import Batches, Prefetch
-    from meshpar.distributed import Preempted, PreemptionGuard, progress
+    from meshpar.distributed import Preempted, PreemptionGuard, progress, scheduler_job
     from meshpar.metrics import MetricsLogger
     from meshpar.profile import ProfileWindow
 
@@ -80,7 +80,8 @@ def run(cfg, metrics_out: str | None = None, console=None, trainer: Trainer | No
         found = ckpt.restore_latest() if ckpt else None
         resumed = {} if found is None else {"resumed_from": found.step, "resumed_path": found.path,
                                             "damaged_checkpoints": found.damaged}
-        log.start({**facts, "processes": jax.process_count(), "entropy_floor": floor, **resumed, "config": cfg},
+        log.start({**facts, "processes": jax.process_count(), "scheduler": scheduler_job(), "entropy_floor": floor,
+                   **resumed, "config": cfg},
                   trainer)
         for line in trainer.warnings():
             log.info(line)

@@ -6,7 +6,8 @@ JSON Lines records (one object a line, `--metrics-out FILE`):
    "mfu": ..., ...}        (tokens_per_s is null for a loss other than the built-in LM loss)
   {"event": "eval", "step": n, "loss": ..., "perplexity": ..., "batches": k, "tokens": ...}   (eval.every)
   {"event": "end", "final_loss": ..., "gap_closed": ..., ...}
-Fault tolerance adds: start `processes`, and after a resume `resumed_from` / `resumed_path` /
+Fault tolerance adds: start `processes` and `scheduler` (under SLURM: job id, `restart_count` after a
+requeue), and after a resume `resumed_from` / `resumed_path` /
 `damaged_checkpoints`; step `skipped_steps` and `nonfinite` (and under fp16 `loss_scale`, the scale
 the step used, and `overflows`); end `preempted` (signal name) / `stopped_at` / `checkpoint`.
 A resumed run appends to the file: a new `start` record (with `resumed_from`) and the steps after
@@ -36,6 +37,16 @@ def make_console(stderr: bool = False):
     from rich.console import Console
     console = Console(stderr=stderr)
     return console if console.is_terminal else Console(stderr=stderr, width=1000)
+
+
+def _devices(facts: dict) -> str:
+    """`8 devices`, or `8 devices in 2 processes` (and the scheduler's job) when several take part."""
+    n, procs = facts["devices"], facts.get("processes") or 1
+    where = f"{n} devices" + (f" in {procs} processes" if procs > 1 else "")
+    job = facts.get("scheduler") or {}
+    if job.get("job_id"):
+        where += f", {job['name']} job {job['job_id']}" + (f" restart {job['restart_count']}" if job.get("restart_count") else "")
+    return where
 
 
 class MetricsLogger:
@@ -75,7 +86,7 @@ class MetricsLogger:
         if not self.main:
             return
         floor = facts.get("entropy_floor")
-        self.console.print(f"[bold]meshpar[/] {facts['strategy']} on {facts['mesh_str']} ({facts['devices']} devices), "
+        self.console.print(f"[bold]meshpar[/] {facts['strategy']} on {facts['mesh_str']} ({_devices(facts)}), "
                            f"{facts['params'] / 1e6:.2f}M params, precision {facts['precision']}"
                            + (f", entropy floor {floor:.4f} nats/token" if floor is not None else ""))
         if trainer is not None:
