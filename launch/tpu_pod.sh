@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # meshpar on every worker of a Cloud TPU VM pod slice, from your workstation.
 #
-#   launch/tpu_pod.sh TPU_NAME ZONE [meshpar train arguments...]
+#   launch/tpu_pod.sh [--dry-run] TPU_NAME ZONE [meshpar train arguments...]
 #   PROJECT=my-proj RETRIES=3 launch/tpu_pod.sh my-v5p-64 us-east5-a checkpoint.dir=gs://bucket/run1 checkpoint.every=500
 #
 # One process per TPU VM host, each driving its local chips. `MESHPAR_DISTRIBUTED=auto` makes
@@ -16,11 +16,16 @@
 #   RETRIES   relaunch this many times after a failure or preemption (default 0); each relaunch
 #             resumes from the newest complete checkpoint
 #
+# --dry-run prints the gcloud command it would run (one line, shell-quoted) and exits 0: what the
+# tests check, since no TPU is reachable from them.
+#
 # Preemption / maintenance events reach the workers as SIGTERM: the hosts agree on a step, save,
 # and exit 143. A host that dies makes the others exit within MESHPAR_PEER_TIMEOUT seconds.
 set -uo pipefail
+DRY_RUN=0
+if [[ "${1:-}" == "--dry-run" ]]; then DRY_RUN=1; shift; fi
 if [[ $# -lt 2 ]]; then
-  echo "usage: launch/tpu_pod.sh TPU_NAME ZONE [meshpar train arguments...]" >&2
+  echo "usage: launch/tpu_pod.sh [--dry-run] TPU_NAME ZONE [meshpar train arguments...]" >&2
   exit 2
 fi
 TPU=$1
@@ -37,10 +42,17 @@ remote="cd ${REPO_DIR} && MESHPAR_DISTRIBUTED=auto PYTHONUNBUFFERED=1 \
 MESHPAR_HEARTBEAT_TIMEOUT=\${MESHPAR_HEARTBEAT_TIMEOUT:-60} MESHPAR_PEER_TIMEOUT=\${MESHPAR_PEER_TIMEOUT:-20} \
 ${PYTHON} -m meshpar.cli train ${args}"
 
+run=(gcloud compute tpus tpu-vm ssh "$TPU" --zone "$ZONE" "${project[@]}" --worker=all --command "$remote")
+if ((DRY_RUN)); then
+  printf '%q ' "${run[@]}" | sed 's/ $//'
+  echo
+  exit 0
+fi
+
 attempt=0
 while true; do
   echo "tpu_pod.sh: attempt $((attempt + 1)) on all workers of ${TPU} (${ZONE})" >&2
-  gcloud compute tpus tpu-vm ssh "$TPU" --zone "$ZONE" "${project[@]}" --worker=all --command "$remote"
+  "${run[@]}"
   rc=$?
   if ((rc == 0)); then
     exit 0

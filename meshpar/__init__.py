@@ -23,6 +23,7 @@ Where each idea lives (no import cycles; tests/test_user_contract.py checks it):
   hardware.py, costmodel.py, plan.py, dryrun.py      `meshpar plan`: presets, formulas, search, compile-and-compare
   checkpoint.py  Orbax checkpoints: async save, restore onto any mesh, damaged-checkpoint fallback
   distributed.py jax.distributed set-up, preemption (SIGTERM), peer-failure watchdog
+  slurm.py       the SLURM batch script (`meshpar launch --print-slurm`, launch/slurm.sbatch)
   metrics.py     progress bar, JSON Lines, TensorBoard; loop.py  the training loop (data, metrics, checkpoints)
   evaluate.py    held-out evaluation;  profile.py  jax.profiler window;  plot.py  `meshpar plot`
   sampling.py    greedy / temperature / top-k / top-p, traced per slot

@@ -4,6 +4,7 @@
     meshpar config [--config FILE] [KEY=VALUE ...]    # the resolved config, every key with its meaning
     meshpar inspect [--config FILE] [--devices N] [--json] [KEY=VALUE ...]
     meshpar launch N [train arguments...]        # N loopback processes (meshpar/launch.py)
+    meshpar launch --print-slurm [--nodes N --gpus-per-node G ...] [train arguments...]   # meshpar/slurm.py
     meshpar plot RUN.jsonl [RUN2.jsonl ...] [-o out.png] [--size 1200x800]   # meshpar/plot.py
     meshpar generate [--config FILE] [--devices N] [--prompt TEXT | --prompt-ids 1,2,3] [--json] [KEY=VALUE ...]
     meshpar plan [--config FILE] --devices N --hardware h100 [--top K] [--strategies a,b] [--all] [--json]
@@ -45,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
                                 epilog=f"strategies: {', '.join(PRESETS)}; {keys}")
     p.add_argument("--version", action="version", version=f"meshpar {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
-    sub.add_parser("launch", add_help=False, help="N training processes on this machine: meshpar launch N [train args]")
+    sub.add_parser("launch", add_help=False, help="N training processes on this machine: meshpar launch N [train args]; --print-slurm: a SLURM batch script")
     sub.add_parser("plot", add_help=False, help="loss, eval loss, tokens/s and MFU of --metrics-out files: "
                    "meshpar plot RUN.jsonl [...] -o out.png")
     common = argparse.ArgumentParser(add_help=False)

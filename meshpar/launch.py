@@ -1,4 +1,6 @@
-"""`meshpar launch N [train arguments...]`: N training processes on this machine (loopback, gloo).
+"""`meshpar launch N [train arguments...]`: N training processes on this machine (loopback, gloo);
+`meshpar launch --print-slurm ...`: the SLURM batch script for a cluster (`launch/slurm.sbatch` is
+its default output).
 
 A real multi-process run without a cluster. Every process is `sys.executable -m meshpar.cli train
 ...`, the interpreter that runs the launcher (never a `python` found on PATH, which on a fresh machine
@@ -120,10 +122,50 @@ def launch(n: int, train_args: list[str], env: dict | None = None, poll_s: float
     return status
 
 
+def relay(command: list[str]) -> int:
+    """Run `command` with its stdout and stderr copied to ours whole lines at a time, without Gloo's
+    connection reports; outlive SIGTERM/SIGINT (the command gets them from its scheduler too: the
+    SLURM script's tasks save and stop) saying so in one line; return the command's status."""
+    def note(signum, _frame):
+        print(f"{PROG}: {signal.Signals(signum).name}: waiting for {command[0]} (its tasks save and stop)",
+              file=sys.stderr, flush=True)
+    old = {s: signal.signal(s, note) for s in (signal.SIGTERM, signal.SIGINT)}   # the child gets defaults
+    try:
+        p = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    except OSError as e:
+        print(f"meshpar: error: {PROG} --relay: cannot run {command[0]!r}: {e.strerror}", file=sys.stderr)
+        return 127
+    threads = [threading.Thread(target=_relay, args=(pipe, out, b""), daemon=True)
+               for pipe, out in ((p.stdout, sys.stdout), (p.stderr, sys.stderr))]
+    for t in threads:
+        t.start()
+    try:
+        rc = p.wait()
+    finally:
+        for t in threads:
+            t.join(timeout=10)
+        for s, h in old.items():
+            signal.signal(s, h)
+    return rc if rc >= 0 else 128 - rc
+
+
+USAGE = f"""usage: {PROG} N [meshpar train arguments...]
+       {PROG} --print-slurm [--nodes N] [--gpus-per-node G] [...] [train arguments...]   (--print-slurm --help)
+       {PROG} --relay COMMAND...     (the SLURM script's output filter)"""
+
+
 def main(argv: list[str]) -> int:
     """`argv` = [N, train arguments...]; the train arguments are passed through unread."""
+    if argv[:1] == ["--print-slurm"]:
+        from meshpar.slurm import main as slurm_main
+        return slurm_main(argv[1:])
+    if argv[:1] == ["--relay"]:
+        if len(argv) < 2:
+            print(f"meshpar: error: {PROG} --relay needs a command to run", file=sys.stderr)
+            return 2
+        return relay(argv[1:])
     if not argv or argv[0] in ("-h", "--help"):
-        print(f"usage: {PROG} N [meshpar train arguments...]\n\n" + __doc__.split("\n\n", 1)[1].strip())
+        print(USAGE + "\n\n" + __doc__.split("\n\n", 1)[1].strip())
         return 0 if argv else 2
     if not argv[0].isdigit() or int(argv[0]) < 1:
         print(f"meshpar: error: {PROG}: N must be a positive number of processes, got {argv[0]!r} "

@@ -135,3 +135,44 @@ def test_two_processes_match_one_and_fail_fast_and_resume(tmp_path):
             assert v == pytest.approx(want[s], rel=1e-3), (name, s, v, want[s])
     diff = max(abs(v / want[s] - 1) for n in ("mp1.jsonl", "mp2.jsonl") for s, v in metrics_losses(tmp_path / n).items())
     print(f"peer loss noticed after {waited:.1f}s; resumed from {resumed}; max relative loss difference {diff:.2e}")
+
+
+# -- launch scripts that cannot run here: their contract, checked without a cluster ---------------
+
+def test_tpu_pod_dry_run_prints_the_gcloud_command_with_the_arguments_intact():
+    """launch/tpu_pod.sh needs a TPU VM pod; `--dry-run` prints the one command it would run."""
+    import shlex
+    args = ["steps=10", "checkpoint.dir=gs://bucket/run 1", "--metrics-out", "m.jsonl"]
+    r = subprocess.run(["bash", str(REPO / "launch" / "tpu_pod.sh"), "--dry-run", "my-v5p-64", "us-east5-a", *args],
+                       env={**os.environ, "PROJECT": "proj", "PYTHON": "python3.12"}, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    argv = shlex.split(r.stdout)
+    assert argv[:9] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "my-v5p-64", "--zone", "us-east5-a", "--project"]
+    assert argv[9:12] == ["proj", "--worker=all", "--command"] and len(argv) == 13
+    remote = shlex.split(argv[12])                  # what every worker's shell runs
+    assert remote[:3] == ["cd", "~/meshpar", "&&"] and "MESHPAR_DISTRIBUTED=auto" in remote
+    assert remote[-(len(args) + 4):] == ["python3.12", "-m", "meshpar.cli", "train", *args]
+    bad = subprocess.run(["bash", str(REPO / "launch" / "tpu_pod.sh"), "--dry-run", "only-a-name"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.startswith("usage: launch/tpu_pod.sh [--dry-run] TPU_NAME ZONE")
+
+
+def test_print_slurm_writes_a_script_for_the_cluster_asked_for():
+    def printed(*args):
+        return subprocess.run([sys.executable, "-m", "meshpar.cli", "launch", "--print-slurm", *args],
+                              capture_output=True, text=True, cwd=REPO)
+    r = printed("--nodes", "4", "--gpus-per-node", "8", "--partition", "gpu", "--time", "2:00:00",
+                "--config", "my run.yaml", "steps=100")
+    assert r.returncode == 0, r.stderr
+    sbatch = [x.split(" ", 1)[1] for x in r.stdout.splitlines() if x.startswith("#SBATCH ")]
+    assert sbatch[:5] == ["--job-name=meshpar", "--nodes=4", "--ntasks-per-node=8", "--gpus-per-node=8",
+                          "--cpus-per-task=8"]
+    assert {"--time=2:00:00", "--partition=gpu", "--requeue", "--signal=TERM@180"} <= set(sbatch)
+    assert f"  PYTHON={sys.executable}" in r.stdout.splitlines()            # the interpreter that printed it
+    assert "meshpar.cli train --config 'my run.yaml' steps=100 \"$@\"" in r.stdout
+    cpu = printed("--nodes", "1", "--gpus-per-node", "0")
+    assert "#SBATCH --ntasks-per-node=1" in cpu.stdout and "#SBATCH --gpus-per-node" not in cpu.stdout
+    bash_n = subprocess.run(["bash", "-n"], input=r.stdout, capture_output=True, text=True)
+    assert bash_n.returncode == 0, bash_n.stderr                             # the script parses
+    bad = printed("--nodes", "0")
+    assert bad.returncode == 2 and "--nodes must be >= 1, got 0" in bad.stderr
