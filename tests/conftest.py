@@ -128,7 +128,9 @@ def checkpoint_steps(d: Path) -> list[int]:
 # Each test report carries its phase's counts (user_properties), so they reach the summary from
 # pytest-xdist's workers too.
 
-FILE_BUDGET_S = float(os.environ.get("MESHPAR_TEST_FILE_BUDGET_S", 120))   # seconds a test file may take alone
+# seconds a test file may take, as measured beside the other worker (which slows it ~1.2-1.3x; the
+# largest files take 75-100 s so measured on this machine)
+FILE_BUDGET_S = float(os.environ.get("MESHPAR_TEST_FILE_BUDGET_S", 150))
 _XLA_KEY = "xla_programs"              # (compiled, compile s, trace + lower s, cache hits) of one report
 _BACKEND = "/jax/core/compile/backend_compile_duration"
 _FRONT = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration")
