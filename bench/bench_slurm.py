@@ -11,7 +11,6 @@ once compiled), medians over rounds.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -22,18 +21,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from meshpar.plot import read_run  # noqa: E402
 from tests.slurm_cluster import SlurmCluster, unavailable  # noqa: E402
 
 
-def _steps(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [r for r in (json.loads(x) for x in path.read_text().splitlines() if x.strip().endswith("}"))
-            if r.get("event") == "step"]
-
-
 def _first_step_s(path: Path, t0: float, alive) -> float:
-    while not _steps(path):
+    while not (path.exists() and '"event": "step"' in path.read_text()):
         if not alive():
             raise RuntimeError(f"the run ended before its first step ({path})")
         time.sleep(0.02)
@@ -41,7 +34,7 @@ def _first_step_s(path: Path, t0: float, alive) -> float:
 
 
 def _median_step(path: Path) -> float:
-    return statistics.median(r["step_time_s"] for r in _steps(path) if r["step"] >= 3)
+    return statistics.median(r["step_time_s"] for r in read_run(str(path))["steps"] if r["step"] >= 3)
 
 
 def main() -> None:

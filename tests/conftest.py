@@ -96,6 +96,19 @@ def tiered(cases, fast, ids=None) -> list:
     return out
 
 
+def train_steps(trainer, source, cfg, steps: int):
+    """`steps` optimizer steps of `trainer` from its init on `source`'s batches (as the loop builds
+    them); the final state and each step's loss."""
+    from meshpar.data import Batches
+    data = Batches(source, trainer.batch_sharding, cfg.batch.global_size, cfg.batch.length, cfg.data.seed,
+                   batch_spec=trainer.batch_spec)
+    state, losses = trainer.init(), []
+    for _ in range(steps):
+        state, m = trainer.step(state, next(data))
+        losses.append(float(m["loss"]))
+    return state, losses
+
+
 def rel(a, b) -> float:
     """Norm-wise relative error ||a - b|| / ||b|| over all leaves of two pytrees (in float64)."""
     num = sum(float(np.sum((np.asarray(x, np.float64) - np.asarray(y, np.float64)) ** 2))

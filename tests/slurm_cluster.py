@@ -24,6 +24,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from meshpar.launch import free_port
+
 PLUGIN_DIRS = ("/usr/lib/x86_64-linux-gnu/slurm-wlm", "/usr/lib/aarch64-linux-gnu/slurm-wlm", "/usr/lib64/slurm",
                "/usr/lib/slurm")
 
@@ -36,12 +38,6 @@ def unavailable() -> str | None:
     if os.geteuid() != 0:
         return "slurmd must run as root to start jobs"
     return None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _plugin(name: str) -> bool:
@@ -74,8 +70,8 @@ class SlurmCluster:
         self.conf.write_text("\n".join([
             "ClusterName=meshpartest",
             f"SlurmctldHost={self.node}(127.0.0.1)",
-            f"SlurmctldPort={_free_port()}",
-            f"SlurmdPort={_free_port()}",
+            f"SlurmctldPort={free_port()}",
+            f"SlurmdPort={free_port()}",
             *auth,
             "SlurmUser=root", "SlurmdUser=root",
             f"StateSaveLocation={self.root / 'state'}",
@@ -99,7 +95,7 @@ class SlurmCluster:
             self.pids.append(p.pid)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            out = self._scontrol("show", "node", self.node, check=False)
+            out = self.scontrol("show", "node", self.node, check=False)
             if "State=IDLE" in out:
                 return
             time.sleep(0.2)
@@ -160,27 +156,37 @@ class SlurmCluster:
     def _processes(self, jobs_only: bool = False) -> list[int]:
         """Processes of this cluster other than its daemons: slurmstepd and the jobs' processes (their
         environment holds its SLURM_CONF; `jobs_only`: those with a SLURM_JOB_ID)."""
-        mark, found = f"SLURM_CONF={self.conf}".encode(), []
+        return [pid for pid, env, _ in self._environs() if pid not in self.pids
+                and (not jobs_only or any(v.startswith(b"SLURM_JOB_ID=") for v in env))]
+
+    def task_pid(self, job_id: int, rank: int) -> int:
+        """The pid of task `rank` of the job's first step (`srun`'s meshpar process)."""
+        want = {f"SLURM_JOB_ID={job_id}".encode(), f"SLURM_PROCID={rank}".encode(), b"SLURM_STEP_ID=0"}
+        for pid, env, cmd in self._environs():
+            if want <= set(env) and b"meshpar.cli\0train" in cmd:
+                return pid
+        raise AssertionError(f"no task {rank} of job {job_id} found")
+
+    def _environs(self):
+        """(pid, environment entries, command line) of every process carrying this cluster's SLURM_CONF."""
+        mark = f"SLURM_CONF={self.conf}".encode()
         for name in os.listdir("/proc"):
-            if not name.isdigit() or int(name) in (os.getpid(), *self.pids):
+            if not name.isdigit() or int(name) == os.getpid():
                 continue
             try:
                 env = Path(f"/proc/{name}/environ").read_bytes().split(b"\0")
+                cmd = Path(f"/proc/{name}/cmdline").read_bytes()
             except OSError:
                 continue
-            if mark in env and (not jobs_only or any(v.startswith(b"SLURM_JOB_ID=") for v in env)):
-                found.append(int(name))
-        return found
+            if mark in env:
+                yield int(name), env, cmd
 
     # -- jobs --------------------------------------------------------------------------------------
-    def _scontrol(self, *args: str, check: bool = True) -> str:
+    def scontrol(self, *args: str, check: bool = True) -> str:
         r = subprocess.run(["scontrol", *args], env=self.env, capture_output=True, text=True, timeout=30)
         if check and r.returncode:
             raise RuntimeError(f"scontrol {' '.join(args)}: {r.stderr.strip()}")
         return r.stdout + r.stderr
-
-    def scontrol(self, *args: str) -> str:
-        return self._scontrol(*args)
 
     def sbatch(self, args: list[str], cwd: Path, env: dict | None = None) -> int:
         """Submit; the job id. `env` adds to the cluster's environment (SLURM_CONF)."""
@@ -192,7 +198,7 @@ class SlurmCluster:
 
     def job(self, job_id: int) -> dict[str, str]:
         """`scontrol show job` as a dict (JobState, ExitCode, Restarts, Reason, ...)."""
-        out = self._scontrol("show", "job", "--oneliner", str(job_id))
+        out = self.scontrol("show", "job", "--oneliner", str(job_id))
         return dict(f.split("=", 1) for f in out.split() if "=" in f)
 
     def wait(self, job_id: int, until, timeout: float, poll_s: float = 0.5) -> dict[str, str]:

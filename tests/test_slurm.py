@@ -61,6 +61,15 @@ def _run_job(cluster, args, cwd, env, timeout=180):
     return job, cluster.wait(job, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"), timeout)
 
 
+def _wait_for_step(cluster, job: int, metrics: Path, step: int, out: Path, timeout: float = 120) -> None:
+    """Until the job's metrics file has logged `step`; fails if the job ends or stalls first."""
+    deadline = time.monotonic() + timeout
+    while not any(s >= step for s in metrics_losses(metrics)):
+        assert cluster.job(job)["JobState"] in ("PENDING", "RUNNING", "CONFIGURING"), _output(out)
+        assert time.monotonic() < deadline, _output(out)
+        time.sleep(0.05)
+
+
 def _output(path: Path) -> str:
     return path.read_text() if path.exists() else "(no output file)"
 
@@ -124,11 +133,7 @@ def test_requeue_mid_run_resumes_and_ends_bitwise_equal(cluster, user_env, unint
     out, metrics = tmp_path / "job.out", tmp_path / "m.jsonl"
     job = cluster.sbatch([f"--output={out}", str(script), *TRAIN, f"checkpoint.dir={tmp_path / 'ck'}",
                           "checkpoint.every=100", f"--metrics-out={metrics}"], cwd=tmp_path, env=user_env)
-    deadline = time.monotonic() + 120
-    while not any(s >= 3 for s in metrics_losses(metrics)):
-        assert cluster.job(job)["JobState"] in ("PENDING", "RUNNING", "CONFIGURING"), _output(out)
-        assert time.monotonic() < deadline, _output(out)
-        time.sleep(0.05)
+    _wait_for_step(cluster, job, metrics, 3, out)
     cluster.scontrol("requeue", str(job))
     # SLURM lets a requeued job start again only after 120 s (Reason=BeginTime); a queue would wait
     # as long for free nodes anyway. The test moves that begin time to now, nothing else.
@@ -137,7 +142,7 @@ def test_requeue_mid_run_resumes_and_ends_bitwise_equal(cluster, user_env, unint
     info = cluster.wait(job, ("COMPLETED", "FAILED", "CANCELLED"), 120)
     text = _output(out)
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", (info, text)
-    assert f"meshpar: job {job} (restart 1)" in text and "restart 1" in text, text
+    assert f"meshpar: job {job} (restart 1)" in text and f"slurm job {job} restart 1" in text, text
     starts = [r for r in metrics_records(metrics) if r["event"] == "start"]
     assert [s["scheduler"]["restart_count"] for s in starts] == [0, 1], starts
     saved = starts[1]["resumed_from"]
@@ -158,13 +163,8 @@ def test_a_killed_task_fails_the_job_within_a_minute(cluster, user_env, tmp_path
     out, metrics = tmp_path / "job.out", tmp_path / "m.jsonl"
     job = cluster.sbatch([*CPU_NODE, f"--output={out}", str(SHIPPED), *TRAIN, "steps=2000",
                           f"--metrics-out={metrics}"], cwd=REPO, env={**user_env, "MESHPAR_PEER_TIMEOUT": "10"})
-    deadline = time.monotonic() + 120
-    while not metrics_losses(metrics):
-        assert cluster.job(job)["JobState"] in ("PENDING", "RUNNING", "CONFIGURING"), _output(out)
-        assert time.monotonic() < deadline, _output(out)
-        time.sleep(0.1)
-    task = _task_pid(job, rank=1)
-    os.kill(task, signal.SIGKILL)
+    _wait_for_step(cluster, job, metrics, 1, out)
+    os.kill(cluster.task_pid(job, rank=1), signal.SIGKILL)
     t0 = time.monotonic()
     info = cluster.wait(job, ("COMPLETED", "FAILED", "CANCELLED"), 90)
     took = time.monotonic() - t0
@@ -174,16 +174,3 @@ def test_a_killed_task_fails_the_job_within_a_minute(cluster, user_env, tmp_path
     assert "task 1: Killed" in text, text                    # srun names the dead task
     assert "lost a peer: process 1 stopped responding" in text, text   # the survivor names its lost peer
 
-
-def _task_pid(job: int, rank: int) -> int:
-    """The pid of the job's task `rank` (its environment says SLURM_JOB_ID and SLURM_PROCID)."""
-    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
-        try:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if (f"SLURM_JOB_ID={job}".encode() in env and f"SLURM_PROCID={rank}".encode() in env
-                and b"meshpar.cli\0train" in cmd and b"SLURM_STEP_ID=0" in env):
-            return int(pid)
-    raise AssertionError(f"no task {rank} of job {job} found")

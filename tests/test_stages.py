@@ -8,7 +8,7 @@ import pytest
 
 from meshpar.errors import ConfigError
 from meshpar.step import Trainer
-from tests.conftest import devices, make_cfg, rel, tiered
+from tests.conftest import devices, make_cfg, rel, tiered, train_steps
 from tests.pipelines import TINY
 
 
@@ -30,12 +30,7 @@ def _vit(mesh: dict, n: int, *extra, steps: int = 3):
     src = vision.source(cfg)
     tr = Trainer(cfg, devices=devices(n), model=lambda rngs: vit.vit(cfg, rngs), loss=meshpar.stage_loss,
                  batch_spec=src.batch_spec(cfg.batch.global_size, cfg.batch.length))
-    data = meshpar.Batches(src, tr.batch_sharding, cfg.batch.global_size, cfg.batch.length, cfg.data.seed,
-                           batch_spec=tr.batch_spec)
-    state, losses = tr.init(), []
-    for _ in range(steps):
-        state, m = tr.step(state, next(data))
-        losses.append(float(m["loss"]))
+    state, losses = train_steps(tr, src, cfg, steps)
     return losses, jax.device_get(state["params"]), jax.device_get(state["vars"])
 
 

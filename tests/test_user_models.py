@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 import meshpar
-from tests.conftest import devices, make_cfg, tiered
+from tests.conftest import devices, make_cfg, tiered, train_steps
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -49,12 +49,7 @@ def _losses(example: str, strategy: str, mesh: dict, n: int, *extra):
     cfg = _cfg(example, strategy, mesh, *extra)
     tr, src = _trainer(example, cfg, n)
     src = src or make_data_source(cfg, tr)
-    data = meshpar.Batches(src, tr.batch_sharding, cfg.batch.global_size, cfg.batch.length, cfg.data.seed,
-                           batch_spec=tr.batch_spec)
-    state, out = tr.init(), []
-    for _ in range(STEPS):
-        state, m = tr.step(state, next(data))
-        out.append(float(m["loss"]))
+    state, out = train_steps(tr, src, cfg, STEPS)
     return out, tr, state
 
 
