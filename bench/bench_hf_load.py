@@ -47,8 +47,8 @@ def main() -> None:
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
-    from meshpar.config import load_config
-    from meshpar.step import Trainer
+    from meshpar.core.config import load_config
+    from meshpar.train.step import Trainer
     mesh = ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "strategy=dp"] if args.devices == 1 else \
         ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "strategy=fsdp_tp"]
     cfg = load_config(None, [f"model.init_from=hf:{d}", "precision=fp32", f"devices={args.devices}",

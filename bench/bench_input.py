@@ -5,7 +5,7 @@ source, side by side in one process.
 
 Variants (same compiled step, same state shapes, default tiny config unless overridden):
   constant   one device batch reused every step: no host data work at all (the floor)
-  prefetch   meshpar.data.Prefetch(Batches(real source)): what `meshpar train` does now
+  prefetch   meshpar.train.data.Prefetch(Batches(real source)): what `meshpar train` does now
   inline     Batches(real source) built between steps (what the loop did before issue 13)
 Each round runs `--steps` steps of every variant, dispatched back to back as the loop does (no
 host sync between steps), then waits for the last; step time = round wall time / steps. The
@@ -18,16 +18,16 @@ import argparse
 import json
 import time
 
-from meshpar.mesh import fake_cpu_devices
+from meshpar.core.mesh import fake_cpu_devices
 
 fake_cpu_devices(8)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from meshpar.config import load_config  # noqa: E402
-from meshpar.data import Batches, Prefetch, make_source  # noqa: E402
-from meshpar.step import Trainer  # noqa: E402
+from meshpar.core.config import load_config  # noqa: E402
+from meshpar.train.data import Batches, Prefetch, make_source  # noqa: E402
+from meshpar.train.step import Trainer  # noqa: E402
 
 
 def main() -> None:

@@ -11,17 +11,17 @@ import argparse
 import json
 import time
 
-from meshpar.mesh import fake_cpu_devices
+from meshpar.core.mesh import fake_cpu_devices
 
 fake_cpu_devices(8)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from meshpar.config import CONFIG_DIR, load_config  # noqa: E402
-from meshpar.data import Batches, make_source  # noqa: E402
-from meshpar.inspect import collectives, summarize  # noqa: E402
-from meshpar.step import Trainer  # noqa: E402
+from meshpar.core.config import CONFIG_DIR, load_config  # noqa: E402
+from meshpar.train.data import Batches, make_source  # noqa: E402
+from meshpar.plan.inspect import collectives, summarize  # noqa: E402
+from meshpar.train.step import Trainer  # noqa: E402
 
 VARIANTS = {
     "dense": ["model.name=decoder"],

@@ -5,7 +5,7 @@
 Configuration (issue 13): embed 256, 4 heads x 64, MLP 512, vocab 1024, 2 layers, sequence 128,
 global batch 8, mesh fsdp=4 x expert=2, strategy fsdp, bf16, remat full; the MoE model has an MoE
 feed-forward in every layer (4 experts, top-2, capacity 1.25). `top2-einsum` is the same MoE with
-GShard's einsum dispatch/combine (meshpar.moe.DISPATCH="einsum", the reference and the code before
+GShard's einsum dispatch/combine (meshpar.nn.moe.DISPATCH="einsum", the reference and the code before
 issue 13); `top2` uses the default gather dispatch/combine. Both models get the same constant
 device batch, so only the train step is timed. The variants run in interleaved rounds (dense, moe,
 dense, moe, ...) so load from other processes hits them alike; the figure is the median step time
@@ -18,17 +18,17 @@ import argparse
 import json
 import time
 
-from meshpar.mesh import fake_cpu_devices
+from meshpar.core.mesh import fake_cpu_devices
 
 fake_cpu_devices(8)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from meshpar.config import load_config  # noqa: E402
-from meshpar.data import Batches, make_source  # noqa: E402
-from meshpar.inspect import collectives, summarize  # noqa: E402
-from meshpar.step import Trainer  # noqa: E402
+from meshpar.core.config import load_config  # noqa: E402
+from meshpar.train.data import Batches, make_source  # noqa: E402
+from meshpar.plan.inspect import collectives, summarize  # noqa: E402
+from meshpar.train.step import Trainer  # noqa: E402
 
 BASE = ["model.embed=256", "model.heads=4", "model.kv_heads=4", "model.head_dim=64", "model.mlp=512",
         "model.vocab=1024", "model.layers=2", "batch.length=128", "batch.global_size=8", "mesh.data=1",
@@ -44,8 +44,8 @@ VARIANTS = {
 
 
 def build(overrides: list[str]):
-    """Compile one variant. `DISPATCH=einsum|gather` (not a config key) picks meshpar.moe.DISPATCH."""
-    from meshpar import moe
+    """Compile one variant. `DISPATCH=einsum|gather` (not a config key) picks meshpar.nn.moe.DISPATCH."""
+    from meshpar.nn import moe
     dispatch = [o.split("=", 1)[1] for o in overrides if o.startswith("DISPATCH=")]
     cfg = load_config(None, BASE + [o for o in overrides if not o.startswith("DISPATCH=")])
     default, moe.DISPATCH = moe.DISPATCH, (dispatch or [moe.DISPATCH])[0]

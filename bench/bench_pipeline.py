@@ -21,10 +21,10 @@ os.environ["XLA_FLAGS"] = " ".join(_flags + ["--xla_force_host_platform_device_c
 
 import jax  # noqa: E402
 
-from meshpar import schedules  # noqa: E402
-from meshpar.config import load_config  # noqa: E402
-from meshpar.inspect import memory  # noqa: E402
-from meshpar.step import Trainer  # noqa: E402
+from meshpar.parallel import schedules  # noqa: E402
+from meshpar.core.config import load_config  # noqa: E402
+from meshpar.plan.inspect import memory  # noqa: E402
+from meshpar.train.step import Trainer  # noqa: E402
 
 MODEL = ["model.layers=8", "model.embed=128", "model.mlp=512", "model.heads=4", "model.kv_heads=4",
          "model.head_dim=32", "model.vocab=256", "batch.length=128", "precision=fp32", "strategy=fsdp_tp"]

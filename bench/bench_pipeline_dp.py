@@ -23,9 +23,9 @@ os.environ["XLA_FLAGS"] = " ".join(_flags + ["--xla_force_host_platform_device_c
 
 import jax  # noqa: E402
 
-from meshpar import inspect  # noqa: E402
-from meshpar.config import load_config  # noqa: E402
-from meshpar.step import trainer_for  # noqa: E402
+from meshpar.plan import inspect  # noqa: E402
+from meshpar.core.config import load_config  # noqa: E402
+from meshpar.train.step import trainer_for  # noqa: E402
 
 BASE = ["model.size=125m", "model.layers=4", "model.vocab=8192", "precision=fp32", "strategy=dp", "mesh.pipeline=2",
         "mesh.data=4", "mesh.fsdp=1", "mesh.tensor=1", "batch.global_size=32", "batch.length=128",

@@ -17,7 +17,7 @@ import argparse
 import sys
 import time
 
-from meshpar.mesh import fake_cpu_devices
+from meshpar.core.mesh import fake_cpu_devices
 
 MODEL = ["model.layers=8", "model.embed=128", "model.mlp=512", "model.heads=4", "model.kv_heads=4",
          "model.head_dim=32", "model.vocab=256", "batch.length=128", "precision=fp32", "strategy=dp"]
@@ -26,10 +26,10 @@ MODEL = ["model.layers=8", "model.embed=128", "model.mlp=512", "model.heads=4", 
 def run(schedule: str, remat: str, p: int, m: int, micro: int, steps: int, warmup: int) -> dict:
     import jax
 
-    from meshpar.config import load_config
-    from meshpar.data import Batches, make_source
-    from meshpar.inspect import memory
-    from meshpar.step import Trainer
+    from meshpar.core.config import load_config
+    from meshpar.train.data import Batches, make_source
+    from meshpar.plan.inspect import memory
+    from meshpar.train.step import Trainer
     cfg = load_config(None, MODEL + [f"mesh.pipeline={p}", "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1",
                                      "mesh.expert=1", f"model.remat={remat}", f"pipeline.schedule={schedule}",
                                      f"pipeline.microbatches={m}", f"batch.global_size={m * micro}"])

@@ -13,7 +13,7 @@ import platform
 import sys
 import time
 
-from meshpar.mesh import fake_cpu_devices
+from meshpar.core.mesh import fake_cpu_devices
 
 CASES = [
     ("dp", {"data": 8}), ("zero1", {"data": 8}), ("zero2", {"data": 8}), ("fsdp", {"data": 2, "fsdp": 4}),
@@ -31,9 +31,9 @@ def main() -> None:
     args = ap.parse_args()
     fake_cpu_devices(8)
     import jax
-    from meshpar.config import load_config
-    from meshpar.data import Batches, make_source
-    from meshpar.step import Trainer
+    from meshpar.core.config import load_config
+    from meshpar.train.data import Batches, make_source
+    from meshpar.train.step import Trainer
 
     rows = []
     for strategy, mesh in CASES:

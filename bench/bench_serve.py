@@ -31,8 +31,8 @@ def main() -> None:
         os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
     import jax
     import numpy as np
-    from meshpar.config import load_config
-    from meshpar.serve import Engine
+    from meshpar.core.config import load_config
+    from meshpar.serve.engine import Engine
 
     base = ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=8", "precision=bf16"]
     if not any(o.startswith("model.size=") for o in args.overrides):     # a small model unless a size is named

@@ -21,7 +21,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from meshpar.plot import read_run  # noqa: E402
+from meshpar.train.plot import read_run  # noqa: E402
 from tests.slurm_cluster import SlurmCluster, unavailable  # noqa: E402
 
 

@@ -9,7 +9,7 @@ own API only (`nnx.with_partitioning`). The names say what a dimension means (`v
 
 tokens [B, T] -> wte + wpe -> L x (x + Attn(LN(x)), x + MLP(LN(x))) -> LN -> wte^T -> logits [B, T, V]
 
-Served by `meshpar generate` / `meshpar.serve.Engine` through two more methods (meshpar's decode
+Served by `meshpar generate` / `meshpar.serve.engine.Engine` through two more methods (meshpar's decode
 protocol): `cache_spec` declares a KV cache per block [B, S, N, H] by logical names, and `decode`
 runs new tokens at their positions against it, reusing the built-in attention's own projections.
 """

@@ -4,7 +4,7 @@ model, a batch of three leaves, your own loss, and a data source that honours it
     meshpar train --config examples/reverse.yaml        # from the repository root
     python examples/reverse.py                          # the same, from Python (8 fake CPU devices)
 
-The data-source contract (meshpar.data): `batch_spec(global_size, length)` declares the batch, a
+The data-source contract (meshpar.train.data): `batch_spec(global_size, length)` declares the batch, a
 tree of `meshpar.Leaf(shape, dtype, logical axes)`, and `rows(seed, step, rows, length)` returns
 that tree's rows for the same `length` (batch.length), a pure function of (seed, step, row).
 Here: src [B, T] random tokens, tgt_in [B, T] = BOS + reversed src[:-1], tgt_out [B, T] = reversed

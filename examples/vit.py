@@ -1,7 +1,7 @@
 """A small Vision Transformer (Dosovitskiy et al. 2021) written in meshpar's stage protocol, so it can
 be pipelined like the reference LM, with its own loss and a BatchNorm stem whose statistics train.
 
-The protocol (meshpar.stages) is four names, each taking one microbatch:
+The protocol (meshpar.nn.stages) is four names, each taking one microbatch:
 
     pre(batch) -> x       images [b, H, W, C] -> BatchNorm -> patches [b, N, P*P*C] -> embed, class
                           token, positions, dropout -> x [b, N+1, E]            (first stage)
@@ -9,7 +9,7 @@ The protocol (meshpar.stages) is four names, each taking one microbatch:
     post(x) -> logits     LayerNorm of the class token -> logits [b, K]           (last stage)
     loss(logits, batch)   softmax cross-entropy with the labels, and accuracy    (last stage)
 
-`train.loss: stages` (meshpar.stages.stage_loss) trains it unpipelined and pipelined alike:
+`train.loss: stages` (meshpar.nn.stages.stage_loss) trains it unpipelined and pipelined alike:
 
     meshpar train --config examples/vit.yaml                                  # data=2 fsdp=2 tensor=2
     meshpar train --config examples/vit.yaml mesh.pipeline=2 mesh.fsdp=1 pipeline.schedule=1f1b

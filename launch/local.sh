@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Start N meshpar processes on this machine (loopback, gloo): a thin wrapper around `meshpar launch`
-# (meshpar/launch.py holds the contract: free port, devices split across processes, signals
+# (meshpar/runtime/launch.py holds the contract: free port, devices split across processes, signals
 # forwarded, first non-zero status returned).
 #
 #   launch/local.sh N [meshpar train arguments...]

@@ -41,31 +41,31 @@ __version__ = "0.1.0"
 # name -> module that defines it
 _API = {
     # configuration and the mesh
-    "Config": "meshpar.config", "load_config": "meshpar.config", "from_dict": "meshpar.config",
-    "make_mesh": "meshpar.mesh", "fake_cpu_devices": "meshpar.mesh",
+    "Config": "meshpar.core.config", "load_config": "meshpar.core.config", "from_dict": "meshpar.core.config",
+    "make_mesh": "meshpar.core.mesh", "fake_cpu_devices": "meshpar.core.mesh",
     # logical axes and strategies
-    "PRESETS": "meshpar.rules", "LOGICAL_AXES": "meshpar.rules", "Layout": "meshpar.rules",
-    "get_strategy": "meshpar.rules", "parse_user_rules": "meshpar.rules", "constrain": "meshpar.rules",
-    "use_layout": "meshpar.rules",
+    "PRESETS": "meshpar.core.rules", "LOGICAL_AXES": "meshpar.core.rules", "Layout": "meshpar.core.rules",
+    "get_strategy": "meshpar.core.rules", "parse_user_rules": "meshpar.core.rules", "constrain": "meshpar.core.rules",
+    "use_layout": "meshpar.core.rules",
     # model-building helpers
-    "param": "meshpar.layers", "stacked": "meshpar.layers", "scan_layers": "meshpar.layers",
-    "stage_loss": "meshpar.stages", "apply_layers": "meshpar.stages",
-    "use_policy": "meshpar.precision", "get_policy": "meshpar.precision", "compute_dtype": "meshpar.precision",
-    "param_dtype": "meshpar.precision", "cross_entropy": "meshpar.precision",
+    "param": "meshpar.nn.layers", "stacked": "meshpar.nn.layers", "scan_layers": "meshpar.nn.layers",
+    "stage_loss": "meshpar.nn.stages", "apply_layers": "meshpar.nn.stages",
+    "use_policy": "meshpar.core.precision", "get_policy": "meshpar.core.precision", "compute_dtype": "meshpar.core.precision",
+    "param_dtype": "meshpar.core.precision", "cross_entropy": "meshpar.core.precision",
     # shardings of a model
-    "model_spec": "meshpar.sharding", "building": "meshpar.sharding", "logical_axes": "meshpar.sharding",
-    "param_shardings": "meshpar.sharding", "sharding_table": "meshpar.sharding",
-    "render_sharding_table": "meshpar.sharding",
+    "model_spec": "meshpar.core.sharding", "building": "meshpar.core.sharding", "logical_axes": "meshpar.core.sharding",
+    "param_shardings": "meshpar.core.sharding", "sharding_table": "meshpar.core.sharding",
+    "render_sharding_table": "meshpar.core.sharding",
     # batches and data
-    "Leaf": "meshpar.data", "lm_batch_spec": "meshpar.data", "Batches": "meshpar.data",
+    "Leaf": "meshpar.core.batch", "lm_batch_spec": "meshpar.core.batch", "Batches": "meshpar.train.data",
     # training
-    "Trainer": "meshpar.step", "lm_loss": "meshpar.step", "run": "meshpar.loop",
-    "Checkpointer": "meshpar.checkpoint", "report": "meshpar.inspect",
+    "Trainer": "meshpar.train.step", "lm_loss": "meshpar.train.loss", "run": "meshpar.train.loop",
+    "Checkpointer": "meshpar.io.checkpoint", "report": "meshpar.plan.inspect",
     # serving
-    "Engine": "meshpar.serve", "Request": "meshpar.serve", "Completion": "meshpar.serve",
-    "Sampling": "meshpar.sampling",
+    "Engine": "meshpar.serve.engine", "Request": "meshpar.serve.batching", "Completion": "meshpar.serve.batching",
+    "Sampling": "meshpar.serve.sampling",
     # errors
-    "MeshparError": "meshpar.errors", "ConfigError": "meshpar.errors", "ShardingError": "meshpar.errors",
+    "MeshparError": "meshpar.core.errors", "ConfigError": "meshpar.core.errors", "ShardingError": "meshpar.core.errors",
 }
 
 __all__ = sorted(_API)

@@ -3,9 +3,9 @@
     meshpar train [--config FILE] [--devices N] [--metrics-out FILE] [KEY=VALUE ...]
     meshpar config [--config FILE] [KEY=VALUE ...]    # the resolved config, every key with its meaning
     meshpar inspect [--config FILE] [--devices N] [--json] [KEY=VALUE ...]
-    meshpar launch N [train arguments...]        # N loopback processes (meshpar/launch.py)
-    meshpar launch --print-slurm [--nodes N --gpus-per-node G ...] [train arguments...]   # meshpar/slurm.py
-    meshpar plot RUN.jsonl [RUN2.jsonl ...] [-o out.png] [--size 1200x800]   # meshpar/plot.py
+    meshpar launch N [train arguments...]        # N loopback processes (meshpar/runtime/launch.py)
+    meshpar launch --print-slurm [--nodes N --gpus-per-node G ...] [train arguments...]   # meshpar/runtime/slurm.py
+    meshpar plot RUN.jsonl [RUN2.jsonl ...] [-o out.png] [--size 1200x800]   # meshpar/train/plot.py
     meshpar generate [--config FILE] [--devices N] [--prompt TEXT | --prompt-ids 1,2,3] [--json] [KEY=VALUE ...]
     meshpar plan [--config FILE] --devices N --hardware h100 [--top K] [--strategies a,b] [--all] [--json]
                  [--bytes-per-param W,G,O] [--out plan.yaml] [--verify K] [KEY=VALUE ...]
@@ -15,14 +15,14 @@ KEY=VALUE are dotted config overrides: steps=20 strategy=fsdp mesh.tensor=2 mesh
 precision=fp32 model.layers=2 batch.global_size=16 train.log_every=1. Flags and overrides may come
 in any order (`meshpar train steps=1 --devices 1 mesh.data=1`).
 
-`plan` ranks meshes x presets x remat x microbatches by predicted step time (meshpar/costmodel.py),
+`plan` ranks meshes x presets x remat x microbatches by predicted step time (meshpar/plan/costmodel.py),
 writes the winner as a config for `train --config`, and with --verify K compiles the top K on N
 fake devices to print predicted vs compiled memory and collective bytes. `inspect` prints the
 planner's memory estimate too; `train` warns when that estimate exceeds the device's memory.
 
 `train` with checkpoint.dir=D resumes from D's newest usable checkpoint. Multi-process runs add
 `--coordinator HOST:PORT --num-processes N --process-id I` (or MESHPAR_* variables, or srun/mpirun/
-TPU-pod detection; see meshpar/distributed.py and launch/). Exit status: 0 done, 2 a user error
+TPU-pod detection; see meshpar/runtime/distributed.py and launch/). Exit status: 0 done, 2 a user error
 (one line), 3 a lost peer, 128 + signal after a SIGTERM/SIGINT that saved and stopped.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ import json
 import os
 import sys
 
-from meshpar.errors import MeshparError
+from meshpar.core.errors import MeshparError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -40,7 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     parser with `parse_intermixed_args`, so flags and KEY=VALUE mix freely (argparse refuses
     intermixed parsing on a parser with subcommands, hence the two stages)."""
     from meshpar import __version__
-    from meshpar.rules import PRESETS
+    from meshpar.core.rules import PRESETS
     keys = "config keys: `meshpar config` prints every key with its value and meaning"
     p = argparse.ArgumentParser(prog="meshpar", description="Sharded training of Flax NNX models on a named device mesh.",
                                 epilog=f"strategies: {', '.join(PRESETS)}; {keys}")
@@ -59,7 +59,7 @@ def _parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", parents=[common], help="train a model (default: the tiny LM on 8 fake CPU devices)",
                        epilog=keys)
     t.add_argument("--metrics-out", help="write JSON Lines metrics (start/step/end records) to this file")
-    mp = t.add_argument_group("multi-process (see meshpar/distributed.py; srun/mpirun/TPU pods are detected)")
+    mp = t.add_argument_group("multi-process (see meshpar/runtime/distributed.py; srun/mpirun/TPU pods are detected)")
     mp.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address (env MESHPAR_COORDINATOR)")
     mp.add_argument("--num-processes", type=int, metavar="N", help="processes in the job (env MESHPAR_NUM_PROCESSES)")
     mp.add_argument("--process-id", type=int, metavar="I", help="this process, 0..N-1 (env MESHPAR_PROCESS_ID)")
@@ -105,8 +105,8 @@ SAVED_SETTINGS = ("model", "data", "precision", "rules", "batch.length")
 def _with_saved_settings(cfg, args):
     """`generate` / `export`: the settings checkpoint.dir's newest checkpoint was trained with
     (`SAVED_SETTINGS`, kept in its meta), under the --config file and KEY=VALUE overrides given now."""
-    from meshpar.checkpoint import saved_config
-    from meshpar.config import load_config
+    from meshpar.io.checkpoint import saved_config
+    from meshpar.core.config import load_config
     found = saved_config(cfg.checkpoint.dir)
     if found is None:
         return cfg
@@ -120,12 +120,12 @@ def _with_saved_settings(cfg, args):
 
 def _export(cfg, args) -> None:
     """`meshpar export`: checkpoint.dir's newest parameters (else model.init_from's), one array at a
-    time, as a Hugging Face directory (meshpar/hf.py)."""
+    time, as a Hugging Face directory (meshpar/io/hf.py)."""
     from flax import nnx
 
-    from meshpar import hf
-    from meshpar.sharding import building
-    from meshpar.step import trainer_for
+    from meshpar.io import hf
+    from meshpar.core.sharding import building
+    from meshpar.train.step import trainer_for
     trainer = trainer_for(cfg)
     with building(trainer.policy):
         abstract = nnx.eval_shape(lambda: trainer.factory(nnx.Rngs(0)))
@@ -133,7 +133,7 @@ def _export(cfg, args) -> None:
     source, params = None, None
     if cfg.checkpoint.dir:
         import jax
-        from meshpar.checkpoint import restore_weights
+        from meshpar.io.checkpoint import restore_weights
         target = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                               {"params": trainer.spec.shapes}, {"params": trainer.param_shardings})
         found = restore_weights(cfg.checkpoint.dir, target, lambda m: print(m, file=sys.stderr))
@@ -151,17 +151,17 @@ def _export(cfg, args) -> None:
 
 
 def _plan(cfg, args) -> None:
-    """`meshpar plan`: cost model search (meshpar/plan.py), table or JSON, --verify, then the YAML of
+    """`meshpar plan`: cost model search (meshpar/plan/search.py), table or JSON, --verify, then the YAML of
     the best plan: with --verify the best one that fits once compiled."""
-    from meshpar.hardware import load_hardware
-    from meshpar.plan import parse_bytes_per_param, plan, render, winner_yaml
+    from meshpar.plan.hardware import load_hardware
+    from meshpar.plan.search import parse_bytes_per_param, plan, render, winner_yaml
     hw = load_hardware(args.hardware)
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()] if args.strategies else None
     result = plan(cfg, cfg.devices, hw, strategies, parse_bytes_per_param(args.bytes_per_param, cfg) if
                   args.bytes_per_param else None, keep_all=args.all, top=max(args.top, args.verify))
     best, why = next((c for c in result["candidates"] if c["fits"]), None), ""
     if args.verify:
-        from meshpar.dryrun import verify
+        from meshpar.plan.dryrun import verify
         result["verify"] = verify(result, args.config, args.overrides, args.verify)
         ok = [r["rank"] for r in result["verify"] if r["fits_compiled"]]
         best = result["candidates"][ok[0] - 1] if ok else None
@@ -171,11 +171,11 @@ def _plan(cfg, args) -> None:
         json.dump(result, sys.stdout, default=str)
         sys.stdout.write("\n")
     else:
-        from meshpar.metrics import make_console
+        from meshpar.train.metrics import make_console
         console = make_console()
         render(result, console, args.top)
         if args.verify:
-            from meshpar.dryrun import render as render_verify
+            from meshpar.plan.dryrun import render as render_verify
             render_verify(result["verify"], console)
     if best is None and args.verify:
         print(f"none of the top {args.verify} plans fits once compiled: nothing written (try a larger --verify)",
@@ -190,7 +190,7 @@ def _plan_estimate(cfg) -> str:
     """`train`/`inspect`: the planner's per-device estimate for this config, warning when it exceeds
     the device's memory (known on GPU/TPU; fake CPU devices have no limit)."""
     import jax
-    from meshpar.plan import estimate
+    from meshpar.plan.search import estimate
     ev = estimate(cfg)
     if ev is None:                       # a tensor that does not divide its axes: the run itself will say so
         return "planner estimate: none (a tensor does not divide its mesh axes)"
@@ -207,9 +207,10 @@ def _plan_estimate(cfg) -> str:
 
 def _generate(cfg, args) -> None:
     """`meshpar generate`: prompts -> Engine.run, streamed (one prompt) or as JSON."""
-    from meshpar.sampling import Sampling
-    from meshpar.serve import Engine, Request
-    from meshpar.tokenizer import ByteTokenizer, HFTokenizer
+    from meshpar.serve.sampling import Sampling
+    from meshpar.serve.batching import Request
+    from meshpar.serve.engine import Engine
+    from meshpar.io.tokenizer import ByteTokenizer, HFTokenizer
     texts = bool(args.prompt) or cfg.data.kind == "text" or bool(cfg.data.tokenizer)
     hf_tok = HFTokenizer(cfg.data.tokenizer) if cfg.data.tokenizer else None
     prompts = [hf_tok.prompt(p) if hf_tok else ByteTokenizer.encode(p) for p in args.prompt]   # default: bytes
@@ -223,7 +224,7 @@ def _generate(cfg, args) -> None:
     n = args.max_new_tokens if args.max_new_tokens is not None else cfg.serve.max_new_tokens
     eos = hf_tok.eos_id if hf_tok else None
     if eos is None and cfg.model.init_from:          # the model's own end token (config.json)
-        from meshpar.hf import read_config
+        from meshpar.io.hf import read_config
         eos = read_config(cfg.model.init_from).get("eos_token_id")
         eos = eos[0] if isinstance(eos, list) and eos else eos
     reqs = [Request(p, n, Sampling(args.temperature, args.top_k, args.top_p, args.seed + i), eos=eos)
@@ -273,7 +274,7 @@ def _setup_devices(cfg, devices_flag: int | None, processes: int = 1, planning: 
     """Fake host devices before JAX initialises (only CPU-only hosts are affected). `devices` counts
     all processes together; each of `processes` fakes its share. One device (not for `plan`, which
     searches meshes of `devices` itself) collapses the configured mesh."""
-    from meshpar.mesh import fake_cpu_devices
+    from meshpar.core.mesh import fake_cpu_devices
     n = devices_flag if devices_flag is not None else cfg.devices
     if n < 1:
         raise MeshparError(f"--devices must be >= 1, got {n}")
@@ -288,7 +289,7 @@ def _setup_devices(cfg, devices_flag: int | None, processes: int = 1, planning: 
 
 def _one_device(cfg) -> None:
     """On one device every mesh axis is 1, whatever the config asked for (said in one line)."""
-    from meshpar.mesh import MESH_AXES
+    from meshpar.core.mesh import MESH_AXES
     asked = [f"{a}={getattr(cfg.mesh, a)}" for a in MESH_AXES if getattr(cfg.mesh, a) != 1]
     asked += [f"dcn.{a}={v}" for a, v in cfg.mesh.dcn.items() if v != 1]
     for a in MESH_AXES:
@@ -318,13 +319,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["launch"]:
-        from meshpar.launch import main as launch_main
+        from meshpar.runtime.launch import main as launch_main
         return launch_main(argv[1:])
     if argv[:1] == ["plot"]:                     # no devices, no config: files in, a PNG out
-        from meshpar.plot import main as plot_main
+        from meshpar.train.plot import main as plot_main
         return plot_main(argv[1:])
     args = _parse(argv)
-    from meshpar.distributed import interrupts_exit
+    from meshpar.runtime.distributed import interrupts_exit
     with interrupts_exit():
         return _run(args)
 
@@ -332,16 +333,16 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args) -> int:
     """One parsed command; user errors become one line and exit status 2."""
     try:
-        from meshpar.config import load_config
+        from meshpar.core.config import load_config
         cfg = load_config(args.config, args.overrides)
         if args.command == "config":             # no devices: the configuration only
-            from meshpar.config import annotated_yaml
+            from meshpar.core.config import annotated_yaml
             cfg.devices = args.devices if args.devices is not None else cfg.devices
             sys.stdout.write(annotated_yaml(cfg))
             return 0
         if args.command in ("generate", "export") and cfg.checkpoint.dir:
             cfg = _with_saved_settings(cfg, args)
-        from meshpar import distributed
+        from meshpar.runtime import distributed
         multi = distributed.resolve(getattr(args, "coordinator", None), getattr(args, "num_processes", None),
                                     getattr(args, "process_id", None))
         _setup_devices(cfg, args.devices, (multi.num_processes or 1) if multi else 1, args.command == "plan")
@@ -352,7 +353,7 @@ def _run(args) -> int:
         if jax.device_count() < cfg.devices and jax.default_backend() == "cpu" and not planning:
             raise MeshparError(f"asked for {cfg.devices} devices but JAX already initialised with {jax.device_count()}")
         if args.command == "train":
-            from meshpar.loop import run
+            from meshpar.train.loop import run
             estimate = _plan_estimate(cfg)
             if "warning:" in estimate:       # said only when the planner expects the step not to fit
                 print(estimate, file=sys.stderr)
@@ -364,18 +365,18 @@ def _run(args) -> int:
         elif args.command == "export":
             _export(cfg, args)
         else:
-            from meshpar.inspect import render_report, report
+            from meshpar.plan.inspect import render_report, report
             rep = report(cfg)
             rep["plan_estimate"] = _plan_estimate(cfg)
             if args.json:
                 json.dump(rep, sys.stdout, default=str)
                 sys.stdout.write("\n")
             else:
-                from meshpar.metrics import make_console
+                from meshpar.train.metrics import make_console
                 render_report(rep, make_console())
                 print(rep["plan_estimate"])
     except MeshparError as e:
-        from meshpar.distributed import Preempted
+        from meshpar.runtime.distributed import Preempted
         if isinstance(e, Preempted):     # saved and stopped on SIGTERM/SIGINT: 128 + signal, like a shell
             print(f"meshpar: {e}", file=sys.stderr)
             return 128 + e.signum

@@ -25,5 +25,5 @@ REGISTRY = {"decoder": decoder, "moe": moe}
 
 def build(cfg, rngs: nnx.Rngs):
     """`model.name` of a run config -> the model (reference names or PKG.MODULE:FACTORY)."""
-    from meshpar.config import model_factory
+    from meshpar.core.registry import model_factory
     return model_factory(cfg)(cfg, rngs)

@@ -3,8 +3,8 @@
 tokens [B, T] -> embed [B, T, E] -> stacked blocks (scanned over `layers`) -> norm -> logits [B, T, V].
 Parameters and activations carry logical axis names only; meshpar's rules decide the layout.
 
-Serving (`meshpar.serve`) needs two more methods, the protocol any user model can implement too:
-`cache_spec(B, S)` declares the KV cache (a tree of `meshpar.data.Leaf`, K and V [L, B, K, S, D]),
+Serving (`meshpar.serve.engine`) needs two more methods, the protocol any user model can implement too:
+`cache_spec(B, S)` declares the KV cache (a tree of `meshpar.Leaf`, K and V [L, B, K, S, D]),
 and `decode(tokens [B, T], positions [B, T], cache) -> (logits [B, T, V], cache)` runs the blocks
 on new tokens at their positions, reading and writing the cache (prefill: T = the prompt bucket;
 generate: T = 1).
@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import jax.numpy as jnp
 from flax import nnx
 
-from meshpar.rules import constrain
-from meshpar.layers import param, scan_layers, stacked
-from meshpar.precision import compute_dtype
-from meshpar.data import Leaf
+from meshpar.core.rules import constrain
+from meshpar.nn.layers import param, scan_layers, stacked
+from meshpar.core.precision import compute_dtype
+from meshpar.core.batch import Leaf
 from meshpar.models.layers import CACHE_AXES, RESIDUAL, Block, RMSNorm
 
 # name: (layers, embed, heads, kv_heads, head_dim, mlp, vocab)
@@ -52,9 +52,9 @@ class DecoderConfig:
 
     @classmethod
     def from_config(cls, m) -> "DecoderConfig":
-        """From a `meshpar.config.ModelConfig`: size preset, then explicit fields; with
+        """From a `meshpar.core.config.ModelConfig`: size preset, then explicit fields; with
         `model.init_from=hf:DIR`, the dimensions of DIR/config.json (see `meshpar.models.hf_llama`)."""
-        from meshpar.errors import ConfigError, suggest
+        from meshpar.core.errors import ConfigError, suggest
         if getattr(m, "init_from", None):
             from meshpar.models.hf_llama import decoder_config
             return decoder_config(m)
@@ -113,7 +113,7 @@ class Decoder(nnx.Module):
         x, aux = scan_layers(self.layers, x, positions, self.cfg.remat, self.cfg.scan_layers)
         return self.head(x, dtype), aux
 
-    # -- serving (meshpar.serve) ---------------------------------------------------------------------
+    # -- serving (meshpar.serve.engine) ---------------------------------------------------------------------
     def cache_spec(self, batch: int, length: int, dtype=None) -> dict:
         """The KV cache of `batch` sequences of up to `length` positions: {"k", "v"} [L, B, K, S, D]."""
         c = self.cfg
@@ -127,9 +127,9 @@ class Decoder(nnx.Module):
         x, _, cache = scan_layers(self.layers, x, positions, "none", self.cfg.scan_layers, cache=cache)
         return self.head(x, dtype), cache
 
-    # -- Hugging Face format (meshpar.hf) --------------------------------------------------------------
+    # -- Hugging Face format (meshpar.io.hf) --------------------------------------------------------------
     def hf_tensors(self) -> dict:
-        """{parameter path: meshpar.hf.Source}: how each parameter reads from / writes to the HF
+        """{parameter path: meshpar.io.hf.Source}: how each parameter reads from / writes to the HF
         Llama tensors (meshpar.models.hf_llama)."""
         from meshpar.models.hf_llama import tensors
         return tensors(self.cfg)

@@ -1,4 +1,4 @@
-"""The Hugging Face Llama format (`LlamaForCausalLM`) <-> the reference decoder (`meshpar.hf`).
+"""The Hugging Face Llama format (`LlamaForCausalLM`) <-> the reference decoder (`meshpar.io.hf`).
 
 config.json -> DecoderConfig: hidden_size E, num_hidden_layers L, num_attention_heads N,
 num_key_value_heads K (default N), head_dim D (default E / N), intermediate_size F, vocab_size V,
@@ -33,8 +33,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from meshpar.errors import ConfigError
-from meshpar.hf import Source, hf_path, read_config
+from meshpar.core.errors import ConfigError
+from meshpar.io.hf import Source, hf_path, read_config
 
 ARCHITECTURES = ("LlamaForCausalLM",)
 ROPE_ROWS = "identity"      # HF rotate_half rows == meshpar rope rows (see the module docstring)
@@ -59,7 +59,7 @@ def llama3_scaling(rs: dict, where: str) -> tuple:
 
 
 def decoder_config(m):
-    """`model.init_from=hf:DIR` (a `meshpar.config.ModelConfig`) -> DecoderConfig from DIR/config.json."""
+    """`model.init_from=hf:DIR` (a `meshpar.core.config.ModelConfig`) -> DecoderConfig from DIR/config.json."""
     from meshpar.models.decoder import DecoderConfig
     hf = read_config(m.init_from)
     where = str(hf_path(m.init_from) / "config.json")

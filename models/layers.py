@@ -1,10 +1,10 @@
 """Building blocks shared by the reference models. Every parameter carries `logical_axes` metadata
-and every key activation is pinned with `meshpar.rules.constrain`; no mesh axis is named here.
+and every key activation is pinned with `meshpar.core.rules.constrain`; no mesh axis is named here.
 
 Shapes use: B batch, T length, E embed (d_model), N query heads, K key/value heads, D head width,
 F feed-forward width, V vocabulary, S positions held by a KV cache.
 
-Decoding with a KV cache (`meshpar.serve`): a block called with `cache` (per layer {"k", "v"}, each
+Decoding with a KV cache (`meshpar.serve.engine`): a block called with `cache` (per layer {"k", "v"}, each
 [B, K, S, D], logical axes `CACHE_AXES` minus `layers`) writes this call's keys and values at their
 positions [B, T] and attends to every cached position <= its own; it returns the cache too.
 """
@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from meshpar.layers import param
-from meshpar.precision import attention_dtype
-from meshpar.rules import constrain
+from meshpar.nn.layers import param
+from meshpar.core.precision import attention_dtype
+from meshpar.core.rules import constrain
 
 
 class RMSNorm(nnx.Module):
@@ -101,7 +101,7 @@ class Attention(nnx.Module):
         scaling = getattr(cfg, "rope_scaling", None)
         q, k = rope(q, positions, cfg.rope_theta, scaling), rope(k, positions, cfg.rope_theta, scaling)
         impl = None if cfg.attention == "auto" else cfg.attention
-        adt = attention_dtype(dt)   # = dt, except fp16 on CPU (see meshpar.precision.attention_dtype)
+        adt = attention_dtype(dt)   # = dt, except fp16 on CPU (see meshpar.core.precision.attention_dtype)
         if cache is None:
             o = jax.nn.dot_product_attention(q.astype(adt), k.astype(adt), v.astype(adt), is_causal=True,
                                              implementation=impl).astype(dt)              # [B, T, N, D]

@@ -7,7 +7,7 @@
 GShard (Lepikhin et al. 2020) puts an MoE layer in every other layer (k = 2); Switch (Fedus et al.
 2021) likewise. Scanning super-blocks keeps one copy of the program whatever the depth, and every
 scanned body returns the same aux dict (that of its MoE block), stacked [n] by the scan.
-Routing, dispatch and combine live in `meshpar.moe`; this file names logical axes only.
+Routing, dispatch and combine live in `meshpar.nn.moe`; this file names logical axes only.
 
 Decoding (`decode`, `cache_spec`: see `meshpar.models.decoder`) routes dropless whatever
 `moe.capacity_factor` says: with capacity, whether a token is dropped depends on the other tokens
@@ -23,11 +23,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from meshpar import moe as moe_lib
+from meshpar.nn import moe as moe_lib
 from meshpar.models.decoder import Decoder, DecoderConfig
-from meshpar.layers import param, scan_layers, stacked
-from meshpar.precision import compute_dtype
-from meshpar.data import Leaf
+from meshpar.nn.layers import param, scan_layers, stacked
+from meshpar.core.precision import compute_dtype
+from meshpar.core.batch import Leaf
 from meshpar.models.layers import CACHE_AXES, Block, RMSNorm
 
 
@@ -36,7 +36,7 @@ _DECODING = contextvars.ContextVar("moe_decoding", default=False)   # set while 
 
 class MoEFFN(nnx.Module):
     """Router [M, E] and E SwiGLU experts (w_gate, w_up [E, M, H], w_down [E, H, M]).
-    x [B, T, M] -> (y [B, T, M], aux); see `meshpar.moe.moe_ffn`."""
+    x [B, T, M] -> (y [B, T, M], aux); see `meshpar.nn.moe.moe_ffn`."""
 
     def __init__(self, cfg: DecoderConfig, moe: moe_lib.MoESettings, rngs: nnx.Rngs):
         m, h, e = cfg.embed, cfg.mlp, moe.num_experts
@@ -76,7 +76,7 @@ class MoEDecoder(Decoder):
     """`__call__(tokens) -> (logits [B, T, V], aux)`, aux values stacked [layers / k] (one per MoE layer)."""
 
     def __init__(self, cfg: DecoderConfig, moe: moe_lib.MoESettings, rngs: nnx.Rngs, seed: int = 0):
-        from meshpar.errors import ConfigError
+        from meshpar.core.errors import ConfigError
         if cfg.layers % moe.every:
             raise ConfigError(f"model.layers={cfg.layers} is not a multiple of moe.every={moe.every} "
                               "(an MoE feed-forward every k-th layer); change one of them")

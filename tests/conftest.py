@@ -63,7 +63,7 @@ if XLA_CACHE:
         jax.config.update(option, value)
         os.environ[option.upper()] = str(value)      # subprocesses and xdist's workers read the same settings
 
-from meshpar.config import load_config  # noqa: E402
+from meshpar.core.config import load_config  # noqa: E402
 
 # Small, fast settings shared by the tests: fp32 for exactness, 2 layers, short sequences.
 FAST = ["precision=fp32", "model.layers=2", "batch.global_size=16", "batch.length=16", "steps=4",
@@ -99,7 +99,7 @@ def tiered(cases, fast, ids=None) -> list:
 def train_steps(trainer, source, cfg, steps: int):
     """`steps` optimizer steps of `trainer` from its init on `source`'s batches (as the loop builds
     them); the final state and each step's loss."""
-    from meshpar.data import Batches
+    from meshpar.train.data import Batches
     data = Batches(source, trainer.batch_sharding, cfg.batch.global_size, cfg.batch.length, cfg.data.seed,
                    batch_spec=trainer.batch_spec)
     state, losses = trainer.init(), []

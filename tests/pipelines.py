@@ -3,7 +3,7 @@
 import jax
 import numpy as np
 
-from meshpar.step import Trainer
+from meshpar.train.step import Trainer
 from tests.conftest import devices, make_cfg, rel
 
 TINY = ["model.embed=32", "model.mlp=64", "model.heads=4", "model.kv_heads=2", "model.head_dim=8",

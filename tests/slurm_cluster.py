@@ -24,7 +24,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from meshpar.launch import free_port
+from meshpar.runtime.launch import free_port
 
 PLUGIN_DIRS = ("/usr/lib/x86_64-linux-gnu/slurm-wlm", "/usr/lib/aarch64-linux-gnu/slurm-wlm", "/usr/lib64/slurm",
                "/usr/lib/slurm")

@@ -16,9 +16,9 @@ import jax
 import numpy as np
 import pytest
 
-from meshpar.checkpoint import CheckpointError, Checkpointer
-from meshpar.data import Batches, make_source
-from meshpar.step import Trainer
+from meshpar.io.checkpoint import CheckpointError, Checkpointer
+from meshpar.train.data import Batches, make_source
+from meshpar.train.step import Trainer
 from tests.conftest import FAST, checkpoint_steps, devices, make_cfg, metrics_losses, metrics_records
 
 REPO = Path(__file__).resolve().parent.parent
@@ -39,7 +39,7 @@ def saved(tmp_path_factory):
     d = tmp_path_factory.mktemp("ck") / "fsdp8"
     cfg = make_cfg("strategy=fsdp", "steps=8", f"checkpoint.dir={d}", mesh={"fsdp": 8})
     tr = Trainer(cfg, devices=devices(8))
-    ck = Checkpointer(cfg, tr, info=lambda m: None)
+    ck = Checkpointer(cfg.checkpoint, tr, info=lambda m: None)
     state, data = tr.init(), _batches(cfg, tr)
     states = {}
     for s in (1, 2, 3, 4):
@@ -74,7 +74,7 @@ def test_restore_onto_other_mesh_and_strategy(saved, strategy, mesh, n):
     equal, every array already in its target sharding, and the next step's loss as on the old mesh."""
     cfg = make_cfg(f"strategy={strategy}", "steps=8", f"checkpoint.dir={saved['dir']}", mesh=mesh)
     tr = Trainer(cfg, devices=devices(8)[:n])
-    found = Checkpointer(cfg, tr, info=lambda m: None).restore_latest()
+    found = Checkpointer(cfg.checkpoint, tr, info=lambda m: None).restore_latest()
     assert found.step == 4 and found.data == {"step": 4} and found.damaged == []
     for got, want in zip(jax.tree.leaves(_host(found.state)), jax.tree.leaves(saved["states"][4])):
         assert got.dtype == want.dtype and np.array_equal(got, want)
@@ -98,7 +98,7 @@ def test_damaged_latest_falls_back_to_previous(saved, tmp_path):
     os.truncate(victim, victim.stat().st_size // 2)
     cfg = make_cfg("strategy=fsdp", "steps=8", f"checkpoint.dir={d}", mesh={"fsdp": 8})
     messages = []
-    found = Checkpointer(cfg, Trainer(cfg, devices=devices(8)), info=messages.append).restore_latest()
+    found = Checkpointer(cfg.checkpoint, Trainer(cfg, devices=devices(8)), info=messages.append).restore_latest()
     assert found.step == 2 and found.path == f"{d}/2"
     assert [x["step"] for x in found.damaged] == [4] and found.damaged[0]["path"] == f"{d}/4"
     assert any(f"checkpoint step 4 at {d}/4 is damaged" in m for m in messages)
@@ -120,7 +120,7 @@ def test_silent_corruption_is_caught_by_fingerprint(saved, tmp_path):
         f.seek(size // 2)
         f.write(bytes(b ^ 0xFF for b in chunk))
     cfg = make_cfg("strategy=fsdp", "steps=8", f"checkpoint.dir={d}", mesh={"fsdp": 8})
-    found = Checkpointer(cfg, Trainer(cfg, devices=devices(8)), info=lambda m: None).restore_latest()
+    found = Checkpointer(cfg.checkpoint, Trainer(cfg, devices=devices(8)), info=lambda m: None).restore_latest()
     assert found.step == 2 and found.damaged[0]["step"] == 4
     reason = found.damaged[0]["reason"]
     assert reason.startswith("FingerprintMismatch: fingerprint mismatch: contents differ"), reason
@@ -136,7 +136,7 @@ def test_damaged_step_that_stays_in_place_is_replaced_by_the_next_save(saved, tm
     cfg = make_cfg("strategy=fsdp", "steps=8", f"checkpoint.dir={d}", mesh={"fsdp": 8})
     tr = Trainer(cfg, devices=devices(8))
     messages = []
-    ck = Checkpointer(cfg, tr, info=messages.append)
+    ck = Checkpointer(cfg.checkpoint, tr, info=messages.append)
 
     def refuse(self, target):
         raise PermissionError("read-only")
@@ -153,7 +153,7 @@ def test_damaged_step_that_stays_in_place_is_replaced_by_the_next_save(saved, tm
     want = _host(state)
     ck.save(4, state, data.state(), wait=True)
     ck.close()
-    again = Checkpointer(cfg, Trainer(cfg, devices=devices(8)), info=lambda m: None).restore_latest()
+    again = Checkpointer(cfg.checkpoint, Trainer(cfg, devices=devices(8)), info=lambda m: None).restore_latest()
     assert again.step == 4 and again.damaged == []
     for got, w in zip(jax.tree.leaves(_host(again.state)), jax.tree.leaves(want)):
         assert np.array_equal(got, w)
@@ -161,7 +161,7 @@ def test_damaged_step_that_stays_in_place_is_replaced_by_the_next_save(saved, tm
 
 def test_remote_checkpoint_paths_keep_their_scheme():
     """`gs://b/r/4` set aside stays on the bucket (pathlib made it the local `gs:/b/r/4`)."""
-    from meshpar.checkpoint import aside_path, local_or_remote
+    from meshpar.io.checkpoint import aside_path, local_or_remote
     root = local_or_remote("gs://b/r")
     assert str(root) == "gs://b/r"
     assert str(aside_path(root / "4", "T")) == "gs://b/r/4.damaged-T"
@@ -169,7 +169,7 @@ def test_remote_checkpoint_paths_keep_their_scheme():
 
 
 def test_resume_with_a_different_data_stream_is_said():
-    from meshpar.checkpoint import data_changes
+    from meshpar.io.checkpoint import data_changes
     saved = {"data": {"seed": 0, "kind": "synthetic", "path": None}, "batch": {"global_size": 16, "length": 16}}
     cfg = make_cfg("batch.global_size=32", "data.seed=1")
     assert data_changes(saved, cfg) == ["data.seed=1 (checkpoint: 0)", "batch.global_size=32 (checkpoint: 16)"]
@@ -183,7 +183,7 @@ def test_no_usable_checkpoint_stops_and_deletes_nothing(saved, tmp_path):
         (d / step / "state" / "manifest.ocdbt").write_bytes(b"\0" * 16)
     before = _tree_digest(d)
     cfg = make_cfg("strategy=fsdp", "steps=8", f"checkpoint.dir={d}", mesh={"fsdp": 8})
-    ck = Checkpointer(cfg, Trainer(cfg, devices=devices(8)), info=lambda m: None)
+    ck = Checkpointer(cfg.checkpoint, Trainer(cfg, devices=devices(8)), info=lambda m: None)
     with pytest.raises(CheckpointError) as e:
         ck.restore_latest()
     msg = str(e.value)
@@ -196,7 +196,7 @@ def test_checkpoint_of_another_model_is_refused(saved):
     """Not damage: a different model is a user error naming the leaf, and nothing is moved."""
     cfg = make_cfg("strategy=fsdp", "model.layers=3", f"checkpoint.dir={saved['dir']}", mesh={"fsdp": 8})
     with pytest.raises(CheckpointError, match=r"does not fit this run: state\[.*\] is \[\[2, [^]]*\], 'float32'\] there and \[\[3, "):
-        Checkpointer(cfg, Trainer(cfg, devices=devices(8)), info=lambda m: None).restore_latest()
+        Checkpointer(cfg.checkpoint, Trainer(cfg, devices=devices(8)), info=lambda m: None).restore_latest()
     assert sorted(p.name for p in Path(saved["dir"]).iterdir()) == ["2", "4"]
 
 

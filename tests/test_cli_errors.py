@@ -67,7 +67,7 @@ def test_launch_names_a_bad_process_count(capsys):
 
 def test_keys_the_run_will_not_read_get_one_warning_line():
     from tests.conftest import devices, make_cfg
-    from meshpar.step import Trainer
+    from meshpar.train.step import Trainer
     cfg = make_cfg("moe.num_experts=4", "pipeline.schedule=1f1b", "rules=[[patch, [tensor]]]")
     assert cfg.ignored == ["moe.num_experts", "pipeline.schedule"]
     lines = Trainer(cfg, devices=devices(8)).warnings()

@@ -2,7 +2,7 @@
 
 One compile per strategy (module fixture), fp32, remat off (so the backward's collectives are the
 strategy's own, not a recomputed forward's). Bytes are whole-tensor sizes per step, loop trip
-counts applied (meshpar.inspect). BLE = batch x length x embed activation bytes.
+counts applied (meshpar.plan.inspect). BLE = batch x length x embed activation bytes.
 """
 import math
 
@@ -10,9 +10,9 @@ import jax
 import numpy as np
 import pytest
 
-from meshpar import inspect as I
-from meshpar.sharding import bytes_per_device, sharding_table
-from meshpar.step import Trainer
+from meshpar.plan import inspect as I
+from meshpar.core.sharding import bytes_per_device, sharding_table
+from meshpar.train.step import Trainer
 from tests.conftest import devices, make_cfg
 
 LAYERS, B, T, E = 2, 16, 16, 64

@@ -3,8 +3,8 @@ import jax
 import pytest
 from jax.sharding import AxisType
 
-from meshpar.config import ConfigError, load_config
-from meshpar.mesh import MESH_AXES, make_mesh, resolve_axis_sizes
+from meshpar.core.config import ConfigError, load_config
+from meshpar.core.mesh import MESH_AXES, make_mesh, resolve_axis_sizes
 from tests.conftest import devices, make_cfg
 
 

@@ -3,8 +3,8 @@ a pure function of (seed, step, row), so any process split and any resume sees t
 import numpy as np
 import pytest
 
-from meshpar.data import Batches, MarkovLanguage, TextFiles, TokenFile
-from meshpar.errors import ConfigError
+from meshpar.train.data import Batches, MarkovLanguage, TextFiles, TokenFile
+from meshpar.core.errors import ConfigError
 from tests.conftest import devices
 
 
@@ -66,9 +66,9 @@ def test_token_file_is_checked_to_its_last_token(tmp_path, monkeypatch):
 
 
 def test_active_params_count_matmul_weights_and_routed_experts_only():
-    from meshpar.sharding import model_spec
-    from meshpar.flops import active_params
-    from meshpar.step import default_model
+    from meshpar.core.sharding import model_spec
+    from meshpar.train.flops import active_params
+    from meshpar.core.registry import default_model
     from tests.conftest import make_cfg
     dense = make_cfg()
     spec = model_spec(default_model(dense))

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from meshpar.distributed import Settings, resolve
-from meshpar.errors import ConfigError
+from meshpar.runtime.distributed import Settings, resolve
+from meshpar.core.errors import ConfigError
 from tests.conftest import checkpoint_steps, metrics_losses
 
 REPO = Path(__file__).resolve().parent.parent

@@ -7,8 +7,8 @@ measure that flip, not the partitioning.
 import jax
 import pytest
 
-from meshpar.data import Batches, make_source
-from meshpar.step import Trainer
+from meshpar.train.data import Batches, make_source
+from meshpar.train.step import Trainer
 from tests.conftest import devices, make_cfg, rel, tiered
 
 CASES = {

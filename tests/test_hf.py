@@ -1,4 +1,4 @@
-"""Hugging Face interop (meshpar/hf.py, meshpar.models.hf_llama, meshpar/tokenizer.py), proven
+"""Hugging Face interop (meshpar/io/hf.py, meshpar.models.hf_llama, meshpar/io/tokenizer.py), proven
 against transformers itself on tiny random Llamas saved locally (nothing is downloaded).
 
 Logits on a 300-token prompt (RoPE errors hide in short ones) equal transformers' to 1e-4 in fp32
@@ -21,11 +21,11 @@ transformers = pytest.importorskip("transformers")
 from safetensors import safe_open  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
 
-from meshpar import hf  # noqa: E402
-from meshpar.errors import ConfigError  # noqa: E402
-from meshpar.rules import use_layout  # noqa: E402
-from meshpar import precision as precision_lib  # noqa: E402
-from meshpar.step import Trainer  # noqa: E402
+from meshpar.io import hf  # noqa: E402
+from meshpar.core.errors import ConfigError  # noqa: E402
+from meshpar.core.rules import use_layout  # noqa: E402
+from meshpar.core import precision as precision_lib  # noqa: E402
+from meshpar.train.step import Trainer  # noqa: E402
 from tests.conftest import devices, make_cfg  # noqa: E402
 
 FSDP_TP = {"data": 2, "fsdp": 2, "tensor": 2}
@@ -195,7 +195,7 @@ def test_bad_checkpoints_are_refused_in_one_line_naming_file_and_key(tmp_path):
 
 def test_export_loads_in_transformers_and_round_trips_bitwise(tmp_path):
     from flax import nnx
-    from meshpar.sharding import building
+    from meshpar.core.sharding import building
     m = save_llama(tmp_path / "src", kv=2)
     tr = trainer(tmp_path / "src", 8, FSDP_TP)
     with building(tr.policy):
@@ -239,8 +239,8 @@ def save_tokenizer(path):
 
 
 def test_tokenizer_packs_documents_with_eos_between(tmp_path):
-    from meshpar.data import make_source
-    from meshpar.tokenizer import HFTokenizer, load_tokenizer, ByteTokenizer
+    from meshpar.train.data import make_source
+    from meshpar.io.tokenizer import HFTokenizer, load_tokenizer, ByteTokenizer
     d = save_tokenizer(tmp_path / "tok")
     tok = HFTokenizer(str(d / "tokenizer.json"), 320)
     assert (tok.bos_id, tok.eos_id) == (1, 2)
@@ -261,7 +261,7 @@ def test_tokenizer_packs_documents_with_eos_between(tmp_path):
 
 def test_generate_with_tokenizer_matches_transformers_greedy(tmp_path, capsys):
     from meshpar.cli import main
-    from meshpar.tokenizer import HFTokenizer
+    from meshpar.io.tokenizer import HFTokenizer
     m = save_llama(tmp_path / "hf", kv=2, llama3=True)
     tok_dir = save_tokenizer(tmp_path / "tok")
     prompt = "the quick brown fox jumps over the lazy dog and says hello world " * 3
@@ -279,7 +279,7 @@ def test_generate_with_tokenizer_matches_transformers_greedy(tmp_path, capsys):
 
 
 def test_finetune_from_hf_export_and_checkpoint_wins(tmp_path):
-    from meshpar.checkpoint import restore_weights
+    from meshpar.io.checkpoint import restore_weights
     from meshpar.cli import main
     from tests.conftest import metrics_records
     src = tmp_path / "hf"
@@ -303,7 +303,7 @@ def test_finetune_from_hf_export_and_checkpoint_wins(tmp_path):
     assert diff <= 1e-4
     # a checkpoint in checkpoint.dir wins over model.init_from (train resumes: loop.run initialises,
     # and so reads init_from, only when restore_latest finds nothing); serving reads it too
-    from meshpar.serve import Engine
+    from meshpar.serve.engine import Engine
     cfg = make_cfg(*common[:-2], fast=False)
     assert Engine(cfg, devices=devices(8), info=lambda m: None).source == "checkpoint step 2"
     # ... and training: a second run with init_from still set resumes the checkpoint (step 2), it does not

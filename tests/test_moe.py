@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from tests.conftest import make_cfg
 
-from meshpar import moe
-from meshpar.errors import ConfigError, ShardingError
-from meshpar.rules import PRESETS, resolve
+from meshpar.nn import moe
+from meshpar.core.errors import ConfigError, ShardingError
+from meshpar.core.rules import PRESETS, resolve
 
 LN = math.log
 # jitted once per shape: eager mode would compile every small op of the router separately
@@ -229,7 +229,7 @@ def test_errors_name_the_key_and_a_fix():
 
 
 def test_errors_found_when_building():
-    from meshpar.step import Trainer
+    from meshpar.train.step import Trainer
     # the `expert` axis filled from the devices: the resolver names the parameter, the axis and the fix
     cfg = make_cfg("model.name=moe", "moe.num_experts=6", mesh=dict(expert=-1, data=2))
     with pytest.raises(ShardingError, match=r"'expert', size 6.*expert=4"):
@@ -241,7 +241,7 @@ def test_errors_found_when_building():
 
 def test_inspect_reads_replica_groups_on_a_permuted_device_list():
     """XLA prints the dispatch all-to-all of the tp mesh as mesh[...], device_ids=([..]T(..)) {axis}."""
-    from meshpar.inspect import _axes_of_groups, _groups
+    from meshpar.plan.inspect import _axes_of_groups, _groups
     line = ("%all-to-all.42 = (f32[1,2]) all-to-all(%a, %b), channel_id=4, replica_groups=mesh['axis_0'=2,"
             "'axis_1'=2,'axis_2'=1,'axis_3'=1,'axis_4'=1,'axis_5'=2], device_ids=([2,2,2]T(1,0,2)) {'axis_0'}")
     groups = _groups(line)

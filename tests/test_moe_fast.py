@@ -1,4 +1,4 @@
-"""The gather dispatch/combine (meshpar.moe's default) against GShard's einsum formulation (the
+"""The gather dispatch/combine (meshpar.nn.moe's default) against GShard's einsum formulation (the
 reference): same outputs and gradients, no [G, S, E, C] tensor, and exactly two all-to-alls per MoE
 layer forward on the fsdp x expert mesh of issue 13."""
 import jax
@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from meshpar import moe
+from meshpar.nn import moe
 from tests.conftest import devices, make_cfg
 
 
@@ -78,10 +78,10 @@ def test_two_all_to_alls_per_moe_layer_forward_on_fsdp_x_expert():
     """Issue 13's mesh and preset (fsdp=4 x expert=2, strategy fsdp), every layer MoE: the compiled
     forward (the eval step: loss without gradients) moves tokens by exactly 2 all-to-alls over
     `expert` per MoE layer, dispatch and combine, as GShard counts them."""
-    from meshpar.data import make_source
-    from meshpar.evaluate import Evaluator
-    from meshpar.inspect import collectives
-    from meshpar.step import Trainer
+    from meshpar.train.data import make_source
+    from meshpar.train.evaluate import Evaluator
+    from meshpar.plan.inspect import collectives
+    from meshpar.train.step import Trainer
     cfg = make_cfg("model.name=moe", "moe.every=1", "moe.num_experts=4", "batch.global_size=8", "strategy=fsdp",
                    "precision=bf16", "model.layers=2", "model.scan_layers=false", mesh={"fsdp": 4, "expert": 2})
     tr = Trainer(cfg, devices=devices(8))

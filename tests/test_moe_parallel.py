@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from meshpar.config import CONFIG_DIR, load_config
-from meshpar.inspect import _split_computations, collectives
-from meshpar.step import Trainer
+from meshpar.core.config import CONFIG_DIR, load_config
+from meshpar.plan.inspect import _split_computations, collectives
+from meshpar.train.step import Trainer
 from tests.conftest import devices, make_cfg, rel, tiered
 
 BASE = ["model.name=moe", "model.layers=4", "moe.every=2", "moe.num_experts=4"]   # two MoE layers

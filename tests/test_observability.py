@@ -17,11 +17,11 @@ import jax
 import numpy as np
 import pytest
 
-from meshpar import loop as loop_lib
-from meshpar.data import EVAL_STEP, Batches, MarkovLanguage, Prefetch, make_eval_source, make_source
-from meshpar.errors import ConfigError, MeshparError
-from meshpar.loop import run
-from meshpar.step import Trainer
+from meshpar.train import loop as loop_lib
+from meshpar.train.data import EVAL_STEP, Batches, MarkovLanguage, Prefetch, make_eval_source, make_source
+from meshpar.core.errors import ConfigError, MeshparError
+from meshpar.train.loop import run
+from meshpar.train.step import Trainer
 from tests.conftest import devices, make_cfg, metrics_losses, metrics_records
 
 REPO = Path(__file__).resolve().parent.parent
@@ -160,7 +160,7 @@ def test_eval_records_every_n_steps_close_to_the_training_loss(observed):
 
 
 def test_eval_stream_is_disjoint_from_training(observed, tmp_path):
-    from meshpar.evaluate import Evaluator
+    from meshpar.train.evaluate import Evaluator
     cfg, tr = observed["cfg"], observed["trainer"]
     ev = Evaluator(cfg, tr, make_source(cfg, tr.spec.cfg.vocab))
     held = np.concatenate([np.asarray(b) for b in ev._held_out()])
@@ -206,7 +206,7 @@ def test_tensorboard_scalars_equal_the_json_lines(observed):
 def test_tensorboard_holds_moe_and_loss_scale_scalars(tmp_path):
     """MoE load/drops per layer and the fp16 loss scale reach TensorBoard like every other number."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    from meshpar.metrics import MetricsLogger
+    from meshpar.train.metrics import MetricsLogger
     log = MetricsLogger(None, 2, tensorboard=str(tmp_path / "tb"))
     log.step({"step": 2, "loss": 1.5, "loss_scale": 32768.0, "drop_fraction": [0.01, 0.03], "load_max": [0.3, 0.4],
               "tokens_per_s": None, "examples_per_s": 3.0, "mfu": 0.1})
@@ -260,7 +260,7 @@ def test_bad_settings_are_one_line(override, match):
 
 
 def test_resume_names_a_changed_training_split_of_token_data():
-    from meshpar.loop import _holdout_change
+    from meshpar.train.loop import _holdout_change
     tokens = ["data.kind=tokens", "data.path=t.bin"]
     saved = {"eval": {"every": 0, "batches": 4, "path": None, "holdout": 0.1}}
     assert _holdout_change(saved, make_cfg(*tokens)) == []
@@ -278,8 +278,8 @@ def test_a_resumed_run_appends_its_metrics_and_plots_as_one_run(tmp_path):
 
     from rich.console import Console
 
-    from meshpar.data import floor_gap_closed
-    from meshpar.plot import draw, read_run
+    from meshpar.train.data import floor_gap_closed
+    from meshpar.train.plot import draw, read_run
     out, ck = tmp_path / "m.jsonl", tmp_path / "ck"
     run(make_cfg("steps=3", f"checkpoint.dir={ck}"), metrics_out=str(out))
     text = StringIO()
@@ -319,8 +319,8 @@ def test_logged_steps_are_lines_that_stay_above_the_bar_and_pipes_do_not_wrap(ca
 
     from rich.console import Console
 
-    from meshpar.metrics import MetricsLogger, make_console
-    from meshpar.sharding import render_sharding_table, sharding_table
+    from meshpar.train.metrics import MetricsLogger, make_console
+    from meshpar.core.sharding import render_sharding_table, sharding_table
     buf = io.StringIO()
     log = MetricsLogger(None, 20, console=Console(file=buf, force_terminal=True, width=100))
     log.start({"strategy": "dp", "mesh_str": "data=8", "devices": 8, "params": 1e6, "precision": "fp32"})

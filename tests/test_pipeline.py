@@ -1,4 +1,4 @@
-"""Pipeline parallelism (meshpar/pipeline.py): every schedule computes the non-pipelined loss and
+"""Pipeline parallelism (meshpar/parallel/pipeline.py): every schedule computes the non-pipelined loss and
 gradients, alone and with data x tensor (x fsdp, with accumulation) axes, loss scaling included; the
 tick tables have the papers' bubbles; bad configs fail with one line naming the key. (What the
 compiled program holds: test_pipeline_program.py; MoE: test_pipeline_moe.py; every model x
@@ -10,9 +10,9 @@ import jax
 import numpy as np
 import pytest
 
-from meshpar import schedules
-from meshpar.errors import ConfigError, ShardingError
-from meshpar.step import Trainer
+from meshpar.parallel import schedules
+from meshpar.core.errors import ConfigError, ShardingError
+from meshpar.train.step import Trainer
 from tests.conftest import devices, rel
 from tests.pipelines import check_equal, pp_cfg, reference
 

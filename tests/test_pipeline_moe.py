@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from meshpar.step import Trainer
+from meshpar.train.step import Trainer
 from tests.conftest import devices, make_cfg, rel
 from tests.pipelines import TINY
 

@@ -9,9 +9,9 @@ import jax
 import numpy as np
 import pytest
 
-from meshpar import schedules
-from meshpar.inspect import collectives
-from meshpar.step import Trainer
+from meshpar.parallel import schedules
+from meshpar.plan.inspect import collectives
+from meshpar.train.step import Trainer
 from tests.conftest import devices, make_cfg, tiered
 from tests.pipelines import pp_cfg
 
@@ -92,7 +92,7 @@ def test_one_f_one_b_backward_applies_the_stashed_residuals():
 
 def test_inspect_reports_the_pipeline():
     """`meshpar inspect` JSON carries the tick table, its bubble and peak temporary memory."""
-    from meshpar.inspect import report
+    from meshpar.plan.inspect import report
     cfg = pp_cfg("interleaved", 2, 4, 2, 4, {"pipeline": 2, "data": 2, "tensor": 2})
     rep = report(cfg)["pipeline"]
     assert rep["bubble"] == pytest.approx((2 - 1) / (2 * 4 + 2 - 1))
@@ -128,8 +128,8 @@ def test_one_f_one_b_memory_does_not_grow_with_microbatches():
 
 @pytest.mark.slow
 def test_pp_tiny_learns_like_the_default(tmp_path):
-    from meshpar.config import CONFIG_DIR, load_config
-    from meshpar.loop import run
+    from meshpar.core.config import CONFIG_DIR, load_config
+    from meshpar.train.loop import run
     """configs/pp-tiny.yaml (1F1B over 2 stages x data 2 x tensor 2) against the non-pipelined
     default, 30 steps each on the same synthetic data: the loss falls as far."""
     pp = run(load_config(CONFIG_DIR / "pp-tiny.yaml", ["steps=30", "train.log_every=30"]))

@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 
 from tests.conftest import devices, make_cfg
-from meshpar.data import Batches, make_source
-from meshpar.errors import MeshparError
-from meshpar.loop import run
-from meshpar.step import Trainer, lr_schedule
+from meshpar.train.data import Batches, make_source
+from meshpar.core.errors import MeshparError
+from meshpar.train.loop import run
+from meshpar.train.optimizer import lr_schedule
+from meshpar.train.step import Trainer
 
 
 def _setup(*overrides):
@@ -75,8 +76,8 @@ def test_fp16_overflow_skips_step_halves_scale_keeps_params(fp16):
     state = _with_numerics(tr, state, loss_scale=2.0 ** 15)
     state, m = tr.step(state, next(data))
     assert np.isfinite(float(m["grad_norm"]))
-    assert float(m["lr"]) == pytest.approx(float(lr_schedule(tr.cfg)(0)), rel=1e-6)
-    assert float(lr_schedule(tr.cfg)(0)) != pytest.approx(float(lr_schedule(tr.cfg)(1)))
+    assert float(m["lr"]) == pytest.approx(float(lr_schedule(tr.cfg.train, tr.cfg.steps)(0)), rel=1e-6)
+    assert float(lr_schedule(tr.cfg.train, tr.cfg.steps)(0)) != pytest.approx(float(lr_schedule(tr.cfg.train, tr.cfg.steps)(1)))
     assert not _bitwise_equal(after["params"], _host(state["params"]))
     num = _host(state["numerics"])
     assert num["good_steps"] == 1 and num["skipped_steps"] == 1 and num["loss_scale"] == 2.0 ** 15

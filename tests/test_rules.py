@@ -2,8 +2,8 @@
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from meshpar.errors import ShardingError
-from meshpar.rules import LOGICAL_AXES, PRESETS, parse_user_rules, resolve, table
+from meshpar.core.errors import ShardingError
+from meshpar.core.rules import LOGICAL_AXES, PRESETS, parse_user_rules, resolve, table
 
 MESH = {"pipeline": 1, "data": 2, "fsdp": 2, "expert": 1, "tensor": 2}
 
@@ -43,7 +43,7 @@ def test_indivisible_dimension_is_an_error_naming_tensor_dimension_and_axes():
 
 def test_open_vocabulary_a_name_no_rule_covers_is_replicated_and_listed():
     """A user model may name its own dimensions; without a rule they replicate (and are listed)."""
-    from meshpar.rules import uncovered
+    from meshpar.core.rules import uncovered
     rules = PRESETS["fsdp_tp"].param_rules()
     assert resolve(("patch", "embed"), rules, MESH) == P(None, ("data", "fsdp"))
     assert uncovered(("patch", "embed", None), rules) == ["patch"]
@@ -77,7 +77,7 @@ def test_user_rules_reject_unknown_mesh_axes():
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_every_preset_names_only_known_logical_and_mesh_axes(name):
-    from meshpar.mesh import MESH_AXES
+    from meshpar.core.mesh import MESH_AXES
     s = PRESETS[name]
     for rules in (s.param_rules(), s.opt_rules()):
         for logical, cands in rules:

@@ -1,4 +1,4 @@
-"""Sharded inference (meshpar/serve.py): KV-cache decoding equals the full forward pass, on one device
+"""Sharded inference (meshpar/serve/engine.py): KV-cache decoding equals the full forward pass, on one device
 and under the serving layout; compilations are bounded; continuous batching changes no output; the
 decode step gathers no weights; bad requests get one line."""
 import numpy as np
@@ -8,10 +8,12 @@ import jax
 import jax.numpy as jnp
 
 from tests.conftest import devices, make_cfg
-from meshpar.errors import ConfigError
-from meshpar.precision import POLICIES, use_policy
-from meshpar.sampling import Sampling, sample
-from meshpar.serve import Engine, Request, buckets
+from meshpar.core.errors import ConfigError
+from meshpar.core.precision import POLICIES, use_policy
+from meshpar.serve.sampling import Sampling, sample
+from meshpar.serve.batching import Request
+from meshpar.serve.engine import Engine
+from meshpar.serve.placement import buckets
 
 MODELS = {
     "mha": ["model.heads=8", "model.kv_heads=8"],
@@ -135,7 +137,7 @@ def test_continuous_batching_matches_each_request_alone():
 
 
 def test_decode_step_gathers_no_weights_and_holds_what_the_rules_say():
-    from meshpar.inspect import collectives, memory
+    from meshpar.plan.inspect import collectives, memory
     e = engine("mha", "data2_tensor4")
     compiled = e.compiled_generate()
     ops = collectives(compiled.as_text(), dict(zip(e.mesh.axis_names, e.mesh.devices.shape)))

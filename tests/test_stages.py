@@ -1,4 +1,4 @@
-"""The stage protocol (meshpar/stages.py): a user's model with its own loss and non-Param state
+"""The stage protocol (meshpar/nn/stages.py): a user's model with its own loss and non-Param state
 (examples/vit.py: BatchNorm stem, dropout) pipelined with GPipe and 1F1B equals one device
 accumulating the same microbatches; what the protocol cannot express is refused in one line.
 """
@@ -6,13 +6,13 @@ import jax
 import numpy as np
 import pytest
 
-from meshpar.errors import ConfigError
-from meshpar.step import Trainer
+from meshpar.core.errors import ConfigError
+from meshpar.train.step import Trainer
 from tests.conftest import devices, make_cfg, rel, tiered, train_steps
 from tests.pipelines import TINY
 
 
-# -- a user's model with its own loss: the stage protocol (meshpar.stages) ----------------------
+# -- a user's model with its own loss: the stage protocol (meshpar.nn.stages) ----------------------
 
 def _vit(mesh: dict, n: int, *extra, steps: int = 3):
     """examples/vit.py (BatchNorm stem and dropout in `pre`, its own loss) for `steps` steps ->
@@ -59,7 +59,7 @@ def test_pipelining_refuses_what_the_stage_protocol_cannot_express_in_one_line()
     cfg = make_cfg(*TINY, "model.layers=2", mesh={"pipeline": 2})
     with pytest.raises(ConfigError, match=r"cuts the loss into stages: train.loss=lm .* or train.loss=stages"):
         Trainer(cfg, devices=devices(2), loss=lambda model, tokens: (0.0, {}))
-    from meshpar.stages import stage_loss
+    from meshpar.nn.stages import stage_loss
     with pytest.raises(ConfigError, match=r"model Decoder cannot be pipelined: train.loss=stages needs .* it lacks "
                                           r"\.pre, \.post, \.loss"):
         Trainer(cfg, devices=devices(2), loss=stage_loss)

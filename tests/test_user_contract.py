@@ -1,5 +1,5 @@
-"""A user's code meets meshpar's contracts: the framework's layering (it never imports the reference
-models; no import cycles), bad user code as one clear line, the README's script as written, and a
+"""A user's code meets meshpar's contracts (the framework's layering: tests/test_layout.py): bad user
+code as one clear line, the README's script as written, and a
 user's encoder-decoder (examples/reverse.py): its data source's batch spec checked before compiling,
 batch axes the rules do not cover, its FLOPs counted from its own loss, export saying what it lacks.
 """
@@ -15,45 +15,6 @@ from meshpar.cli import main
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-
-
-# -- layering -------------------------------------------------------------------------------------
-
-def test_the_framework_never_imports_the_reference_models():
-    """No meshpar module imports `meshpar.models` (or `models`): the reference models are users of
-    the API; `model.name=decoder` finds them by name, like any `PKG.MODULE:FACTORY`."""
-    import ast
-    for path in (REPO / "meshpar").glob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
-                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
-            assert not [n for n in names if n.split(".")[:2] in (["meshpar", "models"], ["models"])], path
-
-
-def test_meshpar_modules_import_without_cycles():
-    import ast
-    mods = {p.stem: p for p in (REPO / "meshpar").glob("*.py")}
-    graph = {name: set() for name in mods}
-    for name, path in mods.items():
-        for node in ast.walk(ast.parse(path.read_text())):
-            targets = ([a.name for a in node.names] if isinstance(node, ast.Import) else
-                       [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
-            if isinstance(node, ast.ImportFrom) and node.module == "meshpar":
-                targets = [f"meshpar.{a.name}" for a in node.names]
-            graph[name] |= {t.split(".")[1] for t in targets if t.startswith("meshpar.") and t.split(".")[1] in mods}
-    state = {}
-
-    def visit(n, stack):
-        state[n] = "open"
-        for m in graph[n]:
-            assert state.get(m) != "open", f"import cycle: {' -> '.join(stack + [m])}"
-            if m not in state:
-                visit(m, stack + [m])
-        state[n] = "done"
-    for n in graph:
-        if n not in state:
-            visit(n, [n])
-    assert all(len(p.read_text().splitlines()) < 500 for p in mods.values())
 
 
 # -- bad input: one line naming it -------------------------------------------------------------
@@ -162,7 +123,7 @@ def test_the_encoder_decoder_trains_from_a_source_that_uses_its_length_and_count
     """rows() gets batch.length (the spec's length, 8): the model trains; its model FLOPs (3 x the
     forward's matmuls, not 6N per example) are within 0.5-1.5x of the compiled step's summed over
     the devices, and the training log's MFU uses the same count."""
-    from meshpar.inspect import report
+    from meshpar.plan.inspect import report
     from tests.conftest import metrics_records
     cfg = meshpar.load_config(REPO / "examples" / "reverse.yaml", ["steps=30", "train.log_every=10",
                                                                   "train.peak_tflops=1"])
@@ -178,7 +139,7 @@ def test_the_encoder_decoder_trains_from_a_source_that_uses_its_length_and_count
     for rec in steps:           # MFU = model FLOPs per step / step time / (1 TFLOP/s x 8 devices)
         assert rec["mfu"] == pytest.approx(flops["model_per_step"] / rec["step_time_s"] / 8e12, rel=1e-9)
     declared = meshpar.load_config(REPO / "examples" / "reverse.yaml", ["train.flops_per_example=1e6"])
-    from meshpar.flops import model_flops_per_step
+    from meshpar.train.flops import model_flops_per_step
     assert model_flops_per_step(tr, declared) == (1e6 * 32, "train.flops_per_example")
 
 
@@ -204,5 +165,5 @@ def test_export_of_a_model_without_the_hugging_face_protocol_says_what_it_lacks(
     code = main(["export", "--out", str(tmp_path / "hf"), "--config", str(REPO / "examples" / "vision.yaml")])
     err = capsys.readouterr().err
     assert code == 2 and err == ("meshpar: error: model Mixer cannot be exported to Hugging Face format: it needs "
-                                 "hf_tensors() and hf_config() (see meshpar.hf; meshpar.models.decoder implements "
+                                 "hf_tensors() and hf_config() (see meshpar.io.hf; meshpar.models.decoder implements "
                                  "them)\n")

@@ -45,7 +45,7 @@ def _trainer(example: str, cfg, n: int):
 
 
 def _losses(example: str, strategy: str, mesh: dict, n: int, *extra):
-    from meshpar.loop import make_data_source
+    from meshpar.train.loop import make_data_source
     cfg = _cfg(example, strategy, mesh, *extra)
     tr, src = _trainer(example, cfg, n)
     src = src or make_data_source(cfg, tr)
@@ -120,7 +120,7 @@ class HelperAnnotated(nnx.Module):
 @pytest.mark.parametrize("strategy,mesh", [("fsdp_tp", {"data": 2, "fsdp": 2, "tensor": 2}),
                                            ("tp", {"tensor": 8}), ("fsdp", {"fsdp": 8})])
 def test_flax_annotations_and_meshpar_helper_give_identical_shardings(strategy, mesh):
-    from meshpar.mesh import make_mesh
+    from meshpar.core.mesh import make_mesh
     cfg = make_cfg(f"strategy={strategy}", mesh=mesh)
     layout = meshpar.Layout(make_mesh(cfg.mesh, devices(8)), meshpar.get_strategy(strategy))
     a = meshpar.param_shardings(meshpar.model_spec(FlaxAnnotated), layout)
@@ -137,7 +137,7 @@ def test_unannotated_parameters_are_replicated_and_listed_or_refused():
             self.bare = nnx.Param(jax.numpy.zeros((64, 8)))
             self.custom = nnx.Param(jax.numpy.zeros((64, 8)), out_sharding=("mlp", "patch"))
 
-    from meshpar.mesh import make_mesh
+    from meshpar.core.mesh import make_mesh
     spec = meshpar.model_spec(Partly)
     assert spec.unannotated == ["bare"]
     layout = meshpar.Layout(make_mesh(make_cfg(mesh={"tensor": 8}).mesh, devices(8)), meshpar.get_strategy("tp"))
@@ -153,8 +153,8 @@ def test_unannotated_parameters_are_replicated_and_listed_or_refused():
 def test_non_param_state_survives_checkpoint_and_cross_mesh_restore(tmp_path):
     """gpt2's dropout RNG streams (key and counter) are saved on fsdp x 8 and restored onto tp x 4:
     the same values, and the next step (its dropout masks included) gives the same loss."""
-    from meshpar.checkpoint import Checkpointer
-    from meshpar.loop import make_data_source
+    from meshpar.io.checkpoint import Checkpointer
+    from meshpar.train.loop import make_data_source
     extra = [f"checkpoint.dir={tmp_path / 'ck'}"]
     cfg = _cfg("gpt2", "fsdp", {"fsdp": 8}, *extra)
     tr, _ = _trainer("gpt2", cfg, 8)
@@ -165,14 +165,14 @@ def test_non_param_state_survives_checkpoint_and_cross_mesh_restore(tmp_path):
         state, _ = tr.step(state, next(data))
     saved_vars = jax.tree.map(np.asarray, jax.device_get(state["vars"]))
     assert saved_vars and any(np.asarray(v).any() for v in jax.tree.leaves(saved_vars))
-    ck = Checkpointer(cfg, tr, info=lambda m: None)
+    ck = Checkpointer(cfg.checkpoint, tr, info=lambda m: None)
     ck.save(2, state, data.state(), wait=True)
     ck.close()
     _, m3 = tr.step(state, next(data))
 
     cfg2 = _cfg("gpt2", "tp", {"tensor": 4}, *extra)
     tr2, _ = _trainer("gpt2", cfg2, 4)
-    found = Checkpointer(cfg2, tr2, info=lambda m: None).restore_latest()
+    found = Checkpointer(cfg2.checkpoint, tr2, info=lambda m: None).restore_latest()
     assert found.step == 2
     for got, want in zip(jax.tree.leaves(jax.device_get(found.state["vars"])), jax.tree.leaves(saved_vars)):
         assert np.array_equal(np.asarray(got), want)

@@ -1,0 +1,471 @@
+"""Run configuration: a typed schema, YAML files that compose, and dotted KEY=VALUE overrides.
+
+    cfg = load_config("configs/tiny.yaml", ["steps=20", "mesh.tensor=2", "strategy=fsdp"])
+
+Every key is a dataclass field below; an unknown key, a wrong type or an impossible value raises
+`ConfigError` naming the dotted key and, for typos, the closest valid one. A YAML file may say
+`base: other.yaml` (relative to itself) to start from another file.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from meshpar.core.errors import ConfigError, suggest
+
+def _config_dir() -> Path:
+    """`configs/` of a source checkout, else the copy installed as the package `meshpar.configs`."""
+    src = Path(__file__).resolve().parent.parent / "configs"
+    if (src / "tiny.yaml").exists():
+        return src
+    import importlib.resources
+    return Path(str(importlib.resources.files("meshpar.configs")))
+
+
+CONFIG_DIR = _config_dir()
+DEFAULT_CONFIG = CONFIG_DIR / "tiny.yaml"
+
+
+@dataclass
+class ModelConfig:
+    """The model: a reference model of meshpar.models by size, or your own factory."""
+    name: str = "decoder"             # decoder | moe (meshpar.models), or PKG.MODULE:FACTORY -> FACTORY(cfg, rngs)
+    size: str = "tiny"                # tiny | 125m | 1b | 7b: dimensions below default from this
+    layers: int | None = None         # transformer blocks (None: from model.size)
+    embed: int | None = None          # model width d_model (None: from model.size)
+    heads: int | None = None          # attention (query) heads (None: from model.size)
+    kv_heads: int | None = None       # grouped-query attention; = heads for plain MHA
+    head_dim: int | None = None       # features per head (None: embed / heads)
+    mlp: int | None = None            # feed-forward hidden width (None: from model.size)
+    vocab: int | None = None          # vocabulary size (None: from model.size)
+    scan_layers: bool = True          # stack layers on a `layers` axis and lax.scan them
+    remat: str = "full"               # none | full | save_dots | offload
+    attention: str = "xla"            # jax.nn.dot_product_attention implementation: xla | cudnn | auto
+    rope_theta: float = 10000.0       # RoPE base frequency
+    norm_eps: float = 1e-6            # RMSNorm epsilon
+    tie_embeddings: bool = False      # logits from the input embedding (no separate lm_head)
+    rope_scaling: dict[str, Any] = field(default_factory=dict)   # {rope_type: llama3, factor, low_freq_factor, ...}
+    init_from: str | None = None      # hf:DIR: dimensions from DIR/config.json, weights from its safetensors
+    args: dict[str, Any] = field(default_factory=dict)   # free mapping for a user factory (model.args.width=64)
+
+
+@dataclass
+class MeshConfig:
+    """Sizes of the named mesh axes (ICI, within a slice/node); one may be -1 (fill)."""
+    data: int = 1                     # data parallelism: replicas of the weights, each with its own rows of the batch
+    fsdp: int = 1                     # fully sharded data parallelism: weights split, gathered per layer (ZeRO-3)
+    tensor: int = 1                   # tensor parallelism (Megatron): heads and MLP columns split inside a layer
+    pipeline: int = 1                 # pipeline stages: the stacked layers cut into consecutive groups (pipeline.*)
+    expert: int = 1                   # expert parallelism: MoE experts split (model.name=moe, moe.*)
+    dcn: dict[str, int] = field(default_factory=dict)   # multi-slice/multi-node sizes, e.g. {data: 2}
+
+
+@dataclass
+class BatchConfig:
+    """The global batch of one optimizer step."""
+    global_size: int = 16             # sequences per optimizer step, over all devices
+    length: int = 64                  # tokens per sequence
+    microbatches: int = 1             # gradient accumulation steps inside one optimizer step
+
+
+@dataclass
+class TrainConfig:
+    """Optimizer (AdamW, warmup + cosine, clipping), loss, logging and numerics."""
+    lr: float = 3e-3                  # peak learning rate (AdamW), reached after warmup_steps
+    warmup_steps: int = 20            # linear warmup from 0 to lr
+    min_lr_ratio: float = 0.1         # cosine decays to lr * min_lr_ratio
+    weight_decay: float = 0.01        # AdamW decoupled weight decay (not on norms and vectors)
+    b1: float = 0.9                   # AdamW first-moment decay
+    b2: float = 0.95                  # AdamW second-moment decay
+    clip_norm: float = 1.0            # gradients clipped to this global norm
+    seed: int = 0                     # initialisation seed
+    log_every: int = 10               # log (console, --metrics-out, TensorBoard) every N steps, the first and the last
+    peak_tflops: float | None = None  # per device; None: from the device kind (a quick matmul probe on CPU)
+    flops_per_example: float | None = None  # model FLOPs of one example, forward + backward (MFU of a loss other than lm); None: counted
+    on_nan: str = "stop"              # non-finite loss/gradients: skip (drop the update) | stop (error naming the step)
+    loss: str = "lm"                  # lm (next-token cross-entropy) | stages (the model's pre/layers/post/loss) | PKG.MODULE:FN, FN(model, batch) -> (loss, metrics)
+    require_annotations: bool = False  # a model variable without logical axis names is an error, not replicated
+
+
+@dataclass
+class DataConfig:
+    """Where batches come from."""
+    kind: str = "synthetic"           # synthetic | tokens | text | PKG.MODULE:FN (FN(cfg) -> your source)
+    path: str | None = None           # token file (.bin, uint16/uint32) or text file/folder
+    dtype: str = "uint16"             # token file dtype
+    tokenizer: str | None = None      # text data and generate prompts: a tokenizer.json (or its folder); None: bytes
+    branching: int = 4                # synthetic: successors per state of the Markov chain
+    seed: int = 1234                  # batch s row r is a pure function of (seed, s, r): exact resume
+
+
+@dataclass
+class PipelineConfig:
+    """Pipeline parallelism (read when mesh.pipeline > 1)."""
+    schedule: str = "gpipe"           # gpipe | 1f1b | interleaved
+    microbatches: int = 4             # microbatches per step flowing through the stages (bubble (P-1)/(M+P-1))
+    virtual_stages: int = 1           # interleaved: layer chunks per device
+
+
+ROUTING = {"top1": 1, "top2": 2}     # moe.routing -> experts per token (K): Switch, GShard
+
+
+@dataclass
+class MoEConfig:
+    """Mixture of experts (read by model.name=moe and user factories)."""
+    routing: str = "top2"             # top1 | top2
+    capacity_factor: float | None = 1.25   # None: dropless
+    num_experts: int = 4              # experts per MoE layer (divisible by mesh.expert)
+    every: int = 2                    # MoE feed-forward in every k-th layer
+    aux_loss_weight: float = 0.01     # load-balancing loss weight (GShard/Switch)
+    z_loss_weight: float = 0.001      # router z-loss weight (ST-MoE)
+    group_size: int | None = None     # tokens per routing group S; None: one sequence per group
+    second_expert_policy: str = "all"  # all | random (GShard's random routing of the 2nd expert)
+
+
+@dataclass
+class ProfileConfig:
+    """A `jax.profiler` trace of steps start_step .. start_step + steps - 1 (numbered as logged, from 1)."""
+    dir: str | None = None            # None: no trace; else TensorBoard's --logdir (plugins/profile/...)
+    start_step: int = 5               # first traced step: after compilation and warm-up
+    steps: int = 3                    # steps traced
+
+
+@dataclass
+class MetricsConfig:
+    """Metrics beyond the console and --metrics-out."""
+    tensorboard: str | None = None    # write TensorBoard event files (scalars) here, beside the JSON Lines
+
+
+@dataclass
+class EvalConfig:
+    """Loss on held-out data every `every` steps (0: never) over `batches` batches of batch.global_size."""
+    every: int = 0                    # evaluate every N steps (0: never)
+    batches: int = 4                  # held-out batches of batch.global_size per evaluation
+    path: str | None = None           # tokens/text: a held-out file of data.kind; None: the holdout split
+    holdout: float = 0.1              # tokens/text without eval.path: this last fraction is never trained on
+
+
+@dataclass
+class CheckpointConfig:
+    """Asynchronous Orbax checkpoints; a run resumes from checkpoint.dir's newest usable one."""
+    dir: str | None = None            # save here and resume from here (local path or gs://...); None: no checkpoints
+    every: int = 0                    # 0: only at the end / on preemption
+    keep: int = 3                     # newest checkpoints kept; older ones are deleted only after a newer one is complete
+
+
+@dataclass
+class ServeConfig:
+    """`meshpar generate` / `meshpar.serve.engine.Engine`: the serving layout and the decode batch."""
+    strategy: str = "serve_tp"        # serve_tp, or any training preset (FSDP ones gather weights per token)
+    slots: int = 8                    # requests decoded together (continuous batching)
+    cache_length: int | None = None   # positions per slot (prompt + generated); None: batch.length
+    min_bucket: int = 16              # prompts are padded to powers of two >= this, up to cache_length
+    max_new_tokens: int = 32          # generate's default budget of new tokens per prompt
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
+    strategy: str = "fsdp_tp"         # dp | zero1 | zero2 | fsdp | hsdp | tp | tp_sp | fsdp_tp (meshpar.core.rules.PRESETS)
+    rules: list[list[Any]] = field(default_factory=list)  # user rules, [[logical, [mesh axes...]], ...], tried first
+    precision: str = "bf16"           # bf16 | fp32 | fp16 (meshpar.core.precision.POLICIES; fp16 scales the loss)
+    steps: int = 200                  # optimizer steps of the whole run (the cosine schedule ends here)
+    devices: int = 8                  # devices to fake on a CPU-only host
+
+
+# ----------------------------------------------------------------------------------------------
+# Building a dataclass tree from plain dicts, with typed errors.
+
+def _field_types(cls) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check/convert `value` to type `tp`; `key` is the dotted name for errors."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, key)
+            except ConfigError as e:
+                errors.append(e)
+        raise errors[0]
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"config key '{key}' must be a mapping, got {value!r}")
+        return _build(tp, value, key + ".")
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"config key '{key}' must be a mapping, got {value!r}")
+        _, vt = typing.get_args(tp)
+        return {k: _coerce(v, vt, f"{key}.{k}") for k, v in value.items()}
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"config key '{key}' must be a list, got {value!r}")
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"config key '{key}' must be true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"config key '{key}' must be an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):   # YAML 1.1 reads '1e-3' (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"config key '{key}' must be a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"config key '{key}' must be a string, got {value!r}")
+    return value
+
+
+def _build(cls, data: dict, prefix: str = ""):
+    types_ = _field_types(cls)
+    for k in data:
+        if k not in types_:
+            raise ConfigError(f"unknown config key '{prefix}{k}'" + suggest(k, types_))
+    kwargs = {k: _coerce(v, types_[k], prefix + k) for k, v in data.items()}
+    return cls(**kwargs)
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict) and k != "dcn":
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def _read_yaml(path: Path) -> dict:
+    if not path.exists():
+        raise ConfigError(f"config file '{path}' does not exist")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file '{path}' is not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file '{path}' must hold a mapping at the top level")
+    base = data.pop("base", None)
+    if base is not None:
+        base_path = (path.parent / base) if not Path(base).is_absolute() else Path(base)
+        if not base_path.exists() and (CONFIG_DIR / base).exists():
+            base_path = CONFIG_DIR / base
+        data = _merge(_read_yaml(base_path), data)
+    return data
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """'mesh.tensor=2' -> (['mesh', 'tensor'], 2); values are parsed as YAML scalars/lists."""
+    if "=" not in item:
+        raise ConfigError(f"override '{item}' must look like KEY=VALUE (e.g. mesh.tensor=2)")
+    key, raw = item.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    data = _merge({}, data)
+    for item in overrides:
+        keys, value = parse_override(item)
+        node = data
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override '{item}': '{k}' is not a section")
+        node[keys[-1]] = value
+    return data
+
+
+def from_dict(data: dict) -> Config:
+    """Build and validate; `cfg.ignored` lists the keys given that this run will not read."""
+    cfg = _build(Config, data)
+    validate(cfg)
+    cfg.ignored = ignored_keys(data, cfg)
+    return cfg
+
+
+def ignored_keys(data: dict, cfg: Config) -> list[str]:
+    """Keys set (in the file or as overrides) that the run will not read: `moe.*` unless the model is
+    the reference MoE LM (or a user factory, which may read them), `pipeline.*` when mesh.pipeline is 1."""
+    out = []
+    if cfg.model.name in ("decoder",) and data.get("moe"):
+        out += [f"moe.{k}" for k in data["moe"]]
+    if cfg.mesh.pipeline == 1 and data.get("pipeline"):
+        out += [f"pipeline.{k}" for k in data["pipeline"]]
+    return out
+
+
+def ignored_warning(cfg: Config) -> str | None:
+    """One line naming the ignored keys, or None."""
+    keys = getattr(cfg, "ignored", [])
+    if not keys:
+        return None
+    why = []
+    if any(k.startswith("moe.") for k in keys):
+        why.append(f"moe.* needs model.name=moe (model.name={cfg.model.name})")
+    if any(k.startswith("pipeline.") for k in keys):
+        why.append("pipeline.* needs mesh.pipeline > 1")
+    return f"warning: ignoring {', '.join(keys)}: {'; '.join(why)}"
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None, under: dict | None = None) -> Config:
+    """The YAML file (default: the embedded configs/tiny.yaml) + KEY=VALUE overrides, validated.
+    `under`: settings laid under them (a checkpoint's saved model settings, for `generate`): a given
+    file and the overrides win over them, and they win over the embedded default."""
+    data = _read_yaml(Path(path) if path else DEFAULT_CONFIG)
+    if under:
+        data = _merge(under, data) if path else _merge(data, under)
+    return from_dict(apply_overrides(data, overrides or []))
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def field_comments() -> dict[tuple[str, str], str]:
+    """{(class, field): the comment beside that field in this file}: the meaning of every key."""
+    import ast
+    import io
+    import tokenize
+    src = Path(__file__).read_text()
+    notes = {t.start[0]: t.string[1:].strip() for t in tokenize.generate_tokens(io.StringIO(src).readline)
+             if t.type == tokenize.COMMENT}
+    return {(c.name, s.target.id): notes[s.lineno] for c in ast.parse(src).body if isinstance(c, ast.ClassDef)
+            for s in c.body if isinstance(s, ast.AnnAssign) and s.lineno in notes}
+
+
+def annotated_yaml(cfg: Config) -> str:
+    """`meshpar config`: the resolved config as YAML that `--config` reads back, every key with its
+    comment (meaning, allowed values) and every section with its docstring's first line."""
+    comments = field_comments()
+
+    def scalar(v) -> str:
+        return yaml.safe_dump(v, default_flow_style=True, width=1 << 20).split("\n...")[0].strip()
+
+    def emit(obj, indent: str) -> list[str]:
+        out = []
+        for f in dataclasses.fields(obj):
+            v = getattr(obj, f.name)
+            if dataclasses.is_dataclass(v):
+                doc = (type(v).__doc__ or "").strip().splitlines()[0]
+                out += [f"{indent}{f.name}:  # {doc}", *emit(v, indent + "  ")]
+                continue
+            line, note = f"{indent}{f.name}: {scalar(v)}", comments.get((type(obj).__name__, f.name))
+            out.append(f"{line:<36}  # {note}" if note else line)
+        return out
+    return "\n".join(emit(cfg, "")) + "\n"
+
+
+def _check_moe(cfg: Config) -> None:
+    """MoE checks that need no devices; one line each, naming the key and a fix."""
+    m, k = cfg.moe, ROUTING[cfg.moe.routing]
+    if k > m.num_experts:
+        raise ConfigError(f"moe.routing={m.routing} sends every token to {k} experts but moe.num_experts="
+                          f"{m.num_experts}; use routing=top1 or at least {k} experts")
+    if m.group_size is not None and m.group_size < 1:
+        raise ConfigError(f"config key 'moe.group_size' must be >= 1 or null (one sequence per group), "
+                          f"got {m.group_size}")
+    if m.aux_loss_weight < 0 or m.z_loss_weight < 0:
+        raise ConfigError("config keys 'moe.aux_loss_weight' and 'moe.z_loss_weight' must be >= 0")
+    ep = cfg.mesh.expert * int((cfg.mesh.dcn or {}).get("expert", 1))
+    if cfg.model.name == "moe" and ep > 1 and m.num_experts % ep:
+        raise ConfigError(f"moe.num_experts={m.num_experts} is not divisible by the `expert` mesh axis "
+                          f"(mesh.expert={ep}); use a multiple of {ep} experts or resize mesh.expert")
+
+
+def _choice(key: str, value: str, choices) -> None:
+    if value not in choices:
+        raise ConfigError(f"config key '{key}' has unknown value '{value}'" + suggest(value, choices))
+
+
+def validate(cfg: Config) -> None:
+    """Value checks that need no devices (mesh/rule checks happen when the mesh is built)."""
+    from meshpar.core import precision, rules  # local: avoid import cycles
+
+    _choice("strategy", cfg.strategy, rules.PRESETS)
+    _choice("precision", cfg.precision, precision.POLICIES)
+    _choice("model.remat", cfg.model.remat, ("none", "full", "save_dots", "offload"))
+    _choice("model.attention", cfg.model.attention, ("xla", "cudnn", "auto"))
+    if ":" not in cfg.data.kind:
+        _choice("data.kind", cfg.data.kind, ("synthetic", "tokens", "text"))
+    _choice("data.dtype", cfg.data.dtype, ("uint16", "uint32"))
+    _choice("pipeline.schedule", cfg.pipeline.schedule, ("gpipe", "1f1b", "interleaved"))
+    _choice("moe.routing", cfg.moe.routing, ROUTING)
+    _choice("moe.second_expert_policy", cfg.moe.second_expert_policy, ("all", "random"))
+    _choice("train.on_nan", cfg.train.on_nan, ("skip", "stop"))
+    _choice("serve.strategy", cfg.serve.strategy, {**rules.SERVING, **rules.PRESETS})
+    if cfg.checkpoint.every < 0:
+        raise ConfigError(f"config key 'checkpoint.every' must be >= 0 (0: only at the end), got {cfg.checkpoint.every}")
+    if cfg.checkpoint.keep < 1:
+        raise ConfigError(f"config key 'checkpoint.keep' must be >= 1, got {cfg.checkpoint.keep}")
+    for key, v in [("steps", cfg.steps), ("devices", cfg.devices), ("batch.global_size", cfg.batch.global_size),
+                   ("batch.length", cfg.batch.length), ("batch.microbatches", cfg.batch.microbatches),
+                   ("train.log_every", cfg.train.log_every), ("pipeline.microbatches", cfg.pipeline.microbatches),
+                   ("pipeline.virtual_stages", cfg.pipeline.virtual_stages), ("moe.num_experts", cfg.moe.num_experts),
+                   ("moe.every", cfg.moe.every), ("data.branching", cfg.data.branching),
+                   ("serve.slots", cfg.serve.slots), ("serve.min_bucket", cfg.serve.min_bucket),
+                   ("serve.max_new_tokens", cfg.serve.max_new_tokens), ("serve.cache_length", cfg.serve.cache_length or 1)]:
+        if v < 1:
+            raise ConfigError(f"config key '{key}' must be >= 1, got {v}")
+    if cfg.train.lr <= 0:
+        raise ConfigError(f"config key 'train.lr' must be > 0, got {cfg.train.lr}")
+    if cfg.moe.capacity_factor is not None and cfg.moe.capacity_factor <= 0:
+        raise ConfigError(f"config key 'moe.capacity_factor' must be > 0 or null (dropless), got {cfg.moe.capacity_factor}")
+    _check_moe(cfg)
+    if cfg.model.init_from is not None and not cfg.model.init_from.startswith("hf:"):
+        raise ConfigError(f"config key 'model.init_from' must look like hf:DIR (a Hugging Face model directory), "
+                          f"got {cfg.model.init_from!r}")
+    if cfg.data.kind in ("tokens", "text") and not cfg.data.path:
+        raise ConfigError(f"config key 'data.path' is required when data.kind={cfg.data.kind}")
+    for i, rule in enumerate(cfg.rules):
+        if not (isinstance(rule, list) and len(rule) == 2 and isinstance(rule[0], str)):
+            raise ConfigError(f"config key 'rules[{i}]' must be [logical_name, [mesh_axis, ...]], got {rule!r}")
+    for key, v in [("profile.start_step", cfg.profile.start_step), ("profile.steps", cfg.profile.steps),
+                   ("eval.batches", cfg.eval.batches)]:
+        if v < 1:
+            raise ConfigError(f"config key '{key}' must be >= 1, got {v}")
+    if cfg.eval.every < 0:
+        raise ConfigError(f"config key 'eval.every' must be >= 0 (0: no evaluation), got {cfg.eval.every}")
+    if not 0.0 < cfg.eval.holdout < 1.0:
+        raise ConfigError(f"config key 'eval.holdout' must be between 0 and 1 (a fraction of data.path), "
+                          f"got {cfg.eval.holdout}")
+    if cfg.eval.path and cfg.data.kind not in ("tokens", "text"):
+        raise ConfigError(f"config key 'eval.path' is read for data.kind=tokens or text (data.kind={cfg.data.kind}: "
+                          "the evaluation stream is the source's own held-out steps)")

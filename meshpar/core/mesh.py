@@ -1,0 +1,99 @@
+"""The device mesh: named axes, sizes resolved against the devices, GSPMD (Auto) axis types.
+
+Axis order is outermost -> innermost: `pipeline, data, fsdp, expert, tensor`. Devices that are
+neighbours in the physical topology land on the innermost axes, so `tensor` (an all-reduce per
+layer) gets the fastest links and `pipeline`/`data` (one transfer/all-reduce per step) the slowest.
+Multi-slice/multi-node runs add DCN sizes per axis: the full axis size is ICI size x DCN size.
+"""
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+
+from meshpar.core.errors import ConfigError, suggest
+
+MESH_AXES = ("pipeline", "data", "fsdp", "expert", "tensor")
+
+
+def fake_cpu_devices(n: int) -> None:
+    """Ask XLA for `n` host (CPU) devices. Must run before JAX initialises its backends."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+    flags.append(f"--xla_force_host_platform_device_count={n}")
+    os.environ["XLA_FLAGS"] = " ".join(flags)
+    try:  # jax may be imported already (but not initialised): the config option wins then
+        import jax
+        jax.config.update("jax_num_cpu_devices", n)
+    except Exception:  # noqa: BLE001 - backends already initialised; the env flag above is all we can do
+        pass
+
+
+def resolve_axis_sizes(sizes: dict[str, int], n_devices: int, what: str = "mesh") -> dict[str, int]:
+    """Fill a single -1 size so that the product equals `n_devices`; check everything else."""
+    for name in sizes:
+        if name not in MESH_AXES:
+            raise ConfigError(f"unknown mesh axis '{what}.{name}'" + suggest(name, MESH_AXES))
+    sizes = {a: int(sizes.get(a, 1)) for a in MESH_AXES}
+    fill = [a for a, s in sizes.items() if s == -1]
+    if len(fill) > 1:
+        raise ConfigError(f"only one {what} axis may be -1 (fill), got {', '.join(what + '.' + a for a in fill)}")
+    for a, s in sizes.items():
+        if s == 0 or s < -1:
+            raise ConfigError(f"{what}.{a} must be a positive size or -1 (fill), got {s}")
+    known = math.prod(s for s in sizes.values() if s != -1)
+    if fill:
+        if n_devices % known:
+            raise ConfigError(f"cannot fill {what}.{fill[0]}=-1: the other axes multiply to {known}, "
+                              f"which does not divide the {n_devices} devices")
+        sizes[fill[0]] = n_devices // known
+    elif known != n_devices:
+        shape = " x ".join(f"{a}={s}" for a, s in sizes.items() if s != 1) or "all 1"
+        raise ConfigError(f"{what} axes multiply to {known} ({shape}) but there are {n_devices} devices; "
+                          f"set one axis to -1 to fill, or run with --devices {known}")
+    return sizes
+
+
+def make_mesh(mesh_cfg, devices: Sequence | None = None):
+    """Build a `jax.sharding.Mesh` from a `MeshConfig` (ICI sizes, optional DCN sizes).
+
+    All axes are `AxisType.Auto`, so XLA's partitioner (GSPMD/Shardy) propagates shardings and inserts
+    the collectives; only pipelining enters `shard_map` and goes manual over `pipeline` (and `data`).
+    """
+    import jax
+    import numpy as np
+    from jax.experimental import mesh_utils
+    from jax.sharding import AxisType, Mesh
+
+    devices = list(devices if devices is not None else jax.devices())
+    n = len(devices)
+    dcn = dict(getattr(mesh_cfg, "dcn", {}) or {})
+    ici_req = {a: getattr(mesh_cfg, a) for a in MESH_AXES}
+    if dcn:
+        dcn_sizes = resolve_axis_sizes(dcn, max(1, math.prod(v for v in dcn.values() if v > 0)), "mesh.dcn")
+        n_slices = math.prod(dcn_sizes.values())
+        if n % n_slices:
+            raise ConfigError(f"mesh.dcn sizes multiply to {n_slices}, which does not divide the {n} devices")
+        ici = resolve_axis_sizes(ici_req, n // n_slices)
+        ici_shape = [ici[a] for a in MESH_AXES]
+        dcn_shape = [dcn_sizes[a] for a in MESH_AXES]
+        try:
+            arr = mesh_utils.create_hybrid_device_mesh(ici_shape, dcn_shape, devices)
+        except Exception:  # noqa: BLE001 - fake/CPU devices have no slice_index: plain row-major
+            arr = np.asarray(devices).reshape([i * d for i, d in zip(ici_shape, dcn_shape)])
+    else:
+        ici = resolve_axis_sizes(ici_req, n)
+        shape = [ici[a] for a in MESH_AXES]
+        try:
+            arr = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+        except Exception:  # noqa: BLE001 - topologies mesh_utils cannot map: row-major order
+            arr = np.asarray(devices).reshape(shape)
+    return Mesh(arr, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def mesh_shape(mesh) -> dict[str, int]:
+    return dict(zip(mesh.axis_names, mesh.devices.shape))
+
+
+def describe(mesh) -> str:
+    """'data=2 fsdp=2 tensor=2' (axes of size 1 left out)."""
+    return " ".join(f"{a}={s}" for a, s in mesh_shape(mesh).items() if s > 1) or "single device"

@@ -1,0 +1,176 @@
+"""Mixed precision policies (Micikevicius et al. 2018): fp32 master weights and optimizer state,
+low-precision compute, fp32 logits / softmax / loss.
+
+A policy is a small frozen object and the one source of dtypes. meshpar makes the run's policy
+active while it builds and traces a model (`use_policy`), so any model reads it the same way:
+`param_dtype()` for new parameters (`meshpar.nn.layers.param` does), `compute_dtype()` for matmuls and
+activations, and the built-in LM loss casts logits to `output_dtype` before its fp32 cross-entropy.
+A model built from Flax layers can also take `dtype=` from `get_policy(cfg.precision)` in its factory.
+
+`fp16` adds dynamic loss scaling (Micikevicius et al. 2018, sec. 3.2): float16 has 5 exponent bits,
+so small gradients underflow to zero unless the loss (hence every backward activation) is multiplied
+by a scale S before differentiation and the gradients divided by S after. The scale adapts:
+
+    start S = 2^15
+    gradients finite   -> apply the update; after 2000 finite steps in a row, S *= 2
+    gradients inf/nan  -> skip the update (params and optimizer state unchanged), S *= 0.5 (>= 1)
+
+The loss-scale state is part of the train state (`numerics`, replicated scalars), so it is
+checkpointed and resumed with everything else. `numerics` exists under every policy (scale 1, never
+changed, for bf16/fp32), which keeps the state's structure independent of the policy; its
+`skipped_steps` also counts steps skipped by `train.on_nan=skip`.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclass(frozen=True)
+class Policy:
+    name: str
+    param_dtype: jnp.dtype      # at rest: parameters and optimizer state
+    compute_dtype: jnp.dtype    # matmuls and activations
+    output_dtype: jnp.dtype     # logits, softmax and loss
+    loss_scaling: bool = False  # dynamic loss scaling (fp16): see `LossScale`
+
+
+POLICIES: dict[str, Policy] = {
+    "bf16": Policy("bf16", jnp.float32, jnp.bfloat16, jnp.float32),
+    "fp32": Policy("fp32", jnp.float32, jnp.float32, jnp.float32),
+    "fp16": Policy("fp16", jnp.float32, jnp.float16, jnp.float32, loss_scaling=True),
+}
+
+
+def get_policy(name: str) -> Policy:
+    from meshpar.core.errors import ConfigError, suggest
+    if name not in POLICIES:
+        raise ConfigError(f"unknown precision policy '{name}'" + suggest(name, POLICIES))
+    return POLICIES[name]
+
+
+_ACTIVE: contextvars.ContextVar[Policy] = contextvars.ContextVar("meshpar_policy", default=POLICIES["fp32"])
+
+
+@contextlib.contextmanager
+def use_policy(policy: Policy) -> Iterator[Policy]:
+    """Make `policy` the one `param_dtype()` / `compute_dtype()` answer (while building or tracing)."""
+    token = _ACTIVE.set(policy)
+    try:
+        yield policy
+    finally:
+        _ACTIVE.reset(token)
+
+
+def active_policy() -> Policy:
+    """The policy in force (fp32 outside meshpar's init and step)."""
+    return _ACTIVE.get()
+
+
+def param_dtype() -> jnp.dtype:
+    return _ACTIVE.get().param_dtype
+
+
+def compute_dtype() -> jnp.dtype:
+    return _ACTIVE.get().compute_dtype
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array | None = None) -> jax.Array:
+    """Mean token cross-entropy, computed in fp32 with a max-shifted log-softmax.
+
+    logits [batch, length, vocab] (any float dtype), targets [batch, length] int -> scalar fp32.
+    The target logit is picked with a one-hot contraction so a vocab-sharded `logits` needs only
+    the small all-reduces of the max, the sum of exponentials and the picked logit.
+    """
+    logits = logits.astype(jnp.float32)
+    shifted = logits - jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    log_z = jnp.log(jnp.sum(jnp.exp(shifted), axis=-1))
+    picked = jnp.sum(shifted * jax.nn.one_hot(targets, logits.shape[-1], dtype=jnp.float32), axis=-1)
+    nll = log_z - picked
+    if weights is None:
+        return jnp.mean(nll)
+    return jnp.sum(nll * weights) / jnp.maximum(jnp.sum(weights), 1.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Dynamic loss scaling and non-finite steps.
+
+@dataclass(frozen=True)
+class LossScale:
+    """Dynamic loss scaling: the constants, and pure functions of the `numerics` state (a dict of
+    replicated scalars: loss_scale f32, good_steps / skipped_steps / overflows int32)."""
+    initial: float = 2.0 ** 15
+    period: int = 2000          # finite steps in a row before the scale doubles
+    factor: float = 2.0
+    minimum: float = 1.0        # halving stops here: a persistent overflow at S = 1 is a real one
+
+    def init(self, policy: Policy) -> dict:
+        return {"loss_scale": jnp.asarray(self.initial if policy.loss_scaling else 1.0, jnp.float32),
+                "good_steps": jnp.zeros((), jnp.int32), "skipped_steps": jnp.zeros((), jnp.int32),
+                "overflows": jnp.zeros((), jnp.int32)}
+
+    @staticmethod
+    def scale(loss: jax.Array, scale: jax.Array | None) -> jax.Array:
+        """The value to differentiate: loss * S (or the loss itself without loss scaling)."""
+        return loss if scale is None else loss * scale.astype(loss.dtype)
+
+    @staticmethod
+    def unscale(grads, scale: jax.Array | None):
+        """Gradients of loss * S -> gradients of the loss (division in the gradients' own dtype)."""
+        if scale is None:
+            return grads
+        return jax.tree.map(lambda g: g / scale.astype(g.dtype), grads)
+
+    def update(self, policy: Policy, numerics: dict, loss: jax.Array, grads) -> tuple[jax.Array, jax.Array, dict]:
+        """Decide one step: returns (apply, nonfinite_loss, new numerics).
+
+        * finite loss and gradients: apply; count towards the next doubling (fp16 only);
+        * fp16, finite loss, non-finite gradients: an overflow of the scaled backward pass:
+          skip, halve the scale, count an overflow;
+        * non-finite loss (any policy), or non-finite gradients without loss scaling: skip, and
+          report `nonfinite_loss` so the loop can apply `train.on_nan` (skip or stop).
+        The skip is done by the caller with `select(apply, new, old)`, so a skipped step leaves
+        params and optimizer state bitwise unchanged.
+        """
+        loss_ok = jnp.isfinite(loss)
+        grads_ok = all_finite(grads)
+        apply = loss_ok & grads_ok
+        overflow = (loss_ok & ~grads_ok) if policy.loss_scaling else jnp.zeros((), bool)
+        s = numerics["loss_scale"]
+        good = jnp.where(apply, numerics["good_steps"] + 1, 0)
+        if policy.loss_scaling:
+            grow = good >= self.period
+            s = jnp.where(grow, s * self.factor, s)
+            good = jnp.where(grow, 0, good)
+            s = jnp.where(overflow, jnp.maximum(s / self.factor, self.minimum), s)
+        new = {"loss_scale": s, "good_steps": good.astype(jnp.int32),
+               "skipped_steps": numerics["skipped_steps"] + (~apply).astype(jnp.int32),
+               "overflows": numerics["overflows"] + overflow.astype(jnp.int32)}
+        return apply, ~apply & ~overflow, new
+
+
+LOSS_SCALE = LossScale()
+
+
+def all_finite(tree) -> jax.Array:
+    """True iff every element of every floating leaf is finite (one fused reduction per leaf)."""
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.stack(leaves).all() if leaves else jnp.ones((), bool)
+
+
+def select(pred: jax.Array, new, old):
+    """`new` where `pred` else `old`, leaf by leaf (a skipped step keeps `old` bit for bit)."""
+    return jax.tree.map(lambda n, o: jnp.where(pred, n, o), new, old)
+
+
+def attention_dtype(dtype) -> jnp.dtype:
+    """Input dtype for `jax.nn.dot_product_attention`: `dtype`, except float16 on CPU, which runs in
+    float32 there (JAX's XLA attention asks for an F16 x F16 -> F32 dot that XLA:CPU does not have)."""
+    if jnp.dtype(dtype) == jnp.float16 and jax.default_backend() == "cpu":
+        return jnp.float32
+    return dtype

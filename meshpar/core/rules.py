@@ -1,0 +1,323 @@
+"""Logical axis rules: what a tensor dimension *means* -> which mesh axes split it.
+
+Models name dimensions with the logical names of `LOGICAL_AXES`; a strategy is nothing but rule
+tables mapping those names to ordered mesh-axis *candidates*. A candidate is one mesh axis or a
+tuple of axes that split the dimension jointly (e.g. `batch` over `("data", "fsdp")`).
+
+Resolution (t5x / Flax Linen semantics, owned here because Flax NNX resolves rules as a dict):
+for each dimension, walk its candidates in order and take the first one that, after dropping mesh
+axes of size 1 and axes already used by an earlier dimension of the same tensor, is non-empty.
+A dimension that is not divisible by the product of the chosen axes is an error, never a silent
+replication. Because an axis is used at most once per spec, no tensor can map two dimensions to
+`expert` (the mistake that makes XLA all-gather expert weights instead of all-to-all).
+
+Presets (rule tables), after Megatron-LM (Shoeybi et al. 2019), ZeRO (Rajbhandari et al. 2020):
+
+| preset  | parameters                  | optimizer state        | gradients          | activations                  |
+|---------|-----------------------------|------------------------|--------------------|------------------------------|
+| dp      | replicated                  | replicated             | all-reduced        | batch over data/fsdp/expert  |
+| zero1   | replicated                  | embed/mlp/vocab / N    | all-reduced        | as dp                        |
+| zero2   | replicated                  | as zero1               | reduce-scattered   | as dp                        |
+| fsdp    | embed over (data, fsdp)     | as params (ZeRO-3)     | reduce-scattered   | as dp                        |
+| hsdp    | embed over fsdp only        | as params              | RS in fsdp, AR data| as dp                        |
+| tp      | heads/mlp/vocab over tensor | as params              | as params          | heads/mlp/vocab over tensor  |
+| tp_sp   | as tp                       | as params              | as params          | tp + residual length/tensor  |
+| fsdp_tp | fsdp + tp (2D)              | as params              | as params          | tp                           |
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import difflib
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from meshpar.core.errors import ShardingError, suggest
+from meshpar.core.mesh import MESH_AXES
+
+# The names meshpar's presets give rules for (the vocabulary is open: other names replicate unless a
+# user rule maps them). Activations and parameters share names where they share meaning.
+LOGICAL_AXES: dict[str, str] = {
+    "batch": "sequences in a (micro)batch",
+    "length": "sequence positions of the residual stream between blocks (Megatron-SP splits this)",
+    "seq": "sequence positions inside attention / MLP (always whole under sequence parallelism)",
+    "embed": "model width d_model",
+    "heads": "attention query heads",
+    "kv_heads": "attention key/value heads (grouped-query attention)",
+    "kv": "per-head width d_head",
+    "mlp": "feed-forward hidden width d_ff",
+    "vocab": "vocabulary entries",
+    "layers": "stacked decoder layers (scanned)",
+    "norm": "scale vector of a normalisation layer",
+    "stage": "pipeline stages",
+    "expert": "mixture-of-experts experts (E)",
+    "group": "MoE token groups (G)",
+    "capacity": "MoE expert capacity (C)",
+    "expert_mlp": "MoE expert hidden width (H)",
+    "cache_batch": "KV-cache slots (requests decoded together, meshpar.serve.engine)",
+    "cache_length": "positions held by a KV cache",
+}
+
+BATCH_AXES = ("data", "fsdp", "expert")
+
+Candidate = str | tuple[str, ...]
+RuleTable = tuple[tuple[str, tuple[Candidate, ...]], ...]
+
+
+def spec_axes(spec) -> tuple[str, ...]:
+    """The mesh axes a PartitionSpec (or a slice of one) names, in order: P('data', ('fsdp', 'tensor'))
+    -> ('data', 'fsdp', 'tensor')."""
+    return tuple(a for part in spec if part is not None for a in ((part,) if isinstance(part, str) else part))
+
+
+def table(**rules: Candidate | Sequence[Candidate] | None) -> RuleTable:
+    """table(batch=[("data", "fsdp")], heads="tensor") -> normalised RuleTable."""
+    out = []
+    for name, cands in rules.items():
+        if cands is None:
+            cands = ()
+        elif isinstance(cands, (str, tuple)):
+            cands = (cands,)
+        out.append((name, tuple(c if isinstance(c, str) else tuple(c) for c in cands)))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A parallelism strategy = rule tables. `params` also lays out activations and gradients."""
+    name: str
+    doc: str
+    params: RuleTable
+    opt_state: RuleTable | None = None   # ZeRO-1/2: optimizer state sharded although params are not
+    shard_grads: bool = False            # ZeRO-2: gradients constrained to the opt_state layout (reduce-scatter)
+    extra: RuleTable = field(default=())  # rules every strategy shares (stage, expert, groups)
+
+    def param_rules(self) -> RuleTable:
+        return self.params + self.extra
+
+    def opt_rules(self) -> RuleTable:
+        return (self.opt_state + self.params + self.extra) if self.opt_state is not None else self.param_rules()
+
+
+_COMMON = table(batch=[BATCH_AXES], group=[BATCH_AXES], expert="expert", stage="pipeline",
+                layers="pipeline",   # stacked layers live at rest on their pipeline stage
+                cache_batch=[BATCH_AXES])   # KV-cache slots, like a batch (serving)
+_TP = table(heads="tensor", kv_heads="tensor", mlp="tensor", vocab="tensor", expert_mlp="tensor")
+_ZERO_STATE = table(embed=[("data", "fsdp")], mlp=[("data", "fsdp")], vocab=[("data", "fsdp")],
+                    expert_mlp=[("data", "fsdp")])
+
+PRESETS: dict[str, Strategy] = {s.name: s for s in [
+    Strategy("dp", "data parallel: params replicated, gradients all-reduced", table(), extra=_COMMON),
+    Strategy("zero1", "ZeRO-1: optimizer state sharded over data, params replicated", table(),
+             opt_state=_ZERO_STATE, extra=_COMMON),
+    Strategy("zero2", "ZeRO-2: ZeRO-1 + gradients reduce-scattered", table(),
+             opt_state=_ZERO_STATE, shard_grads=True, extra=_COMMON),
+    Strategy("fsdp", "ZeRO-3/FSDP: params, grads, optimizer state sharded over data x fsdp",
+             table(embed=[("data", "fsdp")], expert_mlp=[("data", "fsdp")]), extra=_COMMON),
+    Strategy("hsdp", "hybrid sharded DP: FSDP inside `fsdp`, replicas over `data`",
+             table(embed="fsdp", expert_mlp="fsdp"), extra=_COMMON),
+    Strategy("tp", "Megatron 1D tensor parallel over `tensor`", _TP, extra=_COMMON),
+    Strategy("tp_sp", "Megatron TP + sequence parallel on the residual stream", _TP + table(length="tensor"),
+             extra=_COMMON),
+    Strategy("fsdp_tp", "2D: FSDP over data x fsdp, Megatron TP over tensor",
+             _TP + table(embed=[("data", "fsdp")]), extra=_COMMON),
+]}
+
+
+# Serving layouts (`meshpar.serve.engine`, `serve.strategy`): weights stay where they are for every decoded
+# token, so per-token traffic is activations only. Any training preset may serve too; FSDP ones
+# all-gather every weight per token (`meshpar.serve.engine` warns).
+SERVING: dict[str, Strategy] = {s.name: s for s in [
+    Strategy("serve_tp", "serving: Megatron TP over `tensor` (heads, kv heads, mlp, vocab; embed never split), "
+             "requests and KV-cache slots over data/fsdp/expert, the cache's kv heads over `tensor`",
+             _TP, extra=_COMMON),
+]}
+
+
+def get_strategy(name: str) -> Strategy:
+    if name in SERVING:
+        return SERVING[name]
+    if name not in PRESETS:
+        raise ShardingError(f"unknown strategy '{name}'" + suggest(name, {**PRESETS, **SERVING}))
+    return PRESETS[name]
+
+
+def parse_user_rules(rules: Sequence) -> RuleTable:
+    """YAML `rules: [[heads, [tensor]], [batch, [[data, fsdp]]], [vocab, null]]` -> RuleTable.
+
+    A user rule goes before the preset's, so it wins; `null` / `[]` forces replication. The logical
+    vocabulary is open: a user model may name `patch` or `channels` and map them here; only the
+    mesh axes are checked.
+    """
+    out = []
+    for i, item in enumerate(rules):
+        name, cands = item
+        if cands is None:
+            cands = []
+        if isinstance(cands, str):
+            cands = [cands]
+        norm = []
+        for c in cands:
+            axes = (c,) if isinstance(c, str) else tuple(c)
+            for a in axes:
+                if a not in MESH_AXES:
+                    raise ShardingError(f"rules[{i}] ({name}): unknown mesh axis '{a}'" + suggest(a, MESH_AXES))
+            norm.append(axes[0] if len(axes) == 1 else axes)
+        out.append((name, tuple(norm)))
+    return tuple(out)
+
+
+def resolve(logical: Sequence[str | None], rules: RuleTable, mesh_shape: dict[str, int],
+            shape: Sequence[int] | None = None, what: str = "tensor", strict: int = 0):
+    """Logical axes of one tensor -> `PartitionSpec` (first match, skip size-1 and used axes).
+
+    `what` names the tensor in errors ("parameter 'layers.attn.wq'"). With `shape`, every sharded
+    dimension is checked for divisibility by the product of its mesh axes. A name no rule covers is
+    replicated (`uncovered` lists such names). The first `strict` entries of `rules` are the user's:
+    one whose mesh axes an earlier dimension already took is an error, never a silent replication.
+    """
+    from jax.sharding import PartitionSpec
+
+    if shape is not None and len(shape) != len(logical):
+        raise ShardingError(f"{what}: {len(logical)} logical axes {tuple(logical)} for a rank-{len(shape)} "
+                            f"array of shape {tuple(shape)}")
+    lookup: dict[str, list[tuple[int, tuple[Candidate, ...]]]] = {}
+    for i, (name, cands) in enumerate(rules):
+        lookup.setdefault(name, []).append((i, cands))
+    used: dict[str, int] = {}      # mesh axis -> the dimension that took it
+    parts = []
+    for dim, name in enumerate(logical):
+        if name is None:
+            parts.append(None)
+            continue
+        chosen: tuple[str, ...] = ()
+        for i, cands in lookup.get(name, []):   # user rules first, then the preset's
+            taken = None
+            for cand in cands:
+                axes = (cand,) if isinstance(cand, str) else cand
+                live = tuple(a for a in axes if mesh_shape.get(a, 1) > 1)
+                axes = tuple(a for a in live if a not in used)
+                if axes:
+                    chosen = axes
+                    break
+                taken = taken or next((a for a in live if a in used), None)
+            if i < strict and not chosen and taken:
+                other = used[taken]
+                raise ShardingError(
+                    f"{what}: rule rules[{i}] [{name}, {list(cands)}] wants mesh axis '{taken}' for dimension "
+                    f"{dim} ('{name}'), but dimension {other} ('{logical[other]}') already uses it; give one of "
+                    f"them another axis, or write [{name}, null] to replicate it")
+            if chosen or not cands:          # an explicit empty rule means "replicate"
+                break
+        if chosen and shape is not None:
+            n = math.prod(mesh_shape[a] for a in chosen)
+            if shape[dim] % n:
+                sizes = " x ".join(f"{a}={mesh_shape[a]}" for a in chosen)
+                raise ShardingError(
+                    f"{what}: dimension {dim} ('{name}', size {shape[dim]}) is not divisible by mesh axes "
+                    f"{sizes} (= {n}); change the size to a multiple of {n}, resize those mesh axes, or add "
+                    f"a rule [{name}, null] to replicate it")
+        used.update({a: dim for a in chosen})
+        parts.append(None if not chosen else chosen[0] if len(chosen) == 1 else chosen)
+    while parts and parts[-1] is None:
+        parts.pop()
+    return PartitionSpec(*parts)
+
+
+def uncovered(logical: Sequence[str | None], rules: RuleTable) -> list[str]:
+    """The names of `logical` outside meshpar's vocabulary that no rule mentions (replicated: listed
+    in the sharding table). Vocabulary names without a rule (`norm`, say) replicate by design."""
+    known = {name for name, _ in rules} | set(LOGICAL_AXES)
+    return [n for n in logical if n is not None and n not in known]
+
+
+def check_rule_names(user_rules: RuleTable, used: set[str]) -> list[str]:
+    """User rules whose logical name is neither in `used` (the names a model's parameters, variables
+    and batch leaves carry) nor in meshpar's vocabulary. Such a rule is a typo when a used name is
+    close to it (error, with the suggestion); otherwise it may name activations only (returned, for
+    one warning line)."""
+    known = set(used) | set(LOGICAL_AXES)
+    idle = []
+    for i, (name, _) in enumerate(user_rules):
+        if name in known:
+            continue
+        close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.85)   # embd, not patch~batch
+        if close:
+            raise ShardingError(f"rules[{i}]: unknown logical axis '{name}' (did you mean '{close[0]}'?): "
+                                f"no parameter, variable or batch leaf of this model names it")
+        idle.append(f"rules[{i}] ({name})")
+    return idle
+
+
+# ----------------------------------------------------------------------------------------------
+# The active layout: which mesh and rules `constrain` uses while a model is traced.
+
+@dataclass(frozen=True)
+class Layout:
+    """A mesh plus the rule tables in force. `for_params`/`for_opt_state` pick the table.
+
+    `hidden` mesh axes count as size 1 during resolution: inside a `vmap` whose mapped dimension
+    already takes them (ZeRO-1's per-replica gradients, `meshpar.train.step`) nothing else may use them.
+    """
+    mesh: object
+    strategy: Strategy
+    user_rules: RuleTable = ()
+    hidden: frozenset = frozenset()
+
+    @property
+    def shape(self) -> dict[str, int]:
+        return {a: (1 if a in self.hidden else n) for a, n in zip(self.mesh.axis_names, self.mesh.devices.shape)}
+
+    def rules(self, kind: str = "params") -> RuleTable:
+        base = self.strategy.opt_rules() if kind == "opt_state" else self.strategy.param_rules()
+        return self.user_rules + base
+
+    def spec(self, logical, shape=None, what="tensor", kind="params"):
+        return resolve(logical, self.rules(kind), self.shape, shape, what, strict=len(self.user_rules))
+
+    def sharding(self, logical, shape=None, what="tensor", kind="params"):
+        from jax.sharding import NamedSharding
+        return NamedSharding(self.mesh, self.spec(logical, shape, what, kind))
+
+    def hiding(self, axes) -> "Layout":
+        return dataclasses.replace(self, hidden=self.hidden | frozenset(axes))
+
+
+_ACTIVE: contextvars.ContextVar[Layout | None] = contextvars.ContextVar("meshpar_layout", default=None)
+
+
+@contextlib.contextmanager
+def use_layout(layout: Layout | None) -> Iterator[Layout | None]:
+    """Make `layout` the one `constrain` uses (while tracing a jitted function)."""
+    token = _ACTIVE.set(layout)
+    try:
+        yield layout
+    finally:
+        _ACTIVE.reset(token)
+
+
+def active_layout() -> Layout | None:
+    return _ACTIVE.get()
+
+
+def constrain(x, logical: Sequence[str | None], what: str = "activation"):
+    """Pin `x` (an activation, or a weight inside a layer loop) to the layout its logical axes
+    resolve to; no-op outside a layout. The only sharding call model code makes: it names logical
+    axes, never mesh axes.
+    """
+    layout = _ACTIVE.get()
+    if layout is None:
+        return x
+    import jax
+    return jax.lax.with_sharding_constraint(x, _sharding_for(layout, layout.spec(logical, x.shape, what)))
+
+
+def _sharding_for(layout: Layout, spec):
+    """A bare spec under an active (abstract) mesh context, else a NamedSharding on the layout's mesh."""
+    import jax
+    if jax.sharding.get_abstract_mesh().axis_names:
+        return spec
+    from jax.sharding import NamedSharding
+    return NamedSharding(layout.mesh, spec)

@@ -1,0 +1,415 @@
+"""Checkpoints: Orbax `CheckpointManager`, asynchronous, atomic, restorable onto any mesh.
+
+    ckpt = Checkpointer(cfg.checkpoint, trainer)
+    found = ckpt.restore_latest()           # None, or Restored(step, state, data, meta, path)
+    ckpt.save(step, state, data.state())     # returns once arrays are on the host; writes go on in the background
+    ckpt.close()                             # waits for the last write
+
+One checkpoint is the folder `checkpoint.dir/<step>/` with three items:
+
+    state/   the whole train state (params, optimizer state, step, loss-scale numerics), each
+             process writing only the shards it holds (OCDBT + Zarr, via TensorStore)
+    data/    JSON: the data iterator's position (`Batches.state()`)
+    meta/    JSON: the resolved config, the RNG seeds, the saving mesh / strategy / process count,
+             and a fingerprint of every state leaf
+
+What it guarantees:
+
+* Atomic: Orbax writes `<step>.orbax-checkpoint-tmp-*` and renames it to `<step>` only after every
+  item of every process is written, so a crash mid-save leaves no folder that looks complete (on
+  GCS, where renames are slow, a commit file written last plays that role).
+* The last good checkpoint survives a new one: steps beyond `checkpoint.keep` are deleted by the
+  manager's finalisation of the *newer* save, which runs only after that save committed.
+* Asynchronous: `save` blocks only for the device -> host copy; the writes overlap the next steps.
+  The train step donates its input state, which is safe because the copy is already done.
+* Exact resume: the state, the data position and the config are everything a step depends on. The
+  RNG state is the seeds: batch s is built from (data.seed, s, row), the init from train.seed, and
+  the step draws no random numbers (a layer that needs some should fold the step counter into a
+  key from train.seed, which keeps it so). Any key array added to the train state is saved with it.
+* Restore onto any mesh: the target is `Trainer.abstract_state()`, `ShapeDtypeStruct`s carrying the
+  *new* shardings; each process reads only the slices its devices hold and nothing is gathered on
+  one device (ZeRO-style sharded states, Rajbhandari et al. 2020, stay sharded end to end).
+* Damage is detected, not trusted: besides Orbax/TensorStore read errors, every leaf's fingerprint
+  (a position-weighted hash of its bits, summed mod 2^32, so it does not depend on the sharding)
+  is recomputed after the restore and compared.
+* Fallback order: newest to oldest. A damaged checkpoint is reported by step, path and reason; once
+  an older one restores cleanly the damaged folders are renamed `<step>.damaged-<time>` (kept for
+  inspection, never deleted) so the run can write that step again; if one cannot be moved, the
+  next save of that step replaces it. If none is usable the run stops with `CheckpointError` and
+  touches nothing.
+* Paths are etils `epath.Path`, the type Orbax uses: `gs://bucket/run` stays a bucket path
+  (`pathlib` would turn it into the local folder `gs:/bucket/run`).
+* The data stream is (data.seed, batch.global_size, batch.length, data.kind/path): resuming with
+  any of them changed is allowed but said in one line (`data_changes`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from etils import epath
+from jax.sharding import NamedSharding, PartitionSpec
+
+from meshpar.core.config import CheckpointConfig
+from meshpar.core.errors import MeshparError
+
+ITEMS = ("state", "data", "meta")
+FORMAT = 1
+
+
+class CheckpointError(MeshparError):
+    """No usable checkpoint, or one that does not fit this run."""
+
+
+class FingerprintMismatch(ValueError):
+    """Restored contents differ from the fingerprint saved with them (silent corruption)."""
+
+
+DATA_KEYS = ("data.seed", "batch.global_size", "batch.length", "data.kind", "data.path")
+SCHEDULE_KEYS = ("steps", "train.lr", "train.warmup_steps", "train.min_lr_ratio")   # the lr schedule's shape
+
+
+def data_changes(saved_config: dict, cfg, keys=DATA_KEYS) -> list[str]:
+    """`key=new (checkpoint: old)` for every dotted key of `keys` (default: the data stream's) whose
+    value differs from the saved run's config."""
+    out = []
+    for key in keys:
+        *section, name = key.split(".")
+        saved = saved_config.get(section[0]) if section else saved_config
+        new = getattr(getattr(cfg, section[0]) if section else cfg, name, None)
+        if isinstance(saved, dict) and saved.get(name) != new:
+            out.append(f"{key}={new} (checkpoint: {saved.get(name)})")
+    return out
+
+
+def local_or_remote(path) -> epath.Path:
+    """`checkpoint.dir` as the path type Orbax uses; local paths made absolute, URLs kept as they are."""
+    p = epath.Path(path)
+    return p if "://" in str(path) else epath.Path(p.expanduser().absolute())
+
+
+def aside_path(path: epath.Path, stamp: str) -> epath.Path:
+    """Where a damaged `<dir>/<step>` is moved: `<dir>/<step>.damaged-<stamp>`, same file system."""
+    return path.with_name(f"{path.name}.damaged-{stamp}")
+
+
+@dataclass
+class Restored:
+    step: int
+    state: Any
+    data: dict
+    meta: dict
+    path: str
+    damaged: list[dict]       # newer checkpoints that could not be used: {"step", "path", "reason"}
+
+
+# ----------------------------------------------------------------------------------------------
+# Fingerprints: sharding-independent per-leaf hashes, checked after every restore.
+
+_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+
+
+def _leaf_hash(x: jax.Array) -> jax.Array:
+    """uint32 sum over elements of mix(bits, flat position). Integer addition mod 2^32 is associative,
+    so the result is the same whatever the sharding and the order of the partial sums."""
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    if x.dtype == jnp.bool_:
+        bits = x.astype(jnp.uint32)
+    elif x.dtype.itemsize == 8:     # only with jax_enable_x64: fold the two halves
+        b = jax.lax.bitcast_convert_type(x, jnp.uint32)
+        bits = b[..., 0] ^ b[..., 1]
+    else:
+        bits = jax.lax.bitcast_convert_type(x, _UINT[x.dtype.itemsize]).astype(jnp.uint32)
+    pos = jnp.zeros(bits.shape, jnp.uint32)
+    stride = 1
+    for d in reversed(range(bits.ndim)):
+        pos = pos + jax.lax.broadcasted_iota(jnp.uint32, bits.shape, d) * jnp.uint32(stride & 0xFFFFFFFF)
+        stride *= bits.shape[d]
+    h = (bits + pos * jnp.uint32(0x9E3779B9)) * jnp.uint32(0x85EBCA6B)
+    h = h ^ (h >> 16)
+    return jnp.sum(h, dtype=jnp.uint32)
+
+
+def fingerprint(state) -> dict[str, int]:
+    """{leaf path: uint32 hash} of a (sharded) state: one small jitted reduction, replicated result."""
+    leaves = jax.tree_util.tree_leaves_with_path(state)
+    arrays = [x for _, x in leaves]
+    mesh = next((x.sharding.mesh for x in arrays if isinstance(x.sharding, NamedSharding)), None)
+    hashes = _hash_fn(NamedSharding(mesh, PartitionSpec()) if mesh is not None else None)(arrays)
+    values = np.asarray(hashes.addressable_data(0))
+    return {jax.tree_util.keystr(p): int(v) for (p, _), v in zip(leaves, values)}
+
+
+@functools.lru_cache(maxsize=8)
+def _hash_fn(out_sharding):
+    return jax.jit(lambda xs: jnp.stack([_leaf_hash(x) for x in xs]), out_shardings=out_sharding)
+
+
+def tree_signature(abstract_state) -> dict[str, list]:
+    """{leaf path: [shape, dtype]}: what a checkpoint must match to be restored into this run."""
+    return {jax.tree_util.keystr(p): [list(a.shape), str(a.dtype)]
+            for p, a in jax.tree_util.tree_leaves_with_path(abstract_state)}
+
+
+# ----------------------------------------------------------------------------------------------
+
+class Checkpointer:
+    """Save / restore the train state of one run (see the module docstring).
+
+    `options`: the run's `cfg.checkpoint` (dir, every, keep). `trainer`: the run whose state it saves
+    (its abstract state is the restore target; its config and layout are saved in `meta`)."""
+
+    def __init__(self, options: CheckpointConfig, trainer, info: Callable[[str], None] = print):
+        import orbax.checkpoint as ocp
+        self.ocp = ocp
+        self.trainer, self.info = trainer, info
+        c = options
+        self.root = local_or_remote(c.dir)
+        self.directory = str(self.root)
+        self.every = c.every
+        options = ocp.CheckpointManagerOptions(max_to_keep=c.keep, create=True, enable_async_checkpointing=True)
+        self.manager = ocp.CheckpointManager(self.root, item_names=ITEMS, options=options)
+        self.damaged_steps: set[int] = set()      # found damaged and still in place (could not be moved)
+        self.target = trainer.abstract_state()          # shapes, dtypes and this run's shardings
+        self.signature = tree_signature(self.target)
+        self.last_saved: int | None = None
+
+    # -- paths -----------------------------------------------------------------------------------
+    def path(self, step: int) -> str:
+        return f"{self.directory}/{step}"
+
+    def steps(self) -> list[int]:
+        """Complete checkpoints (temporary folders of unfinished saves are never listed)."""
+        self.manager.reload()
+        return sorted(self.manager.all_steps())
+
+    # -- save ------------------------------------------------------------------------------------
+    def due(self, step: int) -> bool:
+        return bool(self.every) and step % self.every == 0
+
+    def save(self, step: int, state, data_state: dict, *, wait: bool = False, run: dict | None = None) -> str:
+        """Start an asynchronous save of `state` at `step` (all processes call it). Returns the path.
+        The previous save, if still writing, is finished first (Orbax), so at most one is in flight.
+        `run`: facts of the run so far kept in meta (the loop's `initial_loss`)."""
+        if step in self.damaged_steps:
+            self._replace_damaged(step)
+        if step in self.manager.all_steps():       # e.g. the end of a run that resumed at its last step
+            return self.path(step)
+        ocp, cfg, facts = self.ocp, self.trainer.cfg, self.trainer.describe()
+        meta = {"format": FORMAT, "step": step, "time": time.time(), "config": dataclasses.asdict(cfg),
+                "rng": {"train.seed": cfg.train.seed, "data.seed": cfg.data.seed},
+                "mesh": facts["mesh"], "strategy": facts["strategy"],
+                "precision": facts["precision"], "processes": jax.process_count(),
+                "signature": self.signature,
+                "fingerprint": fingerprint(state), **(run or {})}
+        try:
+            self.manager.save(step, force=True, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(dict(data_state)),
+                meta=ocp.args.JsonSave(meta)))
+        except Exception as e:  # noqa: BLE001 - e.g. a full disk surfacing from the previous async save
+            raise CheckpointError(f"could not write checkpoint step {step} at {self.path(step)} ({_one_line(e)}); "
+                                  f"complete checkpoints in {self.directory} are untouched") from e
+        self.last_saved = step
+        if wait:
+            self.wait()
+        return self.path(step)
+
+    def wait(self) -> None:
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"writing checkpoint step {self.last_saved} in {self.directory} failed "
+                                  f"({_one_line(e)}); complete checkpoints there are untouched") from e
+
+    def close(self) -> None:
+        self.wait()
+        self.manager.close()
+
+    # -- restore ---------------------------------------------------------------------------------
+    def _restore_meta(self, step: int) -> dict:
+        ocp = self.ocp
+        return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
+    def _restore_one(self, step: int):
+        ocp = self.ocp
+        meta = self._restore_meta(step)
+        check_fits(self.signature, meta, step, self.path(step))
+        out = self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(self.target), data=ocp.args.JsonRestore()))
+        state, data = out["state"], out["data"]
+        got = fingerprint(state)
+        bad = [k for k, v in meta.get("fingerprint", {}).items() if got.get(k) != v]
+        if bad:
+            raise FingerprintMismatch(f"fingerprint mismatch: contents differ from the fingerprint saved with them "
+                                      f"(first: state{bad[0]})")
+        return state, data, meta
+
+    def restore_latest(self) -> Restored | None:
+        """Restore the newest usable checkpoint into this run's shardings; None if there is none.
+
+        Tries complete checkpoints newest first. A damaged one is reported (step, path, reason) and
+        the next older one tried; the damaged folders are then renamed aside (never deleted). If
+        checkpoints exist but none is usable, raises CheckpointError and changes nothing."""
+        steps = self.steps()
+        if not steps:
+            return None
+        damaged = []
+        for step in reversed(steps):
+            try:
+                ok, result, reason = True, self._restore_one(step), ""
+            except CheckpointError:
+                raise
+            except Exception as e:  # noqa: BLE001 - any read/decode/verify failure marks this one damaged
+                ok, result, reason = False, None, _one_line(e)
+            ok = _all_processes(ok)
+            if ok:
+                state, data, meta = result
+                set_aside(damaged, self.info)
+                self.manager.reload()
+                self.damaged_steps = {d["step"] for d in damaged} & set(self.steps())
+                return Restored(step, state, data, meta, self.path(step), damaged)
+            reason = reason or "damaged on another process"
+            damaged.append({"step": step, "path": self.path(step), "reason": reason})
+            self.info(f"checkpoint step {step} at {self.path(step)} is damaged ({reason}); trying the previous one")
+        listing = "; ".join(f"step {d['step']} at {d['path']}: {d['reason']}" for d in damaged)
+        raise CheckpointError(f"no usable checkpoint in {self.directory} ({listing}); nothing was deleted. "
+                              f"Repair or move those folders, or set checkpoint.dir to a new folder to start over")
+
+    def _replace_damaged(self, step: int) -> None:
+        """A damaged step still in the manager's list would make `save` skip that step forever: move
+        it aside (or, failing that, delete it) so the save writes a good one in its place."""
+        self.wait()
+        set_aside([{"step": step, "path": self.path(step)}], self.info)
+        self.manager.reload()
+        if step in self.manager.all_steps():
+            if jax.process_index() == 0:
+                self.info(f"deleting damaged checkpoint step {step} at {self.path(step)} to write it again")
+            self.manager.delete(step)
+            self.manager.reload()
+        self.damaged_steps.discard(step)
+
+
+def check_fits(mine: dict, meta: dict, step: int, path: str) -> None:
+    """A checkpoint of a different model is a user error, not damage: stop, naming the leaf."""
+    theirs = meta.get("signature") or {}
+    for key in [*mine, *(k for k in theirs if k not in mine)]:
+        if mine.get(key) != theirs.get(key):
+            raise CheckpointError(
+                f"checkpoint step {step} at {path} does not fit this run: state{key} is "
+                f"{theirs.get(key, 'absent')} there and {mine.get(key, 'absent')} here; use the model "
+                f"settings it was saved with (its config is in {path}/meta) or a new checkpoint.dir")
+
+
+def set_aside(damaged: list[dict], info: Callable[[str], None]) -> None:
+    """Rename each damaged `<dir>/<step>` aside (`aside_path`; never deleted), on process 0, then wait
+    for every process."""
+    if not damaged:
+        return
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    if jax.process_index() == 0:
+        for d in damaged:
+            src = epath.Path(d["path"])
+            try:
+                if src.exists():
+                    dst = aside_path(src, stamp)
+                    src.rename(dst)
+                    d["moved_to"] = str(dst)
+                    info(f"moved damaged checkpoint {src} to {dst} (kept, not deleted)")
+            except OSError as e:
+                info(f"could not move damaged checkpoint {src} aside ({_one_line(e)}); the next save of "
+                          f"step {d['step']} replaces it")
+    _barrier("meshpar-checkpoint-set-aside")
+
+
+def _barrier(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices(name)
+
+
+def _all_processes(ok: bool) -> bool:
+    """True on every process iff `ok` on every process (restores read process-local shards)."""
+    if jax.process_count() == 1:
+        return ok
+    from jax.experimental import multihost_utils
+    return bool(np.all(multihost_utils.process_allgather(np.asarray(ok, np.int32))))
+
+
+def _one_line(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}".strip()
+    line = text.splitlines()[0] if text else type(e).__name__
+    return line.split(" See full TensorStore details")[0][:300]
+
+
+# ----------------------------------------------------------------------------------------------
+# Weights only (serving): a part of the train state, read straight into another layout.
+
+def _existing(directory) -> epath.Path:
+    root = local_or_remote(directory)
+    if not root.exists():
+        raise CheckpointError(f"checkpoint.dir '{directory}' does not exist; give the folder `meshpar train "
+                              "checkpoint.dir=...` wrote (or leave checkpoint.dir unset for a fresh init)")
+    return root
+
+
+def saved_config(directory) -> tuple[int, dict] | None:
+    """(step, resolved config) saved with the newest checkpoint in `directory`; None if it holds none."""
+    import orbax.checkpoint as ocp
+    manager = ocp.CheckpointManager(_existing(directory), item_names=ITEMS)
+    try:
+        for step in sorted(manager.all_steps(), reverse=True):
+            try:
+                meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+            except Exception:  # noqa: BLE001 - a damaged step: its predecessor's config
+                continue
+            return step, meta.get("config") or {}
+    finally:
+        manager.close()
+    return None
+
+
+def restore_weights(directory, target: dict, info: Callable[[str], None] = print):
+    """The newest usable checkpoint's `params` and `vars` in `directory`, read straight into
+    `target`'s shardings (a dict {"params", "vars"} of ShapeDtypeStructs carrying them): optimizer
+    state is never read, each process reads only its slices. Returns (tree, step, meta), or None
+    when the folder holds no checkpoint; a folder that does not exist is an error (a mistyped path
+    must not serve a random model), and so is a checkpoint of another model (naming the leaf)."""
+    import orbax.checkpoint as ocp
+    root = _existing(directory)
+    manager = ocp.CheckpointManager(root, item_names=ITEMS)
+    steps = sorted(manager.all_steps())
+    target = {k: v for k, v in target.items() if jax.tree.leaves(v)}   # e.g. no non-Param variables
+    mine = tree_signature(target)
+    reasons = []
+    try:
+        for step in reversed(steps):
+            meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+            theirs = meta.get("signature") or {}
+            for key, want in mine.items():
+                if theirs.get(key, [None])[0] != want[0]:
+                    have = theirs.get(key, ["absent"])[0]
+                    raise CheckpointError(
+                        f"checkpoint step {step} at {root}/{step} holds another model: state{key} has shape {have} "
+                        f"there and {want[0]} here; pass the model settings it was trained with (its config is in "
+                        f"{root}/{step}/meta)")
+            try:
+                restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+                tree = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+                    item=target, restore_args=restore_args, partial_restore=True)))["state"]
+            except Exception as e:  # noqa: BLE001 - a damaged step: try the previous one
+                reasons.append(f"step {step}: {_one_line(e)}")
+                info(f"checkpoint step {step} at {root}/{step} could not be read ({_one_line(e)}); trying the previous one")
+                continue
+            return tree, step, meta
+    finally:
+        manager.close()
+    if steps:
+        raise CheckpointError(f"no readable checkpoint in {root} ({'; '.join(reasons)})")
+    return None

@@ -1,0 +1,119 @@
+"""Text <-> token ids for prompts, outputs and text data. Byte-level (the default): token i is the
+byte i (0..255); decoding is UTF-8 with undecodable bytes replaced. `data.tokenizer=PATH`: a Hugging
+Face `tokenizers` tokenizer (`HFTokenizer`), with documents packed BOS doc EOS BOS doc EOS ..."""
+from __future__ import annotations
+
+from meshpar.core.errors import ConfigError
+
+
+class ByteTokenizer:
+    vocab_size = 256
+    eos_id = None       # byte-level text has no end-of-sequence token
+    bos_id = None
+
+    def __init__(self, model_vocab: int):
+        if model_vocab < 256:
+            raise ConfigError(f"text prompts use byte tokens 0..255 and need model.vocab >= 256, got {model_vocab}; "
+                              "give token ids with --prompt-ids instead")
+
+    @staticmethod
+    def encode(text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids) -> str:
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+    def prompt(self, text: str) -> list[int]:
+        return self.encode(text)
+
+
+class HFTokenizer:
+    """A Hugging Face `tokenizers` tokenizer (`data.tokenizer`: a tokenizer.json, or a folder that
+    holds one). End and beginning of sequence: `eos_token_id`/`bos_token_id` of the folder's
+    generation_config.json, else its config.json, else the tokens its tokenizer_config.json names
+    (`eos_token`/`bos_token`). `encode` adds no special tokens: prompts get BOS from `prompt`,
+    documents BOS and EOS from `document` (a list of EOS ids counts its first)."""
+
+    def __init__(self, path: str, model_vocab: int | None = None):
+        import json
+        from pathlib import Path
+        p = Path(path).expanduser()
+        file = p / "tokenizer.json" if p.is_dir() else p
+        if not file.is_file():
+            raise ConfigError(f"data.tokenizer '{path}': no tokenizer.json there")
+        from tokenizers import Tokenizer
+        try:
+            self.tok = Tokenizer.from_file(str(file))
+        except Exception as e:  # noqa: BLE001 - not a tokenizers file
+            raise ConfigError(f"data.tokenizer '{file}' is not a tokenizers JSON file ({str(e).splitlines()[0]})") from None
+        self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+        if model_vocab is not None and self.vocab_size > model_vocab:
+            raise ConfigError(f"data.tokenizer '{file}' has {self.vocab_size} tokens, more than model.vocab={model_vocab}")
+        meta = {}
+        for name in ("tokenizer_config.json", "config.json", "generation_config.json"):   # later files win
+            f = file.parent / name
+            if f.is_file():
+                data = json.loads(f.read_text())
+                for what in ("bos", "eos"):
+                    tok = data.get(f"{what}_token")
+                    tok = tok.get("content") if isinstance(tok, dict) else tok
+                    if isinstance(tok, str) and self.tok.token_to_id(tok) is not None:
+                        meta[what] = self.tok.token_to_id(tok)
+                    v = data.get(f"{what}_token_id")
+                    v = v[0] if isinstance(v, list) and v else v
+                    if isinstance(v, int):
+                        meta[what] = v
+        self.bos_id, self.eos_id = meta.get("bos"), meta.get("eos")
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def prompt(self, text: str) -> list[int]:
+        return ([self.bos_id] if self.bos_id is not None else []) + self.encode(text)
+
+    def document(self, text: str) -> list[int]:
+        """BOS (if the tokenizer has one) + text + EOS (required: it separates packed documents)."""
+        if self.eos_id is None:
+            raise ConfigError("data.tokenizer has no end-of-sequence token (eos_token_id in generation_config.json "
+                              "or config.json, or eos_token in tokenizer_config.json beside tokenizer.json): "
+                              "packed documents need one between them")
+        return self.prompt(text) + [self.eos_id]
+
+    def decode(self, ids) -> str:
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+
+def load_tokenizer(cfg, model_vocab: int):
+    """`data.tokenizer` if set, else the byte-level tokenizer."""
+    if cfg.data.tokenizer:
+        return HFTokenizer(cfg.data.tokenizer, model_vocab)
+    return ByteTokenizer(model_vocab)
+
+
+def documents(path: str):
+    """The documents of `data.path` for tokenized text: each file of a folder (or the file) is one
+    document, except `.jsonl` files, whose lines are documents (their "text" field)."""
+    import json
+    from pathlib import Path
+    p = Path(path)
+    files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
+    if not files or not files[0].exists():
+        raise ConfigError(f"data.path '{path}' has no text files")
+    for f in files:
+        if f.suffix == ".jsonl":
+            for i, line in enumerate(f.read_text(encoding="utf-8").splitlines()):
+                if line.strip():
+                    rec = json.loads(line)
+                    if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
+                        raise ConfigError(f"{f}:{i + 1}: a .jsonl document needs a string field 'text'")
+                    yield rec["text"]
+        else:
+            yield f.read_text(encoding="utf-8", errors="replace")
+
+
+def packed_text(path: str, tokenizer: str, model_vocab: int):
+    """Every document of `path` tokenized and packed end to end: BOS doc EOS BOS doc EOS ... (uint32)."""
+    import numpy as np
+    tok = HFTokenizer(tokenizer, model_vocab)
+    ids = [t for doc in documents(path) for t in tok.document(doc)]
+    return np.asarray(ids, np.uint32)

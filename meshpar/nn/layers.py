@@ -1,0 +1,121 @@
+"""Building blocks a model uses to meet meshpar: annotated parameters and stacked, scanned layers.
+
+    w = param(rngs, (E, F), ("embed", "mlp"), std)       # an nnx.Param with logical axis names
+    blocks = stacked(lambda r: Block(cfg, r), L, rngs)     # L copies on a leading `layers` axis
+    x, aux = scan_layers(blocks, x, positions, remat)      # lax.scan over `layers`, with remat
+
+Stacking puts the `layers` name in front of each parameter's logical axes, so the stack's layout
+(at rest on its pipeline stage, say) survives into gradients and optimizer state. The pipeline
+schedules (`meshpar.parallel.pipeline`) cut exactly such a stack into stages.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from meshpar.core.precision import param_dtype
+from meshpar.core.rules import constrain
+from meshpar.core.sharding import logical_axes
+
+
+def param(rngs: nnx.Rngs, shape, logical, std: float | None = None, init: str = "normal") -> nnx.Param:
+    """A parameter with logical axis names (`logical_axes` metadata, resolved by meshpar), in the
+    active precision policy's `param_dtype` (fp32 master weights under every preset policy).
+    init: "normal" (truncated at 2 std), "ones" or "zeros"."""
+    dtype = param_dtype()
+    if init in ("ones", "zeros"):
+        value = (jnp.ones if init == "ones" else jnp.zeros)(shape, dtype)
+    else:
+        value = std * jax.random.truncated_normal(rngs.params(), -2.0, 2.0, shape, dtype)
+    return nnx.Param(value, logical_axes=tuple(logical))
+
+
+def stacked(make, n: int, rngs: nnx.Rngs):
+    """n copies of the module `make(rngs)` stacked on a leading `layers` axis (nnx.vmap)."""
+    keys = jax.random.split(rngs.params(), n)
+
+    @nnx.vmap(in_axes=0, out_axes=0)
+    def create(key):
+        return make(nnx.Rngs(params=key))
+
+    mod = create(keys)
+    for _, var in nnx.iter_graph(mod):   # meshpar's names or Flax's (`out_sharding`) gain `layers`
+        if isinstance(var, nnx.Variable):
+            meta = var.get_metadata()
+            for key in ("logical_axes", "out_sharding"):
+                names = meta.get(key)
+                if names is not None and len(names) < len(jnp.shape(var.get_value())):
+                    var.set_metadata(key, ("layers",) + tuple(names))
+    return mod
+
+
+REMAT_POLICIES = {
+    "none": None,
+    "full": lambda: jax.checkpoint_policies.nothing_saveable,
+    "save_dots": lambda: jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "offload": lambda: jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
+}
+
+
+def scan_layers(layers_mod, x, positions, remat: str = "full", scan: bool = True, cache=None):
+    """Apply a stacked module [layers, ...] to x [B, T, E] layer by layer.
+
+    `lax.scan` keeps one copy of the layer program (compile time independent of depth); the remat
+    policy decides what the backward pass recomputes. Each layer is called `layer(x, positions)`, or
+    `layer(x)` when `positions` is None, and returns x or (x, aux). Returns (x, aux) with aux
+    stacked [layers] ({} when the layers return none).
+    With `cache` (a KV cache stacked [layers, ...], decoding) each layer is called as
+    `layer(x, positions, cache=its slice) -> (x, aux, new slice)` and (x, aux, cache) is returned.
+    """
+    graphdef, state = nnx.split(layers_mod)
+
+    def pin(v):
+        """One layer's weight slice, pinned to its at-rest layout (its logical axes minus `layers`).
+        Under FSDP the weight stays sharded until use (an all-gather per layer) and, by
+        transposition, its gradient is reduce-scattered per layer inside the backward loop instead
+        of all-reduced whole and sliced after the loop."""
+        names = logical_axes(v)
+        return v.replace(constrain(v.get_value(), names[1:], what="parameter")) if names else v
+
+    def body(carry, layer_state):
+        layer_state = jax.tree.map(pin, layer_state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+        layer = nnx.merge(graphdef, layer_state)
+        out = layer(carry) if positions is None else layer(carry, positions)
+        return out if isinstance(out, tuple) else (out, {})
+
+    def decode_body(carry, xs):
+        """The stacked cache rides in the carry: layer i reads its slice and writes it back in place
+        (a scan's xs -> ys would copy the whole cache every step)."""
+        x, cache = carry
+        layer_state, i = xs
+        layer_state = jax.tree.map(pin, layer_state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+        mine = jax.tree.map(lambda c: jax.lax.dynamic_index_in_dim(c, i, 0, keepdims=False), cache)
+        y, aux, mine = nnx.merge(graphdef, layer_state)(x, positions, cache=mine)
+        cache = jax.tree.map(lambda c, m: jax.lax.dynamic_update_index_in_dim(c, m.astype(c.dtype), i, 0), cache, mine)
+        return (y, cache), aux
+
+    n = jax.tree.leaves(state)[0].shape[0]
+    loop = jax.lax.scan if scan else functools.partial(_unrolled, n=n)
+    if cache is not None:                    # decoding: no backward pass, so no remat
+        (x, cache), aux = loop(decode_body, (x, cache), (state, jnp.arange(n)))
+        return x, aux, cache
+    if REMAT_POLICIES[remat] is not None:
+        body = jax.checkpoint(body, policy=REMAT_POLICIES[remat](), prevent_cse=not scan)
+    return loop(body, x, state)
+
+
+def _unrolled(f, carry, xs, n: int):
+    """`lax.scan(f, carry, xs)` as a Python loop over the n layers (one program copy per layer)."""
+    ys = []
+    for i in range(n):
+        carry, y = f(carry, jax.tree.map(lambda a: a[i], xs))
+        ys.append(y)
+    return carry, _stack(ys)
+
+
+def _stack(auxes: list):
+    """Per-layer aux dicts -> one dict stacked [layers] ({} when the layers report nothing)."""
+    return jax.tree.map(lambda *a: jnp.stack(a), *auxes) if auxes and jax.tree.leaves(auxes[0]) else {}

@@ -1,0 +1,461 @@
+"""Mixture of experts: routing, dispatch and combine, expert parallelism over the `expert` mesh axis.
+
+After GShard (Lepikhin et al. 2020, Algorithm 1) and Switch Transformer (Fedus et al. 2021). Letters:
+G groups, S tokens per group, E experts, C capacity (slots per expert per group), M model width
+(`embed`), H expert hidden width (`expert_mlp`), K experts per token (top1: 1, top2: 2).
+
+    x [B, T, M] -> regroup [G, S, M] -> router logits [G, S, E] (fp32) -> route
+    capacity mode (`capacity_factor` a number), GShard's einsums (the reference, `DISPATCH="einsum"`):
+        combine  [G, S, E, C] = gate of each kept (token, expert, slot), 0 elsewhere
+        dispatch [G, S, E, C] = combine != 0 (as a 0/1 mask)
+        GSEC,GSM->EGCM    dispatch:  G-sharded -> E-sharded (XLA: all-to-all over `expert`)
+        EGCM,EMH->EGCH    expert FFN in (SwiGLU: gate and up projections)
+        EGCH,EHM->EGCM    expert FFN out
+        GSEC,EGCM->GSM    combine:   E-sharded -> G-sharded (all-to-all back)
+    what runs by default (`DISPATCH="gather"`, `dispatch_combine_gather`): the same EGCM tensors,
+        layouts and all-to-alls, but dispatch and combine are row gathers by the slot of each kept
+        (token, k) -- a 0/1 mask matmul copies rows, so a gather computes the same numbers without
+        the [G, S, E, C] masks (E x C times the tokens' size) or their 2 x S x E x C x M FLOPs per
+        group each way; gradients are gathers too. tests/test_moe_fast.py holds it to the einsums.
+    dropless mode (`capacity_factor: null`): top-K experts [G, S, K] -> every device sorts its tokens
+        by expert, sends each expert shard its rows (all-to-all), runs `lax.ragged_dot` grouped
+        matmuls over its local experts, sends the rows back (all-to-all), weighted sum over K.
+
+Sharding. Expert weights [E, M, H] carry the logical axis `expert` (-> mesh `expert`); tokens
+[G, S, M] carry `group` (-> the batch axes data/fsdp/expert jointly). The dispatch einsum runs in
+the token layout (EGCM split on G like GSM: no communication), then EGCM is pinned to (`expert`,
+`group`, `capacity`, `embed`): the resolver gives E the `expert` axis and G what is left of the batch
+axes, so only the `expert` axis changes owner, which XLA lowers to an all-to-all; the combine does
+the reverse. (Pinning only the E-split layout lets XLA pick other plans: with a `tensor` axis it
+all-gathered tokens over `expert` instead.) Since no spec may use a mesh axis twice, expert weights
+can never be split over `expert` on two dimensions (the layout that makes XLA all-gather them).
+Under FSDP presets the `embed`/`expert_mlp` dimensions of expert weights are sharded over
+data/fsdp and all-gathered over those axes for compute, as every FSDP weight is (ZeRO-3); never
+over `expert`. Random routing draws U(0, 1) from a key folded with integer hashes of the tokens and
+of the layer's router, so it is identical under every sharding.
+
+Auxiliary losses (per MoE layer, fp32):
+    aux_loss = E * mean_G sum_E (mean_S gates[G,S,E]) * (mean_S top1_mask[G,S,E])   (GShard eq. 4,
+               Switch eq. 4): exactly 1 when the gates are uniform, so the training loss gets
+               `aux_loss_weight` then.
+    z_loss   = mean_{G,S} logsumexp(logits)^2   (ST-MoE, Zoph et al. 2022)
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from meshpar.core.config import ROUTING as TOP_K   # moe.routing -> experts per token (K)
+from meshpar.core.errors import ConfigError
+from meshpar.core.rules import active_layout, constrain
+
+TOKENS = ("group", None, "embed")                         # GSM
+ROUTING = ("group", None, None)                           # GSE, GSK
+MASKS = ("group", None, None, None)                       # GSEC
+EXPERT_IN = ("expert", "group", "capacity", "embed")      # EGCM, experts split (compute layout)
+GROUPED = (None, "group", "capacity", "embed")            # EGCM, groups split (token layout)
+EXPERT_HIDDEN = ("expert", "group", "capacity", "expert_mlp")  # EGCH
+W_IN = ("expert", "embed", "expert_mlp")                  # EMH
+W_OUT = ("expert", "expert_mlp", "embed")                 # EHM
+
+
+# capacity mode: "gather" (default, `dispatch_combine_gather`) or "einsum" (GShard's formulation,
+# `dispatch_combine`, the reference the tests hold the gather path to)
+DISPATCH = "gather"
+
+
+@dataclass(frozen=True)
+class MoESettings:
+    """The MoE part of a run config, as the layers need it (see `meshpar.core.config.MoEConfig`)."""
+    num_experts: int
+    top_k: int                        # 1 (Switch) or 2 (GShard)
+    capacity_factor: float | None     # None: dropless
+    every: int = 2
+    aux_loss_weight: float = 0.01
+    z_loss_weight: float = 0.001
+    group_size: int | None = None
+    second_expert_policy: str = "all"
+
+    @classmethod
+    def from_config(cls, m) -> "MoESettings":
+        return cls(num_experts=m.num_experts, top_k=TOP_K[m.routing],
+                   capacity_factor=m.capacity_factor, every=m.every, aux_loss_weight=m.aux_loss_weight,
+                   z_loss_weight=m.z_loss_weight, group_size=m.group_size,
+                   second_expert_policy=m.second_expert_policy)
+
+
+def capacity(group_size: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
+    """Slots per expert per group: C = ceil(K * S * capacity_factor / E) (GShard §2.2)."""
+    if capacity_factor <= 0:
+        raise ConfigError(f"moe.capacity_factor must be > 0 or null (dropless), got {capacity_factor}")
+    return max(1, math.ceil(top_k * group_size * capacity_factor / num_experts))
+
+
+# ----------------------------------------------------------------------------------------------
+# Routing (fp32)
+
+class Routing(NamedTuple):
+    """What the router decided for logits [G, S, E]."""
+    index: jax.Array        # [G, S, K] int32: chosen experts, best first
+    gates: jax.Array        # [G, S, K] fp32: top1 the softmax gate; top2 g_k / (g1 + g2); 0 if not routed
+    routed: jax.Array       # [G, S, K] bool: assignment made (False: 2nd expert skipped by random routing)
+    kept: jax.Array         # [G, S, K] bool: routed and within capacity (all routed when dropless)
+    position: jax.Array     # [G, S, K] int32: slot in the expert's buffer (meaningful where kept)
+    combine: jax.Array | None   # [G, S, E, C] fp32 combine weights (None when dropless)
+    dispatch: jax.Array | None  # [G, S, E, C] bool dispatch mask (None when dropless)
+    aux_loss: jax.Array     # scalar: load-balancing loss, 1.0 under uniform gates (unweighted)
+    z_loss: jax.Array       # scalar: mean logsumexp(logits)^2 (unweighted)
+    drop_fraction: jax.Array  # scalar: dropped / routed (token, expert) assignments
+    load: jax.Array         # [E]: fraction of routed assignments per expert (sums to 1)
+
+
+def load_balancing_loss(gates: jax.Array, top1: jax.Array) -> jax.Array:
+    """E * mean_G sum_E mean_S(gates) * mean_S(top1 one-hot). gates, top1 [G, S, E] -> scalar.
+
+    Uniform gates (1/E each) give exactly 1 whatever the top-1 choices, since the top-1 fractions sum
+    to 1 over experts."""
+    e = gates.shape[-1]
+    me = jnp.mean(gates, axis=1)       # [G, E] mean gate
+    ce = jnp.mean(top1, axis=1)        # [G, E] fraction of tokens whose first choice is e
+    return e * jnp.mean(jnp.sum(me * ce, axis=-1))
+
+
+def z_loss(logits: jax.Array) -> jax.Array:
+    """Router z-loss: mean over tokens of logsumexp(logits)^2. logits [G, S, E] -> scalar."""
+    return jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
+
+
+def route(logits: jax.Array, top_k: int, capacity_factor: float | None, second_policy: str = "all",
+          rng: jax.Array | None = None, with_masks: bool = True) -> Routing:
+    """GShard Algorithm 1 (top2) / Switch (top1) on router logits [G, S, E], computed in fp32.
+
+    - gates = softmax(logits); expert 1 = argmax, expert 2 = argmax of the rest (ties: lowest index).
+    - top2: g1, g2 renormalised by g1 + g2; `second_policy="random"` keeps the 2nd expert only where
+      2 * g2 > U(0, 1) (needs `rng`). top1: the gate is the softmax probability itself (Switch), so
+      the router gets a gradient.
+    - capacity C = ceil(K * S * capacity_factor / E); a token's slot in an expert is its rank by
+      cumulative sum over S, first choices of the whole group before second choices; assignments at
+      slot >= C are dropped (the token then only passes through the residual connection).
+    - capacity_factor None: dropless, every routed assignment is kept.
+    - `with_masks=False`: skip the [G, S, E, C] combine/dispatch tensors (None); the fast path needs only
+      index, gates, kept and position.
+    """
+    logits = logits.astype(jnp.float32)
+    g, s, e = logits.shape
+    if top_k > e:
+        raise ConfigError(f"moe.routing=top{top_k} needs at least {top_k} experts, got moe.num_experts={e}")
+    probs = jax.nn.softmax(logits, axis=-1)
+    index, gates, masks = [], [], []
+    rest = probs
+    for _ in range(top_k):
+        i = jnp.argmax(rest, axis=-1)                                  # [G, S]
+        mask = jax.nn.one_hot(i, e, dtype=jnp.float32)                 # [G, S, E]
+        index.append(i)
+        gates.append(jnp.sum(probs * mask, axis=-1))
+        masks.append(mask)
+        rest = rest * (1.0 - mask) - mask                              # exclude chosen (probs >= 0)
+    index = jnp.stack(index, -1).astype(jnp.int32)                     # [G, S, K]
+    gates = jnp.stack(gates, -1)                                       # [G, S, K]
+    if top_k > 1:
+        gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+    routed = jnp.ones(index.shape, bool)
+    if second_policy == "random" and top_k > 1:
+        if rng is None:
+            raise ValueError("second_policy='random' needs an rng key")
+        u = jax.random.uniform(rng, (g, s), jnp.float32)
+        routed = routed.at[..., 1].set(2.0 * gates[..., 1] > u)
+    gates = gates * routed
+
+    aux = load_balancing_loss(probs, masks[0])
+    zl = z_loss(logits)
+    routed_f = routed.astype(jnp.float32)
+    onehots = jnp.stack(masks, axis=2) * routed_f[..., None]           # [G, S, K, E]
+    load = jnp.sum(onehots, axis=(0, 1, 2)) / jnp.maximum(jnp.sum(routed_f), 1.0)
+
+    if capacity_factor is None:
+        return Routing(index, gates, routed, routed, jnp.zeros_like(index), None, None, aux, zl,
+                       jnp.zeros((), jnp.float32), load)
+
+    cap = capacity(s, e, top_k, capacity_factor)
+    filled = jnp.zeros((g, 1, e), jnp.float32)                         # slots taken per expert [G, 1, E]
+    kept, position = [], []
+    combine = jnp.zeros((g, s, e, cap), jnp.float32) if with_masks else None
+    for k in range(top_k):
+        mask = onehots[:, :, k]                                        # [G, S, E]
+        pos = (jnp.cumsum(mask, axis=1) - 1.0 + filled) * mask         # slot per (token, expert)
+        mask = mask * (pos < cap)
+        filled = filled + jnp.sum(mask, axis=1, keepdims=True)
+        pos_k = jnp.sum(pos * mask, axis=-1).astype(jnp.int32)         # [G, S]
+        kept_k = jnp.sum(mask, axis=-1) > 0                            # [G, S]
+        if with_masks:
+            slot = jax.nn.one_hot(pos_k, cap, dtype=jnp.float32) * kept_k[..., None]   # [G, S, C]
+            combine = combine + (gates[..., k, None] * mask)[..., None] * slot[:, :, None, :]
+        kept.append(kept_k)
+        position.append(pos_k)
+    kept = jnp.stack(kept, -1)
+    position = jnp.stack(position, -1)
+    drop = (jnp.sum(routed_f) - jnp.sum(kept.astype(jnp.float32))) / jnp.maximum(jnp.sum(routed_f), 1.0)
+    if not with_masks:
+        return Routing(index, gates, routed, kept, position, None, None, aux, zl, drop, load)
+    dispatch = jnp.zeros((g, s, e, cap), bool)
+    for k in range(top_k):
+        hit = jax.nn.one_hot(index[..., k], e, dtype=bool) & kept[..., k, None]      # [G, S, E]
+        dispatch = dispatch | (hit[..., None] & jax.nn.one_hot(position[..., k], cap, dtype=bool)[:, :, None, :])
+    return Routing(index, gates, routed, kept, position, combine, dispatch, aux, zl, drop, load)
+
+
+# ----------------------------------------------------------------------------------------------
+# Experts
+
+def _swiglu_experts(xe, w_gate, w_up, w_down):
+    """Expert FFN on dispatched tokens: EGCM,EMH->EGCH (gate, up), silu(gate)*up, EGCH,EHM->EGCM."""
+    gate = jnp.einsum("egcm,emh->egch", xe, w_gate)
+    up = jnp.einsum("egcm,emh->egch", xe, w_up)
+    h = constrain(jax.nn.silu(gate) * up, EXPERT_HIDDEN, "moe hidden EGCH")
+    return constrain(jnp.einsum("egch,ehm->egcm", h, w_down), EXPERT_IN, "moe expert output EGCM")
+
+
+def dispatch_combine(x, r: Routing, w_gate, w_up, w_down):
+    """Capacity mode. x [G, S, M], r.combine/r.dispatch [G, S, E, C], w_gate/w_up [E, M, H],
+    w_down [E, H, M] -> [G, S, M]. The G<->E reshards are the all-to-alls of expert parallelism.
+
+    Each einsum runs where its operands already are (G-sharded, no communication); the two
+    constraints around the experts are pure reshards, E-split <-> G-split over `expert`, which XLA
+    lowers to all-to-all (left to itself, it may instead all-gather tokens over `expert`)."""
+    dt = x.dtype
+    xe = jnp.einsum("gsec,gsm->egcm", r.dispatch.astype(dt), x)                       # GSEC,GSM->EGCM
+    xe = constrain(constrain(xe, GROUPED, "moe dispatched EGCM"), EXPERT_IN, "moe dispatched EGCM")
+    ye = _swiglu_experts(xe, w_gate, w_up, w_down)
+    ye = constrain(ye, GROUPED, "moe expert output EGCM")
+    y = jnp.einsum("gsec,egcm->gsm", r.combine.astype(dt), ye)                        # GSEC,EGCM->GSM
+    return constrain(y, TOKENS, "moe combined GSM")
+
+
+# The same layer without the [G, S, E, C] masks: dispatch and combine as row gathers. Slot (e, c) of a
+# group holds at most one kept assignment (s, k) and every kept (s, k) sits in exactly one slot, so
+# the gather assignment -> slot and the gather slot -> assignment are each other's transpose: the
+# backward of either is the other (custom VJP), never a scatter-add and never a one-hot matmul.
+
+@jax.custom_vjp
+def _move_rows(src, idx, valid, back_idx, back_valid):
+    """out[g, r] = src[g, idx[g, r]] where valid[g, r], else 0. src [G, N, M]; idx, valid [G, R];
+    (back_idx, back_valid) [G, N] is the inverse partial map, used by the backward pass."""
+    rows = jax.vmap(lambda a, i: a[i])(src, idx)
+    return jnp.where(valid[..., None], rows, jnp.zeros((), src.dtype))
+
+
+def _move_rows_fwd(src, idx, valid, back_idx, back_valid):
+    return _move_rows(src, idx, valid, back_idx, back_valid), (idx, valid, back_idx, back_valid)
+
+
+def _move_rows_bwd(res, d):
+    idx, valid, back_idx, back_valid = res
+    return _move_rows(d, back_idx, back_valid, idx, valid), None, None, None, None
+
+
+_move_rows.defvjp(_move_rows_fwd, _move_rows_bwd)
+
+
+def slot_maps(r: Routing, num_experts: int, cap: int):
+    """Index maps of one routing. Assignments a = s * K + k, slots e * C + c; returns
+    (slot of a [G, S*K], a kept [G, S*K], assignment in slot [G, E*C], slot filled [G, E*C])."""
+    g, s, k = r.index.shape
+    a_slot = (r.index * cap + r.position).reshape(g, s * k)
+    a_kept = r.kept.reshape(g, s * k)
+    target = jnp.where(a_kept, a_slot, num_experts * cap)              # dropped: out of range, not written
+    n = num_experts * cap
+    ids = jnp.arange(s * k, dtype=jnp.int32)
+    slot_a = jax.vmap(lambda t: jnp.zeros(n, jnp.int32).at[t].set(ids, mode="drop"))(target)
+    slot_full = jax.vmap(lambda t: jnp.zeros(n, bool).at[t].set(True, mode="drop"))(target)
+    return jnp.where(a_kept, a_slot, 0), a_kept, slot_a, slot_full
+
+
+def dispatch_combine_gather(x, r: Routing, w_gate, w_up, w_down, num_experts: int, cap: int):
+    """`dispatch_combine` computed by gathers: the same numbers (each slot holds one token, each
+    kept assignment reads one slot) without the GSEC masks or their S x E x C x M matmuls. x [G, S, M]
+    -> [G, S, M]; the EGCM layouts, constraints and all-to-alls are those of `dispatch_combine`."""
+    g, s, m = x.shape
+    k = r.index.shape[-1]
+    a_slot, a_kept, slot_a, slot_full = slot_maps(r, num_experts, cap)
+    xk = jnp.broadcast_to(x[:, :, None, :], (g, s, k, m)).reshape(g, s * k, m)     # row a = token s of (s, k)
+    xe = _move_rows(xk, slot_a, slot_full, a_slot, a_kept)                          # [G, E*C, M]
+    xe = xe.reshape(g, num_experts, cap, m).transpose(1, 0, 2, 3)                   # EGCM, groups split
+    xe = constrain(constrain(xe, GROUPED, "moe dispatched EGCM"), EXPERT_IN, "moe dispatched EGCM")
+    ye = constrain(_swiglu_experts(xe, w_gate, w_up, w_down), GROUPED, "moe expert output EGCM")
+    ye = ye.transpose(1, 0, 2, 3).reshape(g, num_experts * cap, m)
+    rows = _move_rows(ye, a_slot, a_kept, slot_a, slot_full).reshape(g, s, k, m)     # expert output per (s, k)
+    y = jnp.einsum("gskm,gsk->gsm", rows, (r.gates * r.kept).astype(x.dtype))
+    return constrain(y, TOKENS, "moe combined GSM")
+
+
+def _axes(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _spec_axes(spec, n: int) -> list[tuple[str, ...]]:
+    parts = list(spec) + [None] * (n - len(spec))
+    return [_axes(p) for p in parts]
+
+
+def _dropless_local(x, index, routed, gates, w_gate, w_up, w_down, ep_axes=(), ep=1, h_axes=()):
+    """One device's share of the dropless MoE. x [n, M]; index, routed, gates [n, K]; local experts
+    w_gate, w_up [E_l, M, H_l], w_down [E_l, H_l, M] -> [n, M].
+
+    The n*K assignments are sorted by expert (unrouted ones last, never sent). The shard owning
+    experts [d*E_l, (d+1)*E_l) gets its rows in a fixed-size buffer [ep, n*K, M], valid rows first,
+    by all-to-all over `ep_axes` (static shapes: a shard may receive every row, so the buffer is ep
+    times the rows actually routed). The receiver orders all rows by local expert and runs SwiGLU
+    as `ragged_dot` grouped matmuls; partial sums over `h_axes` (H split by tensor parallelism) are
+    reduced; rows return by the inverse all-to-all and are weighted by their gates."""
+    n, k = index.shape
+    e_local = w_gate.shape[0]
+    e_total = e_local * ep
+    nk = n * k
+    j = jnp.arange(nk)
+    flat_e = jnp.where(routed, index, e_total).reshape(nk)          # unrouted -> sentinel E
+    order = jnp.argsort(flat_e, stable=True)                        # assignments sorted by expert
+    counts = jnp.bincount(flat_e, length=e_total + 1)[:e_total].astype(jnp.int32)   # [E]
+    per_dest = counts.reshape(ep, e_local)                          # [ep, E_l] rows for each shard
+    dest_end = jnp.cumsum(jnp.sum(per_dest, axis=1))
+    dest_start = dest_end - jnp.sum(per_dest, axis=1)
+    src = jnp.minimum(dest_start[:, None] + j[None, :], nk - 1)     # [ep, nK] sorted position
+    valid = dest_start[:, None] + j[None, :] < dest_end[:, None]
+    send = jnp.where(valid[..., None], x[order[src] // k], 0)       # [ep, nK, M]
+    if ep_axes:
+        recv = jax.lax.all_to_all(send, ep_axes, 0, 0, tiled=True)  # [ep (source), nK, M]
+        recv_counts = jax.lax.all_to_all(per_dest, ep_axes, 0, 0, tiled=True)   # [ep (source), E_l]
+    else:
+        recv, recv_counts = send, per_dest
+    # local expert of every received row (E_l: padding), then all rows grouped by local expert
+    bounds = jnp.cumsum(recv_counts, axis=1)                        # [ep, E_l]
+    local = jnp.sum(bounds[:, None, :] <= j[None, :, None], axis=-1)   # [ep, nK] in 0..E_l (searchsorted)
+    order2 = jnp.argsort(local.reshape(ep * nk), stable=True)
+    rows = recv.reshape(ep * nk, -1)[order2]
+    sizes = jnp.sum(recv_counts, axis=0).astype(jnp.int32)          # [E_l] rows per local expert
+    dt = x.dtype
+    gate = jax.lax.ragged_dot(rows, w_gate, sizes, preferred_element_type=dt)
+    up = jax.lax.ragged_dot(rows, w_up, sizes, preferred_element_type=dt)
+    out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down, sizes, preferred_element_type=dt)   # [ep*nK, M]
+    if h_axes:
+        out = jax.lax.psum(out, h_axes)
+    inv2 = jnp.zeros_like(order2).at[order2].set(jnp.arange(ep * nk))
+    out = out[inv2].reshape(ep, nk, -1)
+    if ep_axes:
+        out = jax.lax.all_to_all(out, ep_axes, 0, 0, tiled=True)    # [ep (dest), nK, M]
+    # sorted position p came back from shard d at row p - dest_start[d]; unrouted ones get 0
+    dest = jnp.minimum(jnp.sum(dest_end[None, :] <= j[:, None], axis=-1), ep - 1)
+    per_sorted = out.reshape(ep * nk, -1)[dest * nk + j - dest_start[dest]]          # [nK, M]
+    per_sorted = jnp.where((j < dest_end[-1])[:, None], per_sorted, 0)
+    inv = jnp.zeros_like(order).at[order].set(j)
+    per_assignment = per_sorted[inv].reshape(n, k, -1)
+    return jnp.einsum("nkm,nk->nm", per_assignment, gates.astype(dt))
+
+
+def _in_manual_region() -> bool:
+    """True inside a shard_map (the pipeline's, manual over `pipeline` and maybe `data`)."""
+    ctx = jax.sharding.get_abstract_mesh()
+    return any(t == jax.sharding.AxisType.Manual for t in ctx.axis_types)
+
+
+def dropless(x, r: Routing, w_gate, w_up, w_down):
+    """Dropless mode. x [G, S, M], r.index/r.gates [G, S, K] -> [G, S, M].
+
+    Under a layout: `shard_map` over the whole mesh, tokens split as `group`, experts split as
+    `expert` (all-to-all over those mesh axes), H split over the axes `expert_mlp` resolves to that
+    tokens do not use (Megatron-style psum). Parameters are never gathered over `expert`.
+    Inside the pipeline's shard_map (already manual over `pipeline`) the one-device computation runs
+    auto-partitioned instead: XLA places it (gathering expert weights where it must). A nested
+    shard_map there trips JAX 0.10's derivation of residual/cotangent specs under Shardy."""
+    g, s, m = x.shape
+    k = r.index.shape[-1]
+    layout = active_layout()
+    if layout is None or _in_manual_region():
+        y = _dropless_local(x.reshape(g * s, m), r.index.reshape(g * s, k), r.routed.reshape(g * s, k),
+                            r.gates.reshape(g * s, k), w_gate, w_up, w_down)
+        return y.reshape(g, s, m)
+    from jax.sharding import PartitionSpec as P
+    g_axes = _spec_axes(layout.spec(("group",)), 1)[0]
+    e_axes, _, h_axes = _spec_axes(layout.spec(W_IN, w_gate.shape, "moe expert weights"), 3)
+    h_axes = tuple(a for a in h_axes if a not in g_axes)
+    ep = math.prod(layout.shape[a] for a in e_axes)
+    tok = P(g_axes or None, None, None)
+    w_in, w_out = P(e_axes or None, None, h_axes or None), P(e_axes or None, h_axes or None, None)
+    x = constrain(x, TOKENS, "moe tokens GSM")
+
+    def local(x, index, routed, gates, wg, wu, wd):
+        gl = x.shape[0]
+        y = _dropless_local(x.reshape(gl * s, m), index.reshape(gl * s, k), routed.reshape(gl * s, k),
+                            gates.reshape(gl * s, k), wg, wu, wd, e_axes, ep, h_axes)
+        return y.reshape(gl, s, m)
+
+    fn = jax.shard_map(local, mesh=layout.mesh, in_specs=(tok, tok, tok, tok, w_in, w_in, w_out), out_specs=tok)
+    return constrain(fn(x, r.index, r.routed, r.gates, w_gate, w_up, w_down), TOKENS, "moe combined GSM")
+
+
+# ----------------------------------------------------------------------------------------------
+# The layer
+
+_ROUTING_KEY: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar("meshpar_moe_key", default=None)
+
+
+@contextlib.contextmanager
+def routing_key(key: jax.Array | None) -> Iterator[None]:
+    """PRNG key for GShard's random routing of the 2nd expert while a model is traced."""
+    token = _ROUTING_KEY.set(key)
+    try:
+        yield
+    finally:
+        _ROUTING_KEY.reset(token)
+
+
+def regroup(x, group_size: int | None):
+    """[B, T, M] -> [G, S, M] with S = group_size (default T: one sequence per group)."""
+    b, t, m = x.shape
+    s = group_size or t
+    if (b * t) % s or (s % t and t % s):
+        raise ConfigError(f"moe.group_size={s} must divide or be a multiple of the sequence length {t} "
+                          f"and divide the {b * t} tokens of a (micro)batch")
+    return x.reshape(b * t // s, s, m)
+
+
+def moe_ffn(x, router, w_gate, w_up, w_down, settings: MoESettings):
+    """The MoE feed-forward. x [B, T, M]; router [M, E]; w_gate, w_up [E, M, H]; w_down [E, H, M].
+
+    Returns (y [B, T, M], aux) with aux scalars: `loss` (weighted aux + z loss, added to the training
+    loss), `aux_loss`, `z_loss` (unweighted), `drop_fraction`, `load_min`, `load_max`."""
+    b, t, m = x.shape
+    dt = x.dtype
+    xg = constrain(regroup(x, settings.group_size), TOKENS, "moe tokens GSM")
+    logits = jnp.einsum("gsm,me->gse", xg.astype(jnp.float32), router.astype(jnp.float32))
+    logits = constrain(logits, ROUTING, "router logits GSE")
+    rng = None
+    if settings.second_expert_policy == "random" and settings.top_k > 1:
+        rng = _ROUTING_KEY.get()
+        rng = jax.random.key(0) if rng is None else rng
+        # a different stream per layer: fold in the (integer, hence sharding-exact) hash of its router
+        bits = jax.lax.bitcast_convert_type(router.astype(jnp.float32), jnp.int32)
+        rng = jax.random.fold_in(rng, jnp.sum(bits))
+    einsum = DISPATCH == "einsum" and settings.capacity_factor is not None
+    r = route(logits, settings.top_k, settings.capacity_factor, settings.second_expert_policy, rng,
+              with_masks=einsum)
+    w = [a.astype(dt) for a in (w_gate, w_up, w_down)]
+    if settings.capacity_factor is None:
+        y = dropless(xg, r, *w)
+    elif not einsum:
+        cap = capacity(xg.shape[1], settings.num_experts, settings.top_k, settings.capacity_factor)
+        y = dispatch_combine_gather(xg, r, *w, settings.num_experts, cap)
+    else:
+        r = r._replace(combine=constrain(r.combine, MASKS, "moe combine GSEC"),
+                       dispatch=constrain(r.dispatch, MASKS, "moe dispatch GSEC"))
+        y = dispatch_combine(xg, r, *w)
+    aux = {"loss": settings.aux_loss_weight * r.aux_loss + settings.z_loss_weight * r.z_loss,
+           "aux_loss": r.aux_loss, "z_loss": r.z_loss, "drop_fraction": r.drop_fraction,
+           "load_min": jnp.min(r.load), "load_max": jnp.max(r.load)}
+    return y.reshape(b, t, m), aux

@@ -1,0 +1,319 @@
+"""`meshpar plan`: choose the mesh, strategy, microbatches and remat for a cluster, and prove it.
+
+    result = plan(cfg, devices=64, hardware=load_hardware("h100"))   # JSON-able dict, best first
+    verify(result, cfg, k=2)                                           # compile the top 2 on fake devices
+
+Search: every way to write N = pipeline x data x fsdp x expert x tensor (sizes that divide the
+model), split into ICI x DCN by filling the hardware's ICI domain from the innermost axis
+(`tensor` first, as `meshpar.core.mesh` orders them), times every preset that uses those axes, remat
+(`none | save_dots | full`), gradient-accumulation microbatches (powers of two) or, with a
+pipeline axis, pipeline microbatches (P, 2P, 4P, ... down to one sequence each) and schedules (gpipe, 1f1b, interleaved v=2).
+Each candidate is costed by `meshpar.plan.costmodel` (its docstring holds every formula and its
+source); those that do not fit in device memory are dropped (kept with --all) and the rest ranked
+by predicted step time. Ties (collectives fully hidden behind compute) go first to plans that fit
+with the planner's own margin of error (its memory is within 15% of the compiled step's), then to
+fewer bytes on the wire, then to the most memory headroom, then the simpler preset (dp < zero1 <
+zero2 < fsdp < hsdp < tp < tp_sp < fsdp_tp). Nothing is special-cased: TP inside a node, PP across nodes and DP outermost come out of
+the bandwidths and the memory, or do not.
+
+Each mesh axis maps to one preset family so the same layout is not listed twice: dp/zero1/zero2
+put the batch on `data`; fsdp on `fsdp`; hsdp on fsdp (ICI) x data (DCN); tp/tp_sp on `tensor` x
+`data`; fsdp_tp on `tensor` x `fsdp`; any of them may add `pipeline` and (MoE models) `expert`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from meshpar.plan.costmodel import REMATS, Candidate, ModelFacts, Resolver, evaluate, summarize
+from meshpar.core.errors import ConfigError, suggest
+from meshpar.core.mesh import MESH_AXES
+from meshpar.core.rules import PRESETS
+
+ORDER = ("dp", "zero1", "zero2", "fsdp", "hsdp", "tp", "tp_sp", "fsdp_tp")
+GiB = 2 ** 30
+
+
+def _divisors(n: int) -> list[int]:
+    return [i for i in range(1, n + 1) if n % i == 0]
+
+
+def _factorizations(n: int, k: int):
+    if k == 1:
+        yield (n,)
+        return
+    for d in _divisors(n):
+        for rest in _factorizations(n // d, k - 1):
+            yield (d,) + rest
+
+
+def _fits_family(strategy: str, s: dict) -> bool:
+    d, f, t = s["data"], s["fsdp"], s["tensor"]
+    return {"dp": f == 1 and t == 1, "zero1": f == 1 and t == 1, "zero2": f == 1 and t == 1,
+            "fsdp": d == 1 and t == 1, "hsdp": d > 1 and f > 1 and t == 1,
+            "tp": t > 1 and f == 1, "tp_sp": t > 1 and f == 1, "fsdp_tp": t > 1 and f > 1 and d == 1}[strategy]
+
+
+def split_ici_dcn(sizes: tuple, n: int, domain: int) -> tuple | None:
+    """DCN part of each axis: the ICI domain is filled from the innermost axis outwards."""
+    room = min(domain, n)
+    ici = [1] * len(sizes)
+    for i in reversed(range(len(sizes))):
+        ici[i] = math.gcd(sizes[i], room)
+        room //= ici[i]
+    if room != 1:
+        return None
+    return tuple(s // i for s, i in zip(sizes, ici))
+
+
+def candidates(facts: ModelFacts, cfg, n: int, hw, strategies) -> list[Candidate]:
+    """Every (mesh, preset, remat, microbatches, schedule) the search costs."""
+    d, b = facts.dims, cfg.batch.global_size
+    layers = d.get("layers") or 1
+    experts = facts.moe.get("num_experts", 1)
+    out = []
+    for sizes in _factorizations(n, len(MESH_AXES)):
+        s = dict(zip(MESH_AXES, sizes))
+        if layers % s["pipeline"] or experts % s["expert"] or (s["expert"] > 1 and not facts.moe):
+            continue
+        dcn = split_ici_dcn(sizes, n, hw.domain)
+        if dcn is None:
+            continue
+        dp = s["data"] * s["fsdp"] * s["expert"]
+        if b % dp:
+            continue
+        for st in strategies:
+            if not _fits_family(st, s) or (st == "hsdp" and s["data"] < s["fsdp"] and dcn[1] == 1 and n > hw.domain):
+                continue
+            for remat in REMATS:
+                base = Candidate(sizes, dcn, st, remat)
+                p = s["pipeline"]
+                if p == 1:
+                    ma = 1
+                    while b % (dp * ma) == 0 and ma <= 64:
+                        out.append(replace(base, microbatches=ma))
+                        ma *= 2
+                    continue
+                m = p                          # P, 2P, 4P, ... down to one sequence per microbatch
+                while b % (dp * m) == 0:
+                    out += [replace(base, pp_microbatches=m, schedule=sc) for sc in ("gpipe", "1f1b")]
+                    if layers % (2 * p) == 0:
+                        out.append(replace(base, pp_microbatches=m, schedule="interleaved", virtual=2))
+                    m *= 2
+    return out
+
+
+def overrides(cand: Candidate, n: int) -> list[str]:
+    """KEY=VALUE overrides that turn a config into this plan (what the winner YAML holds)."""
+    s, dcn = cand.shape, cand.dcn_shape
+    out = [f"mesh.{a}={s[a] // dcn[a]}" for a in MESH_AXES]
+    dcn_items = {a: v for a, v in dcn.items() if v > 1}
+    out.append("mesh.dcn={" + ", ".join(f"{a}: {v}" for a, v in dcn_items.items()) + "}")
+    out += [f"strategy={cand.strategy}", f"model.remat={cand.remat}", f"batch.microbatches={cand.microbatches}",
+            f"devices={n}"]
+    if s["pipeline"] > 1:
+        out += [f"pipeline.schedule={cand.schedule}", f"pipeline.microbatches={cand.pp_microbatches}",
+                f"pipeline.virtual_stages={cand.virtual}"]
+    return out
+
+
+def parse_bytes_per_param(text: str | None, cfg) -> tuple:
+    """'2,2,12' -> (2, 2, 12); default: what the precision policy stores (param dtype for weights and
+    gradients, two AdamW moments in the param dtype)."""
+    if not text:
+        from meshpar.core.precision import get_policy
+        import numpy as np
+        w = np.dtype(get_policy(cfg.precision).param_dtype).itemsize
+        return (w, w, 2 * w)
+    try:
+        vals = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        vals = ()
+    if len(vals) != 3 or min(vals) < 0:
+        raise ConfigError(f"--bytes-per-param '{text}' must be three numbers W,G,O (e.g. 2,2,12 for ZeRO's accounting)")
+    return vals
+
+
+def _mesh_str(cand: Candidate) -> str:
+    s, dcn = cand.shape, cand.dcn_shape
+    parts = [f"{a}={v}" + (f"({dcn[a]} dcn)" if dcn[a] > 1 else "") for a, v in s.items() if v > 1]
+    return " ".join(parts) or "1 device"
+
+
+def _why(row: dict, best: dict | None, hw) -> str:
+    """Why a candidate lost to the winner, in a few words."""
+    if not row["fits"]:
+        return f"needs {row['memory']['total'] / GiB:.1f} GiB > {hw.memory_bytes / GiB:.0f} GiB"
+    if best is None or row is best:
+        return "winner"
+    a, w = row["time"], best["time"]
+    diffs = {"recompute": a["compute_s"] - w["compute_s"], "exposed comm": a["exposed_comm_s"] - w["exposed_comm_s"],
+             "bubble": a["bubble_s"] - w["bubble_s"],
+             "comm not hidden": max(a["comm_s"] - a["exposed_comm_s"] - a["compute_s"], 0)
+             - max(w["comm_s"] - w["exposed_comm_s"] - w["compute_s"], 0)}
+    key = max(diffs, key=diffs.get)
+    slower = a["step_s"] / w["step_s"] - 1
+    if slower < 1e-3:
+        if _tight(row, hw.memory_bytes) and not _tight(best, hw.memory_bytes):
+            return f"tie: under {MARGIN - 1:.0%} memory headroom"
+        if a["comm_s"] > w["comm_s"] * 1.001:
+            return "tie: more bytes on the wire"
+        return "tie: less memory headroom" if row["memory"]["total"] > best["memory"]["total"] else \
+            "tie: simpler preset first"
+    return f"+{100 * slower:.0f}% step: {key} +{diffs[key]:.3g} s"
+
+
+def _runs(rows: list, key, rel: float = 1e-3) -> list[list]:
+    """`rows` (sorted by `key`) cut into runs whose values lie within `rel` of the run's first."""
+    out, i = [], 0
+    while i < len(rows):
+        j = i
+        while j < len(rows) and key(rows[j]) <= key(rows[i]) * (1 + rel):
+            j += 1
+        out.append(rows[i:j])
+        i = j
+    return out
+
+
+MARGIN = 1.15     # the planner's memory is within 15% of the compiled step's (bench/RESULTS.md, ## Planner)
+
+
+def _tight(row: dict, memory_bytes: float) -> bool:
+    """Predicted to fit, but not by the planner's own margin of error."""
+    return row["memory"]["total"] * MARGIN > memory_bytes
+
+
+def _rank(rows: list, memory_bytes: float) -> list:
+    """Fitting first, then by step time. Candidates within 0.1% of each other's step time (all
+    collectives hidden) are ordered: those that fit with the planner's margin of error (`MARGIN`)
+    first, then by time on the wire, then by memory per device (the most headroom first), then the
+    simpler preset."""
+    out = []
+    for fits in (True, False):
+        part = sorted((r for r in rows if r["fits"] == fits), key=lambda r: r["time"]["step_s"])
+        for tie in _runs(part, lambda r: r["time"]["step_s"]):
+            for tight in (False, True):
+                room = sorted((r for r in tie if _tight(r, memory_bytes) == tight), key=lambda r: r["time"]["comm_s"])
+                for same in _runs(room, lambda r: r["time"]["comm_s"]):
+                    out += sorted(same, key=lambda r: (r["memory"]["total"], ORDER.index(r["cand"].strategy)))
+    return out
+
+
+def plan(cfg, devices: int, hardware, strategies=None, bytes_per_param=None, keep_all: bool = False,
+         top: int | None = None) -> dict:
+    """Cost every candidate and rank them. Returns the `meshpar plan --json` object."""
+    hardware.check_devices(devices)
+    strategies = list(strategies or ORDER)
+    for st in strategies:
+        if st not in PRESETS:
+            raise ConfigError(f"unknown strategy '{st}' in --strategies" + suggest(st, PRESETS))
+    bpp = bytes_per_param or parse_bytes_per_param(None, cfg)
+    from meshpar.core.precision import get_policy
+    import numpy as np
+    c = np.dtype(get_policy(cfg.precision).compute_dtype).itemsize
+    facts = ModelFacts.from_config(cfg)
+    res = Resolver(cfg)
+    rows = []
+    for cand in candidates(facts, cfg, devices, hardware, strategies):
+        ev = evaluate(facts, cand, cfg, hardware, res, bpp, c)
+        if ev is not None:
+            rows.append({"cand": cand, **ev})
+    if not rows:
+        raise ConfigError(f"no mesh of {devices} devices can shard this model with --strategies "
+                          f"{','.join(strategies)} (sizes must divide layers, heads, batch.global_size="
+                          f"{cfg.batch.global_size}); try another --devices or batch.global_size")
+    fitting = [r for r in rows if r["fits"]]
+    if not fitting and not keep_all:
+        small = min(rows, key=lambda r: r["memory"]["total"])
+        raise ConfigError(f"the model ({facts.params / 1e9:.3g}B parameters) fits on no plan of {devices} "
+                          f"{hardware.name}: the smallest needs {small['memory']['total'] / GiB:.1f} GiB per device "
+                          f"({small['cand'].strategy}, {_mesh_str(small['cand'])}, remat {small['cand'].remat}) "
+                          f"and a device has {hardware.memory_bytes / GiB:.0f} GiB; add devices or shrink the batch")
+
+    ordered = _rank(rows if keep_all else fitting, hardware.memory_bytes)
+    best = ordered[0] if ordered[0]["fits"] else None
+    limit = None if keep_all else (top or 10)
+    if not keep_all:                   # one row per layout: its best remat / microbatching
+        seen, kept = set(), []
+        for r in ordered:
+            k = (r["cand"].mesh, r["cand"].strategy, r["cand"].schedule if r["cand"].shape["pipeline"] > 1 else "")
+            if k not in seen:
+                seen.add(k)
+                kept.append(r)
+        ordered = kept
+    out = []
+    for r in ordered[:limit]:
+        cand = r["cand"]
+        out.append({"mesh": cand.shape, "dcn": {a: v for a, v in cand.dcn_shape.items() if v > 1},
+                    "strategy": cand.strategy, "microbatches": cand.microbatches,
+                    "pipeline": ({"schedule": cand.schedule, "microbatches": cand.pp_microbatches,
+                                  "virtual_stages": cand.virtual} if cand.shape["pipeline"] > 1 else None),
+                    "remat": cand.remat, "memory": {k: int(v) for k, v in r["memory"].items()},
+                    "time": r["time"], "collectives": {k: int(v) for k, v in summarize(r["collectives"]).items()},
+                    "fits": r["fits"], "why": _why(r, best, hardware), "overrides": overrides(cand, devices)})
+    return {"model": {"params": facts.params, "flops_per_token": facts.flops_per_token, "dims": facts.dims},
+            "hardware": hardware.as_dict(), "devices": devices, "bytes_per_param": list(bpp),
+            "batch": {"global_size": cfg.batch.global_size, "length": cfg.batch.length},
+            "searched": len(rows), "fitting": len(fitting), "candidates": out}
+
+
+def winner_yaml(result: dict, config_path: str | None, user_overrides: list[str], best: dict | None = None) -> str:
+    """A plan (default: the best that fits) as a YAML file `meshpar train --config` accepts: the
+    user's config (as `base`), their KEY=VALUE overrides, then the plan's."""
+    import os
+
+    import yaml
+
+    from meshpar.core.config import apply_overrides
+    best = best or next((c for c in result["candidates"] if c["fits"]), None)
+    if best is None:
+        raise ConfigError("no candidate fits, so there is no plan to write")
+    data = apply_overrides({}, list(user_overrides) + best["overrides"])
+    head = {"base": os.path.abspath(config_path) if config_path else "tiny.yaml"}
+    t = best["time"]
+    note = (f"# meshpar plan: {result['devices']} x {result['hardware']['name']}, predicted {t['step_s']:.4g} s/step, "
+            f"MFU {t['mfu']:.2f}, {best['memory']['total'] / GiB:.2f} GiB/device\n")
+    return note + yaml.safe_dump({**head, **data}, sort_keys=False, default_flow_style=None)
+
+
+def render(result: dict, console, top: int = 10) -> None:
+    """The ranked table: mesh, strategy, memory breakdown, step time, MFU, why each lost."""
+    from rich.table import Table
+    hw = result["hardware"]
+    console.print(f"[bold]model[/] {result['model']['params'] / 1e9:.3g}B params  [bold]hardware[/] "
+                  f"{result['devices']} x {hw['name']} ({hw['memory_bytes'] / GiB:.0f} GiB, "
+                  f"{hw['peak_flops'] / 1e12:.0f} TFLOP/s at {hw['efficiency']:.0%})  [bold]batch[/] "
+                  f"{result['batch']['global_size']} x {result['batch']['length']}  "
+                  f"[bold]searched[/] {result['searched']}, {result['fitting']} fit")
+    t = Table(title="plans, best first (memory in GiB per device)")
+    for col in ("#", "mesh", "strategy", "remat", "mb", "params", "grads", "opt", "act", "work", "total", "step s", "MFU", "why"):
+        t.add_column(col, justify="right" if col not in ("mesh", "strategy", "remat", "why") else "left")
+    for i, c in enumerate(result["candidates"][:top] if top else result["candidates"]):
+        m = c["memory"]
+        mb = (f"{c['pipeline']['schedule']} M={c['pipeline']['microbatches']}" if c["pipeline"]
+              else str(c["microbatches"]))
+        t.add_row(str(i + 1), " ".join(f"{a}={v}" for a, v in c["mesh"].items() if v > 1)
+                  + ("" if not c["dcn"] else " | dcn " + " ".join(f"{a}={v}" for a, v in c["dcn"].items())),
+                  c["strategy"], c["remat"], mb,
+                  *(f"{m[k] / GiB:.2f}" for k in ("params", "grads", "optimizer", "activations", "workspace", "total")),
+                  f"{c['time']['step_s']:.4g}", f"{c['time']['mfu']:.2f}", c["why"])
+    console.print(t)
+
+
+def estimate(cfg, hardware=None) -> dict:
+    """The planner's prediction for the plan `cfg` already names (for `train` / `inspect`)."""
+    from meshpar.core.mesh import resolve_axis_sizes
+    import numpy as np
+    from meshpar.core.precision import get_policy
+    dcn_cfg = {a: v for a, v in (cfg.mesh.dcn or {}).items()}
+    n_dcn = math.prod(dcn_cfg.values()) if dcn_cfg else 1
+    ici = resolve_axis_sizes({a: getattr(cfg.mesh, a) for a in MESH_AXES}, cfg.devices // n_dcn)
+    sizes = tuple(ici[a] * dcn_cfg.get(a, 1) for a in MESH_AXES)
+    cand = Candidate(sizes, tuple(dcn_cfg.get(a, 1) for a in MESH_AXES), cfg.strategy, cfg.model.remat,
+                     cfg.batch.microbatches, cfg.pipeline.microbatches if ici["pipeline"] * dcn_cfg.get("pipeline", 1) > 1
+                     else 1, cfg.pipeline.schedule, cfg.pipeline.virtual_stages)
+    from meshpar.plan.hardware import PRESETS as HW
+    hw = hardware or HW["h100"]
+    c = np.dtype(get_policy(cfg.precision).compute_dtype).itemsize
+    ev = evaluate(ModelFacts.from_config(cfg), cand, cfg, hw, Resolver(cfg), parse_bytes_per_param(None, cfg), c)
+    return ev

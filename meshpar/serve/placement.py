@@ -1,0 +1,189 @@
+"""A model in its serving layout: the mesh, the layout, the KV cache's shape and shardings, and the
+weights, loaded once into that layout and the compute dtype (what `Engine` decodes with).
+
+Layout (`serve.strategy`, default `serve_tp` in `meshpar.core.rules.SERVING`): weights are placed once,
+at load, in the serving layout: Megatron TP over `tensor`, nothing over data/fsdp, so a decoded
+token moves activations only (an FSDP layout would all-gather every weight per token; the engine
+warns). The KV cache [L, B, K, S, D] is an array with logical axes (`cache_batch`, `cache_length`,
+`kv_heads`), placed by the same rule tables: K over `tensor`, slots B over data. When K is not a
+multiple of the tensor size the cache's heads cannot be split: K is replicated (cache and QKV
+weights) and the slots are split over data x tensor instead (Pope et al. 2022 make the same
+trade for multi-query attention), or replicated over `tensor` if the slots do not divide.
+
+Per decode step every weight byte and every cache byte is read once, so decode is bound by memory
+bandwidth: bytes/s per device = (weight bytes + cache bytes per device) / step time.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from meshpar.core import precision as precision_lib
+from meshpar.core.batch import is_leaf
+from meshpar.core.errors import ConfigError
+from meshpar.core.mesh import make_mesh
+from meshpar.core.rules import BATCH_AXES, Layout, get_strategy, parse_user_rules, spec_axes, table
+from meshpar.core.sharding import building, model_spec, param_shardings, path_name, var_shardings
+
+
+def buckets(cache_length: int, min_bucket: int) -> list[int]:
+    """Prompt lengths compiled for: powers of two from min_bucket, capped at (and ending with) S."""
+    out, p = [], 1 << max(0, math.ceil(math.log2(max(1, min_bucket))))
+    while p < cache_length:
+        out.append(p)
+        p *= 2
+    return out + [cache_length]
+
+
+def serving_layout(mesh, strategy: str, user_rules, cache_spec, slots: int) -> tuple[Layout, list[str]]:
+    """The layout a model is served in, and notes (one line each) on what it had to give up."""
+    layout = Layout(mesh, get_strategy(strategy), parse_user_rules(user_rules))
+    shape, notes = layout.shape, []
+    t = shape.get("tensor", 1)
+    kv = {leaf.shape[leaf.axes.index("kv_heads")] for leaf in jax.tree.leaves(cache_spec, is_leaf=is_leaf)
+          if "kv_heads" in leaf.axes}
+    if t > 1 and any(k % t for k in kv):
+        k = min(kv)
+        data = math.prod(shape.get(a, 1) for a in BATCH_AXES)
+        over = (*BATCH_AXES, "tensor") if slots % (data * t) == 0 else BATCH_AXES
+        extra = table(kv_heads=None, cache_batch=[over])
+        layout = dataclasses.replace(layout, strategy=dataclasses.replace(
+            layout.strategy, params=extra + layout.strategy.params))
+        where = "slots over data x tensor" if "tensor" in over else "replicated over tensor (serve.slots not divisible)"
+        notes.append(f"note: kv_heads={k} cannot split over tensor={t}: K/V heads replicated, KV cache {where}")
+    return layout, notes
+
+
+def zeros(spec):
+    """A tree of `Leaf` -> zero arrays of those shapes and dtypes (an empty cache)."""
+    return jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype), spec, is_leaf=is_leaf)
+
+
+class Placement:
+    """Mesh, serving layout, KV-cache spec and the weights in place (see the module docstring).
+
+    `model`: factory rngs -> nnx.Module implementing the serving protocol (default: `cfg.model.name`).
+    `weights`: {"params", "vars"} pure dicts to serve (default: `cfg.checkpoint.dir`'s newest
+    checkpoint (a folder that is missing or empty is an error), else `model.init_from`, else a fresh
+    init from train.seed)."""
+
+    def __init__(self, cfg, *, model: Callable | None = None, devices=None, weights=None,
+                 info: Callable[[str], None] = print):
+        from flax import nnx
+        from meshpar.core.registry import default_model
+        self.cfg, self.info = cfg, info
+        self.mesh = make_mesh(cfg.mesh, devices)
+        if dict(zip(self.mesh.axis_names, self.mesh.devices.shape)).get("pipeline", 1) > 1:
+            raise ConfigError("serving does not pipeline: set mesh.pipeline=1 (use mesh.tensor / mesh.data for the devices)")
+        self.policy = precision_lib.get_policy(cfg.precision)
+        self.dtype = self.policy.compute_dtype
+        self.factory = model or default_model(cfg)
+        self.spec = model_spec(self.factory, self.policy)
+        with building(self.policy):
+            self.abstract = abstract = nnx.eval_shape(lambda: self.factory(nnx.Rngs(0)))
+        name = type(abstract).__name__
+        if not (callable(getattr(abstract, "decode", None)) and callable(getattr(abstract, "cache_spec", None))):
+            raise ConfigError(f"model {name} cannot be served: it needs decode(tokens, positions, cache) and "
+                              "cache_spec(batch, length) (see meshpar.serve.engine)")
+        self.slots = cfg.serve.slots
+        self.length = cfg.serve.cache_length or cfg.batch.length
+        self.buckets = buckets(self.length, cfg.serve.min_bucket)
+        with precision_lib.use_policy(self.policy):
+            self.cache_spec = abstract.cache_spec(self.slots, self.length)
+            self._entry_specs = {p: abstract.cache_spec(1, p) for p in self.buckets}
+        for path, leaf in jax.tree_util.tree_leaves_with_path(self.cache_spec, is_leaf=is_leaf):
+            if not is_leaf(leaf) or "cache_batch" not in leaf.axes or "cache_length" not in leaf.axes:
+                raise ConfigError(f"{name}.cache_spec: leaf {path_name(path) or 'cache'} must be a meshpar.Leaf "
+                                  "with a 'cache_batch' and a 'cache_length' axis")
+        self.vocab = self._vocab(abstract)
+        self.layout, self.notes = serving_layout(self.mesh, cfg.serve.strategy, cfg.rules, self.cache_spec, self.slots)
+        rep = NamedSharding(self.mesh, P())
+        params = jax.tree.map(lambda s: s.update(dtype=self._serve_dtype(s.dtype)), self.spec.shapes)
+        self.weight_shardings = {"params": param_shardings(self.spec, self.layout),
+                                 "vars": var_shardings(self.spec, self.layout)}
+        self.notes += self._gather_warning()
+        self.weight_shapes = {"params": params, "vars": self.spec.var_shapes}
+        cache_sh = jax.tree.map(lambda leaf: self.layout.sharding(leaf.axes, leaf.shape, "KV cache"),
+                                self.cache_spec, is_leaf=is_leaf)
+        self.state_shardings = {"cache": cache_sh, **{k: rep for k in ("pos", "token", "temp", "top_k", "top_p", "key")}}
+        self.weights, self.source = self._load(weights)
+
+    # -- set-up ----------------------------------------------------------------------------------
+    def _vocab(self, abstract) -> int:
+        """The logits' last dimension, from an abstract decode of one token (no memory, no compile)."""
+        from flax import nnx
+
+        def one(t):
+            with building(self.policy):
+                m = self.factory(nnx.Rngs(0))
+            with precision_lib.use_policy(self.policy):
+                return m.decode(t, t, zeros(m.cache_spec(1, 1)))[0]
+        return int(jax.eval_shape(one, jax.ShapeDtypeStruct((1, 1), jnp.int32)).shape[-1])
+
+    def _serve_dtype(self, dtype):
+        """Floating weights are served in the compute dtype (bf16 halves the bytes every step reads)."""
+        return self.dtype if jnp.issubdtype(dtype, jnp.floating) else dtype
+
+    def _gather_warning(self) -> list[str]:
+        split = {a for s in jax.tree.leaves(self.weight_shardings["params"]) for a in spec_axes(s.spec)} & set(BATCH_AXES)
+        if not split:
+            return []
+        return [f"warning: serve.strategy={self.cfg.serve.strategy} splits weights over {', '.join(sorted(split))}: "
+                "every decoded token all-gathers them; serve.strategy=serve_tp keeps them in place"]
+
+    def _load(self, weights):
+        """-> (weights in the serving layout and dtype, where they came from)."""
+        target = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                              {"params": self.spec.shapes, "vars": self.spec.var_shapes}, self.weight_shardings)
+        source = "given"
+        if weights is None and self.cfg.checkpoint.dir:
+            from meshpar.io.checkpoint import restore_weights
+            found = restore_weights(self.cfg.checkpoint.dir, target, self.info)
+            if found is not None:
+                tree, step, _ = found
+                weights, source = {"params": tree["params"], "vars": tree.get("vars", {})}, f"checkpoint step {step}"
+            elif not self.cfg.model.init_from:
+                raise ConfigError(f"checkpoint.dir '{self.cfg.checkpoint.dir}' holds no checkpoint to serve; train "
+                                  "into it first, or leave checkpoint.dir unset to serve a fresh random init")
+        if weights is None and self.cfg.model.init_from:   # a Hugging Face model, read into the serving layout
+            from meshpar.io import hf
+            params = hf.load(self.cfg.model.init_from, self.abstract, self.weight_shardings["params"],
+                             self.weight_shapes["params"])
+            vars = jax.jit(lambda key: self._init_fn(key)["vars"], out_shardings=self.weight_shardings["vars"])(
+                jax.random.key(self.cfg.train.seed))
+            return {"params": params, "vars": vars}, self.cfg.model.init_from
+        if weights is None:                 # born in place, in the serving dtype: one compiled call
+            source = f"fresh init (train.seed={self.cfg.train.seed})"
+            init = jax.jit(lambda key: self._cast(self._init_fn(key)), out_shardings=self.weight_shardings)
+            return init(jax.random.key(self.cfg.train.seed)), source
+        if all(jnp.dtype(x.dtype) == jnp.dtype(self._serve_dtype(x.dtype)) for x in jax.tree.leaves(weights)):
+            return jax.device_put(weights, self.weight_shardings), source
+        return jax.jit(self._cast, out_shardings=self.weight_shardings)(weights), source
+
+    def _cast(self, weights):
+        return jax.tree.map(lambda x: x.astype(self._serve_dtype(x.dtype)), weights)
+
+    def _init_fn(self, key):
+        from flax import nnx
+        with building(self.policy):
+            model = self.factory(nnx.Rngs(key))
+        return {"params": nnx.to_pure_dict(nnx.state(model, nnx.Param)), "vars": self.spec.vars_of(model)}
+
+    def _model(self, weights):
+        model = self.spec.merge(weights["params"], weights["vars"])
+        if hasattr(model, "eval"):
+            model.eval()                      # dropout off, running statistics used
+        return model
+
+    def bytes_per_device(self) -> dict:
+        """Weight and KV-cache bytes one device holds (what a decode step reads)."""
+        from meshpar.core.sharding import bytes_per_device
+        w = sum(bytes_per_device(a.shape, a.dtype, a.sharding) for a in jax.tree.leaves(self.weights))
+        c = sum(bytes_per_device(leaf.shape, leaf.dtype, sh) for leaf, sh in zip(
+            jax.tree.leaves(self.cache_spec, is_leaf=is_leaf), jax.tree.leaves(self.state_shardings["cache"])))
+        return {"weights": int(w), "cache": int(c)}

@@ -1,0 +1,79 @@
+"""Token sampling for decoding: greedy, temperature, top-k, top-p (nucleus), one setting per row.
+
+    next = sample(logits [B, V], temperature [B], top_k [B], top_p [B], keys [B, 2])   # -> [B] int32
+
+Every parameter is a traced array, so a request may change any of them without a recompilation
+(MaxText's engine makes top-k/top-p static jit arguments). Per row b, with z = logits / T:
+
+    greedy            T == 0: argmax z (keys unused)
+    top-k (Fan et al. 2018)      keep the k largest z (k = V keeps all)
+    top-p (Holtzman et al. 2020) keep the smallest prefix of z sorted descending whose softmax mass
+                                 reaches p (the most likely token is always kept)
+    then draw from softmax over the kept entries with the row's own key.
+
+Ties at a threshold keep every tied entry. The key of a row is the request's seed folded with the
+position being predicted (`meshpar.serve.engine`), so a request samples the same tokens whichever slot
+and batch it runs in.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from meshpar.core.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """One request's sampling settings. temperature 0 is greedy; top_k None and top_p 1.0 are off."""
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float = 1.0
+    seed: int = 0
+
+    def check(self, vocab: int | None) -> "Sampling":
+        """One line naming the bad value (vocab None: the model is not known yet); returns self."""
+        t, k, p = self.temperature, self.top_k, self.top_p
+        if not (t >= 0.0) or t != t:
+            raise ConfigError(f"temperature must be >= 0 (0 = greedy), got {t}")
+        if k is not None and k < 1:
+            raise ConfigError(f"top-k must be >= 1, got {k}; omit it to sample from the whole vocabulary")
+        if k is not None and vocab is not None and k > vocab:
+            raise ConfigError(f"top-k must be between 1 and the vocabulary size {vocab}, got {k}; "
+                              "omit it to sample from the whole vocabulary")
+        if not 0.0 < p <= 1.0:
+            raise ConfigError(f"top-p must be in (0, 1], got {p}; use 1.0 to turn nucleus sampling off")
+        return self
+
+    def arrays(self, vocab: int) -> dict:
+        """As traced scalars: temperature f32, top_k i32 (vocab when off), top_p f32, key (key data)."""
+        return {"temp": jnp.float32(self.temperature), "top_k": jnp.int32(self.top_k or vocab),
+                "top_p": jnp.float32(self.top_p), "key": jax.random.key_data(jax.random.key(self.seed))}
+
+
+def position_key(key, position):
+    """The key that draws the token after `position`: a request's key (key data) folded with it, the
+    same in prefill and decode, so a request samples alike in any slot or batch."""
+    return jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(key), position))
+
+
+def sample(logits, temperature, top_k, top_p, keys):
+    """logits [B, V]; temperature, top_p [B] f32; top_k [B] int (1..V); keys [B, 2] key data -> [B] int32."""
+    logits = logits.astype(jnp.float32)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    z = logits / jnp.maximum(temperature, 1e-6)[:, None]
+    desc = -jnp.sort(-z, axis=-1)                                                      # [B, V] largest first
+    v = z.shape[-1]
+    k = jnp.clip(top_k, 1, v)
+    kth = jnp.take_along_axis(desc, (k - 1)[:, None], axis=-1)                          # [B, 1] top-k threshold
+    ranked = jnp.where(jnp.arange(v)[None, :] < k[:, None], desc, -jnp.inf)
+    probs = jax.nn.softmax(ranked, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs                                         # mass strictly above
+    keep = before < top_p[:, None]                                                       # entry 0 always kept
+    last = jnp.sum(keep, axis=-1) - 1                                                    # index of the last kept
+    pth = jnp.take_along_axis(desc, last[:, None], axis=-1)                             # [B, 1] top-p threshold
+    z = jnp.where(z >= jnp.maximum(kth, pth), z, -jnp.inf)
+    drawn = jax.vmap(lambda key, row: jax.random.categorical(jax.random.wrap_key_data(key), row))(keys, z)
+    return jnp.where(temperature > 0, drawn.astype(jnp.int32), greedy)

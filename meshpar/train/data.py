@@ -1,0 +1,369 @@
+"""Training data. Batch `s` is a pure function of (seed, s, global row), so
+
+* the iterator's checkpointable state is one integer (the next step), and resume is exact;
+* each process builds only the rows its own devices hold (`jax.make_array_from_callback`), whatever
+  the number of processes, and a 2-process run sees exactly the batches a 1-process run sees.
+
+Sources:
+* `MarkovLanguage`: a seeded sparse random Markov chain over the vocabulary (each token has
+  `branching` successors with Dirichlet weights). Its entropy rate H = sum_s pi(s) H(P(s, .)) is the
+  loss floor any model can reach, printed at start.
+* `TokenFile`: a flat pre-tokenized `uint16`/`uint32` file, memory-mapped; random windows.
+* `TextFiles`: plain text through a byte-level tokenizer (ids 0..255); random windows.
+* Your own: any object with `batch_spec(global_size, length) -> tree of Leaf` and
+  `rows(seed, step, rows, length) -> the same tree of numpy arrays [len(rows), ...]`, named on the
+  command line as `data.kind=PKG.MODULE:FN` (`FN(cfg) -> source`). A batch is then any pytree; each
+  leaf declares its logical axes, led by `batch` (e.g. images `("batch", None, None, None)`).
+
+The contract is one thing: `rows` gets the `length` its `batch_spec` was given (`batch.length`), and
+returns for every leaf exactly the spec's shape with `len(rows)` rows (the built-in language-model
+sources declare [B, T+1], inputs and shifted targets, and ask themselves for T+1 tokens). What a
+source returns is checked against its spec (keys, shapes, dtypes) before it reaches the devices,
+first once before the step compiles: one line naming the leaf.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+
+from meshpar.core.batch import Leaf, is_leaf, lm_batch_spec
+from meshpar.core.errors import ConfigError
+
+
+class LMSource:
+    """A token source for the built-in LM loss: `rows(seed, step, rows, length)` -> tokens [R, length+1],
+    the rows of `lm_batch_spec(global_size, length)`, from `sample(seed, step, rows, n)` -> [R, n]."""
+
+    def batch_spec(self, global_size: int, length: int) -> Leaf:
+        return lm_batch_spec(global_size, length)
+
+    def rows(self, seed: int, step: int, rows: range, length: int) -> np.ndarray:
+        return self.sample(seed, step, rows, length + 1)
+
+
+def check_rows(spec, tree, n: int, length: int) -> None:
+    """What a source's `rows(..., length)` returned for `n` rows against its batch spec: the same
+    keys, each leaf [n, *spec.shape[1:]] and of the declared kind of dtype (ints for ints, floats for
+    floats); one line naming the leaf otherwise."""
+    import jax
+    leaves, treedef = jax.tree.flatten(spec, is_leaf=is_leaf)
+    try:
+        got = treedef.flatten_up_to(tree)
+    except (ValueError, TypeError):
+        have = sorted(tree) if isinstance(tree, dict) else type(tree).__name__
+        want = sorted(spec) if isinstance(spec, dict) else type(spec).__name__
+        raise ConfigError(f"the data source's rows() returned {have}; its batch_spec declares {want}: return one "
+                          "numpy array per batch leaf") from None
+    kinds = {"i": "int", "u": "int", "f": "float", "b": "bool", "c": "complex"}
+    for (path, leaf), array in zip(jax.tree_util.tree_leaves_with_path(spec, is_leaf=is_leaf), got):
+        name = jax.tree_util.keystr(path) or "batch"
+        want, shape = (n, *leaf.shape[1:]), tuple(np.shape(array))
+        if shape != want:
+            raise ConfigError(f"batch leaf {name}: the data source's rows(rows={n}, length={length}) returned shape "
+                              f"{shape}, its batch_spec declares {want} (rows get the length batch_spec gets)")
+        have, declared = np.asarray(array).dtype, np.dtype(leaf.dtype)
+        if kinds.get(have.kind) != kinds.get(declared.kind):
+            raise ConfigError(f"batch leaf {name}: the data source's rows() returned {have}, its batch_spec declares "
+                              f"{declared}")
+
+
+def _row_rng(seed: int, step: int, row: int) -> np.random.Generator:
+    return np.random.default_rng([seed, step, row])
+
+
+class MarkovLanguage(LMSource):
+    """A sparse random Markov chain: successors [V, b] and probabilities [V, b]."""
+
+    def __init__(self, vocab: int, branching: int, seed: int):
+        if branching > vocab:
+            raise ConfigError(f"data.branching={branching} exceeds model.vocab={vocab}")
+        rng = np.random.default_rng(seed)
+        self.vocab = vocab
+        self.succ = np.stack([rng.choice(vocab, branching, replace=False) for _ in range(vocab)])
+        self.probs = rng.dirichlet(np.ones(branching), size=vocab)
+        self.cum = np.cumsum(self.probs, axis=1)
+        self.cum[:, -1] = 1.0
+        self.stationary = self._stationary()
+
+    def _stationary(self, iters: int = 2000) -> np.ndarray:
+        pi = np.full(self.vocab, 1.0 / self.vocab)
+        for _ in range(iters):    # lazy chain 1/2 (I + P): same stationary law, no periodicity trouble
+            nxt = np.zeros_like(pi)
+            np.add.at(nxt, self.succ, pi[:, None] * self.probs)
+            pi = 0.5 * pi + 0.5 * nxt
+        return pi / pi.sum()
+
+    @property
+    def entropy_rate(self) -> float:
+        """Nats per token: the cross-entropy floor of a perfect model (ignoring the first token)."""
+        h = -np.sum(self.probs * np.log(np.maximum(self.probs, 1e-30)), axis=1)
+        return float(np.sum(self.stationary * h))
+
+    def sample(self, seed: int, step: int, rows: range, length: int) -> np.ndarray:
+        """Token rows [len(rows), length]; row r of step s is the same on every process."""
+        u = np.stack([_row_rng(seed, step, r).random(length) for r in rows])       # [R, L]
+        out = np.empty((len(rows), length), np.int32)
+        cdf_pi = np.cumsum(self.stationary)
+        out[:, 0] = np.minimum(np.searchsorted(cdf_pi, u[:, 0]), self.vocab - 1)
+        for t in range(1, length):
+            prev = out[:, t - 1]
+            k = (u[:, t, None] > self.cum[prev]).sum(axis=1)
+            out[:, t] = self.succ[prev, np.minimum(k, self.succ.shape[1] - 1)]
+        return out
+
+
+class _Windows(LMSource):
+    """Random fixed-length windows of a flat token array."""
+    tokens: np.ndarray
+    entropy_rate = None
+    what = "data.path"
+
+    def sample(self, seed: int, step: int, rows: range, length: int) -> np.ndarray:
+        """Windows [len(rows), length] at random starts."""
+        n = len(self.tokens)
+        if n <= length:
+            raise ConfigError(f"{self.what} holds {n} tokens, fewer than batch.length+1={length}")
+        out = np.empty((len(rows), length), np.int32)
+        for i, r in enumerate(rows):
+            start = int(_row_rng(seed, step, r).integers(0, n - length))
+            out[i] = self.tokens[start:start + length]
+        return out
+
+
+class TokenFile(_Windows):
+    """A flat binary file of token ids (`data.dtype`), memory-mapped. The whole file is checked once
+    against the vocabulary, in chunks of CHUNK tokens (one vectorised max per chunk), so a bad id
+    anywhere stops the run at start, naming its position, instead of at some later step."""
+    CHUNK = 1 << 24
+
+    def __init__(self, path: str, dtype: str, vocab: int):
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"data.path '{path}' is not a file")
+        dt = np.dtype(dtype)
+        if p.stat().st_size % dt.itemsize:
+            raise ConfigError(f"data.path '{path}' has {p.stat().st_size} bytes, not a whole number of "
+                              f"{dtype} tokens; is data.dtype right?")
+        self.tokens = np.memmap(p, dtype=dt, mode="r") if p.stat().st_size else np.zeros(0, dt)
+        for start in range(0, len(self.tokens), self.CHUNK):
+            chunk = self.tokens[start:start + self.CHUNK]
+            if int(chunk.max()) >= vocab:
+                at = start + int(np.argmax(chunk >= vocab))
+                raise ConfigError(f"data.path '{path}' holds token id {int(self.tokens[at])} >= model.vocab={vocab} "
+                                  f"at position {at}; raise model.vocab or fix the file")
+
+
+class TextFiles(_Windows):
+    def __init__(self, path: str, vocab: int):
+        if vocab < 256:
+            raise ConfigError(f"data.kind=text uses byte tokens 0..255 and needs model.vocab >= 256, got {vocab}")
+        p = Path(path)
+        files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
+        if not files or not files[0].exists():
+            raise ConfigError(f"data.path '{path}' has no text files")
+        self.tokens = np.frombuffer(b"".join(f.read_bytes() for f in files), dtype=np.uint8)
+
+
+class Span(_Windows):
+    """Windows of one part of another window source's tokens (a train / held-out split)."""
+
+    def __init__(self, tokens: np.ndarray, what: str):
+        self.tokens, self.what = tokens, what
+
+
+# Evaluation batches are those of steps EVAL_STEP, EVAL_STEP + 1, ...: batch s is a pure function of
+# (seed, s, row), and no training run reaches step 2**62, so a source keyed by the step (the
+# synthetic language, a user source) gives an evaluation stream disjoint from every training batch.
+EVAL_STEP = 1 << 62
+
+
+def _eval_on(cfg) -> bool:
+    ev = getattr(cfg, "eval", None)
+    return bool(ev and ev.every)
+
+
+def _file_source(kind: str, path: str, cfg, vocab: int):
+    if kind == "text" and getattr(cfg.data, "tokenizer", None):   # documents tokenized, packed with EOS between
+        from meshpar.io.tokenizer import packed_text
+        return Span(packed_text(path, cfg.data.tokenizer, vocab), f"data.path '{path}' (tokenized)")
+    return TokenFile(path, cfg.data.dtype, vocab) if kind == "tokens" else TextFiles(path, vocab)
+
+
+def _split(source, cfg):
+    """Token/text data without `eval.path`: the last `eval.holdout` of the tokens is held out."""
+    n = len(source.tokens)
+    cut = int(round(n * (1.0 - cfg.eval.holdout)))
+    need = cfg.batch.length + 2
+    if cut < need or n - cut < need:
+        raise ConfigError(f"eval.holdout={cfg.eval.holdout} splits data.path ({n} tokens) into {cut} training "
+                          f"and {n - cut} held-out tokens; each part needs more than batch.length+1="
+                          f"{cfg.batch.length + 1}: change eval.holdout or give eval.path")
+    return (Span(source.tokens[:cut], f"the training part of data.path (1 - eval.holdout={cfg.eval.holdout})"),
+            Span(source.tokens[cut:], f"the held-out part of data.path (eval.holdout={cfg.eval.holdout})"))
+
+
+def make_source(cfg, vocab: int):
+    """The training source of `data.*`. With evaluation on (`eval.every` > 0), token/text data
+    without `eval.path` trains on the first 1 - `eval.holdout` of its tokens only."""
+    d = cfg.data
+    if d.kind == "synthetic":
+        return MarkovLanguage(vocab, d.branching, d.seed)
+    source = _file_source(d.kind, d.path, cfg, vocab)
+    if _eval_on(cfg) and not cfg.eval.path:
+        return _split(source, cfg)[0]
+    return source
+
+
+def make_eval_source(cfg, vocab: int | None, train_source):
+    """The held-out source: `eval.path` (same kind as `data.kind`), the held-out tail of token/text
+    data, or for the synthetic language and user sources the training source itself, read at steps
+    from EVAL_STEP on (disjoint from training)."""
+    d = cfg.data
+    if d.kind in ("tokens", "text"):
+        if cfg.eval.path:
+            return _file_source(d.kind, cfg.eval.path, cfg, vocab)
+        return _split(_file_source(d.kind, d.path, cfg, vocab), cfg)[1]
+    return train_source
+
+
+class Batches:
+    """Iterator of global batches, sharded on arrival: a tree of arrays shaped like `batch_spec`
+    (by default one [B, T+1] token array: inputs and shifted targets).
+
+    Each process builds only the rows its devices hold, each row once per step whatever the number
+    of local devices or leaves (one `source.rows` call per run of consecutive rows). `state()` /
+    `restore(state)` checkpoint the position; nothing else is needed for exact resume. `Prefetch`
+    wraps it to build batches ahead on a background thread.
+    """
+
+    def __init__(self, source, sharding, global_size: int, length: int, seed: int, step: int = 0, batch_spec=None):
+        self.source, self.sharding = source, sharding
+        self.length = length
+        self.spec = batch_spec if batch_spec is not None else lm_batch_spec(global_size, length)
+        self.seed, self.step = seed, step
+
+    def probe(self) -> None:
+        """Check the source against the batch spec on one row (before anything compiles)."""
+        check_rows(self.spec, self.source.rows(self.seed, self.step, range(0, 1), self.length), 1, self.length)
+
+    def state(self) -> dict:
+        return {"step": self.step}
+
+    def restore(self, state: dict) -> None:
+        self.step = int(state["step"])
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        import jax
+        leaves, treedef = jax.tree.flatten(self.spec, is_leaf=is_leaf)
+        shardings = jax.tree.leaves(self.sharding)
+        rows, built = self._build(self.step, leaves, shardings)
+        out = []
+        for i, (leaf, sh) in enumerate(zip(leaves, shardings)):
+            def local(index, i=i, leaf=leaf):
+                want = np.arange(leaf.shape[0])[index[0]]
+                tree = jax.tree.map(lambda a: a[np.searchsorted(rows, want)], built)
+                part = jax.tree.leaves(tree)[i] if len(leaves) > 1 else tree
+                return np.asarray(part, leaf.dtype)[(slice(None),) + tuple(index[1:])]
+            out.append(jax.make_array_from_callback(tuple(leaf.shape), sh, local))
+        self.step += 1
+        return jax.tree.unflatten(treedef, out)
+
+    def _build(self, step: int, leaves, shardings):
+        """The rows this process's devices hold, each built once (one `source.rows` call per run of
+        consecutive rows): -> (sorted row ids [R], tree of arrays [R, ...])."""
+        import jax
+        need = set()
+        for leaf, sh in zip(leaves, shardings):
+            for index in sh.addressable_devices_indices_map(tuple(leaf.shape)).values():
+                need.update(range(*index[0].indices(leaf.shape[0])))
+        rows = np.array(sorted(need), np.int64)
+        breaks = np.flatnonzero(np.diff(rows) != 1) + 1
+        parts = []
+        for run in np.split(rows, breaks):
+            parts.append(self.source.rows(self.seed, step, range(int(run[0]), int(run[-1]) + 1), self.length))
+            check_rows(self.spec, parts[-1], len(run), self.length)
+        return rows, (parts[0] if len(parts) == 1 else jax.tree.map(lambda *a: np.concatenate(a), *parts))
+
+
+class Prefetch:
+    """`Batches` built `depth` steps ahead on a background thread, so the host work of step s + 1
+    (building rows, copying them to the devices) overlaps the devices computing step s.
+
+    Batches are a pure function of (seed, step, row), so prefetching changes no value: the batch of
+    step s is bit-identical with or without it. `state()` is the step of the next batch *handed out*
+    (not the next one built), so a checkpoint records exactly what training consumed; `restore`
+    drops whatever was built ahead and restarts from the restored step. A source error raised on the
+    thread is raised again by the `next()` that would have returned that batch.
+    """
+
+    def __init__(self, batches: Batches, depth: int = 2):
+        import queue
+        import threading
+        self.batches, self.depth = batches, max(1, depth)
+        self.next_step = batches.step
+        self._queue: queue.Queue = queue.Queue(maxsize=self.depth)
+        self._stop = threading.Event()
+        self._thread = None
+
+    def state(self) -> dict:
+        return {"step": self.next_step}
+
+    def restore(self, state: dict) -> None:
+        self.close()
+        self.batches.restore(state)
+        self.next_step = self.batches.step
+
+    def _produce(self, stop, out) -> None:
+        import queue
+        while not stop.is_set():
+            step = self.batches.step
+            try:
+                item = (step, next(self.batches), None)
+            except Exception as e:  # noqa: BLE001 (handed to the consumer, raised there)
+                item = (step, None, e)
+            while not stop.is_set():
+                try:
+                    out.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if item[2] is not None:
+                return
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        import queue
+        import threading
+        if self._thread is None:
+            self._stop = threading.Event()
+            self._queue = queue.Queue(maxsize=self.depth)
+            self._thread = threading.Thread(target=self._produce, args=(self._stop, self._queue),
+                                            name="meshpar-prefetch", daemon=True)
+            self._thread.start()
+        step, batch, err = self._queue.get()
+        if err is not None:
+            self.close()
+            raise err
+        assert step == self.next_step, (step, self.next_step)
+        self.next_step += 1
+        return batch
+
+    def close(self) -> None:
+        """Stop the thread; the batches it built ahead are dropped (the next `next()` rebuilds them)."""
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+        self.batches.restore({"step": self.next_step})
+
+
+def floor_gap_closed(initial: float, final: float, floor: float) -> float:
+    """Fraction of the gap between the initial loss and the entropy floor that training closed."""
+    return (initial - final) / max(initial - floor, 1e-9) if math.isfinite(final) else float("nan")

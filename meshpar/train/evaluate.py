@@ -1,0 +1,67 @@
+"""Evaluation on held-out data: `eval.every=N eval.batches=K` (floor 7, beside the loop).
+
+    ev = Evaluator(cfg, trainer, train_source)      # K held-out batches, one compiled eval step
+    rec = ev(state)      # {"loss", "perplexity", "batches", "tokens", "eval_s"}
+
+The held-out stream (`meshpar.train.data.make_eval_source`): for the synthetic language and user sources,
+the batches of steps EVAL_STEP .. EVAL_STEP + K - 1, which no training run reaches, so every
+evaluation reads the same K batches and none of them is a training batch; for token/text data,
+windows of `eval.path` or of the held-out last `eval.holdout` of `data.path` (training then reads
+only the rest). The K batches are built once, at the first evaluation, and kept on the devices.
+
+The eval step is the train step's loss without gradients or update: the model in eval mode
+(`nnx.Module.eval()`: dropout off), its non-Param state left as it was. The loss is the one the step
+logs as `loss` (for the built-in LM loss the cross-entropy, without the MoE auxiliary terms);
+perplexity = exp(mean loss) (meaningful for the LM loss). One compiled program serves every call.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from meshpar.core import precision as precision_lib
+from meshpar.train.data import EVAL_STEP, Batches, make_eval_source
+from meshpar.core.rules import use_layout
+
+
+class Evaluator:
+    def __init__(self, cfg, trainer, train_source):
+        self.cfg, self.trainer = cfg, trainer
+        vocab = getattr(trainer.spec.cfg, "vocab", None) or cfg.model.vocab or cfg.model.args.get("vocab")
+        self.source = make_eval_source(cfg, vocab, train_source)
+        self.batches = None
+        tr = trainer
+        replicated = NamedSharding(tr.mesh, P())
+        self._step = jax.jit(self._loss, in_shardings=(tr.state_shardings["params"], tr.state_shardings["vars"],
+                                                       tr.batch_sharding), out_shardings=replicated)
+
+    def _loss(self, params, vars, batch):
+        tr = self.trainer
+        with use_layout(tr.layout), precision_lib.use_policy(tr.policy):
+            model = tr.spec.merge(params, vars)
+            if hasattr(model, "eval"):
+                model.eval()          # deterministic: dropout off (a no-op for models without it)
+            loss, metrics = tr.loss(model, batch)
+        return metrics.get("ce", loss) if isinstance(metrics, dict) else loss
+
+    def _held_out(self):
+        if self.batches is None:
+            it = Batches(self.source, self.trainer.batch_sharding, self.cfg.batch.global_size, self.cfg.batch.length,
+                         self.cfg.data.seed, step=EVAL_STEP, batch_spec=self.trainer.batch_spec)
+            self.batches = [next(it) for _ in range(self.cfg.eval.batches)]
+        return self.batches
+
+    def __call__(self, state) -> dict:
+        """Mean loss over the K held-out batches (one device->host read for all of them)."""
+        t0 = time.perf_counter()
+        losses = [self._step(state["params"], state["vars"], b) for b in self._held_out()]
+        loss = float(jax.device_get(jnp.mean(jnp.stack(losses))))
+        rows = self.cfg.batch.global_size * len(losses)
+        return {"loss": loss, "perplexity": math.exp(loss) if loss < 700 else float("inf"),
+                "batches": len(losses),
+                "tokens": rows * self.cfg.batch.length if self.trainer.is_lm else None,
+                "eval_s": time.perf_counter() - t0}

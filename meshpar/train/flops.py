@@ -1,0 +1,118 @@
+"""Model FLOPs for MFU: what one token (or example) costs, and what a device can do.
+
+MFU = model FLOPs per step / (step time x devices x peak), after PaLM (Chowdhery et al. 2022)
+appendix B. Works for any model: the attention term needs `layers`, `heads` and `head_dim` on the
+model's `cfg` (the reference decoders have them); without them it is 6N per token.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+
+from meshpar.core.sharding import ModelSpec
+
+
+def active_params(spec: ModelSpec, cfg) -> float:
+    """Parameters one token's forward pass multiplies with: all but the input embedding table (a
+    gather, not a matmul), and of each expert weight (logical axis `expert`, size E) only the
+    top_k / E share its token is routed to."""
+    from meshpar.nn.moe import TOP_K
+    top_k = TOP_K[cfg.moe.routing]
+    total = 0.0
+    for shape, names in zip(jax.tree.leaves(spec.shapes),
+                            jax.tree.leaves(spec.logical, is_leaf=lambda x: isinstance(x, tuple))):
+        if names == ("vocab", "embed"):
+            continue
+        n = float(math.prod(shape.shape))
+        if "expert" in names:
+            n *= top_k / shape.shape[names.index("expert")]
+        total += n
+    return total
+
+
+def flops_per_token(model_cfg, n_active: float, length: int) -> float:
+    """PaLM (Chowdhery et al. 2022) appendix B: 6N + 12*L*H*Q*T per token, N the parameters a token
+    passes through (`active_params`). Convention: the attention term counts the full T x T score
+    matrix (no causal halving), as PaLM does; it is left out for a model whose `cfg` does not say
+    `layers`, `heads` and `head_dim`."""
+    attn = [getattr(model_cfg, k, None) for k in ("layers", "heads", "head_dim")]
+    return 6.0 * n_active + (12.0 * math.prod(attn) * length if all(attn) else 0.0)
+
+
+_PEAK_BF16 = [("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("B200", 2250e12), ("L4", 121e12),
+              ("TPU v6", 918e12), ("TPU v5p", 459e12), ("TPU v5", 197e12), ("TPU v4", 275e12)]
+
+
+def peak_flops_per_device(cfg) -> tuple[float, str]:
+    """Dense bf16 peak per device: config, then a table of device kinds, else a measured CPU matmul rate."""
+    if cfg.train.peak_tflops:
+        return cfg.train.peak_tflops * 1e12, "train.peak_tflops"
+    dev = jax.local_devices()[0]      # this process's own (jax.devices()[0] may be another process's)
+    for key, peak in _PEAK_BF16:
+        if key in dev.device_kind:
+            return peak, f"{dev.device_kind} datasheet"
+    n = 512
+    a = jax.device_put(jnp.ones((n, n), jnp.float32), dev)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    reps, t0 = 20, time.perf_counter()
+    for _ in range(reps):
+        r = f(a)
+    r.block_until_ready()
+    host = 2 * n ** 3 * reps / (time.perf_counter() - t0)
+    return host / jax.local_device_count(), "measured host matmul / fake devices"
+
+
+def matmul_flops(jaxpr) -> float:
+    """FLOPs of the matrix products in a (closed) jaxpr: 2 per multiply-add of every dot_general and
+    convolution, sub-jaxprs included (a scan's body times its length; a cond's costliest branch; a
+    while loop's body once, its trip count being unknown)."""
+    import numpy as np
+    total = 0.0
+    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+        prim = eqn.primitive.name
+        if prim == "dot_general":
+            (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+            lhs, rhs = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
+            total += 2.0 * np.prod(lhs) * np.prod([d for i, d in enumerate(rhs) if i not in (*rc, *rb)])
+        elif prim == "conv_general_dilated":
+            rhs, out = eqn.invars[1].aval.shape, eqn.outvars[0].aval.shape
+            features = rhs[eqn.params["dimension_numbers"].rhs_spec[0]]
+            total += 2.0 * np.prod(out) * np.prod(rhs) / features
+        subs = [v for v in eqn.params.values() if hasattr(v, "eqns") or hasattr(getattr(v, "jaxpr", None), "eqns")]
+        subs += [b for v in eqn.params.values() if isinstance(v, tuple) for b in v if hasattr(b, "jaxpr")]
+        if prim == "cond":
+            total += max(matmul_flops(b) for b in eqn.params["branches"])
+        elif subs:
+            total += (eqn.params.get("length", 1) if prim == "scan" else 1) * sum(matmul_flops(j) for j in subs)
+    return total
+
+
+def loss_forward_flops(trainer) -> float:
+    """Matmul FLOPs of `trainer.loss` on the whole global batch, forward only (traced, not compiled)."""
+    from meshpar.core.batch import is_leaf
+    from meshpar.core.precision import use_policy
+    spec = trainer.spec
+    batch = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(tuple(leaf.shape), leaf.dtype), trainer.batch_spec,
+                         is_leaf=is_leaf)
+
+    def forward(params, vars, b):
+        with use_policy(trainer.policy):
+            return trainer.loss(spec.merge(params, vars), b)[0]
+    return matmul_flops(jax.make_jaxpr(forward)(spec.shapes, spec.var_shapes or {}, batch))
+
+
+def model_flops_per_step(trainer, cfg) -> tuple[float, str]:
+    """Model FLOPs of one optimizer step, what MFU divides, and how they were counted: the built-in
+    LM loss by PaLM's per-token formula; another loss by `train.flops_per_example` if set, else as 3 x
+    the matmul FLOPs of its forward over the global batch (forward + backward, the 6N = 3 x 2N of
+    Kaplan et al. 2020: the same count for any model, tokens or not)."""
+    if trainer.is_lm:
+        per_token = flops_per_token(trainer.spec.cfg, active_params(trainer.spec, cfg), cfg.batch.length)
+        return per_token * cfg.batch.global_size * cfg.batch.length, "6N + 12LHQT per token (PaLM)"
+    if cfg.train.flops_per_example:
+        return cfg.train.flops_per_example * cfg.batch.global_size, "train.flops_per_example"
+    return 3.0 * loss_forward_flops(trainer), "3 x the loss's forward matmuls"

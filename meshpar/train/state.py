@@ -1,0 +1,207 @@
+"""The train state and where it lives: mesh, layout, the shardings of every part of the state, and
+the sharded init that writes each array straight into its shard.
+
+The state is a dict of pure pytrees: `params` (nnx.Param, optimized), `vars` (all other NNX state:
+RNG streams, counters, statistics; carried, never optimized), `opt`, `step`, `numerics`. The step
+that updates it is `meshpar.train.step.Trainer`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from meshpar.core import precision as precision_lib
+from meshpar.core.batch import check_batch_spec, is_leaf, lm_batch_spec
+from meshpar.core.config import BatchConfig, ModelConfig
+from meshpar.core.errors import ConfigError, ShardingError
+from meshpar.core.mesh import describe, make_mesh, mesh_shape
+from meshpar.core.registry import default_model, loss_function
+from meshpar.core.rules import Layout, check_rule_names, get_strategy, parse_user_rules
+from meshpar.core.sharding import (batch_shardings, building, model_spec, opt_state_shardings, param_shardings,
+                                   sharding_table, state_shardings, unruled_batch_axes, var_shardings)
+from meshpar.train.loss import lm_loss
+from meshpar.train.optimizer import make_optimizer
+
+
+def batch_axes_of(layout: Layout) -> tuple[str, ...]:
+    """The mesh axes the `batch` dimension is split over (size > 1 only)."""
+    spec = layout.spec(("batch",))
+    axes = spec[0] if len(spec) else None
+    return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def data_parallel_size(layout: Layout) -> tuple[int, str]:
+    """Product (and description) of the mesh axes the `batch` dimension is split over."""
+    axes, sizes = batch_axes_of(layout), layout.shape
+    return math.prod(sizes[a] for a in axes), " x ".join(f"{a}={sizes[a]}" for a in axes) or "none"
+
+
+def check_batch(batch: BatchConfig, layout: Layout) -> None:
+    b, m = batch.global_size, batch.microbatches
+    if b % m:
+        raise ShardingError(f"batch.global_size={b} is not divisible by batch.microbatches={m}")
+    dp, axes = data_parallel_size(layout)
+    if (b // m) % dp:
+        what = f"batch.global_size={b}" if m == 1 else f"the microbatch size {b // m} (batch.global_size={b} / batch.microbatches={m})"
+        raise ShardingError(f"{what} is not divisible by the data-parallel size {dp} ({axes}); "
+                            f"use a multiple of {dp * m} for batch.global_size")
+
+
+def check_platform(model: ModelConfig) -> None:
+    """Options that only some backends have."""
+    backend = jax.default_backend()
+    if model.attention == "cudnn" and backend != "gpu":
+        raise ShardingError(f"model.attention=cudnn needs an NVIDIA GPU (this backend is {backend}); "
+                            "use model.attention=xla, or auto to let JAX choose")
+
+
+@dataclass
+class TrainSetup:
+    """Everything a run needs that is not an array, but the step: mesh, layout, shardings, init.
+
+    `model`: factory `rngs -> nnx.Module` (default: `cfg.model.name`). `loss`: `(model, batch) ->
+    (scalar, metrics)` (default: `cfg.train.loss`, i.e. `lm_loss`). `batch_spec`: tree of
+    `meshpar.Leaf` (default: token rows [B, T+1] from `cfg.batch`).
+    """
+    cfg: Any
+    devices: list | None = None
+    model: Callable | None = None
+    loss: Callable | None = None
+    batch_spec: Any = None
+    mesh: Any = field(init=False)
+    layout: Layout = field(init=False)
+
+    def __post_init__(self):
+        cfg = self.cfg
+        self.mesh = make_mesh(cfg.mesh, self.devices)
+        self.layout = Layout(self.mesh, get_strategy(cfg.strategy), parse_user_rules(cfg.rules))
+        self.policy = precision_lib.get_policy(cfg.precision)
+        check_platform(cfg.model)
+        self.factory = self.model or default_model(cfg)
+        if self.loss is None:
+            self.loss = loss_function(cfg)
+        self.loss_name = getattr(self.loss, "__qualname__", repr(self.loss))
+        self.spec = model_spec(self.factory, self.policy, cfg.train.require_annotations)
+        check_batch(cfg.batch, self.layout)
+        self.batch_spec = (self.batch_spec if self.batch_spec is not None
+                           else lm_batch_spec(cfg.batch.global_size, cfg.batch.length))
+        check_batch_spec(self.batch_spec)
+        self.batch_warnings = unruled_batch_axes(self.batch_spec, self.layout)
+        if self.batch_warnings and cfg.train.require_annotations:
+            raise ShardingError(f"{self.batch_warnings[0]} (train.require_annotations=true)")
+        self.idle_rules = check_rule_names(self.layout.user_rules, self._names_used())
+        self.pipelined = self.layout.shape.get("pipeline", 1) > 1
+        if self.pipelined:
+            self._check_pipeline()
+        self.tx = make_optimizer(cfg.train, cfg.steps, self.spec)
+        replicated = NamedSharding(self.mesh, P())
+        self.param_shardings = param_shardings(self.spec, self.layout)
+        zero = self.layout.strategy.opt_state is not None
+        self.grad_shardings = state_shardings(self.spec, self.layout) if zero else self.param_shardings
+        self.state_shardings = {"step": replicated, "params": self.param_shardings,
+                                "vars": var_shardings(self.spec, self.layout),
+                                "opt": opt_state_shardings(self.tx, self.spec, self.layout),
+                                "numerics": jax.tree.map(lambda _: replicated, jax.eval_shape(
+                                    lambda: precision_lib.LOSS_SCALE.init(self.policy)))}
+        self.batch_sharding = batch_shardings(self.batch_spec, self.layout)
+        self._init = jax.jit(self._init_fn, out_shardings=self.state_shardings)
+
+    def _check_pipeline(self) -> None:
+        """A pipeline cuts the loss into stages (meshpar.nn.stages): the built-in LM loss of a model
+        with embed/layers/head, or `stage_loss` of one with pre/layers/post/loss."""
+        from flax import nnx
+
+        from meshpar.parallel import pipeline
+        from meshpar.nn.stages import check_protocol, check_state, stage_loss
+        if self.loss not in (lm_loss, stage_loss):
+            raise ConfigError(f"pipelining (mesh.pipeline > 1) cuts the loss into stages: train.loss=lm (a model with "
+                              f"embed/layers/head) or train.loss=stages (a model with pre/layers/post/loss, see "
+                              f"meshpar.nn.stages); {self.loss_name} is neither. Set mesh.pipeline=1, or give the model "
+                              "those parts and train it with train.loss=stages")
+        with building(self.policy):
+            check_protocol(nnx.eval_shape(lambda: self.factory(nnx.Rngs(0))), lm=self.is_lm)
+        check_state(self.spec)
+        pipeline.check(self.cfg, self.layout, self.spec.shapes)
+
+    def warnings(self) -> list[str]:
+        """One line each for what this run will ignore: config keys it does not read, user rules
+        that name no parameter, variable or batch leaf (they can only reach activations)."""
+        from meshpar.core.config import ignored_warning
+        out = [w for w in [ignored_warning(self.cfg)] if w]
+        if self.idle_rules:
+            out.append(f"warning: {', '.join(self.idle_rules)} name no parameter, variable or batch leaf of this "
+                       "model: they apply only to activations constrained with those names")
+        return out + [f"warning: {w}" for w in self.batch_warnings]
+
+    def sharding_table(self) -> list[dict]:
+        """The sharding table of this run: parameters, other state, batch leaves."""
+        return sharding_table(self.spec, self.layout, self.batch_spec)
+
+    def _names_used(self) -> set[str]:
+        leaves = [*jax.tree.leaves(self.spec.logical, is_leaf=lambda x: isinstance(x, tuple)),
+                  *jax.tree.leaves(self.spec.var_logical or {}, is_leaf=lambda x: isinstance(x, tuple)),
+                  *(leaf.axes for leaf in jax.tree.leaves(self.batch_spec, is_leaf=is_leaf))]
+        return {n for names in leaves if names for n in names if n}
+
+    # -- init ------------------------------------------------------------------------------------
+    def _init_fn(self, key):
+        from flax import nnx
+        with building(self.policy):
+            model = self.factory(nnx.Rngs(key))
+        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        return {"step": jnp.zeros((), jnp.int32), "params": params, "vars": self.spec.vars_of(model),
+                "opt": self.tx.init(params), "numerics": precision_lib.LOSS_SCALE.init(self.policy)}
+
+    def init(self, seed: int | None = None):
+        """Sharded init: the jitted constructor writes each variable straight into its shard. With
+        `model.init_from=hf:DIR` the parameters are read from DIR instead, each straight into its
+        shard (`meshpar.io.hf`), and the rest of the state (optimizer, step 0) starts fresh."""
+        key = jax.random.key(self.cfg.train.seed if seed is None else seed)
+        if self.cfg.model.init_from:
+            return self._init_from(self.load_pretrained(), key)
+        return self._init(key)
+
+    def load_pretrained(self, shardings=None, shapes=None, info=None):
+        """`model.init_from`'s parameters, in `shardings` (default: this run's) and `shapes`' dtypes."""
+        from flax import nnx
+        from meshpar.io import hf
+        with building(self.policy):
+            abstract = nnx.eval_shape(lambda: self.factory(nnx.Rngs(0)))
+        return hf.load(self.cfg.model.init_from, abstract, shardings or self.param_shardings,
+                       shapes or self.spec.shapes, info)
+
+    def _init_from(self, params, key):
+        """The train state around given parameters: fresh optimizer state and variables, step 0."""
+        def fn(params, key):
+            state = self._init_fn(key)   # its random parameters are dead code (XLA drops them)
+            return {**state, "params": params, "opt": self.tx.init(params)}
+        return jax.jit(fn, out_shardings=self.state_shardings, donate_argnums=(0,))(params, key)
+
+    def abstract_state(self):
+        key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
+        out = jax.eval_shape(self._init_fn, key)
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), out, self.state_shardings)
+
+    @property
+    def batch_shape(self) -> tuple:
+        """The global batch shape of a single-array batch ([B, T+1] tokens for the LM loss)."""
+        if not is_leaf(self.batch_spec):
+            raise AttributeError("batch_shape: this batch is a tree; see Trainer.batch_spec")
+        return tuple(self.batch_spec.shape)
+
+    # -- facts for logs --------------------------------------------------------------------------
+    @property
+    def is_lm(self) -> bool:
+        return self.loss is lm_loss
+
+    def describe(self) -> dict:
+        rows = self.cfg.batch.global_size
+        return {"mesh": mesh_shape(self.mesh), "mesh_str": describe(self.mesh), "strategy": self.cfg.strategy,
+                "precision": self.cfg.precision, "devices": self.mesh.devices.size,
+                "params": self.spec.num_params, "examples_per_step": rows,
+                "tokens_per_step": rows * self.cfg.batch.length if self.is_lm else None}

@@ -1,0 +1,177 @@
+"""The train step, pure: loss_fn(model, batch) -> grads -> optimizer update. No data, no logging.
+
+    trainer = Trainer(cfg, model=lambda rngs: MyModel(rngs), loss=my_loss, batch_spec=spec)
+    state = trainer.init()                 # every array born in its shard (jit with out_shardings)
+    state, metrics = trainer.step(state, batch)
+
+`model(rngs) -> nnx.Module` is any Flax NNX model; `loss(model, batch) -> (loss, metrics)` any
+scalar loss of any batch pytree (`batch_spec`: a tree of `meshpar.Leaf` declaring each leaf's
+logical axes). Defaults: the model named by `cfg.model.name` and next-token cross-entropy
+(`lm_loss`) on token rows [B, T+1].
+
+The train state, its shardings and the sharded init: `meshpar.train.state.TrainSetup`, which
+`Trainer` extends with the step; the optimizer: `meshpar.train.optimizer`; the losses: `meshpar.train.loss`.
+
+The step: microbatches (gradient accumulation, `lax.scan`) -> grads -> clip -> AdamW. Where the
+gradients are reduced is the strategy (ZeRO, Rajbhandari et al. 2020):
+
+* dp / fsdp / tp ...: gradients take the parameters' layout (all-reduce, or reduce-scatter when the
+  parameters are sharded).
+* zero1 / zero2: gradients are reduce-scattered into the sharded optimizer-state layout (Psi bytes),
+  the update runs on 1/N of every tensor, and the updated parameters are all-gathered (Psi).
+* zero1 under accumulation: each data-parallel replica accumulates its *own* gradients (a `vmap`
+  over replicas whose mapped axis sits on the batch mesh axes, so nothing is communicated inside the
+  loop) and they are reduce-scattered once per optimizer step. A model with non-Param state (dropout
+  RNG streams, say) reduces per microbatch instead, so its masks stay independent of the mesh.
+* zero2 under accumulation: each microbatch's gradients are reduce-scattered on arrival, so the
+  accumulator holds 1/N per device (M x Psi bytes moved, 1/N of the memory).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from meshpar.core import precision as precision_lib
+from meshpar.core.batch import is_leaf
+from meshpar.core.registry import import_object
+from meshpar.core.rules import use_layout
+from meshpar.core.sharding import split_microbatches
+from meshpar.train.loss import check_loss
+from meshpar.train.optimizer import applied_count, lr_schedule
+from meshpar.train.state import TrainSetup, batch_axes_of
+
+
+class Trainer(TrainSetup):
+    """Everything a run needs that is not an array: mesh, layout, shardings and init (`TrainSetup`),
+    and the compiled step. `Trainer(cfg, model=, loss=, batch_spec=, devices=)`, as `TrainSetup`."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        replicated = NamedSharding(self.mesh, P())
+        self._step = jax.jit(self._step_fn, in_shardings=(self.state_shardings, self.batch_sharding),
+                             out_shardings=(self.state_shardings, replicated), donate_argnums=(0,))
+        self._compiled = None
+
+
+    # -- step ------------------------------------------------------------------------------------
+    def _grads(self, params, batch, loss_scale=None, vars=None, layout=None):
+        """((loss, aux), grads) of one (micro)batch; aux["vars"] is the model's non-Param state after
+        the call. With `loss_scale` S (fp16) the grads are those of loss * S, for the caller to
+        unscale; loss and aux are never scaled."""
+        vars = {} if vars is None else vars
+        if self.pipelined:   # hand-written schedule (meshpar/parallel/pipeline.py)
+            from meshpar.parallel import pipeline
+            return pipeline.value_and_grad(self.spec, params, batch, self.cfg, self.layout, self.policy, loss_scale,
+                                           vars, self.is_lm, self.batch_spec)
+
+        def loss_fn(p, b):
+            model = self.spec.merge(p, vars)
+            loss, metrics = check_loss(self.loss(model, b), self.loss_name)
+            return precision_lib.LossScale.scale(loss, loss_scale), (loss, {**metrics, "vars": self.spec.vars_of(model)})
+        with use_layout(layout or self.layout), precision_lib.use_policy(self.policy):
+            (_, (loss, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
+        return (loss, aux), grads
+
+    def _accumulate(self, params, batch, scale, vars):
+        """Gradient accumulation over `batch.microbatches` (see the module docstring for the layouts)."""
+        m = self.cfg.batch.microbatches
+        mbs = split_microbatches(batch, m, self.layout, self.batch_spec)
+        strategy = self.layout.strategy
+        replicas = batch_axes_of(self.layout)
+        # ZeRO-1's per-replica accumulation needs a model without non-Param state: under the vmap every
+        # replica would draw the same dropout masks (and keep its own counters), so such a model
+        # takes the general path (gradients reduced per microbatch), which matches any mesh
+        local = (strategy.opt_state is not None and not strategy.shard_grads and replicas and not self.pipelined
+                 and not jax.tree.leaves(vars))
+        if local:   # ZeRO-1: per-replica gradients [R, ...], reduced once after the loop
+            r = math.prod(self.layout.shape[a] for a in replicas)
+            inner = self.layout.hiding(replicas)
+            mbs = jax.tree.map(lambda x: x.reshape((m, r, x.shape[1] // r) + x.shape[2:]), mbs)
+            grads_fn = jax.vmap(lambda p, b, v: self._grads(p, b, scale, v, inner), in_axes=(None, 0, None),
+                                spmd_axis_name=replicas[0] if len(replicas) == 1 else replicas)
+
+            def pin(g):
+                return g
+        else:
+            def grads_fn(p, b, v):
+                return self._grads(p, b, scale, v)
+
+            def pin(g):   # ZeRO-2: reduce-scatter each microbatch's grads, accumulate 1/N shards
+                return jax.lax.with_sharding_constraint(g, self.grad_shardings) if strategy.shard_grads else g
+
+        def acc(carry, mb):
+            total, v = carry
+            (l, a), g = grads_fn(params, mb, v)
+            v = a.pop("vars")
+            return (jax.tree.map(jnp.add, total, (l, a, pin(g))), v), None
+
+        first = jax.tree.map(lambda x: x[0], mbs)
+        (l0, a0), g0 = jax.eval_shape(grads_fn, params, first, vars)
+        a0 = dict(a0)
+        a0.pop("vars")
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (l0, a0, g0))
+        zeros = (zeros[0], zeros[1], pin(zeros[2]))
+        ((loss, aux, grads), vars), _ = jax.lax.scan(acc, (zeros, vars), mbs)
+        if local:   # sum the replicas' partial sums: one reduce(-scatter) per optimizer step
+            loss, aux, grads = jax.tree.map(lambda x: jnp.sum(x, axis=0) / r, (loss, aux, grads))
+        return jax.tree.map(lambda x: x / m, (loss, aux, grads)), vars
+
+    def _step_fn(self, state, batch):
+        params = state["params"]
+        scale = state["numerics"]["loss_scale"] if self.policy.loss_scaling else None
+        if self.cfg.batch.microbatches == 1:
+            (loss, aux), grads = self._grads(params, batch, scale, state["vars"])
+            vars = aux.pop("vars")
+        else:
+            (loss, aux, grads), vars = self._accumulate(params, batch, scale, state["vars"])
+        grads = jax.lax.with_sharding_constraint(precision_lib.LossScale.unscale(grads, scale), self.grad_shardings)
+        # a non-finite loss or gradient (or an fp16 overflow) skips the update: params, optimizer
+        # state and the model's other state stay bitwise as they were; `numerics` counts it and
+        # adapts the fp16 loss scale
+        apply, bad, numerics = precision_lib.LOSS_SCALE.update(self.policy, state["numerics"], loss, grads)
+        lr = lr_schedule(self.cfg.train, self.cfg.steps)(applied_count(state["opt"]))   # the rate this update applies
+        updates, opt = self.tx.update(grads, state["opt"], params)
+        new_params = optax.apply_updates(params, updates)
+        params, opt, vars = precision_lib.select(apply, (new_params, opt, vars), (params, state["opt"], state["vars"]))
+        aux = dict(aux)
+        metrics = {"loss": aux.pop("ce", loss), "total_loss": loss, "grad_norm": optax.tree.norm(grads),
+                   "lr": jnp.where(apply, lr, 0.0), **aux,
+                   "nonfinite": bad.astype(jnp.int32), "skipped_steps": numerics["skipped_steps"]}
+        if self.policy.loss_scaling:
+            metrics.update(loss_scale=state["numerics"]["loss_scale"], overflows=numerics["overflows"])
+        return {"step": state["step"] + 1, "params": params, "vars": vars, "opt": opt, "numerics": numerics}, metrics
+
+    def abstract_batch(self):
+        return jax.tree.map(lambda leaf, sh: jax.ShapeDtypeStruct(tuple(leaf.shape), leaf.dtype, sharding=sh),
+                            self.batch_spec, self.batch_sharding, is_leaf=is_leaf)
+
+    def lower(self):
+        return self._step.lower(self.abstract_state(), self.abstract_batch())
+
+    def compile(self):
+        """Compile the step ahead of time (once); `step` then never retraces."""
+        if self._compiled is None:
+            self._compiled = self.lower().compile()
+        return self._compiled
+
+    def step(self, state, batch):
+        return self.compile()(state, batch)
+
+
+def user_source(cfg):
+    """`data.kind=PKG.MODULE:FN` -> FN(cfg), else None (a built-in token source)."""
+    if ":" not in cfg.data.kind:
+        return None
+    return import_object(cfg.data.kind, "data.kind")(cfg)
+
+
+def trainer_for(cfg, devices=None, source=None) -> "Trainer":
+    """The Trainer a config names: its model, its loss, and its data source's batch layout."""
+    source = source if source is not None else user_source(cfg)
+    spec = source.batch_spec(cfg.batch.global_size, cfg.batch.length) if hasattr(source, "batch_spec") else None
+    return Trainer(cfg, devices=devices, batch_spec=spec)

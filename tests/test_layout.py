@@ -1,0 +1,137 @@
+"""The package's folders are its layers (docs/architecture.md): each subpackage imports only from
+the ones below it, no module imports another in a cycle, the framework never imports the reference
+models, and nothing grows past 500 lines a module or 150 lines a definition.
+
+The checks read the source (ast), so a violation anywhere, in a function body too, fails here
+before it can hide behind a lazy import.
+"""
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+# lowest first: a module may import its own layer and the ones before it
+LAYERS = ("core", "nn", "parallel", "io", "runtime", "train", "serve", "plan", "cli")
+MAX_MODULE_LINES, MAX_DEFINITION_LINES = 500, 150
+
+
+def modules(package: Path) -> dict[str, Path]:
+    """'meshpar.core.mesh' -> its file, for every module of the framework (not the reference models or
+    configs that the install puts beside it)."""
+    return {".".join((package.name, *p.relative_to(package).with_suffix("").parts)).removesuffix(".__init__"): p
+            for p in sorted(package.rglob("*.py")) if "__pycache__" not in p.parts}
+
+
+def layer_of(module: str) -> str | None:
+    """'meshpar.train.step' -> 'train'; 'meshpar.cli' -> 'cli'; the package itself (the lazy public API) -> None."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def imports_of(path: Path, module: str) -> list[tuple[int, str]]:
+    """(line, imported module) for every import in the file, function bodies included; relative
+    imports resolved; `from meshpar.x import y` counts as meshpar.x.y when that is a module."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                here = module.split(".")[:-node.level + (path.name == "__init__.py") or None]
+                base = ".".join([*here, base] if base else here)
+            out += [(node.lineno, f"{base}.{a.name}") for a in node.names]
+    return out
+
+
+def violations(package: Path) -> list[str]:
+    """Every broken layering rule in `package` (meshpar or a copy of it), one line each."""
+    mods = modules(package)
+    name = package.name
+    found, graph = [], {m: set() for m in mods}
+    for mod, path in mods.items():
+        layer = layer_of(mod)
+        if mod != name and layer not in LAYERS:
+            found.append(f"{mod}: not in a layer; put it in one of {', '.join(LAYERS[:-1])}")
+        for line, target in imports_of(path, mod):
+            if target.split(".")[:2] in ([name, "models"], ["models"]) or target == "models":
+                found.append(f"{mod}:{line} imports the reference models ({target}); name them by string instead")
+                continue
+            if target.split(".")[0] != name:
+                continue
+            # the longest module prefix of the target (a name imported from a module is that module)
+            dep = next((".".join(target.split(".")[:k]) for k in range(target.count(".") + 1, 0, -1)
+                        if ".".join(target.split(".")[:k]) in mods), None)
+            if dep is None or dep == mod:
+                continue
+            if dep == name and target != f"{name}.__version__":
+                found.append(f"{mod}:{line} imports the public API ({target}); import the module that defines it")
+                continue
+            graph[mod].add(dep)
+            have, want = layer_of(mod), layer_of(dep)
+            if have in LAYERS and want in LAYERS and LAYERS.index(want) > LAYERS.index(have):
+                found.append(f"{mod}:{line} imports {dep}: layer '{have}' must not import the higher layer '{want}'")
+    found += cycles(graph)
+    for mod, path in mods.items():
+        n = len(path.read_text().splitlines())
+        if n > MAX_MODULE_LINES:
+            found.append(f"{mod}: {n} lines (at most {MAX_MODULE_LINES}); split it along an idea")
+        found += [f"{mod}:{d.lineno} {d.name}: {d.end_lineno - d.lineno + 1} lines (at most {MAX_DEFINITION_LINES})"
+                  for d in ast.walk(ast.parse(path.read_text()))
+                  if isinstance(d, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                  and d.end_lineno - d.lineno + 1 > MAX_DEFINITION_LINES]
+    return found
+
+
+def cycles(graph: dict[str, set]) -> list[str]:
+    state, found = {}, []
+
+    def visit(n, stack):
+        state[n] = "open"
+        for m in sorted(graph[n]):
+            if state.get(m) == "open":
+                found.append("import cycle: " + " -> ".join(stack[stack.index(m):] + [m]))
+            elif m not in state:
+                visit(m, stack + [m])
+        state[n] = "done"
+    for n in sorted(graph):
+        if n not in state:
+            visit(n, [n])
+    return found
+
+
+def test_the_framework_keeps_its_layers():
+    assert violations(REPO / "meshpar") == []
+
+
+def test_the_reference_models_keep_the_size_limits():
+    mods = modules(REPO / "models")
+    assert mods
+    for mod, path in mods.items():
+        assert len(path.read_text().splitlines()) <= MAX_MODULE_LINES, mod
+        for d in ast.walk(ast.parse(path.read_text())):
+            if isinstance(d, (ast.FunctionDef, ast.ClassDef)):
+                assert d.end_lineno - d.lineno + 1 <= MAX_DEFINITION_LINES, f"{mod}.{d.name}"
+
+
+@pytest.mark.parametrize("module, text, expected", [
+    ("core/mesh2.py", "from meshpar.train.step import Trainer\n", "layer 'core' must not import the higher layer 'train'"),
+    ("nn/late.py", "def f():\n    from meshpar.serve import engine\n", "layer 'nn' must not import the higher layer 'serve'"),
+    ("io/rel.py", "from ..plan import inspect\n", "layer 'io' must not import the higher layer 'plan'"),
+    ("core/api.py", "from meshpar import Trainer\n", "imports the public API (meshpar.Trainer)"),
+    ("train/ref.py", "import meshpar.models.decoder\n", "imports the reference models"),
+    ("flat.py", "x = 1\n", "meshpar.flat: not in a layer"),
+    ("core/a.py", "from meshpar.core import b\n", "import cycle: meshpar.core.a -> meshpar.core.b -> meshpar.core.a"),
+    ("core/long.py", "def f():\n" + "    x = 1\n" * 151, "f: 152 lines (at most 150)"),
+])
+def test_each_rule_catches_its_violation(tmp_path, module, text, expected):
+    """The checker itself: a copy of the package with one violation added reports exactly that one."""
+    import shutil
+    pkg = tmp_path / "meshpar"
+    shutil.copytree(REPO / "meshpar", pkg, ignore=shutil.ignore_patterns("__pycache__", "models", "configs"))
+    (pkg / "core" / "b.py").write_text("from meshpar.core import a\n" if module == "core/a.py" else "")
+    (pkg / module).write_text(text)
+    found = violations(pkg)
+    assert len(found) == 1 and expected in found[0], found
