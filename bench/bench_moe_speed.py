@@ -56,7 +56,7 @@ def build(overrides: list[str]):
         moe.DISPATCH = default
     coll = summarize(collectives(compiled.as_text(), tr.describe()["mesh"]))
     state = tr.init()
-    data = Batches(make_source(cfg, cfg.model.vocab), tr.batch_sharding, cfg.batch.global_size, cfg.batch.length,
+    data = Batches(make_source(cfg.data, cfg.batch, cfg.eval, cfg.model.vocab), tr.batch_sharding, cfg.batch.global_size, cfg.batch.length,
                    cfg.data.seed)
     batch = next(data)
     state, m = compiled(state, batch)          # warm-up (first execution)

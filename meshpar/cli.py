@@ -144,7 +144,7 @@ def _export(cfg, args) -> None:
     if params is None:
         where = f"checkpoint.dir '{cfg.checkpoint.dir}' holds no checkpoint" if cfg.checkpoint.dir else "no checkpoint.dir"
         raise MeshparError(f"nothing to export: {where} and model.init_from is not set")
-    extra, generation = hf.provenance(cfg)
+    extra, generation = hf.provenance(cfg.model.init_from, cfg.data.tokenizer)
     out = hf.export(params, abstract, args.out, args.dtype, args.max_shard_size, extra, generation)
     print(f"exported {source} to {args.out}: {out['tensors']} tensors, {out['bytes'] / 2**20:.1f} MiB in "
           f"{len(out['files'])} file(s) ({args.dtype})", file=sys.stderr)

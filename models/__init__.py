@@ -26,4 +26,4 @@ REGISTRY = {"decoder": decoder, "moe": moe}
 def build(cfg, rngs: nnx.Rngs):
     """`model.name` of a run config -> the model (reference names or PKG.MODULE:FACTORY)."""
     from meshpar.core.registry import model_factory
-    return model_factory(cfg)(cfg, rngs)
+    return model_factory(cfg.model.name)(cfg, rngs)

@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def _batches(cfg, tr):
-    return Batches(make_source(cfg, tr.spec.cfg.vocab), tr.batch_sharding, cfg.batch.global_size,
+    return Batches(make_source(cfg.data, cfg.batch, cfg.eval, tr.spec.cfg.vocab), tr.batch_sharding, cfg.batch.global_size,
                    cfg.batch.length, cfg.data.seed)
 
 
@@ -169,7 +169,7 @@ def test_remote_checkpoint_paths_keep_their_scheme():
 
 
 def test_resume_with_a_different_data_stream_is_said():
-    from meshpar.io.checkpoint import data_changes
+    from meshpar.train.loop import data_changes
     saved = {"data": {"seed": 0, "kind": "synthetic", "path": None}, "batch": {"global_size": 16, "length": 16}}
     cfg = make_cfg("batch.global_size=32", "data.seed=1")
     assert data_changes(saved, cfg) == ["data.seed=1 (checkpoint: 0)", "batch.global_size=32 (checkpoint: 16)"]

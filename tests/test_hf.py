@@ -251,10 +251,10 @@ def test_tokenizer_packs_documents_with_eos_between(tmp_path):
     (docs / "a.txt").write_text("the quick brown fox")
     (docs / "b.jsonl").write_text(json.dumps({"text": "hello world"}) + "\n" + json.dumps({"text": "lazy dog"}) + "\n")
     cfg = make_cfg("data.kind=text", f"data.path={docs}", f"data.tokenizer={d}", "batch.length=8")
-    src = make_source(cfg, 320)
+    src = make_source(cfg.data, cfg.batch, cfg.eval, 320)
     want = [t for s in ("the quick brown fox", "hello world", "lazy dog") for t in [1, *tok.encode(s), 2]]
     assert src.tokens.tolist() == want                     # BOS doc EOS BOS doc EOS ...
-    assert isinstance(load_tokenizer(make_cfg(), 320), ByteTokenizer)   # bytes stay the default
+    assert isinstance(load_tokenizer(make_cfg().data, 320), ByteTokenizer)   # bytes stay the default
     with pytest.raises(ConfigError, match="more than model.vocab=256"):
         HFTokenizer(str(d), 256)
 

@@ -79,14 +79,14 @@ def test_two_all_to_alls_per_moe_layer_forward_on_fsdp_x_expert():
     forward (the eval step: loss without gradients) moves tokens by exactly 2 all-to-alls over
     `expert` per MoE layer, dispatch and combine, as GShard counts them."""
     from meshpar.train.data import make_source
-    from meshpar.train.evaluate import Evaluator
+    from meshpar.train.loop import make_evaluator
     from meshpar.plan.inspect import collectives
     from meshpar.train.step import Trainer
     cfg = make_cfg("model.name=moe", "moe.every=1", "moe.num_experts=4", "batch.global_size=8", "strategy=fsdp",
                    "precision=bf16", "model.layers=2", "model.scan_layers=false", mesh={"fsdp": 4, "expert": 2})
     tr = Trainer(cfg, devices=devices(8))
     state = tr.abstract_state()
-    ev = Evaluator(cfg, tr, make_source(cfg, tr.spec.cfg.vocab))
+    ev = make_evaluator(cfg, tr, make_source(cfg.data, cfg.batch, cfg.eval, tr.spec.cfg.vocab))
     hlo = ev._step.lower(state["params"], state["vars"], tr.abstract_batch()).compile().as_text()
     a2a = [o for o in collectives(hlo, tr.describe()["mesh"]) if o["kind"] == "all-to-all" and "expert" in o["axes"]]
     assert sum(o["times"] for o in a2a) == 2 * cfg.model.layers and all(o["axes"] == ["expert"] for o in a2a)

@@ -99,7 +99,7 @@ def test_prefetch_gives_the_same_bits_and_resumes_where_training_stopped(monkeyp
     assert sorted(a) == [1, 2, 3, 4, 5] and a == b and with_prefetch["final_loss"] == without["final_loss"]
 
     # the iterator: state() is what was consumed, not what was built ahead; restore drops the rest
-    src = make_source(cfg, tr.spec.cfg.vocab)
+    src = make_source(cfg.data, cfg.batch, cfg.eval, tr.spec.cfg.vocab)
     plain = Batches(src, tr.batch_sharding, cfg.batch.global_size, cfg.batch.length, cfg.data.seed)
     want = [np.asarray(next(plain)) for _ in range(6)]
     it = Prefetch(Batches(src, tr.batch_sharding, cfg.batch.global_size, cfg.batch.length, cfg.data.seed), depth=3)
@@ -160,12 +160,12 @@ def test_eval_records_every_n_steps_close_to_the_training_loss(observed):
 
 
 def test_eval_stream_is_disjoint_from_training(observed, tmp_path):
-    from meshpar.train.evaluate import Evaluator
+    from meshpar.train.loop import make_evaluator
     cfg, tr = observed["cfg"], observed["trainer"]
-    ev = Evaluator(cfg, tr, make_source(cfg, tr.spec.cfg.vocab))
+    ev = make_evaluator(cfg, tr, make_source(cfg.data, cfg.batch, cfg.eval, tr.spec.cfg.vocab))
     held = np.concatenate([np.asarray(b) for b in ev._held_out()])
     vocab, b, t = tr.spec.cfg.vocab, cfg.batch.global_size, cfg.batch.length
-    data = Batches(make_source(cfg, vocab), tr.batch_sharding, b, t, cfg.data.seed)
+    data = Batches(make_source(cfg.data, cfg.batch, cfg.eval, vocab), tr.batch_sharding, b, t, cfg.data.seed)
     trained = np.concatenate([np.asarray(next(data)) for _ in range(STEPS)])
     assert not {r.tobytes() for r in held} & {r.tobytes() for r in trained}
     lang = MarkovLanguage(vocab, cfg.data.branching, cfg.data.seed)
@@ -175,15 +175,15 @@ def test_eval_stream_is_disjoint_from_training(observed, tmp_path):
     np.arange(2000, dtype=np.uint16).tofile(tmp_path / "t.bin")
     tcfg = make_cfg("data.kind=tokens", f"data.path={tmp_path / 't.bin'}", "data.dtype=uint16", "eval.every=5",
                     "eval.holdout=0.25")
-    train_src = make_source(tcfg, 4096)
-    eval_src = make_eval_source(tcfg, 4096, train_src)
+    train_src = make_source(tcfg.data, tcfg.batch, tcfg.eval, 4096)
+    eval_src = make_eval_source(tcfg.data, tcfg.batch, tcfg.eval, 4096, train_src)
     for step in range(20):
         t = train_src.rows(0, step, range(16), 16)
         e = eval_src.rows(0, EVAL_STEP + step, range(16), 16)
         assert t.max() < 1500 <= e.min()
     with pytest.raises(ConfigError, match="eval.holdout=0.995 splits data.path"):
-        make_source(make_cfg("data.kind=tokens", f"data.path={tmp_path / 't.bin'}", "eval.every=5",
-                             "eval.holdout=0.995"), 4096)
+        held = make_cfg("data.kind=tokens", f"data.path={tmp_path / 't.bin'}", "eval.every=5", "eval.holdout=0.995")
+        make_source(held.data, held.batch, held.eval, 4096)
 
 
 def test_tensorboard_scalars_equal_the_json_lines(observed):

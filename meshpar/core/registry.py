@@ -30,10 +30,9 @@ def import_object(path: str, key: str):
     return getattr(mod, name)
 
 
-def model_factory(cfg: Config):
+def model_factory(name: str):
     """`model.name` -> FACTORY(cfg, rngs): a reference model of `meshpar.models` by short name, or any
     PKG.MODULE:FACTORY."""
-    name = cfg.model.name
     if ":" in name:
         return import_object(name, "model.name")
     registry = import_object("meshpar.models:REGISTRY", "model.name")
@@ -43,16 +42,16 @@ def model_factory(cfg: Config):
     return registry[name]
 
 
-def loss_function(cfg: Config):
-    """`train.loss` -> FN(model, batch) -> (loss, metrics): `lm` is meshpar.train.step.lm_loss, `stages`
+def loss_function(name: str):
+    """`train.loss` -> FN(model, batch) -> (loss, metrics): `lm` is meshpar.train.loss.lm_loss, `stages`
     meshpar.nn.stages.stage_loss (a model with pre/layers/post/loss, which can also be pipelined)."""
-    if cfg.train.loss in ("lm", "stages"):
-        return import_object({"lm": "meshpar.train.loss:lm_loss", "stages": "meshpar.nn.stages:stage_loss"}[cfg.train.loss],
+    if name in ("lm", "stages"):
+        return import_object({"lm": "meshpar.train.loss:lm_loss", "stages": "meshpar.nn.stages:stage_loss"}[name],
                              "train.loss")
-    return import_object(cfg.train.loss, "train.loss")
+    return import_object(name, "train.loss")
 
 
-def default_model(cfg) -> Callable:
+def default_model(cfg: Config) -> Callable:
     """`cfg.model.name` as a factory `rngs -> nnx.Module` (`PKG.MODULE:FN` or a reference model)."""
-    fn = model_factory(cfg)
+    fn = model_factory(cfg.model.name)
     return lambda rngs: fn(cfg, rngs)

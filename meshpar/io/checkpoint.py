@@ -40,7 +40,7 @@ What it guarantees:
 * Paths are etils `epath.Path`, the type Orbax uses: `gs://bucket/run` stays a bucket path
   (`pathlib` would turn it into the local folder `gs:/bucket/run`).
 * The data stream is (data.seed, batch.global_size, batch.length, data.kind/path): resuming with
-  any of them changed is allowed but said in one line (`data_changes`).
+  any of them changed is allowed but said in one line (`meshpar.train.loop.data_changes`).
 """
 from __future__ import annotations
 
@@ -69,23 +69,6 @@ class CheckpointError(MeshparError):
 
 class FingerprintMismatch(ValueError):
     """Restored contents differ from the fingerprint saved with them (silent corruption)."""
-
-
-DATA_KEYS = ("data.seed", "batch.global_size", "batch.length", "data.kind", "data.path")
-SCHEDULE_KEYS = ("steps", "train.lr", "train.warmup_steps", "train.min_lr_ratio")   # the lr schedule's shape
-
-
-def data_changes(saved_config: dict, cfg, keys=DATA_KEYS) -> list[str]:
-    """`key=new (checkpoint: old)` for every dotted key of `keys` (default: the data stream's) whose
-    value differs from the saved run's config."""
-    out = []
-    for key in keys:
-        *section, name = key.split(".")
-        saved = saved_config.get(section[0]) if section else saved_config
-        new = getattr(getattr(cfg, section[0]) if section else cfg, name, None)
-        if isinstance(saved, dict) and saved.get(name) != new:
-            out.append(f"{key}={new} (checkpoint: {saved.get(name)})")
-    return out
 
 
 def local_or_remote(path) -> epath.Path:

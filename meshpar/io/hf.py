@@ -343,20 +343,21 @@ def export(params: dict, model, out: str, dtype: str = "bf16", max_shard_size: s
     return {"files": files, "tensors": len(order), "bytes": total}
 
 
-def provenance(cfg) -> tuple[dict, dict | None]:
+def provenance(init_from: str | None, tokenizer: str | None) -> tuple[dict, dict | None]:
     """What an export carries over besides weights: bos/eos/pad ids for config.json and a
-    generation_config.json, from `model.init_from`'s directory, else from `data.tokenizer`."""
+    generation_config.json, from `init_from`'s directory (`model.init_from`), else from `tokenizer`
+    (`data.tokenizer`)."""
     keys = ("bos_token_id", "eos_token_id", "pad_token_id")
     extra, generation = {}, None
-    if cfg.model.init_from:
-        root = hf_path(cfg.model.init_from)
-        src = read_config(cfg.model.init_from)
+    if init_from:
+        root = hf_path(init_from)
+        src = read_config(init_from)
         extra = {k: src[k] for k in keys if src.get(k) is not None}
         if (root / "generation_config.json").is_file():
             generation = read_json(root / "generation_config.json")
-    if not extra and getattr(cfg.data, "tokenizer", None):
+    if not extra and tokenizer:
         from meshpar.io.tokenizer import HFTokenizer
-        tok = HFTokenizer(cfg.data.tokenizer)
+        tok = HFTokenizer(tokenizer)
         extra = {k: v for k, v in (("bos_token_id", tok.bos_id), ("eos_token_id", tok.eos_id)) if v is not None}
     if generation is None and extra:
         generation = {k: v for k, v in extra.items()}

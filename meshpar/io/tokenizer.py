@@ -83,10 +83,10 @@ class HFTokenizer:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
 
-def load_tokenizer(cfg, model_vocab: int):
-    """`data.tokenizer` if set, else the byte-level tokenizer."""
-    if cfg.data.tokenizer:
-        return HFTokenizer(cfg.data.tokenizer, model_vocab)
+def load_tokenizer(data, model_vocab: int):
+    """`data.tokenizer` (of `cfg.data`) if set, else the byte-level tokenizer."""
+    if data.tokenizer:
+        return HFTokenizer(data.tokenizer, model_vocab)
     return ByteTokenizer(model_vocab)
 
 

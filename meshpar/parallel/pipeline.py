@@ -64,17 +64,17 @@ AXIS = "pipeline"
 # ----------------------------------------------------------------------------------------------
 # Config checks (one line each, naming the key and a fix).
 
-def check(cfg, layout, shapes: dict) -> None:
-    """Raise ConfigError/ShardingError for a pipelined config that cannot run. shapes: the model's
-    parameter shapes (pure dict, `ModelSpec.shapes`)."""
+def check(pc, batch, layout, shapes: dict, model_layers: int, dropless_moe: bool = False) -> None:
+    """Raise ConfigError/ShardingError for a pipelined run that cannot run: `pc` its `cfg.pipeline`,
+    `batch` its `cfg.batch`, shapes the model's parameter shapes (pure dict, `ModelSpec.shapes`),
+    `model_layers` its `model.layers`, `dropless_moe` whether it routes MoE without capacity."""
     p = layout.shape.get(AXIS, 1)
-    pc = cfg.pipeline
     m, v = pc.microbatches, pc.virtual_stages
     if p <= 1:
         return
     _split_params(shapes)
     num_layers = jax.tree.leaves(shapes["layers"])[0].shape[0]
-    if pc.schedule == "1f1b" and cfg.model.name == "moe" and cfg.moe.capacity_factor is None:
+    if pc.schedule == "1f1b" and dropless_moe:
         raise ConfigError("pipeline.schedule=1f1b cannot run dropless MoE (moe.capacity_factor=null): 1F1B runs each "
                           "stage in a per-device branch, and XLA partitions dropless routing with collectives over "
                           "all devices, which would deadlock; use pipeline.schedule=gpipe or interleaved, or set "
@@ -83,26 +83,26 @@ def check(cfg, layout, shapes: dict) -> None:
         raise ConfigError(f"pipeline.virtual_stages={v} needs pipeline.schedule=interleaved "
                           f"(got {pc.schedule}); set pipeline.virtual_stages=1 or the interleaved schedule")
     if num_layers % (p * v):
-        what = (f"model.layers={num_layers}" if num_layers == cfg.model.layers else
-                f"model.layers={cfg.model.layers} stacks {num_layers} blocks, which")
+        what = (f"model.layers={num_layers}" if num_layers == model_layers else
+                f"model.layers={model_layers} stacks {num_layers} blocks, which")
         raise ConfigError(f"{what} is not divisible by mesh.pipeline={p} x pipeline.virtual_stages={v} "
                           f"(= {p * v} chunks); use a multiple of {p * v} stacked layers")
     if pc.schedule == "interleaved" and v > 1 and m % p:
         raise ConfigError(f"pipeline.microbatches={m} is not a multiple of mesh.pipeline={p}, which the "
                           f"interleaved schedule needs (microbatches enter in groups of {p}); "
                           f"use {p * max(1, round(m / p))}")
-    rows = cfg.batch.global_size // cfg.batch.microbatches
-    what = (f"batch.global_size={cfg.batch.global_size}" if cfg.batch.microbatches == 1 else
-            f"the accumulation step of {rows} sequences (batch.global_size={cfg.batch.global_size} / "
-            f"batch.microbatches={cfg.batch.microbatches})")
+    rows = batch.global_size // batch.microbatches
+    what = (f"batch.global_size={batch.global_size}" if batch.microbatches == 1 else
+            f"the accumulation step of {rows} sequences (batch.global_size={batch.global_size} / "
+            f"batch.microbatches={batch.microbatches})")
     if rows % m:
         raise ConfigError(f"{what} does not split into pipeline.microbatches={m} microbatches; "
-                          f"use a multiple of {m * cfg.batch.microbatches} for batch.global_size")
+                          f"use a multiple of {m * batch.microbatches} for batch.global_size")
     dp = math.prod(layout.shape[a] for a in spec_axes(layout.spec(("batch",))[:1]))
     if (rows // m) % dp:
         raise ShardingError(f"the pipeline microbatch of {rows // m} sequences ({what} / pipeline.microbatches={m})"
                             f" is not divisible by the data-parallel size {dp}; use a multiple of "
-                            f"{dp * m * cfg.batch.microbatches} for batch.global_size")
+                            f"{dp * m * batch.microbatches} for batch.global_size")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -372,19 +372,18 @@ def _reduce_1f1b(c, p: int, inv_m: float, vars_in):
 # ----------------------------------------------------------------------------------------------
 # Entry point used by meshpar.train.step.Trainer._grads.
 
-def value_and_grad(spec, params: dict, batch, cfg, layout, policy, loss_scale=None, vars=None, lm: bool = True,
+def value_and_grad(spec, params: dict, batch, pc, layout, policy, loss_scale=None, vars=None, lm: bool = True,
                    batch_spec=None):
     """Pipelined ((loss, aux), grads), the structure of `jax.value_and_grad` of the loss the model's
     parts make (`meshpar.nn.stages`): next-token cross-entropy (`lm`; aux holds "ce") or `stage_loss`
     (aux holds the model loss's metrics), with the layers' metrics stacked [L] and "vars", the
     model's non-Param state after the step. params, vars: pure dicts; batch: the batch pytree [B, ...]
-    (`batch_spec` its leaves' logical axes). With `loss_scale` S (fp16) the grads are those of
+    (`batch_spec` its leaves' logical axes); `pc`: the run's `cfg.pipeline`. With `loss_scale` S (fp16) the grads are those of
     loss * S (the caller unscales); loss and aux are never scaled."""
     from meshpar.core.rules import use_layout
     from meshpar.core.sharding import split_microbatches
 
     p = layout.shape[AXIS]
-    pc = cfg.pipeline
     m = pc.microbatches
     v = pc.virtual_stages if pc.schedule == "interleaved" else 1
     model = StageModel(spec, policy, lm, _embed_specs(spec, layout))

@@ -165,9 +165,9 @@ def render_table(table: Table) -> list[str]:
             for s in range(len(table[0]))]
 
 
-def describe(cfg, p: int) -> dict:
-    """The `pipeline` section of `meshpar inspect`: schedule table, bubble, stash per stage."""
-    pc = cfg.pipeline
+def describe(pc, p: int) -> dict:
+    """The `pipeline` section of `meshpar inspect` for `cfg.pipeline` on `p` stages: schedule table,
+    bubble, stash per stage."""
     v = pc.virtual_stages if pc.schedule == "interleaved" else 1
     table = schedule_table(pc.schedule, p, pc.microbatches, v)
     return {"schedule": pc.schedule, "stages": p, "microbatches": pc.microbatches, "virtual_stages": v,

@@ -135,7 +135,7 @@ class ModelFacts:
         n = sum(lf.numel for lf in leaves)
         lookups = () if getattr(m, "tie_embeddings", False) else tuple(
             lf.path for lf in leaves if not lf.stacked and lf.names == ("vocab", "embed"))
-        return cls(leaves, n, flops_per_token(m, active_params(spec, cfg), cfg.batch.length), dims, moe, lookups)
+        return cls(leaves, n, flops_per_token(m, active_params(spec, cfg.moe.routing), cfg.batch.length), dims, moe, lookups)
 
 
 @dataclass(frozen=True)

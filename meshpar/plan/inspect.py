@@ -264,7 +264,7 @@ def report(cfg, trainer=None) -> dict:
     compiled = trainer.compile()
     shape = trainer.describe()["mesh"]
     ops = collectives(compiled.as_text(), shape)
-    model_flops, counted = model_flops_per_step(trainer, cfg)
+    model_flops, counted = model_flops_per_step(trainer)
     out = {
         "mesh": shape, "strategy": cfg.strategy, "precision": cfg.precision, "warnings": trainer.warnings(),
         "params": trainer.sharding_table(),
@@ -274,7 +274,7 @@ def report(cfg, trainer=None) -> dict:
     }
     if shape.get("pipeline", 1) > 1:   # schedule tick table, its bubble, peak temporary memory per device
         from meshpar.parallel.schedules import describe as describe_pipeline
-        out["pipeline"] = {**describe_pipeline(cfg, shape["pipeline"]), "peak_temp_bytes": out["memory"].get("temp")}
+        out["pipeline"] = {**describe_pipeline(cfg.pipeline, shape["pipeline"]), "peak_temp_bytes": out["memory"].get("temp")}
     return out
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from meshpar.core.batch import Leaf, is_leaf, lm_batch_spec
+from meshpar.core.config import BatchConfig, DataConfig, EvalConfig
 from meshpar.core.errors import ConfigError
 
 
@@ -179,52 +180,46 @@ class Span(_Windows):
 EVAL_STEP = 1 << 62
 
 
-def _eval_on(cfg) -> bool:
-    ev = getattr(cfg, "eval", None)
-    return bool(ev and ev.every)
-
-
-def _file_source(kind: str, path: str, cfg, vocab: int):
-    if kind == "text" and getattr(cfg.data, "tokenizer", None):   # documents tokenized, packed with EOS between
+def _file_source(kind: str, path: str, data: DataConfig, vocab: int):
+    if kind == "text" and data.tokenizer:   # documents tokenized, packed with EOS between
         from meshpar.io.tokenizer import packed_text
-        return Span(packed_text(path, cfg.data.tokenizer, vocab), f"data.path '{path}' (tokenized)")
-    return TokenFile(path, cfg.data.dtype, vocab) if kind == "tokens" else TextFiles(path, vocab)
+        return Span(packed_text(path, data.tokenizer, vocab), f"data.path '{path}' (tokenized)")
+    return TokenFile(path, data.dtype, vocab) if kind == "tokens" else TextFiles(path, vocab)
 
 
-def _split(source, cfg):
+def _split(source, holdout: float, length: int):
     """Token/text data without `eval.path`: the last `eval.holdout` of the tokens is held out."""
     n = len(source.tokens)
-    cut = int(round(n * (1.0 - cfg.eval.holdout)))
-    need = cfg.batch.length + 2
+    cut = int(round(n * (1.0 - holdout)))
+    need = length + 2
     if cut < need or n - cut < need:
-        raise ConfigError(f"eval.holdout={cfg.eval.holdout} splits data.path ({n} tokens) into {cut} training "
+        raise ConfigError(f"eval.holdout={holdout} splits data.path ({n} tokens) into {cut} training "
                           f"and {n - cut} held-out tokens; each part needs more than batch.length+1="
-                          f"{cfg.batch.length + 1}: change eval.holdout or give eval.path")
-    return (Span(source.tokens[:cut], f"the training part of data.path (1 - eval.holdout={cfg.eval.holdout})"),
-            Span(source.tokens[cut:], f"the held-out part of data.path (eval.holdout={cfg.eval.holdout})"))
+                          f"{length + 1}: change eval.holdout or give eval.path")
+    return (Span(source.tokens[:cut], f"the training part of data.path (1 - eval.holdout={holdout})"),
+            Span(source.tokens[cut:], f"the held-out part of data.path (eval.holdout={holdout})"))
 
 
-def make_source(cfg, vocab: int):
-    """The training source of `data.*`. With evaluation on (`eval.every` > 0), token/text data
-    without `eval.path` trains on the first 1 - `eval.holdout` of its tokens only."""
-    d = cfg.data
+def make_source(d: DataConfig, batch: BatchConfig, evaluation: EvalConfig, vocab: int):
+    """The training source of `cfg.data`. With evaluation on (`cfg.eval.every` > 0), token/text data
+    without `eval.path` trains on the first 1 - `eval.holdout` of its tokens only (each part holding
+    more than `cfg.batch.length` + 1 tokens)."""
     if d.kind == "synthetic":
         return MarkovLanguage(vocab, d.branching, d.seed)
-    source = _file_source(d.kind, d.path, cfg, vocab)
-    if _eval_on(cfg) and not cfg.eval.path:
-        return _split(source, cfg)[0]
+    source = _file_source(d.kind, d.path, d, vocab)
+    if evaluation.every and not evaluation.path:
+        return _split(source, evaluation.holdout, batch.length)[0]
     return source
 
 
-def make_eval_source(cfg, vocab: int | None, train_source):
+def make_eval_source(d: DataConfig, batch: BatchConfig, evaluation: EvalConfig, vocab: int | None, train_source):
     """The held-out source: `eval.path` (same kind as `data.kind`), the held-out tail of token/text
     data, or for the synthetic language and user sources the training source itself, read at steps
     from EVAL_STEP on (disjoint from training)."""
-    d = cfg.data
     if d.kind in ("tokens", "text"):
-        if cfg.eval.path:
-            return _file_source(d.kind, cfg.eval.path, cfg, vocab)
-        return _split(_file_source(d.kind, d.path, cfg, vocab), cfg)[1]
+        if evaluation.path:
+            return _file_source(d.kind, evaluation.path, d, vocab)
+        return _split(_file_source(d.kind, d.path, d, vocab), evaluation.holdout, batch.length)[1]
     return train_source
 
 

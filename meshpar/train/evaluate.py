@@ -1,6 +1,6 @@
-"""Evaluation on held-out data: `eval.every=N eval.batches=K` (floor 7, beside the loop).
+"""Evaluation on held-out data: `eval.every=N eval.batches=K`.
 
-    ev = Evaluator(cfg, trainer, train_source)      # K held-out batches, one compiled eval step
+    ev = Evaluator(trainer, held_out_source, cfg.eval, cfg.batch, cfg.data.seed)   # meshpar.train.loop.make_evaluator
     rec = ev(state)      # {"loss", "perplexity", "batches", "tokens", "eval_s"}
 
 The held-out stream (`meshpar.train.data.make_eval_source`): for the synthetic language and user sources,
@@ -24,15 +24,18 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from meshpar.core import precision as precision_lib
-from meshpar.train.data import EVAL_STEP, Batches, make_eval_source
+from meshpar.core.config import BatchConfig, EvalConfig
+from meshpar.train.data import EVAL_STEP, Batches
 from meshpar.core.rules import use_layout
 
 
 class Evaluator:
-    def __init__(self, cfg, trainer, train_source):
-        self.cfg, self.trainer = cfg, trainer
-        vocab = getattr(trainer.spec.cfg, "vocab", None) or cfg.model.vocab or cfg.model.args.get("vocab")
-        self.source = make_eval_source(cfg, vocab, train_source)
+    """`evaluation.batches` held-out batches of `source` (`make_eval_source`), shaped as `batch`
+    (`cfg.batch`) and drawn with `seed` (`data.seed`), scored by `trainer`'s loss."""
+
+    def __init__(self, trainer, source, evaluation: EvalConfig, batch: BatchConfig, seed: int):
+        self.trainer, self.source = trainer, source
+        self.evaluation, self.batch, self.seed = evaluation, batch, seed
         self.batches = None
         tr = trainer
         replicated = NamedSharding(tr.mesh, P())
@@ -50,9 +53,9 @@ class Evaluator:
 
     def _held_out(self):
         if self.batches is None:
-            it = Batches(self.source, self.trainer.batch_sharding, self.cfg.batch.global_size, self.cfg.batch.length,
-                         self.cfg.data.seed, step=EVAL_STEP, batch_spec=self.trainer.batch_spec)
-            self.batches = [next(it) for _ in range(self.cfg.eval.batches)]
+            it = Batches(self.source, self.trainer.batch_sharding, self.batch.global_size, self.batch.length,
+                         self.seed, step=EVAL_STEP, batch_spec=self.trainer.batch_spec)
+            self.batches = [next(it) for _ in range(self.evaluation.batches)]
         return self.batches
 
     def __call__(self, state) -> dict:
@@ -60,8 +63,8 @@ class Evaluator:
         t0 = time.perf_counter()
         losses = [self._step(state["params"], state["vars"], b) for b in self._held_out()]
         loss = float(jax.device_get(jnp.mean(jnp.stack(losses))))
-        rows = self.cfg.batch.global_size * len(losses)
+        rows = self.batch.global_size * len(losses)
         return {"loss": loss, "perplexity": math.exp(loss) if loss < 700 else float("inf"),
                 "batches": len(losses),
-                "tokens": rows * self.cfg.batch.length if self.trainer.is_lm else None,
+                "tokens": rows * self.batch.length if self.trainer.is_lm else None,
                 "eval_s": time.perf_counter() - t0}

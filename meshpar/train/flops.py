@@ -15,12 +15,12 @@ import jax.numpy as jnp
 from meshpar.core.sharding import ModelSpec
 
 
-def active_params(spec: ModelSpec, cfg) -> float:
+def active_params(spec: ModelSpec, routing: str = "top2") -> float:
     """Parameters one token's forward pass multiplies with: all but the input embedding table (a
     gather, not a matmul), and of each expert weight (logical axis `expert`, size E) only the
-    top_k / E share its token is routed to."""
+    top_k / E share its token is routed to (`routing`: `moe.routing`)."""
     from meshpar.nn.moe import TOP_K
-    top_k = TOP_K[cfg.moe.routing]
+    top_k = TOP_K[routing]
     total = 0.0
     for shape, names in zip(jax.tree.leaves(spec.shapes),
                             jax.tree.leaves(spec.logical, is_leaf=lambda x: isinstance(x, tuple))):
@@ -46,10 +46,11 @@ _PEAK_BF16 = [("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("B200", 225
               ("TPU v6", 918e12), ("TPU v5p", 459e12), ("TPU v5", 197e12), ("TPU v4", 275e12)]
 
 
-def peak_flops_per_device(cfg) -> tuple[float, str]:
-    """Dense bf16 peak per device: config, then a table of device kinds, else a measured CPU matmul rate."""
-    if cfg.train.peak_tflops:
-        return cfg.train.peak_tflops * 1e12, "train.peak_tflops"
+def peak_flops_per_device(peak_tflops: float | None = None) -> tuple[float, str]:
+    """Dense bf16 peak per device: `train.peak_tflops`, then a table of device kinds, else a measured
+    CPU matmul rate."""
+    if peak_tflops:
+        return peak_tflops * 1e12, "train.peak_tflops"
     dev = jax.local_devices()[0]      # this process's own (jax.devices()[0] may be another process's)
     for key, peak in _PEAK_BF16:
         if key in dev.device_kind:
@@ -105,14 +106,16 @@ def loss_forward_flops(trainer) -> float:
     return matmul_flops(jax.make_jaxpr(forward)(spec.shapes, spec.var_shapes or {}, batch))
 
 
-def model_flops_per_step(trainer, cfg) -> tuple[float, str]:
+def model_flops_per_step(trainer) -> tuple[float, str]:
     """Model FLOPs of one optimizer step, what MFU divides, and how they were counted: the built-in
     LM loss by PaLM's per-token formula; another loss by `train.flops_per_example` if set, else as 3 x
     the matmul FLOPs of its forward over the global batch (forward + backward, the 6N = 3 x 2N of
-    Kaplan et al. 2020: the same count for any model, tokens or not)."""
+    Kaplan et al. 2020: the same count for any model, tokens or not). The batch and `moe.routing`
+    are the trainer's run's."""
+    b, t = trainer.cfg.batch, trainer.cfg.train
     if trainer.is_lm:
-        per_token = flops_per_token(trainer.spec.cfg, active_params(trainer.spec, cfg), cfg.batch.length)
-        return per_token * cfg.batch.global_size * cfg.batch.length, "6N + 12LHQT per token (PaLM)"
-    if cfg.train.flops_per_example:
-        return cfg.train.flops_per_example * cfg.batch.global_size, "train.flops_per_example"
+        per_token = flops_per_token(trainer.spec.cfg, active_params(trainer.spec, trainer.cfg.moe.routing), b.length)
+        return per_token * b.global_size * b.length, "6N + 12LHQT per token (PaLM)"
+    if t.flops_per_example:
+        return t.flops_per_example * b.global_size, "train.flops_per_example"
     return 3.0 * loss_forward_flops(trainer), "3 x the loss's forward matmuls"

@@ -25,6 +25,21 @@ from meshpar.train.flops import model_flops_per_step, peak_flops_per_device
 from meshpar.train.step import Trainer, trainer_for, user_source
 
 PREFETCH = 2          # batches built ahead of the step that consumes them (0: build in the loop)
+DATA_KEYS = ("data.seed", "batch.global_size", "batch.length", "data.kind", "data.path")
+SCHEDULE_KEYS = ("steps", "train.lr", "train.warmup_steps", "train.min_lr_ratio")   # the lr schedule's shape
+
+
+def data_changes(saved_config: dict, cfg, keys=DATA_KEYS) -> list[str]:
+    """`key=new (checkpoint: old)` for every dotted key of `keys` (default: the data stream's) whose
+    value differs from the saved run's config."""
+    out = []
+    for key in keys:
+        *section, name = key.split(".")
+        saved = saved_config.get(section[0]) if section else saved_config
+        new = getattr(getattr(cfg, section[0]) if section else cfg, name, None)
+        if isinstance(saved, dict) and saved.get(name) != new:
+            out.append(f"{key}={new} (checkpoint: {saved.get(name)})")
+    return out
 
 
 def make_data_source(cfg, trainer: Trainer):
@@ -33,11 +48,24 @@ def make_data_source(cfg, trainer: Trainer):
     from meshpar.train.data import make_source
     if ":" in cfg.data.kind:
         return user_source(cfg)
-    vocab = getattr(trainer.spec.cfg, "vocab", None) or cfg.model.vocab or cfg.model.args.get("vocab")
+    vocab = _vocab(cfg, trainer)
     if vocab is None:
         from meshpar.core.errors import ConfigError
         raise ConfigError(f"data.kind={cfg.data.kind} needs the vocabulary size: set model.vocab (or model.args.vocab)")
-    return make_source(cfg, vocab)
+    return make_source(cfg.data, cfg.batch, cfg.eval, vocab)
+
+
+def make_evaluator(cfg, trainer: Trainer, source):
+    """The held-out evaluation of a run training on `source` (`meshpar.train.evaluate`)."""
+    from meshpar.train.data import make_eval_source
+    from meshpar.train.evaluate import Evaluator
+    held_out = make_eval_source(cfg.data, cfg.batch, cfg.eval, _vocab(cfg, trainer), source)
+    return Evaluator(trainer, held_out, cfg.eval, cfg.batch, cfg.data.seed)
+
+
+def _vocab(cfg, trainer: Trainer) -> int | None:
+    """The vocabulary size: the model's own config, else `model.vocab` / `model.args.vocab`."""
+    return getattr(trainer.spec.cfg, "vocab", None) or cfg.model.vocab or cfg.model.args.get("vocab")
 
 
 def run(cfg, metrics_out: str | None = None, console=None, trainer: Trainer | None = None, source=None) -> dict:
@@ -104,11 +132,10 @@ def run(cfg, metrics_out: str | None = None, console=None, trainer: Trainer | No
             data = Prefetch(data, PREFETCH)
         evaluate = None
         if cfg.eval.every:
-            from meshpar.train.evaluate import Evaluator
-            evaluate = Evaluator(cfg, trainer, source)
-        profiler = ProfileWindow(cfg, info=log.info)
-        peak, peak_src = peak_flops_per_device(cfg)
-        step_flops, _ = model_flops_per_step(trainer, cfg)     # model FLOPs of one step (meshpar.train.flops)
+            evaluate = make_evaluator(cfg, trainer, source)
+        profiler = ProfileWindow(cfg.profile, info=log.info)
+        peak, peak_src = peak_flops_per_device(cfg.train.peak_tflops)
+        step_flops, _ = model_flops_per_step(trainer)     # model FLOPs of one step (meshpar.train.flops)
         log.info(f"compiled train step in {compile_s:.1f}s; MFU against {peak / 1e12:.3g} TFLOP/s/device ({peak_src})")
 
         start = int(_read(state["step"]))
@@ -125,7 +152,7 @@ def run(cfg, metrics_out: str | None = None, console=None, trainer: Trainer | No
             if unchecked:
                 values = _read([u[1:] for u in unchecked]) if values is None else values
                 for (n, _, _), (bad, loss) in zip(unchecked, values):
-                    _check_finite(cfg, n, bad, loss)
+                    _check_finite(cfg.train.on_nan, n, bad, loss)
             unchecked = []
 
         # Ctrl-C from here on (second one: at once) saves at the step reached and stops, and one that
@@ -208,7 +235,6 @@ def _finish(log, end: dict, stop, ckpt) -> dict:
 def _report_resume(found, cfg, info) -> None:
     """One line on where the run resumed from, and a warning for each way its data stream or its
     learning-rate schedule now differs from the saved run's."""
-    from meshpar.io.checkpoint import SCHEDULE_KEYS, data_changes
     saved_mesh = " ".join(f"{a}={n}" for a, n in (found.meta.get("mesh") or {}).items() if n > 1) or "1 device"
     info(f"resumed from step {found.step} ({found.path}; saved with {found.meta.get('strategy')} on "
              f"{saved_mesh}, {found.meta.get('processes')} process(es), precision {found.meta.get('precision')})")
@@ -243,9 +269,9 @@ def _read(tree):
     return jax.device_get(tree)
 
 
-def _check_finite(cfg, step: int, nonfinite, loss) -> None:
+def _check_finite(on_nan: str, step: int, nonfinite, loss) -> None:
     """`train.on_nan=stop`: raise if `step` had a non-finite loss or gradients (its update was skipped)."""
-    if cfg.train.on_nan == "stop" and int(nonfinite):
+    if on_nan == "stop" and int(nonfinite):
         from meshpar.core.errors import MeshparError
         raise MeshparError(f"non-finite loss or gradients at step {step} (loss {float(loss)}); its update was "
                            "not applied and no checkpoint was written after it (train.on_nan=stop). Lower "

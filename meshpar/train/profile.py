@@ -17,12 +17,13 @@ from pathlib import Path
 
 import jax
 
+from meshpar.core.config import ProfileConfig
 from meshpar.runtime.distributed import is_main
 
 
 class ProfileWindow:
-    def __init__(self, cfg, info=print):
-        p = cfg.profile
+    def __init__(self, p: ProfileConfig, info=print):
+        """`p`: the run's `cfg.profile` (dir, start_step, steps)."""
         self.dir = p.dir if (p.dir and is_main()) else None
         self.first, self.last = p.start_step, p.start_step + p.steps - 1
         self.info = info

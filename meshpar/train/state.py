@@ -84,7 +84,7 @@ class TrainSetup:
         check_platform(cfg.model)
         self.factory = self.model or default_model(cfg)
         if self.loss is None:
-            self.loss = loss_function(cfg)
+            self.loss = loss_function(cfg.train.loss)
         self.loss_name = getattr(self.loss, "__qualname__", repr(self.loss))
         self.spec = model_spec(self.factory, self.policy, cfg.train.require_annotations)
         check_batch(cfg.batch, self.layout)
@@ -126,7 +126,9 @@ class TrainSetup:
         with building(self.policy):
             check_protocol(nnx.eval_shape(lambda: self.factory(nnx.Rngs(0))), lm=self.is_lm)
         check_state(self.spec)
-        pipeline.check(self.cfg, self.layout, self.spec.shapes)
+        cfg = self.cfg
+        pipeline.check(cfg.pipeline, cfg.batch, self.layout, self.spec.shapes, cfg.model.layers,
+                       dropless_moe=cfg.model.name == "moe" and cfg.moe.capacity_factor is None)
 
     def warnings(self) -> list[str]:
         """One line each for what this run will ignore: config keys it does not read, user rules

@@ -66,7 +66,7 @@ class Trainer(TrainSetup):
         vars = {} if vars is None else vars
         if self.pipelined:   # hand-written schedule (meshpar/parallel/pipeline.py)
             from meshpar.parallel import pipeline
-            return pipeline.value_and_grad(self.spec, params, batch, self.cfg, self.layout, self.policy, loss_scale,
+            return pipeline.value_and_grad(self.spec, params, batch, self.cfg.pipeline, self.layout, self.policy, loss_scale,
                                            vars, self.is_lm, self.batch_spec)
 
         def loss_fn(p, b):
