@@ -3,7 +3,7 @@
     python bench/bench_slurm.py [--rounds 3] [--steps 40]
 
 Needs SLURM installed (apt-get install slurm-wlm munge) and root; starts its own daemons on loopback
-(tests/slurm_cluster.py). Alternates the two launchers each round, so both see the same machine.
+(tests/runtime/slurm_cluster.py). Alternates the two launchers each round, so both see the same machine.
 Reports per launcher: seconds from submission (`sbatch` returning / `meshpar launch` started) to the
 first step record in the metrics file, and the median step time of steps 3.. (what training costs
 once compiled), medians over rounds.
@@ -22,7 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from meshpar.train.plot import read_run  # noqa: E402
-from tests.slurm_cluster import SlurmCluster, unavailable  # noqa: E402
+from tests.runtime.slurm_cluster import SlurmCluster, unavailable  # noqa: E402
 
 
 def _first_step_s(path: Path, t0: float, alive) -> float:

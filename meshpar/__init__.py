@@ -7,29 +7,19 @@ The public API (imported lazily, so `import meshpar` stays cheap and sets up no 
     trainer = meshpar.Trainer(cfg, model=my_factory, loss=my_loss, batch_spec=my_batch_spec)
     meshpar.run(cfg, trainer=trainer, source=my_source)
 
-Where each idea lives (no import cycles; tests/test_user_contract.py checks it):
-  errors.py      one-line user errors;          mesh.py  the device mesh (pipeline, data, fsdp, expert, tensor)
-  rules.py       logical axis names, strategy presets as rule tables, first-match resolution, `constrain`
-  precision.py   dtype policies (bf16, fp32, fp16 + dynamic loss scaling), fp32 cross-entropy
-  layers.py      helpers for model code: `param` (annotated init), `stacked`, `scan_layers` (+ remat)
-  sharding.py    abstract model -> parameter / variable / optimizer-state / batch shardings, sharding table
-  data.py        batch specs (`Leaf`), synthetic Markov language, token files, text; per-process rows
-  moe.py         mixture of experts: GShard/Switch routing, dispatch/combine (all-to-all over `expert`)
-  stages.py      the stage protocol: a model as pre / stacked layers / post / loss, what a pipeline cuts
-  schedules.py   pipeline schedules as tick tables (GPipe, 1F1B, interleaved), bubble, stash
-  pipeline.py    pipeline parallelism: shard_map manual over `pipeline`, microbatches through stages
-  step.py        optimizer, sharded init, the jitted train step (accumulation, ZeRO-1/2, loss scaling)
-  flops.py       model FLOPs and MFU denominators;   inspect.py  compiled-HLO collectives, memory, FLOPs
-  hardware.py, costmodel.py, plan.py, dryrun.py      `meshpar plan`: presets, formulas, search, compile-and-compare
-  checkpoint.py  Orbax checkpoints: async save, restore onto any mesh, damaged-checkpoint fallback
-  distributed.py jax.distributed set-up, preemption (SIGTERM), peer-failure watchdog
-  slurm.py       the SLURM batch script (`meshpar launch --print-slurm`, launch/slurm.sbatch)
-  metrics.py     progress bar, JSON Lines, TensorBoard; loop.py  the training loop (data, metrics, checkpoints)
-  evaluate.py    held-out evaluation;  profile.py  jax.profiler window;  plot.py  `meshpar plot`
-  sampling.py    greedy / temperature / top-k / top-p, traced per slot
-  serve.py       KV-cache inference: prefill, insert, generate, continuous batching (serving layouts)
-  tokenizer.py   byte-level and `tokenizers` text <-> ids;  hf.py  Hugging Face safetensors import/export
-  config.py      YAML + dotted overrides, validated; cli.py / launch.py  `meshpar train|inspect|launch|plan|generate|export|plot`
+The folders are the layers, lowest first; each imports only from those below it (tests/test_layout.py
+checks it; docs/architecture.md has one line per module):
+  core/      errors, config (schema, YAML, overrides), registry (config names -> code), mesh, rules
+             (logical names -> mesh axes, strategy presets, `constrain`), precision, batch (`Leaf`), sharding
+  nn/        layers (`param`, `stacked`, `scan_layers`), moe (routing, dispatch/combine), stages (the stage protocol)
+  parallel/  schedules (tick tables), residuals (1F1B's stash), pipeline (shard_map over `pipeline`)
+  io/        checkpoint (Orbax), hf (Hugging Face safetensors), tokenizer
+  runtime/   distributed (jax.distributed, preemption, watchdog), launch (`meshpar launch`), slurm
+  train/     optimizer, loss, state (shardings, sharded init), step (the jitted step), data, evaluate,
+             metrics, profile, flops (MFU), loop (wires a run), plot
+  serve/     sampling, placement (serving layout, weights), engine (prefill/insert/generate), batching
+  plan/      hardware, costmodel, search (`meshpar plan`), inspect (compiled HLO), dryrun
+  cli.py     `meshpar train|inspect|launch|plan|generate|export|plot|config`
 The reference models (`meshpar.models`, the repo's `models/`) use this API like any user model.
 """
 from __future__ import annotations

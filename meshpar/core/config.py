@@ -21,7 +21,7 @@ from meshpar.core.errors import ConfigError, suggest
 
 def _config_dir() -> Path:
     """`configs/` of a source checkout, else the copy installed as the package `meshpar.configs`."""
-    src = Path(__file__).resolve().parent.parent / "configs"
+    src = Path(__file__).resolve().parents[2] / "configs"
     if (src / "tiny.yaml").exists():
         return src
     import importlib.resources

@@ -16,7 +16,7 @@ G groups, S tokens per group, E experts, C capacity (slots per expert per group)
         layouts and all-to-alls, but dispatch and combine are row gathers by the slot of each kept
         (token, k) -- a 0/1 mask matmul copies rows, so a gather computes the same numbers without
         the [G, S, E, C] masks (E x C times the tokens' size) or their 2 x S x E x C x M FLOPs per
-        group each way; gradients are gathers too. tests/test_moe_fast.py holds it to the einsums.
+        group each way; gradients are gathers too. tests/nn/test_moe_fast.py holds it to the einsums.
     dropless mode (`capacity_factor: null`): top-K experts [G, S, K] -> every device sorts its tokens
         by expert, sends each expert shard its rows (all-to-all), runs `lax.ragged_dot` grouped
         matmuls over its local experts, sends the rows back (all-to-all), weighted sum over K.

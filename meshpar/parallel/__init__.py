@@ -1,5 +1,6 @@
 """Layer 2, parallel: what is written by hand over one mesh axis (everything else is GSPMD's).
 
 schedules  pipeline schedules as tick tables (GPipe, 1F1B, interleaved), bubble, activation stash
+residuals  1F1B's stash: a stage's VJP kept as arrays between its forward and backward tick
 pipeline   pipeline parallelism: `jax.shard_map` manual over `pipeline`, microbatches through the stages
 """

@@ -37,7 +37,7 @@ Memory (per device, bytes).
   stacked layers' are held scattered too); with accumulation an accumulator sits beside each
   microbatch's gradients (x 2).
 * Workspace: weight-sized buffers of the compiled step, read off XLA's buffer assignment and live
-  ranges (`--xla_dump_to`) of the configs in tests/test_plan.py, each a rule of meshpar's step:
+  ranges (`--xla_dump_to`) of the configs in tests/plan/test_plan.py, each a rule of meshpar's step:
   the layer loops (forward, backward) each copy the stacked weights they read when the update
   writes those weights in place (every preset without a sharded optimizer state): 2 W_stacked; the
   layer being computed: one layer's weights (under FSDP gathered over the batch axes); ZeRO-1/2
@@ -57,7 +57,7 @@ Time per step (seconds).
   reduce-scatter (n-1)/n x V / bw, all-reduce twice that, all-to-all (n-1)/n x V / bw, a permute
   V / bw; V is the whole tensor (what `meshpar inspect` reports). An axis set that spans ICI and
   DCN runs hierarchically: (n_i - 1)/n_i V / bw_ici + (n_d - 1)/n_d (V / n_i) / bw_dcn.
-  Bytes, read off the compiled steps of tests/test_plan.py: data-parallel gradients and FSDP/ZeRO
+  Bytes, read off the compiled steps of tests/plan/test_plan.py: data-parallel gradients and FSDP/ZeRO
   gathers per parameter; Megatron TP per layer and pass, in [b, s, h] units: column-parallel entries
   (SP: all-gather) in each forward pass (the forward, full remat's layer recompute, GPipe's stage
   recompute; SP under save_dots gathers the inputs again) and transposed in the backward,

@@ -1,5 +1,6 @@
-"""Continuous batching (Orca, Yu et al. 2022): a request enters a free slot as soon as one frees (end
-of sequence, its token budget, or a full cache), while the other slots keep decoding.
+"""Requests, their completions, and continuous batching (Orca, Yu et al. 2022): a request enters a
+free slot as soon as one frees (end of sequence, its token budget, or a full cache), while the other
+slots keep decoding.
 
     for each tick: fill free slots (prefill + insert, first token)  ->  generate one token per slot
 """

@@ -14,7 +14,7 @@ from meshpar.plan.hardware import load_hardware
 from meshpar.plan.search import plan, winner_yaml
 from tests.conftest import tiered
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 GPT3 = ["model.size=7b", "model.layers=96", "model.embed=12288", "model.heads=96", "model.kv_heads=96",
         "model.head_dim=128", "model.mlp=32768", "batch.global_size=256", "batch.length=2048"]
 

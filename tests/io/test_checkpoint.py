@@ -21,7 +21,7 @@ from meshpar.train.data import Batches, make_source
 from meshpar.train.step import Trainer
 from tests.conftest import FAST, checkpoint_steps, devices, make_cfg, metrics_losses, metrics_records
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _batches(cfg, tr):

@@ -16,7 +16,7 @@ from flax import nnx
 import meshpar
 from tests.conftest import devices, make_cfg, tiered, train_steps
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 from examples import gpt2 as gpt2_example  # noqa: E402
 from examples import vision as vision_example  # noqa: E402

@@ -24,7 +24,7 @@ from meshpar.train.loop import run
 from meshpar.train.step import Trainer
 from tests.conftest import devices, make_cfg, metrics_losses, metrics_records
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 STEPS, LOG_EVERY, EVAL_EVERY, PROFILE = 30, 5, 10, (4, 3)
 
 

@@ -13,7 +13,7 @@ from meshpar.parallel import schedules
 from meshpar.plan.inspect import collectives
 from meshpar.train.step import Trainer
 from tests.conftest import devices, make_cfg, tiered
-from tests.pipelines import pp_cfg
+from tests.parallel.pipelines import pp_cfg
 
 # -- HLO: collective-permute between stages, no gather of the layer stack ------------------------
 

@@ -9,7 +9,7 @@ import pytest
 
 from meshpar.train.step import Trainer
 from tests.conftest import devices, make_cfg, rel
-from tests.pipelines import TINY
+from tests.parallel.pipelines import TINY
 
 
 @pytest.mark.slow

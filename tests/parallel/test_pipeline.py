@@ -14,7 +14,7 @@ from meshpar.parallel import schedules
 from meshpar.core.errors import ConfigError, ShardingError
 from meshpar.train.step import Trainer
 from tests.conftest import devices, rel
-from tests.pipelines import check_equal, pp_cfg, reference
+from tests.parallel.pipelines import check_equal, pp_cfg, reference
 
 ALONE = [(s, p, k * p, v, layers) for s, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))
          for p in (2, 4) for k in (1, 2, 4) for layers in [p * v if p * v > 2 else 4]]

@@ -9,7 +9,7 @@ import pytest
 from meshpar.core.errors import ConfigError
 from meshpar.train.step import Trainer
 from tests.conftest import devices, make_cfg, rel, tiered, train_steps
-from tests.pipelines import TINY
+from tests.parallel.pipelines import TINY
 
 
 # -- a user's model with its own loss: the stage protocol (meshpar.nn.stages) ----------------------
@@ -21,7 +21,7 @@ def _vit(mesh: dict, n: int, *extra, steps: int = 3):
     from pathlib import Path
 
     import meshpar
-    repo = Path(__file__).resolve().parent.parent
+    repo = Path(__file__).resolve().parents[2]
     sys.path.insert(0, str(repo))
     from examples import vision, vit
     cfg = meshpar.load_config(repo / "examples" / "vit.yaml", [

@@ -15,7 +15,7 @@ from meshpar.runtime.distributed import Settings, resolve
 from meshpar.core.errors import ConfigError
 from tests.conftest import checkpoint_steps, metrics_losses
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 # -- where the settings come from --------------------------------------------------------------

@@ -4,7 +4,7 @@ over `expert` inside each stage) trains through `meshpar train` or stops with on
 import pytest
 
 from tests.conftest import tiered
-from tests.pipelines import TINY
+from tests.parallel.pipelines import TINY
 
 MOE_TINY = [*TINY, "batch.global_size=8", "steps=1", "pipeline.microbatches=2"]
 MODELS = {"decoder": ["model.name=decoder", "model.layers=4"],

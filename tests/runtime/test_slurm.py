@@ -1,4 +1,4 @@
-"""meshpar under a real SLURM (tests/slurm_cluster.py: slurmctld + slurmd on this machine, loopback).
+"""meshpar under a real SLURM (tests/runtime/slurm_cluster.py: slurmctld + slurmd on this machine, loopback).
 
 What a user submits is what runs: `launch/slurm.sbatch` (the shipped script, with this machine's
 overrides on the sbatch command line) and a script from `meshpar launch --print-slurm`. Both run
@@ -23,9 +23,9 @@ import numpy as np
 import pytest
 
 from tests.conftest import metrics_losses, metrics_records
-from tests.slurm_cluster import SlurmCluster, unavailable
+from tests.runtime.slurm_cluster import SlurmCluster, unavailable
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SHIPPED = REPO / "launch" / "slurm.sbatch"
 CPU_NODE = ["--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0", "--cpus-per-task=1"]
 # the default model, exact (fp32), a few seconds of steps; the same for every job below
