@@ -62,10 +62,12 @@ class Engine(Placement):
     """Serve a model on a mesh: the weights placed (`Placement`), then prefill / insert / generate,
     each compiled once per shape, and `run`: continuous batching over them.
 
-    `Engine(cfg, model=, devices=, weights=, info=)` takes what `Placement` takes."""
+    `model`, `weights`: as `Placement` (default: `cfg.model.name`; the newest checkpoint of
+    `cfg.checkpoint.dir`, else `model.init_from`, else a fresh init)."""
 
-    def __init__(self, cfg, **kwargs):
-        super().__init__(cfg, **kwargs)
+    def __init__(self, cfg, *, model: Callable | None = None, devices=None, weights=None,
+                 info: Callable[[str], None] = print):
+        super().__init__(cfg, model=model, devices=devices, weights=weights, info=info)
         rep = NamedSharding(self.mesh, P())
         self.traces = collections.Counter()      # compilations: one trace per compiled shape
         self._empty = None
