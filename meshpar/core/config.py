@@ -112,7 +112,7 @@ class PipelineConfig:
     virtual_stages: int = 1           # interleaved: layer chunks per device
 
 
-ROUTING = {"top1": 1, "top2": 2}     # moe.routing -> experts per token (K): Switch, GShard
+TOP_K = {"top1": 1, "top2": 2}       # moe.routing -> experts per token (K): Switch, GShard
 
 
 @dataclass
@@ -395,7 +395,7 @@ def annotated_yaml(cfg: Config) -> str:
 
 def _check_moe(cfg: Config) -> None:
     """MoE checks that need no devices; one line each, naming the key and a fix."""
-    m, k = cfg.moe, ROUTING[cfg.moe.routing]
+    m, k = cfg.moe, TOP_K[cfg.moe.routing]
     if k > m.num_experts:
         raise ConfigError(f"moe.routing={m.routing} sends every token to {k} experts but moe.num_experts="
                           f"{m.num_experts}; use routing=top1 or at least {k} experts")
@@ -427,7 +427,7 @@ def validate(cfg: Config) -> None:
         _choice("data.kind", cfg.data.kind, ("synthetic", "tokens", "text"))
     _choice("data.dtype", cfg.data.dtype, ("uint16", "uint32"))
     _choice("pipeline.schedule", cfg.pipeline.schedule, ("gpipe", "1f1b", "interleaved"))
-    _choice("moe.routing", cfg.moe.routing, ROUTING)
+    _choice("moe.routing", cfg.moe.routing, TOP_K)
     _choice("moe.second_expert_policy", cfg.moe.second_expert_policy, ("all", "random"))
     _choice("train.on_nan", cfg.train.on_nan, ("skip", "stop"))
     _choice("serve.strategy", cfg.serve.strategy, {**rules.SERVING, **rules.PRESETS})

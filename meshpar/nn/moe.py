@@ -52,7 +52,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from meshpar.core.config import ROUTING as TOP_K   # moe.routing -> experts per token (K)
+from meshpar.core.config import TOP_K
 from meshpar.core.errors import ConfigError
 from meshpar.core.rules import active_layout, constrain
 

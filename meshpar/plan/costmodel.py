@@ -129,7 +129,7 @@ class ModelFacts:
         dims = {k: getattr(m, k, None) for k in ("layers", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab")}
         moe = {}
         if any("expert" in lf.names for lf in leaves):
-            from meshpar.nn.moe import TOP_K
+            from meshpar.core.config import TOP_K
             moe = {"num_experts": cfg.moe.num_experts, "every": cfg.moe.every, "top_k": TOP_K[cfg.moe.routing],
                    "capacity_factor": cfg.moe.capacity_factor or 1.0, "expert_mlp": dims["mlp"]}
         n = sum(lf.numel for lf in leaves)

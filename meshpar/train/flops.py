@@ -19,7 +19,7 @@ def active_params(spec: ModelSpec, routing: str = "top2") -> float:
     """Parameters one token's forward pass multiplies with: all but the input embedding table (a
     gather, not a matmul), and of each expert weight (logical axis `expert`, size E) only the
     top_k / E share its token is routed to (`routing`: `moe.routing`)."""
-    from meshpar.nn.moe import TOP_K
+    from meshpar.core.config import TOP_K
     top_k = TOP_K[routing]
     total = 0.0
     for shape, names in zip(jax.tree.leaves(spec.shapes),
