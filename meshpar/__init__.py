@@ -11,14 +11,16 @@ The folders are the layers, lowest first; each imports only from those below it 
 checks it; docs/architecture.md has one line per module):
   core/      errors, config (schema, YAML, overrides), registry (config names -> code), mesh, rules
              (logical names -> mesh axes, strategy presets, `constrain`), precision, batch (`Leaf`), sharding
-  nn/        layers (`param`, `stacked`, `scan_layers`), moe (routing, dispatch/combine), stages (the stage protocol)
-  parallel/  schedules (tick tables), residuals (1F1B's stash), pipeline (shard_map over `pipeline`)
+  nn/        layers (`param`, `stacked`, `scan_layers`), attention (the mask, xla/cudnn), flash (blockwise
+             attention, O(S) memory), moe (routing, dispatch/combine), stages (the stage protocol)
+  parallel/  schedules (tick tables), residuals (1F1B's stash), pipeline (shard_map over `pipeline`),
+             context (sequences split over `context`; `meshpar.attention`)
   io/        checkpoint (Orbax), hf (Hugging Face safetensors), tokenizer
   runtime/   distributed (jax.distributed, preemption, watchdog), launch (`meshpar launch`), slurm
   train/     optimizer, loss, state (shardings, sharded init), step (the jitted step), data, evaluate,
              metrics, profile, flops (MFU), loop (wires a run), plot
   serve/     sampling, placement (serving layout, weights), engine (prefill/insert/generate), batching
-  plan/      hardware, costmodel, search (`meshpar plan`), inspect (compiled HLO), dryrun
+  plan/      hardware, costmodel (memory), steptime (collectives, time), search (`meshpar plan`), inspect (compiled HLO), dryrun
   cli.py     `meshpar train|inspect|launch|plan|generate|export|plot|config`
 The reference models (`meshpar.models`, the repo's `models/`) use this API like any user model.
 """
@@ -38,6 +40,7 @@ _API = {
     "get_strategy": "meshpar.core.rules", "parse_user_rules": "meshpar.core.rules", "constrain": "meshpar.core.rules",
     "use_layout": "meshpar.core.rules",
     # model-building helpers
+    "attention": "meshpar.parallel.context",
     "param": "meshpar.nn.layers", "stacked": "meshpar.nn.layers", "scan_layers": "meshpar.nn.layers",
     "stage_loss": "meshpar.nn.stages", "apply_layers": "meshpar.nn.stages",
     "use_policy": "meshpar.core.precision", "get_policy": "meshpar.core.precision", "compute_dtype": "meshpar.core.precision",

@@ -44,7 +44,9 @@ class DecoderConfig:
     vocab: int
     remat: str = "full"
     scan_layers: bool = True
-    attention: str = "xla"
+    attention: str = "auto"
+    window: int | None = None          # sliding-window attention (keys a token sees), None: all before it
+    softcap: float | None = None       # attention scores c*tanh(s/c) (Gemma 2)
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     tie_embeddings: bool = False       # logits = x @ embedding.T (no separate lm_head)
@@ -74,6 +76,7 @@ class DecoderConfig:
             from meshpar.models.hf_llama import llama3_scaling
             scaling = llama3_scaling(scaling, "model.rope_scaling")
         return cls(**base, remat=m.remat, scan_layers=m.scan_layers, attention=m.attention,
+                   window=getattr(m, "window", None), softcap=getattr(m, "softcap", None),
                    rope_theta=m.rope_theta, norm_eps=m.norm_eps,
                    tie_embeddings=getattr(m, "tie_embeddings", False), rope_scaling=scaling)
 
@@ -106,11 +109,13 @@ class Decoder(nnx.Module):
             logits = jnp.einsum("bte,ev->btv", x, self.lm_head[...].astype(dtype))
         return constrain(logits, ("batch", "seq", "vocab"))
 
-    def __call__(self, tokens, dtype=None):
+    def __call__(self, tokens, dtype=None, *, positions=None, segment_ids=None):
+        """tokens [B, T] -> (logits [B, T, V], aux). Packed documents: positions [B, T] (RoPE restarts
+        at each document; default 0..T-1) and segment_ids [B, T] (a token sees its own document only)."""
         dtype = dtype or compute_dtype()   # the active precision policy's
-        positions = jnp.arange(tokens.shape[1])
+        positions = jnp.arange(tokens.shape[1]) if positions is None else positions
         x = self.embed(tokens, dtype)
-        x, aux = scan_layers(self.layers, x, positions, self.cfg.remat, self.cfg.scan_layers)
+        x, aux = scan_layers(self.layers, x, positions, self.cfg.remat, self.cfg.scan_layers, segment_ids=segment_ids)
         return self.head(x, dtype), aux
 
     # -- serving (meshpar.serve.engine) ---------------------------------------------------------------------

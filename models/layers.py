@@ -19,6 +19,7 @@ from flax import nnx
 from meshpar.nn.layers import param
 from meshpar.core.precision import attention_dtype
 from meshpar.core.rules import constrain
+from meshpar.parallel.context import attention
 
 
 class RMSNorm(nnx.Module):
@@ -88,9 +89,10 @@ class Attention(nnx.Module):
         self.wo = param(rngs, (n, d, e), ("heads", "kv", "embed"), 1.0 / math.sqrt(n * d * 2 * cfg.layers))
         self.cfg = cfg
 
-    def __call__(self, x, positions, cache=None):
-        """x [B, T, E] -> [B, T, E]; with `cache` ({"k", "v"} [B, K, S, D], positions [B, T]) ->
-        ([B, T, E], the cache with this call's keys and values written at their positions)."""
+    def __call__(self, x, positions, cache=None, segment_ids=None):
+        """x [B, T, E], positions [T] or [B, T] (RoPE), segment_ids [B, T] (packed documents: a token
+        sees its own document only) -> [B, T, E]; with `cache` ({"k", "v"} [B, K, S, D], positions
+        [B, T]) -> ([B, T, E], the cache with this call's keys and values written at their positions)."""
         cfg, dt = self.cfg, x.dtype
         b, t, _ = x.shape
         g = cfg.heads // cfg.kv_heads
@@ -100,34 +102,49 @@ class Attention(nnx.Module):
         k, v = qkv[:, :, :, g], qkv[:, :, :, g + 1]                                     # [B, T, K, D]
         scaling = getattr(cfg, "rope_scaling", None)
         q, k = rope(q, positions, cfg.rope_theta, scaling), rope(k, positions, cfg.rope_theta, scaling)
-        impl = None if cfg.attention == "auto" else cfg.attention
         adt = attention_dtype(dt)   # = dt, except fp16 on CPU (see meshpar.core.precision.attention_dtype)
-        if cache is None:
-            o = jax.nn.dot_product_attention(q.astype(adt), k.astype(adt), v.astype(adt), is_causal=True,
-                                             implementation=impl).astype(dt)              # [B, T, N, D]
+        masks = dict(window=getattr(cfg, "window", None), softcap=getattr(cfg, "softcap", None))
+        if cache is not None:
+            cache = self._write(k, v, positions, cache)
+        if cache is None or t == cache["k"].shape[2] > 1:     # training, or a prefill that fills its whole cache
+            o = attention(q.astype(adt), k.astype(adt), v.astype(adt), causal=True, segment_ids=segment_ids,
+                          implementation=cfg.attention, **masks).astype(dt)           # [B, T, N, D]
         else:
-            o, cache = self._cached(q, k, v, positions, cache, adt)
+            o = self._attend_cache(q, positions, cache, adt, **masks)
         o = constrain(o, ("batch", "seq", "heads", "kv"))
         out = jnp.einsum("btnd,nde->bte", o, self.wo[...].astype(dt))
         return out if cache is None else (out, cache)
 
     @staticmethod
-    def _cached(q, k, v, positions, cache, adt):
-        """Write k, v [B, T, K, D] at positions [B, T] of the cache [B, K, S, D]; attend q [B, T, N, D]
-        (query head n = k * G + j, as in the fused QKV) to cached positions s <= the query's own:
-        softmax_s(q . k_s / sqrt(D)) v_s in fp32, stale entries beyond a query's position masked."""
+    def _write(k, v, positions, cache):
+        """k, v [B, T, K, D] written at positions [B, T] of the cache {"k", "v"} [B, K, S, D]. A call
+        whose T fills the whole cache is a prefill from position 0: it attends over the prompt itself
+        (`attention`, flash for long prompts), not over the cache."""
         b, t = positions.shape
-        kv, d = cache["k"].shape[1], cache["k"].shape[3]
+        kv = cache["k"].shape[1]
         at = (jnp.arange(b)[:, None, None], jnp.arange(kv)[None, None, :], positions[:, :, None])   # [B, T, K] each
         names = CACHE_AXES[1:]
-        kc = constrain(cache["k"].at[at].set(k.astype(cache["k"].dtype)), names)
-        vc = constrain(cache["v"].at[at].set(v.astype(cache["v"].dtype)), names)
+        return {"k": constrain(cache["k"].at[at].set(k.astype(cache["k"].dtype)), names),
+                "v": constrain(cache["v"].at[at].set(v.astype(cache["v"].dtype)), names)}
+
+    @staticmethod
+    def _attend_cache(q, positions, cache, adt, window=None, softcap=None):
+        """q [B, T, N, D] (query head n = k * G + j, as in the fused QKV) to the cached positions s <=
+        its own (and > its own - window): softmax_s(q . k_s / sqrt(D)) v_s in fp32, stale entries
+        beyond a query's position masked."""
+        b, t = positions.shape
+        kc, vc = cache["k"], cache["v"]
+        kv, d = kc.shape[1], kc.shape[3]
         qg = q.reshape(b, t, kv, -1, d).astype(adt)                                     # [B, T, K, G, D]
         s = jnp.einsum("btkgd,bksd->bkgts", qg, kc.astype(adt)).astype(jnp.float32) / jnp.sqrt(jnp.float32(d))
+        if softcap is not None:
+            s = softcap * jnp.tanh(s / softcap)
         mask = jnp.arange(kc.shape[2])[None, None, :] <= positions[:, :, None]          # [B, T, S]
+        if window is not None:
+            mask &= positions[:, :, None] - jnp.arange(kc.shape[2])[None, None, :] < window
         p = jax.nn.softmax(jnp.where(mask[:, None, None], s, -jnp.inf), axis=-1)
         o = jnp.einsum("bkgts,bksd->btkgd", p.astype(adt), vc.astype(adt))
-        return o.reshape(b, t, -1, d).astype(q.dtype), {"k": kc, "v": vc}
+        return o.reshape(b, t, -1, d).astype(q.dtype)
 
 
 class MLP(nnx.Module):
@@ -163,10 +180,10 @@ class Block(nnx.Module):
         self.ffn_norm = RMSNorm(cfg.embed, cfg.norm_eps, rngs)
         self.ffn = ffn if ffn is not None else MLP(cfg, rngs)
 
-    def __call__(self, x, positions, cache=None):
+    def __call__(self, x, positions, cache=None, segment_ids=None):
         """-> (x, aux); with a KV `cache` (decoding) -> (x, aux, cache)."""
         h = constrain(self.attn_norm(x), RESIDUAL)
-        a = self.attn(h, positions, cache)
+        a = self.attn(h, positions, cache, segment_ids)
         if cache is not None:
             a, cache = a
         x = constrain(x + a, RESIDUAL)

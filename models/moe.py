@@ -58,12 +58,12 @@ class SuperBlock(nnx.Module):
         self.dense = nnx.List([Block(cfg, rngs) for _ in range(moe.every - 1)])
         self.moe = Block(cfg, rngs, ffn=MoEFFN(cfg, moe, rngs))
 
-    def __call__(self, x, positions, cache=None):
+    def __call__(self, x, positions, cache=None, segment_ids=None):
         """-> (x, aux); with `cache` (a list: one {"k", "v"} per block, decoding) -> (x, aux, cache)."""
         if cache is None:
             for block in self.dense:
-                x, _ = block(x, positions)
-            return self.moe(x, positions)
+                x, _ = block(x, positions, segment_ids=segment_ids)
+            return self.moe(x, positions, segment_ids=segment_ids)
         new = []
         for block, c in zip(self.dense, cache[:-1]):
             x, _, c = block(x, positions, c)
@@ -88,9 +88,10 @@ class MoEDecoder(Decoder):
         self.final_norm = RMSNorm(cfg.embed, cfg.norm_eps, rngs)
         self.lm_head = param(rngs, (cfg.embed, cfg.vocab), ("embed", "vocab"), 1.0 / math.sqrt(cfg.embed))
 
-    def __call__(self, tokens, dtype=None):
+    def __call__(self, tokens, dtype=None, *, positions=None, segment_ids=None):
+        """tokens [B, T] (positions, segment_ids [B, T]: as `Decoder`) -> (logits [B, T, V], aux)."""
         dtype = dtype or compute_dtype()   # the active precision policy's
-        positions = jnp.arange(tokens.shape[1])
+        positions = jnp.arange(tokens.shape[1]) if positions is None else positions
         x = self.embed(tokens, dtype)
         key = None
         if self.moe_settings.second_expert_policy == "random":
@@ -99,7 +100,8 @@ class MoEDecoder(Decoder):
                            .reshape(tokens.shape))
             key = jax.random.fold_in(jax.random.key(self.seed), salt)
         with moe_lib.routing_key(key):
-            x, aux = scan_layers(self.layers, x, positions, self.cfg.remat, self.cfg.scan_layers)
+            x, aux = scan_layers(self.layers, x, positions, self.cfg.remat, self.cfg.scan_layers,
+                                 segment_ids=segment_ids)
         return self.head(x, dtype), aux
 
 

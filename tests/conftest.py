@@ -74,7 +74,7 @@ def make_cfg(*overrides: str, mesh: dict | None = None, fast: bool = True):
     """The embedded default config + FAST + overrides; `mesh` replaces the whole mesh (unset axes = 1)."""
     items = list(FAST if fast else [])
     if mesh is not None:
-        items += [f"mesh.{a}={mesh.get(a, 1)}" for a in ("data", "fsdp", "tensor", "pipeline", "expert")]
+        items += [f"mesh.{a}={mesh.get(a, 1)}" for a in ("data", "fsdp", "tensor", "pipeline", "expert", "context")]
     return load_config(None, items + list(overrides))
 
 

@@ -55,7 +55,7 @@ def test_inspect_json_has_the_contracted_keys(capsys):
     assert code == 0
     rep = json.loads(capsys.readouterr().out)
     assert set(rep) >= {"mesh", "params", "collectives", "memory", "flops"}
-    assert rep["mesh"] == {"pipeline": 1, "data": 2, "fsdp": 2, "expert": 1, "tensor": 2}
+    assert rep["mesh"] == {"pipeline": 1, "data": 2, "fsdp": 2, "context": 1, "expert": 1, "tensor": 2}
     w = next(p for p in rep["params"] if p["name"] == "layers.ffn.w_in")
     assert w["logical"] == ["layers", "embed", None, "mlp"] and w["spec"] == "-, data+fsdp, -, tensor"
     assert w["bytes_per_device"] * 8 == w["bytes"]

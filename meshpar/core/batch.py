@@ -2,6 +2,11 @@
 description that data sources, shardings, the train step and the KV cache share.
 
     lm_batch_spec(B, T)  ->  Leaf((B, T + 1), int32, ("batch", None))   # token rows: inputs + shifted targets
+    lm_batch_spec(B, T, documents=True)  ->  {"tokens", "segment_ids", "positions"}, each such a Leaf
+
+Packed documents (`BOS doc EOS BOS doc EOS ...` cut into rows): `segment_ids` numbers the documents
+of a row 0, 1, 2, ... and `positions` counts tokens from each document's first token in the row, so
+a token attends to its own document only and RoPE restarts at each document.
 """
 from __future__ import annotations
 
@@ -25,9 +30,14 @@ def is_leaf(x) -> bool:
     return isinstance(x, Leaf)
 
 
-def lm_batch_spec(global_size: int, length: int) -> Leaf:
-    """The language-model batch: token rows [B, T+1] (inputs and shifted targets)."""
-    return Leaf((global_size, length + 1), np.int32, ("batch", None))
+DOCUMENT_KEYS = ("tokens", "segment_ids", "positions")
+
+
+def lm_batch_spec(global_size: int, length: int, documents: bool = False):
+    """The language-model batch: token rows [B, T+1] (inputs and shifted targets); with `documents`,
+    {"tokens", "segment_ids", "positions"}, each [B, T+1]."""
+    leaf = Leaf((global_size, length + 1), np.int32, ("batch", None))
+    return {k: leaf for k in DOCUMENT_KEYS} if documents else leaf
 
 
 def check_batch_spec(batch_spec) -> None:

@@ -46,7 +46,10 @@ class ModelConfig:
     vocab: int | None = None          # vocabulary size (None: from model.size)
     scan_layers: bool = True          # stack layers on a `layers` axis and lax.scan them
     remat: str = "full"               # none | full | save_dots | offload
-    attention: str = "xla"            # jax.nn.dot_product_attention implementation: xla | cudnn | auto
+    attention: str = "auto"           # xla | flash | cudnn | auto (meshpar.nn.attention): auto = cudnn on GPU if it
+                                      # can, flash for long sequences, xla below 1k keys
+    window: int | None = None         # sliding-window attention: a token sees the last `window` tokens (Mistral)
+    softcap: float | None = None      # attention logit soft-cap c: scores c*tanh(s/c) (Gemma 2)
     rope_theta: float = 10000.0       # RoPE base frequency
     norm_eps: float = 1e-6            # RMSNorm epsilon
     tie_embeddings: bool = False      # logits from the input embedding (no separate lm_head)
@@ -62,6 +65,7 @@ class MeshConfig:
     fsdp: int = 1                     # fully sharded data parallelism: weights split, gathered per layer (ZeRO-3)
     tensor: int = 1                   # tensor parallelism (Megatron): heads and MLP columns split inside a layer
     pipeline: int = 1                 # pipeline stages: the stacked layers cut into consecutive groups (pipeline.*)
+    context: int = 1                  # context parallelism: each sequence split over devices (long sequences)
     expert: int = 1                   # expert parallelism: MoE experts split (model.name=moe, moe.*)
     dcn: dict[str, int] = field(default_factory=dict)   # multi-slice/multi-node sizes, e.g. {data: 2}
 
@@ -100,6 +104,8 @@ class DataConfig:
     path: str | None = None           # token file (.bin, uint16/uint32) or text file/folder
     dtype: str = "uint16"             # token file dtype
     tokenizer: str | None = None      # text data and generate prompts: a tokenizer.json (or its folder); None: bytes
+    documents: bool = True            # tokens/text: segment ids + per-document positions (no attention across documents)
+    eos_id: int | None = None         # data.kind=tokens: the id that ends each document (None: one stream, no documents)
     branching: int = 4                # synthetic: successors per state of the Markov chain
     seed: int = 1234                  # batch s row r is a pure function of (seed, s, r): exact resume
 
@@ -410,6 +416,29 @@ def _check_moe(cfg: Config) -> None:
                           f"(mesh.expert={ep}); use a multiple of {ep} experts or resize mesh.expert")
 
 
+def _check_attention(cfg: Config) -> None:
+    """Attention and context-parallel checks that need no devices; one line each."""
+    m = cfg.model
+    _choice("model.attention", m.attention, ("xla", "flash", "cudnn", "auto"))
+    if m.window is not None and m.window < 1:
+        raise ConfigError(f"config key 'model.window' must be a positive number of tokens (a token sees the last "
+                          f"`window` tokens) or null, got {m.window}")
+    if m.softcap is not None and m.softcap <= 0:
+        raise ConfigError(f"config key 'model.softcap' must be > 0 (scores become c*tanh(s/c)) or null, got {m.softcap}")
+    cp = cfg.mesh.context * int((cfg.mesh.dcn or {}).get("context", 1))
+    if cp > 1 and cfg.batch.length % (2 * cp):
+        raise ConfigError(f"batch.length={cfg.batch.length} is not divisible by 2 x mesh.context = {2 * cp} (context "
+                          f"parallelism cuts each sequence into 2 x context chunks for a balanced causal load); use "
+                          f"a multiple of {2 * cp}")
+    pp = cfg.mesh.pipeline * int((cfg.mesh.dcn or {}).get("pipeline", 1))
+    if cp > 1 and pp > 1:
+        raise ConfigError(f"mesh.context={cp} with mesh.pipeline={pp}: context parallelism inside pipeline stages is "
+                          "not supported yet (its shard_map nested in the pipeline's does not compile on JAX 0.10 / "
+                          "Shardy); split the sequence over context with data/fsdp/tensor instead of pipeline")
+    if cp > 1 and m.attention == "cudnn":
+        raise ConfigError("model.attention=cudnn cannot attend across mesh.context shards; use model.attention=flash")
+
+
 def _choice(key: str, value: str, choices) -> None:
     if value not in choices:
         raise ConfigError(f"config key '{key}' has unknown value '{value}'" + suggest(value, choices))
@@ -422,7 +451,7 @@ def validate(cfg: Config) -> None:
     _choice("strategy", cfg.strategy, rules.PRESETS)
     _choice("precision", cfg.precision, precision.POLICIES)
     _choice("model.remat", cfg.model.remat, ("none", "full", "save_dots", "offload"))
-    _choice("model.attention", cfg.model.attention, ("xla", "cudnn", "auto"))
+    _check_attention(cfg)
     if ":" not in cfg.data.kind:
         _choice("data.kind", cfg.data.kind, ("synthetic", "tokens", "text"))
     _choice("data.dtype", cfg.data.dtype, ("uint16", "uint32"))

@@ -1,8 +1,9 @@
 """The device mesh: named axes, sizes resolved against the devices, GSPMD (Auto) axis types.
 
-Axis order is outermost -> innermost: `pipeline, data, fsdp, expert, tensor`. Devices that are
+Axis order is outermost -> innermost: `pipeline, data, fsdp, context, expert, tensor`. Devices that are
 neighbours in the physical topology land on the innermost axes, so `tensor` (an all-reduce per
-layer) gets the fastest links and `pipeline`/`data` (one transfer/all-reduce per step) the slowest.
+layer) gets the fastest links, `context` (K/V gathered per layer) the next, and `pipeline`/`data`
+(one transfer/all-reduce per step) the slowest.
 Multi-slice/multi-node runs add DCN sizes per axis: the full axis size is ICI size x DCN size.
 """
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Sequence
 
 from meshpar.core.errors import ConfigError, suggest
 
-MESH_AXES = ("pipeline", "data", "fsdp", "expert", "tensor")
+MESH_AXES = ("pipeline", "data", "fsdp", "context", "expert", "tensor")
 
 
 def fake_cpu_devices(n: int) -> None:

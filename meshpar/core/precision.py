@@ -168,6 +168,15 @@ def select(pred: jax.Array, new, old):
     return jax.tree.map(lambda n, o: jnp.where(pred, n, o), new, old)
 
 
+def gather_dtype(dtype) -> jnp.dtype:
+    """Dtype to all-gather a 16-bit float in by hand (`lax.all_gather`): float32 on CPU, where the
+    transpose (a bf16 reduce-scatter whose reducer ends in a copy) aborts XLA:CPU's all-reduce
+    promotion pass (JAX 0.10); `dtype` elsewhere."""
+    if jnp.dtype(dtype).itemsize == 2 and jnp.issubdtype(dtype, jnp.floating) and jax.default_backend() == "cpu":
+        return jnp.float32
+    return dtype
+
+
 def attention_dtype(dtype) -> jnp.dtype:
     """Input dtype for `jax.nn.dot_product_attention`: `dtype`, except float16 on CPU, which runs in
     float32 there (JAX's XLA attention asks for an F16 x F16 -> F32 dot that XLA:CPU does not have)."""

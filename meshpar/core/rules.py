@@ -23,6 +23,9 @@ Presets (rule tables), after Megatron-LM (Shoeybi et al. 2019), ZeRO (Rajbhandar
 | tp      | heads/mlp/vocab over tensor | as params              | as params          | heads/mlp/vocab over tensor  |
 | tp_sp   | as tp                       | as params              | as params          | tp + residual length/tensor  |
 | fsdp_tp | fsdp + tp (2D)              | as params              | as params          | tp                           |
+
+Every preset also splits `length` and `seq` over `context` (context parallelism, meshpar.parallel.context)
+when mesh.context > 1; tp_sp splits the residual stream's length over context x tensor.
 """
 from __future__ import annotations
 
@@ -103,7 +106,8 @@ class Strategy:
 
 _COMMON = table(batch=[BATCH_AXES], group=[BATCH_AXES], expert="expert", stage="pipeline",
                 layers="pipeline",   # stacked layers live at rest on their pipeline stage
-                cache_batch=[BATCH_AXES])   # KV-cache slots, like a batch (serving)
+                cache_batch=[BATCH_AXES],   # KV-cache slots, like a batch (serving)
+                length="context", seq="context")   # context parallelism (meshpar.parallel.context)
 _TP = table(heads="tensor", kv_heads="tensor", mlp="tensor", vocab="tensor", expert_mlp="tensor")
 _ZERO_STATE = table(embed=[("data", "fsdp")], mlp=[("data", "fsdp")], vocab=[("data", "fsdp")],
                     expert_mlp=[("data", "fsdp")])
@@ -119,7 +123,7 @@ PRESETS: dict[str, Strategy] = {s.name: s for s in [
     Strategy("hsdp", "hybrid sharded DP: FSDP inside `fsdp`, replicas over `data`",
              table(embed="fsdp", expert_mlp="fsdp"), extra=_COMMON),
     Strategy("tp", "Megatron 1D tensor parallel over `tensor`", _TP, extra=_COMMON),
-    Strategy("tp_sp", "Megatron TP + sequence parallel on the residual stream", _TP + table(length="tensor"),
+    Strategy("tp_sp", "Megatron TP + sequence parallel on the residual stream", _TP + table(length=[("context", "tensor")]),
              extra=_COMMON),
     Strategy("fsdp_tp", "2D: FSDP over data x fsdp, Megatron TP over tensor",
              _TP + table(embed=[("data", "fsdp")]), extra=_COMMON),

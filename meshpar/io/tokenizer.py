@@ -112,8 +112,10 @@ def documents(path: str):
 
 
 def packed_text(path: str, tokenizer: str, model_vocab: int):
-    """Every document of `path` tokenized and packed end to end: BOS doc EOS BOS doc EOS ... (uint32)."""
+    """Every document of `path` tokenized and packed end to end: BOS doc EOS BOS doc EOS ... ->
+    (ids [n] uint32, the offsets where documents begin [D] int64)."""
     import numpy as np
     tok = HFTokenizer(tokenizer, model_vocab)
-    ids = [t for doc in documents(path) for t in tok.document(doc)]
-    return np.asarray(ids, np.uint32)
+    docs = [tok.document(doc) for doc in documents(path)]
+    sizes = np.cumsum([0] + [len(d) for d in docs[:-1]]).astype(np.int64)
+    return np.asarray([t for d in docs for t in d], np.uint32), sizes

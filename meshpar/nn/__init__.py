@@ -1,6 +1,8 @@
 """Layer 1, nn: what model code calls. Logical axis names only; never a mesh axis or a device count.
 
 layers   `param` (annotated init), `stacked` (the `layers` axis), `scan_layers` (+ remat policies)
+attention  the attention mask as data, the xla / cudnn kernels, the kernel choice (`model.attention`)
+flash    blockwise attention with an online softmax and a recomputing backward: O(S) memory
 moe      mixture of experts: GShard/Switch routing, dispatch/combine (all-to-all over `expert`), dropless
 stages   the stage protocol: a model as pre / stacked layers / post / loss, what a pipeline cuts
 """

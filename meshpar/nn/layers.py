@@ -60,12 +60,13 @@ REMAT_POLICIES = {
 }
 
 
-def scan_layers(layers_mod, x, positions, remat: str = "full", scan: bool = True, cache=None):
+def scan_layers(layers_mod, x, positions, remat: str = "full", scan: bool = True, cache=None, segment_ids=None):
     """Apply a stacked module [layers, ...] to x [B, T, E] layer by layer.
 
     `lax.scan` keeps one copy of the layer program (compile time independent of depth); the remat
     policy decides what the backward pass recomputes. Each layer is called `layer(x, positions)`, or
-    `layer(x)` when `positions` is None, and returns x or (x, aux). Returns (x, aux) with aux
+    `layer(x)` when `positions` is None (`layer(x, positions, segment_ids=...)` for packed documents,
+    segment_ids [B, T]), and returns x or (x, aux). Returns (x, aux) with aux
     stacked [layers] ({} when the layers return none).
     With `cache` (a KV cache stacked [layers, ...], decoding) each layer is called as
     `layer(x, positions, cache=its slice) -> (x, aux, new slice)` and (x, aux, cache) is returned.
@@ -83,7 +84,10 @@ def scan_layers(layers_mod, x, positions, remat: str = "full", scan: bool = True
     def body(carry, layer_state):
         layer_state = jax.tree.map(pin, layer_state, is_leaf=lambda v: isinstance(v, nnx.Variable))
         layer = nnx.merge(graphdef, layer_state)
-        out = layer(carry) if positions is None else layer(carry, positions)
+        if segment_ids is not None:
+            out = layer(carry, positions, segment_ids=segment_ids)
+        else:
+            out = layer(carry) if positions is None else layer(carry, positions)
         return out if isinstance(out, tuple) else (out, {})
 
     def decode_body(carry, xs):

@@ -48,7 +48,7 @@ def compiled_numbers(trainer, compiled) -> dict:
 
 def compare(cfg, hardware=None) -> tuple[dict, dict]:
     """(prediction, compiled) for the plan `cfg` names."""
-    from meshpar.plan.costmodel import summarize
+    from meshpar.plan.steptime import summarize
     pred = estimate(cfg, hardware)
     trainer, compiled = compile_step(cfg)
     pred = {"memory": pred["memory"], "collectives": summarize(pred["collectives"]), "time": pred["time"]}

@@ -3,8 +3,8 @@
     result = plan(cfg, devices=64, hardware=load_hardware("h100"))   # JSON-able dict, best first
     verify(result, cfg, k=2)                                           # compile the top 2 on fake devices
 
-Search: every way to write N = pipeline x data x fsdp x expert x tensor (sizes that divide the
-model), split into ICI x DCN by filling the hardware's ICI domain from the innermost axis
+Search: every way to write N = pipeline x data x fsdp x context x expert x tensor (sizes that
+divide the model; `context` dividing batch.length / 2), split into ICI x DCN by filling the hardware's ICI domain from the innermost axis
 (`tensor` first, as `meshpar.core.mesh` orders them), times every preset that uses those axes, remat
 (`none | save_dots | full`), gradient-accumulation microbatches (powers of two) or, with a
 pipeline axis, pipeline microbatches (P, 2P, 4P, ... down to one sequence each) and schedules (gpipe, 1f1b, interleaved v=2).
@@ -18,14 +18,15 @@ the bandwidths and the memory, or do not.
 
 Each mesh axis maps to one preset family so the same layout is not listed twice: dp/zero1/zero2
 put the batch on `data`; fsdp on `fsdp`; hsdp on fsdp (ICI) x data (DCN); tp/tp_sp on `tensor` x
-`data`; fsdp_tp on `tensor` x `fsdp`; any of them may add `pipeline` and (MoE models) `expert`.
+`data`; fsdp_tp on `tensor` x `fsdp`; any of them may add `pipeline`, `context` and (MoE models) `expert`.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import replace
 
-from meshpar.plan.costmodel import REMATS, Candidate, ModelFacts, Resolver, evaluate, summarize
+from meshpar.plan.costmodel import REMATS, Candidate, ModelFacts, Resolver
+from meshpar.plan.steptime import evaluate, summarize
 from meshpar.core.errors import ConfigError, suggest
 from meshpar.core.mesh import MESH_AXES
 from meshpar.core.rules import PRESETS
@@ -75,6 +76,8 @@ def candidates(facts: ModelFacts, cfg, n: int, hw, strategies) -> list[Candidate
     for sizes in _factorizations(n, len(MESH_AXES)):
         s = dict(zip(MESH_AXES, sizes))
         if layers % s["pipeline"] or experts % s["expert"] or (s["expert"] > 1 and not facts.moe):
+            continue
+        if s["context"] > 1 and cfg.batch.length % (2 * s["context"]):   # the balanced order's 2x chunks
             continue
         dcn = split_ici_dcn(sizes, n, hw.domain)
         if dcn is None:

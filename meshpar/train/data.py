@@ -115,22 +115,65 @@ class MarkovLanguage(LMSource):
         return out
 
 
+def documents_of(starts: np.ndarray, offsets: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Segment ids and positions [R, n] of the windows at `offsets` [R] of a stream whose documents
+    begin at `starts` (sorted, starting with 0): documents numbered from 0 in each window, positions
+    counted from each document's first token in the window."""
+    at = offsets[:, None] + np.arange(n)[None, :]                                   # [R, n]
+    doc = np.searchsorted(starts, at, side="right") - 1
+    first = np.maximum(starts[doc], offsets[:, None])
+    return (doc - doc[:, :1]).astype(np.int32), (at - first).astype(np.int32)
+
+
+def eos_starts(tokens: np.ndarray, eos_id: int, chunk: int = 1 << 24) -> np.ndarray:
+    """Document starts of a stream: 0 and every position after an `eos_id` (in chunks of `chunk`)."""
+    ends = [np.flatnonzero(tokens[i:i + chunk] == eos_id) + i + 1 for i in range(0, len(tokens), chunk)]
+    after = np.concatenate([np.zeros(1, np.int64), *ends]) if ends else np.zeros(1, np.int64)
+    return np.unique(after[after < max(len(tokens), 1)])
+
+
 class _Windows(LMSource):
-    """Random fixed-length windows of a flat token array."""
+    """Random fixed-length windows of a flat token array; with document `starts` (sorted offsets, 0
+    first), rows are packed documents: {"tokens", "segment_ids", "positions"}."""
     tokens: np.ndarray
+    starts: np.ndarray | None = None
     entropy_rate = None
     what = "data.path"
 
-    def sample(self, seed: int, step: int, rows: range, length: int) -> np.ndarray:
-        """Windows [len(rows), length] at random starts."""
+    def batch_spec(self, global_size: int, length: int):
+        return lm_batch_spec(global_size, length, documents=self.starts is not None)
+
+    def rows(self, seed: int, step: int, rows: range, length: int):
+        offsets = self._offsets(seed, step, rows, length + 1)
+        tokens = self._windows(offsets, length + 1)
+        if self.starts is None:
+            return tokens
+        seg, pos = documents_of(self.starts, offsets, length + 1)
+        return {"tokens": tokens, "segment_ids": seg, "positions": pos}
+
+    def _offsets(self, seed: int, step: int, rows: range, length: int) -> np.ndarray:
         n = len(self.tokens)
         if n <= length:
             raise ConfigError(f"{self.what} holds {n} tokens, fewer than batch.length+1={length}")
-        out = np.empty((len(rows), length), np.int32)
-        for i, r in enumerate(rows):
-            start = int(_row_rng(seed, step, r).integers(0, n - length))
+        return np.array([int(_row_rng(seed, step, r).integers(0, n - length)) for r in rows], np.int64)
+
+    def _windows(self, offsets: np.ndarray, length: int) -> np.ndarray:
+        out = np.empty((len(offsets), length), np.int32)
+        for i, start in enumerate(offsets):
             out[i] = self.tokens[start:start + length]
         return out
+
+    def sample(self, seed: int, step: int, rows: range, length: int) -> np.ndarray:
+        """Windows [len(rows), length] at random starts."""
+        return self._windows(self._offsets(seed, step, rows, length), length)
+
+    def part(self, lo: int, hi: int, what: str) -> "Span":
+        """Tokens lo..hi-1 as a source of their own (document starts kept, shifted)."""
+        starts = None
+        if self.starts is not None:
+            inside = self.starts[(self.starts >= lo) & (self.starts < hi)] - lo
+            starts = np.unique(np.concatenate([np.zeros(1, np.int64), inside]))
+        return Span(self.tokens[lo:hi], what, starts)
 
 
 class TokenFile(_Windows):
@@ -139,7 +182,7 @@ class TokenFile(_Windows):
     anywhere stops the run at start, naming its position, instead of at some later step."""
     CHUNK = 1 << 24
 
-    def __init__(self, path: str, dtype: str, vocab: int):
+    def __init__(self, path: str, dtype: str, vocab: int, eos_id: int | None = None):
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"data.path '{path}' is not a file")
@@ -154,24 +197,35 @@ class TokenFile(_Windows):
                 at = start + int(np.argmax(chunk >= vocab))
                 raise ConfigError(f"data.path '{path}' holds token id {int(self.tokens[at])} >= model.vocab={vocab} "
                                   f"at position {at}; raise model.vocab or fix the file")
+        if eos_id is not None:
+            if not 0 <= eos_id < vocab:
+                raise ConfigError(f"data.eos_id={eos_id} is not a token id of model.vocab={vocab}")
+            self.starts = eos_starts(self.tokens, eos_id, self.CHUNK)
 
 
 class TextFiles(_Windows):
-    def __init__(self, path: str, vocab: int):
+    """Byte tokens of a text file, or of a folder's files end to end; with `documents`, each file is
+    one document."""
+
+    def __init__(self, path: str, vocab: int, documents: bool = False):
         if vocab < 256:
             raise ConfigError(f"data.kind=text uses byte tokens 0..255 and needs model.vocab >= 256, got {vocab}")
         p = Path(path)
         files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
         if not files or not files[0].exists():
             raise ConfigError(f"data.path '{path}' has no text files")
-        self.tokens = np.frombuffer(b"".join(f.read_bytes() for f in files), dtype=np.uint8)
+        blobs = [f.read_bytes() for f in files]
+        self.tokens = np.frombuffer(b"".join(blobs), dtype=np.uint8)
+        if documents:
+            sizes = np.cumsum([0] + [len(b) for b in blobs[:-1]])
+            self.starts = np.unique(sizes[sizes < max(len(self.tokens), 1)])
 
 
 class Span(_Windows):
     """Windows of one part of another window source's tokens (a train / held-out split)."""
 
-    def __init__(self, tokens: np.ndarray, what: str):
-        self.tokens, self.what = tokens, what
+    def __init__(self, tokens: np.ndarray, what: str, starts: np.ndarray | None = None):
+        self.tokens, self.what, self.starts = tokens, what, starts
 
 
 # Evaluation batches are those of steps EVAL_STEP, EVAL_STEP + 1, ...: batch s is a pure function of
@@ -183,8 +237,16 @@ EVAL_STEP = 1 << 62
 def _file_source(kind: str, path: str, data: DataConfig, vocab: int):
     if kind == "text" and data.tokenizer:   # documents tokenized, packed with EOS between
         from meshpar.io.tokenizer import packed_text
-        return Span(packed_text(path, data.tokenizer, vocab), f"data.path '{path}' (tokenized)")
-    return TokenFile(path, data.dtype, vocab) if kind == "tokens" else TextFiles(path, vocab)
+        tokens, starts = packed_text(path, data.tokenizer, vocab)
+        return Span(tokens, f"data.path '{path}' (tokenized)", starts if data.documents else None)
+    if kind == "tokens":
+        return TokenFile(path, data.dtype, vocab, data.eos_id if data.documents else None)
+    return TextFiles(path, vocab, documents=data.documents)
+
+
+def packs_documents(d: DataConfig) -> bool:
+    """Whether `cfg.data`'s built-in source yields packed documents (`lm_batch_spec(documents=True)`)."""
+    return d.documents and (d.kind == "text" or (d.kind == "tokens" and d.eos_id is not None))
 
 
 def _split(source, holdout: float, length: int):
@@ -196,8 +258,8 @@ def _split(source, holdout: float, length: int):
         raise ConfigError(f"eval.holdout={holdout} splits data.path ({n} tokens) into {cut} training "
                           f"and {n - cut} held-out tokens; each part needs more than batch.length+1="
                           f"{length + 1}: change eval.holdout or give eval.path")
-    return (Span(source.tokens[:cut], f"the training part of data.path (1 - eval.holdout={holdout})"),
-            Span(source.tokens[cut:], f"the held-out part of data.path (eval.holdout={holdout})"))
+    return (source.part(0, cut, f"the training part of data.path (1 - eval.holdout={holdout})"),
+            source.part(cut, n, f"the held-out part of data.path (eval.holdout={holdout})"))
 
 
 def make_source(d: DataConfig, batch: BatchConfig, evaluation: EvalConfig, vocab: int):

@@ -2,23 +2,63 @@
 loss keeps: `(model, batch) -> (scalar loss, metrics dict)`."""
 from __future__ import annotations
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 
 from meshpar.core import precision as precision_lib
 from meshpar.core.errors import ConfigError
+from meshpar.parallel import context
 
 
-def lm_loss(model, tokens) -> tuple[jax.Array, dict]:
-    """Next-token cross-entropy of tokens [B, T+1] (the default loss). The model maps tokens [B, T]
-    to logits [B, T, V], or to (logits, aux) where aux values under the key `loss` (already weighted,
-    e.g. MoE load balancing) are added to the loss and the rest are reported as metrics."""
-    out = model(tokens[:, :-1])
+def lm_loss(model, batch) -> tuple[jax.Array, dict]:
+    """Next-token cross-entropy of token rows [B, T+1] (the default loss), or of packed documents
+    {"tokens", "segment_ids", "positions"} each [B, T+1]: the model gets `positions=` and
+    `segment_ids=` of the inputs, and a target counts only inside its input's document.
+
+    The model maps tokens [B, T] to logits [B, T, V], or to (logits, aux) where aux values under the
+    key `loss` (already weighted, e.g. MoE load balancing) are added to the loss and the rest are
+    reported as metrics. With sequences split over `context`, rows are stored in the balanced order
+    (`meshpar.parallel.context`) and the model must take `positions=`."""
+    docs = isinstance(batch, dict)
+    tokens = batch["tokens"] if docs else batch
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    seg = batch["segment_ids"] if docs else None
+    weights = None if seg is None else (seg[:, 1:] == seg[:, :-1]).astype(jnp.float32)
+    positions = batch["positions"][:, :-1] if docs else None
+    seg = None if seg is None else seg[:, :-1]
+    cp = context.context_size()
+    if cp > 1:
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
+        inputs, targets, positions, seg, weights = context.balance(inputs, targets, positions, seg, weights)
+    kwargs = {k: v for k, v in (("positions", positions), ("segment_ids", seg)) if v is not None}
+    _check_accepts(model, kwargs, cp)
+    with context.balanced(cp > 1):
+        out = model(inputs, **kwargs)
     logits, aux = out if isinstance(out, tuple) else (out, {})
-    ce = precision_lib.cross_entropy(logits.astype(precision_lib.active_policy().output_dtype), tokens[:, 1:])
+    ce = precision_lib.cross_entropy(logits.astype(precision_lib.active_policy().output_dtype), targets, weights)
     aux = dict(aux)
     extra = jnp.sum(aux.pop("loss")) if "loss" in aux else 0.0
     return ce + extra, {"ce": ce, **aux}
+
+
+def _check_accepts(model, kwargs: dict, cp: int) -> None:
+    """One line when the model cannot take the keywords packed documents or context parallelism need."""
+    try:
+        params = inspect.signature(model.__call__).parameters
+    except (TypeError, ValueError):
+        return
+    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        return
+    missing = [k for k in kwargs if k not in params]
+    if missing:
+        why = ("mesh.context > 1 stores each row in the balanced order" if cp > 1 and "positions" in missing
+               else "the data are packed documents")
+        raise ConfigError(f"model {type(model).__name__} takes no {', '.join(m + '=' for m in missing)} argument, and "
+                          f"{why}; add `{'=None, '.join(missing)}=None` to its __call__ (see meshpar.models.decoder), "
+                          "or set data.documents=false")
 
 
 def check_loss(out, name: str):

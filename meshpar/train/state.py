@@ -24,6 +24,7 @@ from meshpar.core.registry import default_model, loss_function
 from meshpar.core.rules import Layout, check_rule_names, get_strategy, parse_user_rules
 from meshpar.core.sharding import (batch_shardings, building, model_spec, opt_state_shardings, param_shardings,
                                    sharding_table, state_shardings, unruled_batch_axes, var_shardings)
+from meshpar.train.data import packs_documents
 from meshpar.train.loss import lm_loss
 from meshpar.train.optimizer import make_optimizer
 
@@ -89,7 +90,7 @@ class TrainSetup:
         self.spec = model_spec(self.factory, self.policy, cfg.train.require_annotations)
         check_batch(cfg.batch, self.layout)
         self.batch_spec = (self.batch_spec if self.batch_spec is not None
-                           else lm_batch_spec(cfg.batch.global_size, cfg.batch.length))
+                           else lm_batch_spec(cfg.batch.global_size, cfg.batch.length, packs_documents(cfg.data)))
         check_batch_spec(self.batch_spec)
         self.batch_warnings = unruled_batch_axes(self.batch_spec, self.layout)
         if self.batch_warnings and cfg.train.require_annotations:

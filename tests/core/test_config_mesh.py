@@ -53,7 +53,7 @@ def test_fill_axis_and_size_checks():
 def test_mesh_has_named_auto_axes_over_all_devices():
     mesh = make_mesh(make_cfg(mesh={"data": 2, "fsdp": 2, "tensor": 2}).mesh, devices(8))
     assert mesh.axis_names == MESH_AXES
-    assert dict(zip(mesh.axis_names, mesh.devices.shape)) == {"pipeline": 1, "data": 2, "fsdp": 2, "expert": 1, "tensor": 2}
+    assert dict(zip(mesh.axis_names, mesh.devices.shape)) == {"pipeline": 1, "data": 2, "fsdp": 2, "context": 1, "expert": 1, "tensor": 2}
     assert all(t == AxisType.Auto for t in mesh.axis_types)
     assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in jax.devices()[:8])
 

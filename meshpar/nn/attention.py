@@ -1,0 +1,150 @@
+"""Attention over the tokens one device holds: softmax(mask(q k^T / sqrt(H))) v, one mask, several kernels.
+
+Shapes: B batch, T queries, S keys, N query heads, K key/value heads (grouped-query attention,
+Ainslie et al. 2023: query head n reads key/value head n // (N / K)), H head width.
+
+The mask is described once, as data, and every implementation serves it: query a sees key b iff
+
+    (not causal or b <= a)  and  (window is None or a - b < window)  and  (no segment ids or seg[a] == seg[b])
+
+where a, b are the tokens' sequence indices (0..T-1 unless context parallelism says otherwise);
+with `softcap` c the scores become c tanh(s / c) before masking (Gemma 2).
+
+Implementations (`model.attention`):
+    xla    the reference: scores [B, N, T, S] materialised (`jax.nn.dot_product_attention`, or one
+           einsum when soft-capped)
+    flash  blockwise with an online softmax and a recomputing backward, O(S) memory, skips the
+           tiles the masks remove (meshpar.nn.flash; every backend)
+    cudnn  `jax.nn.dot_product_attention(implementation="cudnn")` (GPU; bf16/fp16, no segment ids
+           or soft-cap)
+    auto   cudnn where it can serve the call, else flash for S > AUTO_FLASH_FROM, else xla
+
+Context parallelism (a sequence split over the `context` mesh axis) wraps this in
+`meshpar.parallel.context.attention`, which is the public `meshpar.attention`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from meshpar.core.errors import ConfigError, suggest
+from meshpar.nn import flash as flash_lib
+
+IMPLEMENTATIONS = ("auto", "xla", "flash", "cudnn")
+AUTO_FLASH_FROM = 1024      # keys: below this the [T, S] scores are small and one fused product is fastest
+DEFAULT_BLOCK = 512
+
+
+@dataclass(frozen=True)
+class Mask:
+    """The mask's kind (static): causal, a sliding window of `window` keys, a soft-cap of the scores."""
+    causal: bool = True
+    window: int | None = None
+    softcap: float | None = None
+
+    def check(self) -> "Mask":
+        if self.window is not None and (isinstance(self.window, bool) or int(self.window) != self.window
+                                        or self.window <= 0):
+            raise ConfigError(f"attention window={self.window} must be a positive number of keys (a query at i "
+                              "sees keys i-window+1..i), or None for no window")
+        if self.softcap is not None and not self.softcap > 0:
+            raise ConfigError(f"attention softcap={self.softcap} must be positive (scores become c*tanh(s/c)), or None")
+        return self
+
+
+def check_shapes(q, k, v, mask: Mask, segment_ids, kv_segment_ids) -> None:
+    """One line naming the operand whose shape does not fit q [B, T, N, H], k/v [B, S, K, H]."""
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ConfigError(f"attention takes q [B, T, N, H] and k, v [B, S, K, H]; got ranks {q.ndim}, {k.ndim}, {v.ndim}")
+    b, t, n, h = q.shape
+    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != h:
+        raise ConfigError(f"attention: k {tuple(k.shape)} and v {tuple(v.shape)} must both be [B={b}, S, K, H={h}] "
+                          f"for q {tuple(q.shape)}")
+    if n % k.shape[2]:
+        raise ConfigError(f"attention: {n} query heads are not a multiple of {k.shape[2]} key/value heads")
+    if (mask.causal or mask.window is not None) and t != k.shape[1]:
+        raise ConfigError(f"attention: a causal or windowed mask needs as many queries as keys, got T={t}, "
+                          f"S={k.shape[1]}")
+    for name, seg, want in (("segment_ids", segment_ids, (b, t)), ("kv_segment_ids", kv_segment_ids, (b, k.shape[1]))):
+        if seg is not None and tuple(seg.shape) != want:
+            raise ConfigError(f"attention: {name} has shape {tuple(seg.shape)}, expected [B, T] = {list(want)} "
+                              "(one segment id per token)")
+
+
+def choose(implementation: str, q, k, mask: Mask, has_segments: bool) -> str:
+    """The kernel that serves this call: `implementation`, with `auto` resolved; one line when the
+    named kernel cannot do the requested masks on this backend."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ConfigError(f"unknown attention implementation '{implementation}'" + suggest(implementation, IMPLEMENTATIONS))
+    cudnn_ok = (jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[-1] % 8 == 0
+                and not has_segments and mask.softcap is None)
+    if implementation == "cudnn" and not cudnn_ok:
+        why = ("it runs on GPU only" if jax.default_backend() != "gpu" else
+               "it needs bf16/fp16 inputs, a head width that is a multiple of 8, no segment ids and no soft-cap")
+        raise ConfigError(f"model.attention=cudnn cannot serve this call ({why}); use model.attention=flash or auto")
+    if implementation == "auto":
+        return "cudnn" if cudnn_ok else "flash" if k.shape[1] > AUTO_FLASH_FROM else "xla"
+    return implementation
+
+
+def visible(mask: Mask, q_index, k_index, q_seg=None, k_seg=None):
+    """The mask as booleans [B or 1, T, S] from sequence indices q_index [T], k_index [S]."""
+    m = jnp.ones((1, q_index.shape[0], k_index.shape[0]), bool)
+    if mask.causal:
+        m &= (k_index[None, :] <= q_index[:, None])[None]
+    if mask.window is not None:
+        m &= (q_index[:, None] - k_index[None, :] < mask.window)[None]
+    if q_seg is not None:
+        m = m & (q_seg[:, :, None] == k_seg[:, None, :])
+    return m
+
+
+def reference(q, k, v, mask: Mask, q_index, k_index, q_seg=None, k_seg=None, scale=None):
+    """The materialised reference: [B, T, N, H] from fp32 scores [B, K, G, T, S] (a query that sees
+    no key gets zeros)."""
+    b, t, n, h = q.shape
+    nk = k.shape[2]
+    scale = 1.0 / math.sqrt(h) if scale is None else scale
+    q5 = q.reshape(b, t, nk, n // nk, h)
+    s = jnp.einsum("btkgh,bskh->bkgts", q5, k, preferred_element_type=jnp.float32) * scale
+    if mask.softcap is not None:
+        s = mask.softcap * jnp.tanh(s / mask.softcap)
+    vis = visible(mask, q_index, k_index, q_seg, k_seg)[:, None, None]               # [B or 1, 1, 1, T, S]
+    s = jnp.where(vis, s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.exp(s - jnp.where(jnp.isneginf(m), 0.0, m))
+    p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
+    o = jnp.einsum("bkgts,bskh->btkgh", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return o.reshape(b, t, n, h).astype(q.dtype)
+
+
+def _jax_nn(q, k, v, mask: Mask, q_seg, k_seg, implementation):
+    """`jax.nn.dot_product_attention` for indices 0..T-1 (its causal and local-window flags; segment
+    ids as a boolean mask)."""
+    m = None if q_seg is None else (q_seg[:, :, None] == k_seg[:, None, :])[:, None]   # [B, 1, T, S]
+    window = None if mask.window is None else (mask.window - 1, 0)
+    return jax.nn.dot_product_attention(q, k, v, mask=m, is_causal=mask.causal, local_window_size=window,
+                                        implementation=implementation)
+
+
+def local_attention(q, k, v, mask: Mask, *, q_index=None, k_index=None, q_seg=None, k_seg=None,
+                    implementation: str = "auto", block: int = DEFAULT_BLOCK, tile_list=None):
+    """Attention of q [B, T, N, H] to k, v [B, S, K, H] held on this device -> [B, T, N, H].
+
+    q_index [T] / k_index [S]: sequence indices (default 0..T-1, 0..S-1; context parallelism passes
+    its shard's); tile_list: flash's tiles when the indices are not known before tracing."""
+    impl = choose(implementation, q, k, mask, q_seg is not None)
+    natural = q_index is None and k_index is None
+    if impl in ("xla", "cudnn") and natural and mask.softcap is None:
+        return _jax_nn(q, k, v, mask, q_seg, k_seg, impl)
+    q_index = np.arange(q.shape[1]) if q_index is None else q_index
+    k_index = np.arange(k.shape[1]) if k_index is None else k_index
+    if impl == "flash":
+        kern = flash_lib.Kernel(mask.causal, mask.window, mask.softcap, 1.0 / math.sqrt(q.shape[-1]),
+                                flash_lib.block_size(q.shape[1], block), flash_lib.block_size(k.shape[1], block))
+        return flash_lib.flash_attention(kern, q, k, v, q_index, k_index, q_seg, k_seg, tile_list)
+    return reference(q, k, v, mask, jnp.asarray(q_index), jnp.asarray(k_index), q_seg, k_seg)

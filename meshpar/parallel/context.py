@@ -1,0 +1,199 @@
+"""Context parallelism: one sequence split over the `context` mesh axis (Megatron-LM's CP; Llama 3's
+all-gather CP, Grattafiori et al. 2024), and `attention`, the public `meshpar.attention`.
+
+Shapes: B batch, T queries, S keys, N query heads, K key/value heads, H head width; cp devices on
+`context`; C = T / (2 cp) tokens per chunk.
+
+Layout. The rule tables map `length` and `seq` to `context`, so every [B, T, ...] activation is cut
+along T and everything but attention is token-local (GSPMD needs nothing more; weight gradients
+are summed over `context` as over `data`). Two orders of the tokens on the devices:
+
+    natural   device d holds tokens d T/cp .. (d+1) T/cp - 1
+    balanced  T cut into 2cp chunks; device d holds chunks d and 2cp-1-d (zig-zag). Causal work is
+              then the same on every device: chunk d sees d+1 chunks of keys, chunk 2cp-1-d sees
+              2cp-d, 2cp+1 in all; in natural order the last device does 2cp-1 times the first's.
+
+The built-in LM loss stores its rows balanced (`balance` permutes tokens, targets, positions and
+segment ids alike, under `balanced()`); every other caller's activations are in natural order:
+correct, unbalanced.
+
+Attention across shards: inside `jax.shard_map` manual over `context` only (batch, heads stay
+GSPMD's), each device all-gathers K and V [B, S/cp, K, H] -> [B, S, K, H] (small under GQA, K << N)
+and attends its own queries to them with the tile list of its own indices, so flash skips the
+chunks its causal mask hides. The all-gather's transpose reduce-scatters dK and dV. Per layer and
+device: forward (cp-1)/cp x 2 B S K H bytes of K/V received, backward as much again for the
+gradients.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from meshpar.core.errors import ConfigError
+from meshpar.core.precision import gather_dtype
+from meshpar.core.rules import active_layout, spec_axes
+from meshpar.nn import attention as attn_lib
+from meshpar.nn import flash as flash_lib
+
+AXIS = "context"
+
+_BALANCED: contextvars.ContextVar[bool] = contextvars.ContextVar("meshpar_context_balanced", default=False)
+
+
+@contextlib.contextmanager
+def balanced(on: bool = True):
+    """Declare that [B, T, ...] activations traced inside are stored in the balanced order."""
+    token = _BALANCED.set(on)
+    try:
+        yield
+    finally:
+        _BALANCED.reset(token)
+
+
+def context_size() -> int:
+    """cp: the size of the `context` axis when the active rules split sequence positions over it, else 1."""
+    layout = active_layout()
+    if layout is None or layout.shape.get(AXIS, 1) == 1:
+        return 1
+    spec = layout.spec(("batch", "seq"))
+    return layout.shape[AXIS] if len(spec) > 1 and spec[1] == AXIS else 1
+
+
+def order(t: int, cp: int) -> np.ndarray:
+    """The balanced order: storage position p holds sequence index order[p] ([T], chunks 0, 2cp-1, 1, 2cp-2, ...)."""
+    c = t // (2 * cp)
+    chunks = [i for d in range(cp) for i in (d, 2 * cp - 1 - d)]
+    return np.concatenate([np.arange(i * c, (i + 1) * c) for i in chunks])
+
+
+def check_length(t: int, cp: int, what: str = "batch.length") -> None:
+    if t % (2 * cp):
+        raise ConfigError(f"{what}={t} is not divisible by 2 x mesh.context = {2 * cp} (the balanced order cuts a "
+                          f"sequence into 2 x context chunks); use a multiple of {2 * cp}")
+
+
+def balance(*rows):
+    """Rows [B, T] (or [T]) in natural order -> the balanced order, when the active layout splits
+    sequences over `context` (else unchanged). Use under `balanced()`."""
+    cp = context_size()
+    if cp == 1:
+        return rows
+    perm = order(rows[0].shape[-1], cp)
+    return tuple(None if r is None else jnp.take(r, perm, axis=-1) for r in rows)
+
+
+def _indices(t: int, cp: int, balanced_order: bool) -> np.ndarray:
+    """Sequence indices [cp, T/cp] of the tokens each device holds."""
+    idx = order(t, cp) if balanced_order else np.arange(t)
+    return idx.reshape(cp, t // cp)
+
+
+def attention(q, k, v, *, causal: bool = True, segment_ids=None, kv_segment_ids=None, window: int | None = None,
+              softcap: float | None = None, implementation: str = "auto", block: int = attn_lib.DEFAULT_BLOCK):
+    """softmax(mask(q k^T / sqrt(H))) v: q [B, T, N, H], k/v [B, S, K, H] -> [B, T, N, H], the layout
+    of `jax.nn.dot_product_attention`. segment_ids [B, T] (kv_segment_ids [B, S], default the same):
+    a query sees only keys of its own segment; window W: query i sees keys i-W+1..i; softcap c:
+    scores c tanh(s / c) before masking; implementation: xla | flash | cudnn | auto
+    (meshpar.nn.attention). Sequences split over `context` attend across the shards."""
+    mask = attn_lib.Mask(causal, window, softcap).check()
+    kv_seg = segment_ids if kv_segment_ids is None else kv_segment_ids
+    attn_lib.check_shapes(q, k, v, mask, segment_ids, kv_seg)
+    cp = context_size()
+    if cp == 1:
+        return attn_lib.local_attention(q, k, v, mask, q_seg=segment_ids, k_seg=kv_seg,
+                                        implementation=implementation, block=block)
+    return _across(q, k, v, mask, segment_ids, kv_seg, implementation, block, cp)
+
+
+def _specs(q, k):
+    """shard_map specs of q [B, T, N, H], k/v [B, S, K, H] and segment ids [B, T], and the manual
+    axes: the batch axes, `context`, and the heads' axes when query and key/value heads split alike
+    (a query head's key/value head then sits on its device). Attention is then local but for the
+    gathered keys; with the batch axes left auto, XLA gathered whole batches into each device.""" 
+    layout = active_layout()
+    qspec = tuple(layout.spec(("batch", "seq", "heads", "kv"), q.shape)) + (None,) * 4
+    kspec = tuple(layout.spec(("batch", "seq", "kv_heads", "kv"), k.shape)) + (None,) * 4
+    batch, heads = qspec[0], (qspec[2] if qspec[2] == kspec[2] else None)
+    qs, ks, ss = P(batch, AXIS, heads), P(batch, AXIS, heads), P(batch, AXIS)
+    return qs, ks, ss, frozenset(spec_axes(qs))
+
+
+def _across(q, k, v, mask, q_seg, k_seg, implementation, block, cp):
+    """All-gather context parallelism (see the module docstring), as one custom VJP over two
+    `shard_map`s manual over `context`: the forward gathers K/V and attends; the backward gathers
+    them again, attends backwards (flash: from the saved o and lse) and reduce-scatters dK/dV, so
+    no autodiff of a shard_map hands residuals across its boundary.""" 
+    t, s = q.shape[1], k.shape[1]
+    is_balanced = _BALANCED.get()
+    for n, what in ((t, "the queries' length"), (s, "the keys' length")):
+        if is_balanced:
+            check_length(n, cp, what)
+        elif n % cp:
+            raise ConfigError(f"{what} {n} is not divisible by mesh.context={cp}")
+    impl = attn_lib.choose(implementation, q, k, mask, q_seg is not None)
+    if impl == "cudnn":
+        raise ConfigError("model.attention=cudnn cannot attend across mesh.context shards; use flash (or xla)")
+    q_idx, k_idx = _indices(t, cp, is_balanced), _indices(s, cp, is_balanced).reshape(-1)
+    unit_q = t // (2 * cp) if is_balanced else t // cp
+    unit_k = s // (2 * cp) if is_balanced else s // cp
+    bq, bk = flash_lib.block_size(unit_q, block), flash_lib.block_size(unit_k, block)
+    table = flash_lib.pad_tiles([flash_lib.tiles(q_idx[d], k_idx, bq, bk, mask.causal, mask.window) for d in range(cp)])
+    kern = flash_lib.Kernel(mask.causal, mask.window, mask.softcap, 1.0 / float(np.sqrt(q.shape[-1])), bq, bk)
+
+    def gather(x):
+        if x is None:
+            return None
+        return lax.all_gather(x.astype(gather_dtype(x.dtype)), AXIS, axis=1, tiled=True).astype(x.dtype)
+
+    def scatter(x):
+        return lax.psum_scatter(x.astype(gather_dtype(x.dtype)), AXIS, scatter_dimension=1, tiled=True).astype(x.dtype)
+
+    # The indices and tiles enter the shard_maps as operands split over `context` (row d for
+    # device d), not as constants made inside, which partial evaluation would hoist out.
+    def fwd_local(q, k, v, q_seg, k_seg, qi, ki, tiles):
+        k, v, k_seg = gather(k), gather(v), gather(k_seg)
+        if impl == "flash":
+            return flash_lib.forward(kern, q, k, v, qi[0], ki, q_seg, k_seg, tiles[0])
+        o = attn_lib.reference(q, k, v, mask, qi[0], ki, q_seg, k_seg)
+        return o, o[:, :, :k.shape[2], :1].astype(jnp.float32) * 0.0     # no lse: [B, T, K, 1] zeros
+
+    def bwd_local(q, k, v, q_seg, k_seg, qi, ki, tiles, o, lse, do):
+        kg, vg, k_seg = gather(k), gather(v), gather(k_seg)
+        if impl == "flash":
+            dq, dk, dv = flash_lib.backward(kern, q, kg, vg, qi[0], ki, q_seg, k_seg, tiles[0], o, lse, do)
+        else:
+            _, vjp = jax.vjp(lambda q, k, v: attn_lib.reference(q, k, v, mask, qi[0], ki, q_seg, k_seg), q, kg, vg)
+            dq, dk, dv = vjp(do)
+        return dq, scatter(dk), scatter(dv)
+
+    qs, ks, ss, manual = _specs(q, k)
+    segs = None if q_seg is None else ss
+    mesh = jax.sharding.get_abstract_mesh()
+    mesh = mesh if mesh.axis_names else active_layout().mesh
+    smap = lambda f, ins, outs: jax.shard_map(f, mesh=mesh, in_specs=ins, out_specs=outs, axis_names=manual)
+    idx = (P(AXIS), P(), P(AXIS))
+    fwd = smap(fwd_local, (qs, ks, ks, segs, segs, *idx), (qs, ks))
+    bwd = smap(bwd_local, (qs, ks, ks, segs, segs, *idx, qs, ks, qs), (qs, ks, ks))
+    @jax.custom_vjp
+    def run(q, k, v, q_seg, k_seg, *consts):
+        return fwd(q, k, v, q_seg, k_seg, *consts)[0]
+
+    def run_fwd(q, k, v, q_seg, k_seg, *consts):
+        o, lse = fwd(q, k, v, q_seg, k_seg, *consts)
+        return o, (q, k, v, q_seg, k_seg, consts, o, lse)
+
+    def run_bwd(res, do):
+        q, k, v, q_seg, k_seg, consts, o, lse = res
+        grads = bwd(q, k, v, q_seg, k_seg, *consts, o, lse, do)      # typed like their inputs (the pipeline's
+        grads = [flash_lib.varying_like(g, x) for g, x in zip(grads, (q, k, v))]   # manual axes)
+        return (*grads, None, None, None, None, None)
+
+    run.defvjp(run_fwd, run_bwd)
+    return run(q, k, v, q_seg, k_seg, jnp.asarray(q_idx, jnp.int32), jnp.asarray(k_idx, jnp.int32),
+               jnp.asarray(table, jnp.int32))
