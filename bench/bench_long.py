@@ -6,6 +6,7 @@ collectives and training, and the planner's choices. Each part prints a markdown
     python bench/bench_long.py step        # CPU step time of the default model at 4096 tokens, flash vs xla
     python bench/bench_long.py collectives # inspect mesh.context=4: bytes over `context` vs the formula
     python bench/bench_long.py long        # batch.length=32768 on mesh.context=8: 20 steps, temp vs 4k on 1 device
+    python bench/bench_long.py ring        # all_gather vs ring context parallelism, side by side
     python bench/bench_long.py plan        # meshpar plan: 1M tokens, 2k x 256, 128k-token 8B on 8 and 64 H100s
 """
 from __future__ import annotations
@@ -24,6 +25,24 @@ def inspect(*overrides: str, devices: int = 1) -> dict:
     out = subprocess.run([sys.executable, "-m", "meshpar.cli", "inspect", "--json", "--devices", str(devices),
                           *overrides], capture_output=True, text=True, check=True)
     return json.loads(out.stdout)
+
+
+def timed_steps(tr, rows: int, length: int, steps: int = 5) -> tuple[float, int, float]:
+    """(ms per step over `steps` steps after one warm-up, compiled temp bytes, compile seconds)."""
+    import jax
+    from meshpar.train.data import MarkovLanguage
+    t0 = time.perf_counter()
+    temp = tr.compile().memory_analysis().temp_size_in_bytes
+    comp = time.perf_counter() - t0
+    src, state = MarkovLanguage(tr.spec.cfg.vocab, 4, 1), tr.init()
+    batches = [jax.device_put(src.rows(0, i, range(rows), length), tr.batch_sharding) for i in range(steps + 1)]
+    state, m = tr.step(state, batches[0])
+    jax.block_until_ready(m["loss"])
+    t0 = time.perf_counter()
+    for b in batches[1:]:
+        state, m = tr.step(state, b)
+    jax.block_until_ready(m["loss"])
+    return (time.perf_counter() - t0) / steps * 1e3, temp, comp
 
 
 def memory() -> None:
@@ -55,7 +74,6 @@ def flops() -> None:
 def step() -> None:
     import jax
     from meshpar.core.config import load_config
-    from meshpar.train.data import MarkovLanguage
     from meshpar.train.step import Trainer
     print("| attention | step (ms), batch 8 x 4096, 8 fake devices | tokens/s | compile (s) |")
     print("|---|---:|---:|---:|")
@@ -63,19 +81,7 @@ def step() -> None:
     for impl in ("xla", "flash"):
         cfg = load_config(None, ["batch.length=4096", "batch.global_size=8", f"model.attention={impl}"])
         tr = Trainer(cfg, devices=jax.devices()[:8])
-        t0 = time.perf_counter()
-        tr.compile()
-        comp = time.perf_counter() - t0
-        src = MarkovLanguage(tr.spec.cfg.vocab, 4, 1)
-        state = tr.init()
-        batches = [jax.device_put(src.rows(0, i, range(8), 4096), tr.batch_sharding) for i in range(6)]
-        state, m = tr.step(state, batches[0])
-        jax.block_until_ready(m["loss"])
-        t0 = time.perf_counter()
-        for b in batches[1:]:
-            state, m = tr.step(state, b)
-        jax.block_until_ready(m["loss"])
-        ms = (time.perf_counter() - t0) / 5 * 1e3
+        ms, _, comp = timed_steps(tr, 8, 4096)
         base = base or ms
         print(f"| {impl} | {ms:,.0f} ({base / ms:.2f}x xla's speed) | {8 * 4096 / ms * 1e3:,.0f} | {comp:.1f} |", flush=True)
 
@@ -84,7 +90,7 @@ def collectives() -> None:
     over = ["mesh.data=2", "mesh.fsdp=1", "mesh.tensor=1", "mesh.context=4", "precision=fp32", "model.attention=flash",
             "batch.length=512", "batch.global_size=8"]
     rep = inspect(*over, devices=8)
-    ops = [c for c in rep["collectives"] if "context" in c["axes"]]
+    ops = [c for c in rep["collectives"]["ops"] if "context" in c["axes"]]
     print("Command: `meshpar inspect --json " + " ".join(over) + "` (tiny: 2 layers, K=4 kv heads, H=8)\n")
     print("| kind | bytes (whole gathered tensor) | runs per step |")
     print("|---|---:|---:|")
@@ -101,21 +107,39 @@ def long() -> None:
     from meshpar.train.data import MarkovLanguage
     from meshpar.train.step import Trainer
     over = ["model.attention=flash", "batch.global_size=1", "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1",
-            "train.warmup_steps=2", "train.lr=0.01"]
+            "train.warmup_steps=2", "train.lr=0.01", "precision=fp32",     # XLA:CPU emulates bf16 matmuls slowly
+            "model.heads=2", "model.kv_heads=1", "model.head_dim=32", "model.remat=none"]   # 32k^2 scores on 2 cores
     one = Trainer(load_config(None, over + ["batch.length=4096", "devices=1"]), devices=jax.devices()[:1])
     temp_one = one.compile().memory_analysis().temp_size_in_bytes
     cfg = load_config(None, over + ["batch.length=32768", "mesh.context=8"])
     tr = Trainer(cfg, devices=jax.devices()[:8])
     temp = tr.compile().memory_analysis().temp_size_in_bytes
+    print(f"compiled: temp {temp / MiB:.1f} MiB vs {temp_one / MiB:.1f} MiB", file=sys.stderr, flush=True)
     src, state, losses = MarkovLanguage(tr.spec.cfg.vocab, 4, 1), tr.init(), []
     t0 = time.perf_counter()
     for i in range(20):
         state, m = tr.step(state, jax.device_put(src.rows(0, i, range(1), 32768), tr.batch_sharding))
         losses.append(float(m["loss"]))
+        print(f"step {i}: loss {losses[-1]:.4f} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
     dt = (time.perf_counter() - t0) / 20
     print(f"losses every 5 steps: {[round(x, 3) for x in losses[::5]]} ... {losses[-1]:.3f} ({dt:.1f} s/step)")
     print(f"temp per device: 32768 on context=8: {temp / MiB:.1f} MiB; 4096 on one device: {temp_one / MiB:.1f} MiB; "
           f"ratio {temp / temp_one:.2f}")
+
+
+def ring() -> None:
+    import jax
+    from meshpar.core.config import load_config
+    from meshpar.train.step import Trainer
+    print("| context strategy | step (ms), 2 x 8192 tokens, context=8 | temp per device (MiB) | compile (s) |")
+    print("|---|---:|---:|---:|")
+    for strategy in ("all_gather", "ring"):
+        cfg = load_config(None, ["model.attention=flash", "batch.global_size=2", "batch.length=8192", "mesh.data=1",
+                                 "mesh.fsdp=1", "mesh.tensor=1", "mesh.context=8", f"model.context_strategy={strategy}",
+                                 "precision=fp32"])
+        tr = Trainer(cfg, devices=jax.devices()[:8])
+        ms, temp, comp = timed_steps(tr, 2, 8192)
+        print(f"| {strategy} | {ms:,.0f} | {temp / MiB:.1f} | {comp:.1f} |", flush=True)
 
 
 def plan() -> None:
@@ -141,7 +165,8 @@ def plan() -> None:
 
 
 if __name__ == "__main__":
-    parts = {"memory": memory, "flops": flops, "step": step, "collectives": collectives, "long": long, "plan": plan}
+    parts = {"memory": memory, "flops": flops, "step": step, "collectives": collectives, "long": long, "ring": ring,
+             "plan": plan}
     for name in sys.argv[1:] or parts:
         print(f"\n### {name}\n", flush=True)
         parts[name]()

@@ -9,8 +9,9 @@ The public API (imported lazily, so `import meshpar` stays cheap and sets up no 
 
 The folders are the layers, lowest first; each imports only from those below it (tests/test_layout.py
 checks it; docs/architecture.md has one line per module):
-  core/      errors, config (schema, YAML, overrides), registry (config names -> code), mesh, rules
-             (logical names -> mesh axes, strategy presets, `constrain`), precision, batch (`Leaf`), sharding
+  core/      errors, config (schema, YAML, overrides), annotate (`meshpar config`), registry (config names ->
+             code), mesh, rules (logical names -> mesh axes, strategy presets, `constrain`), precision, batch
+             (`Leaf`), sharding
   nn/        layers (`param`, `stacked`, `scan_layers`), attention (the mask, xla/cudnn), flash (blockwise
              attention, O(S) memory), moe (routing, dispatch/combine), stages (the stage protocol)
   parallel/  schedules (tick tables), residuals (1F1B's stash), pipeline (shard_map over `pipeline`),

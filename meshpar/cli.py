@@ -336,7 +336,7 @@ def _run(args) -> int:
         from meshpar.core.config import load_config
         cfg = load_config(args.config, args.overrides)
         if args.command == "config":             # no devices: the configuration only
-            from meshpar.core.config import annotated_yaml
+            from meshpar.core.annotate import annotated_yaml
             cfg.devices = args.devices if args.devices is not None else cfg.devices
             sys.stdout.write(annotated_yaml(cfg))
             return 0

@@ -47,6 +47,7 @@ class DecoderConfig:
     attention: str = "auto"
     window: int | None = None          # sliding-window attention (keys a token sees), None: all before it
     softcap: float | None = None       # attention scores c*tanh(s/c) (Gemma 2)
+    context_strategy: str = "all_gather"   # sequences split over `context`: all_gather | ring
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     tie_embeddings: bool = False       # logits = x @ embedding.T (no separate lm_head)
@@ -77,6 +78,7 @@ class DecoderConfig:
             scaling = llama3_scaling(scaling, "model.rope_scaling")
         return cls(**base, remat=m.remat, scan_layers=m.scan_layers, attention=m.attention,
                    window=getattr(m, "window", None), softcap=getattr(m, "softcap", None),
+                   context_strategy=getattr(m, "context_strategy", "all_gather"),
                    rope_theta=m.rope_theta, norm_eps=m.norm_eps,
                    tie_embeddings=getattr(m, "tie_embeddings", False), rope_scaling=scaling)
 

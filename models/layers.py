@@ -108,7 +108,8 @@ class Attention(nnx.Module):
             cache = self._write(k, v, positions, cache)
         if cache is None or t == cache["k"].shape[2] > 1:     # training, or a prefill that fills its whole cache
             o = attention(q.astype(adt), k.astype(adt), v.astype(adt), causal=True, segment_ids=segment_ids,
-                          implementation=cfg.attention, **masks).astype(dt)           # [B, T, N, D]
+                          implementation=cfg.attention, context_strategy=getattr(cfg, "context_strategy", "all_gather"),
+                          **masks).astype(dt)                                           # [B, T, N, D]
         else:
             o = self._attend_cache(q, positions, cache, adt, **masks)
         o = constrain(o, ("batch", "seq", "heads", "kv"))

@@ -28,6 +28,14 @@ def run_cli(capsys, *args):
     (["model.size=3b"], "unknown model size '3b'"),
     (["model.heads=6", "model.kv_heads=4"], "model.heads=6 must be a multiple of model.kv_heads=4"),
     (["model.attention=cudnn"], "model.attention=cudnn needs an NVIDIA GPU (this backend is cpu)"),
+    (["mesh.context=4", "mesh.fsdp=1", "mesh.tensor=1", "batch.length=20"],
+     "batch.length=20 is not divisible by 2 x mesh.context = 8"),
+    (["model.window=0"], "config key 'model.window' must be a positive number of tokens"),
+    (["model.attention=flsh"], "config key 'model.attention' has unknown value 'flsh' (did you mean 'flash'?)"),
+    (["mesh.context=2", "mesh.pipeline=2", "mesh.fsdp=1", "mesh.tensor=1"],
+     "context parallelism inside pipeline stages is not supported yet"),
+    (["mesh.context=2", "mesh.fsdp=1", "mesh.data=4", "mesh.tensor=1", "model.attention=xla",
+      "model.context_strategy=ring"], "model.context_strategy=ring needs model.attention=flash"),
 ])
 def test_bad_input_is_one_clear_line(capsys, args, message):
     code, err = run_cli(capsys, "train", *args)

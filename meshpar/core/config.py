@@ -46,10 +46,10 @@ class ModelConfig:
     vocab: int | None = None          # vocabulary size (None: from model.size)
     scan_layers: bool = True          # stack layers on a `layers` axis and lax.scan them
     remat: str = "full"               # none | full | save_dots | offload
-    attention: str = "auto"           # xla | flash | cudnn | auto (meshpar.nn.attention): auto = cudnn on GPU if it
-                                      # can, flash for long sequences, xla below 1k keys
+    attention: str = "auto"           # xla | flash | cudnn | auto: cudnn on GPU where it can, else flash beyond 1k keys, else xla
     window: int | None = None         # sliding-window attention: a token sees the last `window` tokens (Mistral)
     softcap: float | None = None      # attention logit soft-cap c: scores c*tanh(s/c) (Gemma 2)
+    context_strategy: str = "all_gather"   # mesh.context > 1: all_gather (K/V gathered, Llama 3) | ring (flash only)
     rope_theta: float = 10000.0       # RoPE base frequency
     norm_eps: float = 1e-6            # RMSNorm epsilon
     tie_embeddings: bool = False      # logits from the input embedding (no separate lm_head)
@@ -365,40 +365,6 @@ def to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
 
 
-def field_comments() -> dict[tuple[str, str], str]:
-    """{(class, field): the comment beside that field in this file}: the meaning of every key."""
-    import ast
-    import io
-    import tokenize
-    src = Path(__file__).read_text()
-    notes = {t.start[0]: t.string[1:].strip() for t in tokenize.generate_tokens(io.StringIO(src).readline)
-             if t.type == tokenize.COMMENT}
-    return {(c.name, s.target.id): notes[s.lineno] for c in ast.parse(src).body if isinstance(c, ast.ClassDef)
-            for s in c.body if isinstance(s, ast.AnnAssign) and s.lineno in notes}
-
-
-def annotated_yaml(cfg: Config) -> str:
-    """`meshpar config`: the resolved config as YAML that `--config` reads back, every key with its
-    comment (meaning, allowed values) and every section with its docstring's first line."""
-    comments = field_comments()
-
-    def scalar(v) -> str:
-        return yaml.safe_dump(v, default_flow_style=True, width=1 << 20).split("\n...")[0].strip()
-
-    def emit(obj, indent: str) -> list[str]:
-        out = []
-        for f in dataclasses.fields(obj):
-            v = getattr(obj, f.name)
-            if dataclasses.is_dataclass(v):
-                doc = (type(v).__doc__ or "").strip().splitlines()[0]
-                out += [f"{indent}{f.name}:  # {doc}", *emit(v, indent + "  ")]
-                continue
-            line, note = f"{indent}{f.name}: {scalar(v)}", comments.get((type(obj).__name__, f.name))
-            out.append(f"{line:<36}  # {note}" if note else line)
-        return out
-    return "\n".join(emit(cfg, "")) + "\n"
-
-
 def _check_moe(cfg: Config) -> None:
     """MoE checks that need no devices; one line each, naming the key and a fix."""
     m, k = cfg.moe, TOP_K[cfg.moe.routing]
@@ -420,6 +386,7 @@ def _check_attention(cfg: Config) -> None:
     """Attention and context-parallel checks that need no devices; one line each."""
     m = cfg.model
     _choice("model.attention", m.attention, ("xla", "flash", "cudnn", "auto"))
+    _choice("model.context_strategy", m.context_strategy, ("all_gather", "ring"))
     if m.window is not None and m.window < 1:
         raise ConfigError(f"config key 'model.window' must be a positive number of tokens (a token sees the last "
                           f"`window` tokens) or null, got {m.window}")
@@ -435,6 +402,9 @@ def _check_attention(cfg: Config) -> None:
         raise ConfigError(f"mesh.context={cp} with mesh.pipeline={pp}: context parallelism inside pipeline stages is "
                           "not supported yet (its shard_map nested in the pipeline's does not compile on JAX 0.10 / "
                           "Shardy); split the sequence over context with data/fsdp/tensor instead of pipeline")
+    if cp > 1 and m.context_strategy == "ring" and m.attention not in ("flash", "auto"):
+        raise ConfigError(f"model.context_strategy=ring needs model.attention=flash (got {m.attention}): the ring merges "
+                          "partial results by their log-sum-exp; use flash, or context_strategy=all_gather")
     if cp > 1 and m.attention == "cudnn":
         raise ConfigError("model.attention=cudnn cannot attend across mesh.context shards; use model.attention=flash")
 

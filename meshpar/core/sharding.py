@@ -231,11 +231,12 @@ def unruled_batch_axes(batch_spec, layout: Layout) -> list[str]:
     return out
 
 
-def sharding_table(spec: ModelSpec, layout: Layout, batch_spec=None) -> list[dict]:
+def sharding_table(spec: ModelSpec, layout: Layout, batch_spec=None, activations: dict | None = None) -> list[dict]:
     """One row per model variable (parameters, then other state, then the batch leaves of
-    `batch_spec`, kind `batch`): name, shape, logical axes, PartitionSpec, bytes per device, and a
-    `note` where a variable is replicated for want of an annotation or of a rule for one of its
-    names."""
+    `batch_spec`, kind `batch`, then `activations` {name: Leaf}, kind `activation`: how the model's
+    [batch, length] tokens are laid out, e.g. `length` over `context`): name, shape, logical axes,
+    PartitionSpec, bytes per device, and a `note` where a variable is replicated for want of an
+    annotation or of a rule for one of its names."""
     rows = []
     rules = layout.rules()
     unannotated = set(spec.unannotated)
@@ -260,6 +261,11 @@ def sharding_table(spec: ModelSpec, layout: Layout, batch_spec=None) -> list[dic
                          "bytes_per_device": bytes_per_device(leaf.shape, leaf.dtype, sh),
                          "bytes": int(math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize),
                          "note": "no rule for " + ", ".join(repr(n) for n in lost) if lost else ""})
+    for name, leaf in (activations or {}).items():
+        sh = layout.sharding(leaf.axes, leaf.shape, f"activation '{name}'")
+        rows.append({"name": name, "kind": "activation", "shape": list(leaf.shape), "logical": list(leaf.axes),
+                     "spec": spec_str(sh.spec), "bytes_per_device": bytes_per_device(leaf.shape, leaf.dtype, sh),
+                     "bytes": int(math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize), "note": "per feature"})
     return rows
 
 
@@ -272,6 +278,6 @@ def render_sharding_table(rows: list[dict]):
     for r in rows:
         t.add_row(r["name"], "x".join(map(str, r["shape"])), ", ".join(n or "-" for n in r["logical"]), r["spec"],
                   f"{r['bytes_per_device']:,}", r["note"])
-    total = sum(r["bytes_per_device"] for r in rows if r["kind"] != "batch")
+    total = sum(r["bytes_per_device"] for r in rows if r["kind"] not in ("batch", "activation"))
     t.add_row("total (model state)", "", "", "", f"{total:,}", "", style="bold")
     return t

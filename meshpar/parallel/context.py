@@ -17,17 +17,25 @@ The built-in LM loss stores its rows balanced (`balance` permutes tokens, target
 segment ids alike, under `balanced()`); every other caller's activations are in natural order:
 correct, unbalanced.
 
-Attention across shards: inside `jax.shard_map` manual over `context` only (batch, heads stay
-GSPMD's), each device all-gathers K and V [B, S/cp, K, H] -> [B, S, K, H] (small under GQA, K << N)
-and attends its own queries to them with the tile list of its own indices, so flash skips the
-chunks its causal mask hides. The all-gather's transpose reduce-scatters dK and dV. Per layer and
-device: forward (cp-1)/cp x 2 B S K H bytes of K/V received, backward as much again for the
-gradients.
+Attention across shards, inside `jax.shard_map` manual over `context` and the batch axes (and the
+heads' axes), one custom VJP (`model.context_strategy`):
+
+    all_gather  (default; Llama 3) each device all-gathers K and V [b, S/cp, K, H] -> [b, S, K, H]
+                (small under GQA, K << N) and attends its own queries with the tiles its own indices
+                leave, so flash skips the chunks its causal mask hides; the backward gathers again
+                and reduce-scatters dK, dV. Per layer and device: forward (cp-1)/cp x 2 b S K H
+                elements received, backward as much again plus the scatter.
+    ring        (Ring Attention, Liu et al. 2023) K/V shards hop round the ring with `ppermute`,
+                cp - 1 hops, partial results merged by their log-sum-exp; the backward sends K/V
+                round again with their dK/dV accumulators (cp hops). The same bytes as the
+                all-gather, but only two K/V shards live at a time, and each hop's transfer can
+                hide behind the previous block's compute.
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +43,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from meshpar.core.errors import ConfigError
+from meshpar.core.errors import ConfigError, suggest
 from meshpar.core.precision import gather_dtype
 from meshpar.core.rules import active_layout, spec_axes
 from meshpar.nn import attention as attn_lib
@@ -95,12 +103,14 @@ def _indices(t: int, cp: int, balanced_order: bool) -> np.ndarray:
 
 
 def attention(q, k, v, *, causal: bool = True, segment_ids=None, kv_segment_ids=None, window: int | None = None,
-              softcap: float | None = None, implementation: str = "auto", block: int = attn_lib.DEFAULT_BLOCK):
+              softcap: float | None = None, implementation: str = "auto", block: int = attn_lib.DEFAULT_BLOCK,
+              context_strategy: str = "all_gather"):
     """softmax(mask(q k^T / sqrt(H))) v: q [B, T, N, H], k/v [B, S, K, H] -> [B, T, N, H], the layout
     of `jax.nn.dot_product_attention`. segment_ids [B, T] (kv_segment_ids [B, S], default the same):
     a query sees only keys of its own segment; window W: query i sees keys i-W+1..i; softcap c:
     scores c tanh(s / c) before masking; implementation: xla | flash | cudnn | auto
-    (meshpar.nn.attention). Sequences split over `context` attend across the shards."""
+    (meshpar.nn.attention). Sequences split over `context` attend across the shards by
+    `context_strategy`: all_gather (K/V gathered) or ring (K/V passed round, flash only)."""
     mask = attn_lib.Mask(causal, window, softcap).check()
     kv_seg = segment_ids if kv_segment_ids is None else kv_segment_ids
     attn_lib.check_shapes(q, k, v, mask, segment_ids, kv_seg)
@@ -108,7 +118,7 @@ def attention(q, k, v, *, causal: bool = True, segment_ids=None, kv_segment_ids=
     if cp == 1:
         return attn_lib.local_attention(q, k, v, mask, q_seg=segment_ids, k_seg=kv_seg,
                                         implementation=implementation, block=block)
-    return _across(q, k, v, mask, segment_ids, kv_seg, implementation, block, cp)
+    return _across(q, k, v, mask, segment_ids, kv_seg, implementation, block, cp, context_strategy)
 
 
 def _specs(q, k):
@@ -124,11 +134,117 @@ def _specs(q, k):
     return qs, ks, ss, frozenset(spec_axes(qs))
 
 
-def _across(q, k, v, mask, q_seg, k_seg, implementation, block, cp):
-    """All-gather context parallelism (see the module docstring), as one custom VJP over two
-    `shard_map`s manual over `context`: the forward gathers K/V and attends; the backward gathers
-    them again, attends backwards (flash: from the saved o and lse) and reduce-scatters dK/dV, so
-    no autodiff of a shard_map hands residuals across its boundary.""" 
+@dataclass(frozen=True)
+class _Call:
+    """What one context-parallel attention call knows before tracing."""
+    cp: int
+    impl: str                # flash | xla
+    mask: attn_lib.Mask
+    kern: flash_lib.Kernel
+    q_idx: np.ndarray        # [cp, T/cp] sequence indices of each device's queries
+    k_idx: np.ndarray        # [cp, S/cp] ... of each device's keys
+
+
+def _gather(x):
+    """[B, S/cp, ...] -> [B, S, ...] over `context` (in fp32 on CPU: see precision.gather_dtype)."""
+    if x is None:
+        return None
+    return lax.all_gather(x.astype(gather_dtype(x.dtype)), AXIS, axis=1, tiled=True).astype(x.dtype)
+
+
+def _scatter(x):
+    return lax.psum_scatter(x.astype(gather_dtype(x.dtype)), AXIS, scatter_dimension=1, tiled=True).astype(x.dtype)
+
+
+def _all_gather(c: _Call):
+    """Llama 3's CP: K/V all-gathered, queries local; the backward reduce-scatters dK/dV. The
+    indices and tiles are shard_map operands (row d on device d), not constants made inside,
+    which partial evaluation would hoist out. -> (forward, backward, operands, their specs)."""
+    k_all = c.k_idx.reshape(-1)
+    table = flash_lib.pad_tiles([flash_lib.tiles(c.q_idx[d], k_all, c.kern.bq, c.kern.bk, c.mask.causal,
+                                                 c.mask.window) for d in range(c.cp)])
+
+    def fwd(q, k, v, q_seg, k_seg, qi, ki, tiles):
+        k, v, k_seg = _gather(k), _gather(v), _gather(k_seg)
+        if c.impl == "flash":
+            return flash_lib.forward(c.kern, q, k, v, qi[0], ki, q_seg, k_seg, tiles[0])
+        o = attn_lib.reference(q, k, v, c.mask, qi[0], ki, q_seg, k_seg)
+        return o, o[:, :, :k.shape[2], :1].astype(jnp.float32) * 0.0     # no lse: [B, T, K, 1] zeros
+
+    def bwd(q, k, v, q_seg, k_seg, qi, ki, tiles, o, lse, do):
+        kg, vg, k_seg = _gather(k), _gather(v), _gather(k_seg)
+        if c.impl == "flash":
+            dq, dk, dv = flash_lib.backward(c.kern, q, kg, vg, qi[0], ki, q_seg, k_seg, tiles[0], o, lse, do)
+        else:
+            f = lambda q, k, v: attn_lib.reference(q, k, v, c.mask, qi[0], ki, q_seg, k_seg)
+            dq, dk, dv = jax.vjp(f, q, kg, vg)[1](do)
+        return dq, _scatter(dk), _scatter(dv)
+    return fwd, bwd, (c.q_idx, k_all, table), (P(AXIS), P(), P(AXIS))
+
+
+def _merge(o, lse, o2, lse2):
+    """Two partial attentions over disjoint keys -> one: weights e^(lse_i - lse), lse = log sum e^lse_i."""
+    m = jnp.maximum(lse, lse2)
+    m_safe = jnp.where(jnp.isneginf(m), 0.0, m)
+    w1, w2 = jnp.exp(lse - m_safe), jnp.exp(lse2 - m_safe)
+    total = w1 + w2
+    out = (o.astype(jnp.float32) * _heads(w1, o) + o2.astype(jnp.float32) * _heads(w2, o)) / _heads(
+        jnp.where(total == 0, 1.0, total), o)
+    return out.astype(o.dtype), jnp.where(total == 0, -jnp.inf, m_safe + jnp.log(jnp.where(total == 0, 1.0, total)))
+
+
+def _heads(w, o):
+    """[B, T, K, G] weights -> [B, T, N, 1] to scale o [B, T, N, H] (query head n = k G + g)."""
+    return w.reshape(w.shape[0], w.shape[1], -1)[..., None]
+
+
+def _ring(c: _Call):
+    """Ring attention (Liu et al. 2023): K/V shards travel the ring with `ppermute` (cp - 1 hops, the
+    next hop's transfer issued before this hop's blocks are computed), partial results merged with
+    the online-softmax weights; the backward sends K/V round again with their dK/dV accumulators,
+    which reach their owner after one more hop. At hop h device d holds device (d - h)'s shard."""
+    if c.impl != "flash":
+        raise ConfigError("model.context_strategy=ring needs model.attention=flash (it merges partial results by "
+                          "their log-sum-exp); use flash, or context_strategy=all_gather")
+    n, ring = c.cp, [(j, (j + 1) % c.cp) for j in range(c.cp)]
+    src = [[(d - h) % n for h in range(n)] for d in range(n)]
+    tables = flash_lib.pad_tiles([flash_lib.tiles(c.q_idx[d], c.k_idx[src[d][h]], c.kern.bq, c.kern.bk, c.mask.causal,
+                                                  c.mask.window) for d in range(n) for h in range(n)])
+    tables = tables.reshape(n, n, *tables.shape[1:])                       # [cp (device), cp (hop), P, 3]
+    k_of = np.stack([[c.k_idx[src[d][h]] for h in range(n)] for d in range(n)])   # [cp, cp, S/cp]
+    send = lambda *xs: tuple(None if x is None else lax.ppermute(x, AXIS, ring) for x in xs)
+
+    def fwd(q, k, v, q_seg, k_seg, qi, ki, tiles):
+        o = lse = None
+        for h in range(n):
+            nxt = send(k, v, k_seg) if h < n - 1 else None
+            o2, lse2 = flash_lib.forward(c.kern, q, k, v, qi[0], ki[0, h], q_seg, k_seg, tiles[0, h])
+            o, lse = (o2, lse2) if o is None else _merge(o, lse, o2, lse2)
+            if nxt is not None:
+                k, v, k_seg = nxt
+        return o, lse
+
+    def bwd(q, k, v, q_seg, k_seg, qi, ki, tiles, o, lse, do):
+        dq = dk = dv = 0.0
+        for h in range(n):
+            nxt = send(k, v, k_seg) if h < n - 1 else None
+            dq_h, dk_h, dv_h = flash_lib.backward(c.kern, q, k, v, qi[0], ki[0, h], q_seg, k_seg, tiles[0, h], o, lse, do)
+            dq = dq + dq_h.astype(jnp.float32)
+            dk, dv = send(dk + dk_h.astype(jnp.float32), dv + dv_h.astype(jnp.float32))
+            if nxt is not None:
+                k, v, k_seg = nxt
+        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    return fwd, bwd, (c.q_idx, k_of, tables), (P(AXIS), P(AXIS), P(AXIS))
+
+
+STRATEGIES = {"all_gather": _all_gather, "ring": _ring}
+
+
+def _across(q, k, v, mask, q_seg, k_seg, implementation, block, cp, strategy):
+    """Context-parallel attention as one custom VJP over two `shard_map`s (manual over `context` and
+    the batch axes): the strategy's forward (K/V gathered or passed round a ring), its backward
+    (flash: from the saved o and lse), so no autodiff of a shard_map hands residuals across its
+    boundary."""
     t, s = q.shape[1], k.shape[1]
     is_balanced = _BALANCED.get()
     for n, what in ((t, "the queries' length"), (s, "the keys' length")):
@@ -139,47 +255,23 @@ def _across(q, k, v, mask, q_seg, k_seg, implementation, block, cp):
     impl = attn_lib.choose(implementation, q, k, mask, q_seg is not None)
     if impl == "cudnn":
         raise ConfigError("model.attention=cudnn cannot attend across mesh.context shards; use flash (or xla)")
-    q_idx, k_idx = _indices(t, cp, is_balanced), _indices(s, cp, is_balanced).reshape(-1)
+    if strategy not in STRATEGIES:
+        raise ConfigError(f"unknown context strategy '{strategy}'" + suggest(strategy, STRATEGIES))
     unit_q = t // (2 * cp) if is_balanced else t // cp
     unit_k = s // (2 * cp) if is_balanced else s // cp
-    bq, bk = flash_lib.block_size(unit_q, block), flash_lib.block_size(unit_k, block)
-    table = flash_lib.pad_tiles([flash_lib.tiles(q_idx[d], k_idx, bq, bk, mask.causal, mask.window) for d in range(cp)])
-    kern = flash_lib.Kernel(mask.causal, mask.window, mask.softcap, 1.0 / float(np.sqrt(q.shape[-1])), bq, bk)
-
-    def gather(x):
-        if x is None:
-            return None
-        return lax.all_gather(x.astype(gather_dtype(x.dtype)), AXIS, axis=1, tiled=True).astype(x.dtype)
-
-    def scatter(x):
-        return lax.psum_scatter(x.astype(gather_dtype(x.dtype)), AXIS, scatter_dimension=1, tiled=True).astype(x.dtype)
-
-    # The indices and tiles enter the shard_maps as operands split over `context` (row d for
-    # device d), not as constants made inside, which partial evaluation would hoist out.
-    def fwd_local(q, k, v, q_seg, k_seg, qi, ki, tiles):
-        k, v, k_seg = gather(k), gather(v), gather(k_seg)
-        if impl == "flash":
-            return flash_lib.forward(kern, q, k, v, qi[0], ki, q_seg, k_seg, tiles[0])
-        o = attn_lib.reference(q, k, v, mask, qi[0], ki, q_seg, k_seg)
-        return o, o[:, :, :k.shape[2], :1].astype(jnp.float32) * 0.0     # no lse: [B, T, K, 1] zeros
-
-    def bwd_local(q, k, v, q_seg, k_seg, qi, ki, tiles, o, lse, do):
-        kg, vg, k_seg = gather(k), gather(v), gather(k_seg)
-        if impl == "flash":
-            dq, dk, dv = flash_lib.backward(kern, q, kg, vg, qi[0], ki, q_seg, k_seg, tiles[0], o, lse, do)
-        else:
-            _, vjp = jax.vjp(lambda q, k, v: attn_lib.reference(q, k, v, mask, qi[0], ki, q_seg, k_seg), q, kg, vg)
-            dq, dk, dv = vjp(do)
-        return dq, scatter(dk), scatter(dv)
+    kern = flash_lib.Kernel(mask.causal, mask.window, mask.softcap, 1.0 / float(np.sqrt(q.shape[-1])),
+                            flash_lib.block_size(unit_q, block), flash_lib.block_size(unit_k, block))
+    call = _Call(cp, impl, mask, kern, _indices(t, cp, is_balanced), _indices(s, cp, is_balanced))
+    fwd_local, bwd_local, consts, const_specs = STRATEGIES[strategy](call)
 
     qs, ks, ss, manual = _specs(q, k)
     segs = None if q_seg is None else ss
     mesh = jax.sharding.get_abstract_mesh()
     mesh = mesh if mesh.axis_names else active_layout().mesh
     smap = lambda f, ins, outs: jax.shard_map(f, mesh=mesh, in_specs=ins, out_specs=outs, axis_names=manual)
-    idx = (P(AXIS), P(), P(AXIS))
-    fwd = smap(fwd_local, (qs, ks, ks, segs, segs, *idx), (qs, ks))
-    bwd = smap(bwd_local, (qs, ks, ks, segs, segs, *idx, qs, ks, qs), (qs, ks, ks))
+    fwd = smap(fwd_local, (qs, ks, ks, segs, segs, *const_specs), (qs, ks))
+    bwd = smap(bwd_local, (qs, ks, ks, segs, segs, *const_specs, qs, ks, qs), (qs, ks, ks))
+
     @jax.custom_vjp
     def run(q, k, v, q_seg, k_seg, *consts):
         return fwd(q, k, v, q_seg, k_seg, *consts)[0]
@@ -190,10 +282,9 @@ def _across(q, k, v, mask, q_seg, k_seg, implementation, block, cp):
 
     def run_bwd(res, do):
         q, k, v, q_seg, k_seg, consts, o, lse = res
-        grads = bwd(q, k, v, q_seg, k_seg, *consts, o, lse, do)      # typed like their inputs (the pipeline's
-        grads = [flash_lib.varying_like(g, x) for g, x in zip(grads, (q, k, v))]   # manual axes)
+        grads = bwd(q, k, v, q_seg, k_seg, *consts, o, lse, do)
+        grads = [flash_lib.varying_like(g, x) for g, x in zip(grads, (q, k, v))]   # typed like their inputs
         return (*grads, None, None, None, None, None)
 
     run.defvjp(run_fwd, run_bwd)
-    return run(q, k, v, q_seg, k_seg, jnp.asarray(q_idx, jnp.int32), jnp.asarray(k_idx, jnp.int32),
-               jnp.asarray(table, jnp.int32))
+    return run(q, k, v, q_seg, k_seg, *(jnp.asarray(x, jnp.int32) for x in consts))

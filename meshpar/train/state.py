@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from meshpar.core import precision as precision_lib
-from meshpar.core.batch import check_batch_spec, is_leaf, lm_batch_spec
+from meshpar.core.batch import Leaf, check_batch_spec, is_leaf, lm_batch_spec
 from meshpar.core.config import BatchConfig, ModelConfig
 from meshpar.core.errors import ConfigError, ShardingError
 from meshpar.core.mesh import describe, make_mesh, mesh_shape
@@ -142,8 +142,9 @@ class TrainSetup:
         return out + [f"warning: {w}" for w in self.batch_warnings]
 
     def sharding_table(self) -> list[dict]:
-        """The sharding table of this run: parameters, other state, batch leaves."""
-        return sharding_table(self.spec, self.layout, self.batch_spec)
+        """The sharding table of this run: parameters, other state, batch leaves, and with the
+        built-in LM loss its tokens' activations [batch, length] (`length` over `context`)."""
+        return sharding_table(self.spec, self.layout, self.batch_spec, _lm_activations(self) if self.loss is lm_loss else None)
 
     def _names_used(self) -> set[str]:
         leaves = [*jax.tree.leaves(self.spec.logical, is_leaf=lambda x: isinstance(x, tuple)),
@@ -208,3 +209,9 @@ class TrainSetup:
                 "precision": self.cfg.precision, "devices": self.mesh.devices.size,
                 "params": self.spec.num_params, "examples_per_step": rows,
                 "tokens_per_step": rows * self.cfg.batch.length if self.is_lm else None}
+
+
+def _lm_activations(setup) -> dict:
+    """The built-in LM's token activations [batch, length], a row of the sharding table."""
+    b = setup.cfg.batch
+    return {"activations": Leaf((b.global_size, b.length), setup.policy.compute_dtype, ("batch", "length"))}

@@ -97,3 +97,32 @@ def test_length_not_divisible_by_twice_context_is_one_line():
         make_cfg("batch.length=20", mesh={"context": 4, "data": 2})
     with pytest.raises(ConfigError, match="cudnn cannot attend across mesh.context"):
         make_cfg("model.attention=cudnn", "batch.length=16", mesh={"context": 4, "data": 2})
+
+
+@pytest.mark.parametrize("balanced", [True, False], ids=["balanced", "natural"])
+@pytest.mark.parametrize("masks", [{}, {"segments": True, "window": 9, "softcap": 3.0}], ids=["causal", "all"])
+def test_the_ring_attends_as_one_device(setup, balanced, masks):
+    """K/V passed round the ring (cp - 1 hops, merged by log-sum-exp): values and gradients of one device."""
+    (q, k, v, seg, ct), layout = setup
+    kw = dict(masks, context_strategy="ring")
+    ref_kw = {k_: v_ for k_, v_ in masks.items() if k_ != "segments"}
+    if masks.get("segments"):
+        ref_kw["segment_ids"] = seg
+    f = split(layout, "flash", balanced, **kw)
+    ref = lambda q, k, v: meshpar.attention(q, k, v, implementation="xla", **ref_kw)
+    assert float(jnp.abs(jax.jit(f)(q, k, v, seg) - ref(q, k, v)).max()) <= 1e-5
+    g = jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v, seg) * ct), (0, 1, 2)))(q, k, v)
+    g0 = jax.grad(lambda q, k, v: jnp.sum(ref(q, k, v) * ct), (0, 1, 2))(q, k, v)
+    for a, b in zip(g, g0):
+        assert float(jnp.abs(a - b).max()) <= 1e-5
+
+
+def test_the_ring_permutes_kv_shards_instead_of_gathering(setup):
+    """Forward: (cp - 1) hops of K, V (and nothing gathered over `context`), each a [b, T/cp, K, H]
+    shard: the same bytes the all-gather moves, two shards alive at a time."""
+    (q, k, v, seg, _), layout = setup
+    hlo = jax.jit(split(layout, "flash", True, context_strategy="ring")).lower(q, k, v, seg).compile().as_text()
+    ops = [c for c in collectives(hlo, mesh_shape(layout.mesh)) if "context" in c["axes"] or c["kind"] == "collective-permute"]
+    permutes = [c for c in ops if c["kind"] == "collective-permute"]
+    assert not [c for c in ops if c["kind"] == "all-gather"]
+    assert sum(c["bytes"] * c["times"] for c in permutes) == 2 * (CP - 1) * (B // 2) * (T // CP) * K * H * 4

@@ -49,13 +49,14 @@ CASES = {
                                                           "batch.microbatches=2"], {"context": 2, "tensor": 2, "data": 2}, False),
     "moe: context=2 x expert=2 x data=2": (MOE, {"context": 2, "expert": 2, "data": 2}, False),
     "packed documents: context=4 x data=2": ([], {"context": 4, "data": 2}, True),
+    "ring: context=4 x data=2": (["model.context_strategy=ring"], {"context": 4, "data": 2}, False),
 }
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_context_parallel_training_equals_one_device(name):
     extra, mesh, docs = CASES[name]
-    ref_extra = [e for e in extra if not e.startswith(("strategy=", "pipeline."))]
+    ref_extra = [e for e in extra if not e.startswith(("strategy=", "pipeline.", "model.context_strategy"))]
     got, ref = losses(extra, mesh, 8, docs), reference(ref_extra, docs)
     assert max(abs(a - b) / abs(b) for a, b in zip(got, ref)) <= 1e-5, (got, ref)
 
@@ -64,3 +65,9 @@ def test_context_with_pipeline_is_one_line():
     from meshpar.core.errors import ConfigError
     with pytest.raises(ConfigError, match="context parallelism inside pipeline stages is not supported yet"):
         make_cfg(*COMMON, mesh={"pipeline": 2, "context": 2, "data": 2})
+
+
+def test_the_sharding_table_shows_length_over_context():
+    tr = Trainer(make_cfg(*COMMON, mesh={"context": 4, "data": 2}), devices=devices(8))
+    row = next(r for r in tr.sharding_table() if r["kind"] == "activation")
+    assert row["logical"] == ["batch", "length"] and row["spec"] == "data, context", row

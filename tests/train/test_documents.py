@@ -92,3 +92,20 @@ def test_a_model_without_the_packing_arguments_is_one_line():
     batch = {k: jnp.zeros((1, 9), jnp.int32) for k in ("tokens", "segment_ids", "positions")}
     with pytest.raises(ConfigError, match=r"model Plain takes no positions=, segment_ids= argument.*data.documents=false"):
         lm_loss(Plain(), batch)
+
+
+def test_a_prefill_that_fills_its_cache_attends_through_flash(model):
+    """Decoding a whole prompt into an empty cache of its length (the engine's prefill) goes through
+    `meshpar.attention`: flash gives xla's logits and the same cache."""
+    m, _ = model
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, m.cfg.vocab, (1, 16)))
+    positions = jnp.arange(16)[None]
+    out = {}
+    for impl in ("xla", "flash"):
+        m.cfg = m.cfg.replace(attention=impl)
+        spec = m.cache_spec(1, 16, jnp.float32)
+        cache = jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype), spec, is_leaf=lambda x: hasattr(x, "axes"))
+        with use_policy(get_policy("fp32")):
+            out[impl] = m.decode(tokens, positions, cache)
+    assert float(jnp.abs(out["xla"][0] - out["flash"][0]).max()) <= 1e-5
+    assert all(float(jnp.abs(a - b).max()) == 0 for a, b in zip(jax.tree.leaves(out["xla"][1]), jax.tree.leaves(out["flash"][1])))

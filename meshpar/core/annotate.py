@@ -1,0 +1,45 @@
+"""The resolved config as YAML that `--config` reads back, every key with the comment beside its
+field in `meshpar.core.config` (meaning, allowed values): what `meshpar config` prints."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import yaml
+
+from meshpar.core import config as config_lib
+from meshpar.core.config import Config
+
+
+def field_comments() -> dict[tuple[str, str], str]:
+    """{(class, field): the comment beside that field in meshpar.core.config}: the meaning of every key."""
+    import ast
+    import io
+    import tokenize
+    src = Path(config_lib.__file__).read_text()
+    notes = {t.start[0]: t.string[1:].strip() for t in tokenize.generate_tokens(io.StringIO(src).readline)
+             if t.type == tokenize.COMMENT}
+    return {(c.name, s.target.id): notes[s.lineno] for c in ast.parse(src).body if isinstance(c, ast.ClassDef)
+            for s in c.body if isinstance(s, ast.AnnAssign) and s.lineno in notes}
+
+
+def annotated_yaml(cfg: Config) -> str:
+    """`meshpar config`: the resolved config as YAML that `--config` reads back, every key with its
+    comment (meaning, allowed values) and every section with its docstring's first line."""
+    comments = field_comments()
+
+    def scalar(v) -> str:
+        return yaml.safe_dump(v, default_flow_style=True, width=1 << 20).split("\n...")[0].strip()
+
+    def emit(obj, indent: str) -> list[str]:
+        out = []
+        for f in dataclasses.fields(obj):
+            v = getattr(obj, f.name)
+            if dataclasses.is_dataclass(v):
+                doc = (type(v).__doc__ or "").strip().splitlines()[0]
+                out += [f"{indent}{f.name}:  # {doc}", *emit(v, indent + "  ")]
+                continue
+            line, note = f"{indent}{f.name}: {scalar(v)}", comments.get((type(obj).__name__, f.name))
+            out.append(f"{line:<36}  # {note}" if note else line)
+        return out
+    return "\n".join(emit(cfg, "")) + "\n"
