@@ -81,7 +81,8 @@ def compute_dtype() -> jnp.dtype:
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array | None = None) -> jax.Array:
-    """Mean token cross-entropy, computed in fp32 with a max-shifted log-softmax.
+    """Mean token cross-entropy (weighted by `weights` [batch, length] when given: sum(w nll) / sum(w)),
+    computed in fp32 with a max-shifted log-softmax.
 
     logits [batch, length, vocab] (any float dtype), targets [batch, length] int -> scalar fp32.
     The target logit is picked with a one-hot contraction so a vocab-sharded `logits` needs only

@@ -5,10 +5,11 @@ Ainslie et al. 2023: query head n reads key/value head n // (N / K)), H head wid
 
 The mask is described once, as data, and every implementation serves it: query a sees key b iff
 
-    (not causal or b <= a)  and  (window is None or a - b < window)  and  (no segment ids or seg[a] == seg[b])
+    (not causal or b <= a)  and  (window is None or |a - b| < window)  and  (no segment ids or seg[a] == seg[b])
 
 where a, b are the tokens' sequence indices (0..T-1 unless context parallelism says otherwise);
-with `softcap` c the scores become c tanh(s / c) before masking (Gemma 2).
+with `softcap` c the scores become c tanh(s / c) before masking (Gemma 2). A query that sees no key
+gets zeros, whichever kernel runs.
 
 Implementations (`model.attention`):
     xla    the reference: scores [B, N, T, S] materialised (`jax.nn.dot_product_attention`, or one
@@ -17,7 +18,8 @@ Implementations (`model.attention`):
            tiles the masks remove (meshpar.nn.flash; every backend)
     cudnn  `jax.nn.dot_product_attention(implementation="cudnn")` (GPU; bf16/fp16, no segment ids
            or soft-cap)
-    auto   cudnn where it can serve the call, else flash for S > AUTO_FLASH_FROM, else xla
+    auto   cudnn where it can serve the call, else flash for S > AUTO_FLASH_FROM (when S has a block
+           size >= MIN_AUTO_BLOCK: a prime length would mean 1 x 1 tiles), else xla
 
 Context parallelism (a sequence split over the `context` mesh axis) wraps this in
 `meshpar.parallel.context.attention`, which is the public `meshpar.attention`.
@@ -37,6 +39,7 @@ from meshpar.nn import flash as flash_lib
 IMPLEMENTATIONS = ("auto", "xla", "flash", "cudnn")
 AUTO_FLASH_FROM = 1024      # keys: below this the [T, S] scores are small and one fused product is fastest
 DEFAULT_BLOCK = 512
+MIN_AUTO_BLOCK = 64
 
 
 @dataclass(frozen=True)
@@ -47,12 +50,12 @@ class Mask:
     softcap: float | None = None
 
     def check(self) -> "Mask":
-        if self.window is not None and (isinstance(self.window, bool) or int(self.window) != self.window
-                                        or self.window <= 0):
-            raise ConfigError(f"attention window={self.window} must be a positive number of keys (a query at i "
+        w, c = self.window, self.softcap
+        if w is not None and (isinstance(w, bool) or not isinstance(w, (int, np.integer)) or w <= 0):
+            raise ConfigError(f"attention window={w!r} must be a positive number of keys (a query at i "
                               "sees keys i-window+1..i), or None for no window")
-        if self.softcap is not None and not self.softcap > 0:
-            raise ConfigError(f"attention softcap={self.softcap} must be positive (scores become c*tanh(s/c)), or None")
+        if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float, np.number)) or not c > 0):
+            raise ConfigError(f"attention softcap={c!r} must be a positive number (scores become c*tanh(s/c)), or None")
         return self
 
 
@@ -69,9 +72,12 @@ def check_shapes(q, k, v, mask: Mask, segment_ids, kv_segment_ids) -> None:
     if (mask.causal or mask.window is not None) and t != k.shape[1]:
         raise ConfigError(f"attention: a causal or windowed mask needs as many queries as keys, got T={t}, "
                           f"S={k.shape[1]}")
-    for name, seg, want in (("segment_ids", segment_ids, (b, t)), ("kv_segment_ids", kv_segment_ids, (b, k.shape[1]))):
+    if (segment_ids is None) != (kv_segment_ids is None):
+        raise ConfigError("attention: kv_segment_ids needs segment_ids (the queries' segments) too")
+    for name, seg, want, dims in (("segment_ids", segment_ids, (b, t), "[B, T]"),
+                                  ("kv_segment_ids", kv_segment_ids, (b, k.shape[1]), "[B, S]")):
         if seg is not None and tuple(seg.shape) != want:
-            raise ConfigError(f"attention: {name} has shape {tuple(seg.shape)}, expected [B, T] = {list(want)} "
+            raise ConfigError(f"attention: {name} has shape {tuple(seg.shape)}, expected {dims} = {list(want)} "
                               "(one segment id per token)")
 
 
@@ -81,13 +87,15 @@ def choose(implementation: str, q, k, mask: Mask, has_segments: bool) -> str:
     if implementation not in IMPLEMENTATIONS:
         raise ConfigError(f"unknown attention implementation '{implementation}'" + suggest(implementation, IMPLEMENTATIONS))
     cudnn_ok = (jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[-1] % 8 == 0
-                and not has_segments and mask.softcap is None)
+                and q.shape[-1] <= 128 and not has_segments and mask.softcap is None)
     if implementation == "cudnn" and not cudnn_ok:
         why = ("it runs on GPU only" if jax.default_backend() != "gpu" else
-               "it needs bf16/fp16 inputs, a head width that is a multiple of 8, no segment ids and no soft-cap")
+               "it needs bf16/fp16 inputs, a head width that is a multiple of 8 and at most 128, no segment ids "
+               "and no soft-cap")
         raise ConfigError(f"model.attention=cudnn cannot serve this call ({why}); use model.attention=flash or auto")
     if implementation == "auto":
-        return "cudnn" if cudnn_ok else "flash" if k.shape[1] > AUTO_FLASH_FROM else "xla"
+        long = k.shape[1] > AUTO_FLASH_FROM and flash_lib.block_size(k.shape[1], DEFAULT_BLOCK) >= MIN_AUTO_BLOCK
+        return "cudnn" if cudnn_ok else "flash" if long else "xla"
     return implementation
 
 
@@ -97,7 +105,7 @@ def visible(mask: Mask, q_index, k_index, q_seg=None, k_seg=None):
     if mask.causal:
         m &= (k_index[None, :] <= q_index[:, None])[None]
     if mask.window is not None:
-        m &= (q_index[:, None] - k_index[None, :] < mask.window)[None]
+        m &= (jnp.abs(q_index[:, None] - k_index[None, :]) < mask.window)[None]
     if q_seg is not None:
         m = m & (q_seg[:, :, None] == k_seg[:, None, :])
     return m
@@ -126,7 +134,7 @@ def _jax_nn(q, k, v, mask: Mask, q_seg, k_seg, implementation):
     """`jax.nn.dot_product_attention` for indices 0..T-1 (its causal and local-window flags; segment
     ids as a boolean mask)."""
     m = None if q_seg is None else (q_seg[:, :, None] == k_seg[:, None, :])[:, None]   # [B, 1, T, S]
-    window = None if mask.window is None else (mask.window - 1, 0)
+    window = None if mask.window is None else (mask.window - 1, 0 if mask.causal else mask.window - 1)
     return jax.nn.dot_product_attention(q, k, v, mask=m, is_causal=mask.causal, local_window_size=window,
                                         implementation=implementation)
 
@@ -139,7 +147,10 @@ def local_attention(q, k, v, mask: Mask, *, q_index=None, k_index=None, q_seg=No
     its shard's); tile_list: flash's tiles when the indices are not known before tracing."""
     impl = choose(implementation, q, k, mask, q_seg is not None)
     natural = q_index is None and k_index is None
-    if impl in ("xla", "cudnn") and natural and mask.softcap is None:
+    # jax.nn gives a query that sees no key the mean of V, not zeros: use it only where every query
+    # sees itself (queries are keys, one segment array for both)
+    sees_itself = q.shape[1] == k.shape[1] and (q_seg is None or q_seg is k_seg)
+    if impl in ("xla", "cudnn") and natural and sees_itself and mask.softcap is None:
         return _jax_nn(q, k, v, mask, q_seg, k_seg, impl)
     q_index = np.arange(q.shape[1]) if q_index is None else q_index
     k_index = np.arange(k.shape[1]) if k_index is None else k_index

@@ -17,7 +17,7 @@ recomputes p = e^(s - lse), never holding a [T, S] array:
     dv_j += p^T do    dp = do v_j^T    ds = p (dp - rowsum(do o))    dq_i += ds k_j / sqrt(H)    dk_j += ds^T q_i / sqrt(H)
 
 Mask (`Mask` of meshpar.nn.attention): query index a sees key index b iff (not causal or b <= a),
-(no window or a - b < window) and (no segment ids or seg_q[a] == seg_k[b]); with a soft-cap c the
+(no window or |a - b| < window) and (no segment ids or seg_q[a] == seg_k[b]); with a soft-cap c the
 scores are c tanh(s / c) before masking (Gemma 2).
 """
 from __future__ import annotations
@@ -59,6 +59,8 @@ def tiles(q_index: np.ndarray, k_index: np.ndarray, bq: int, bk: int, causal: bo
         live &= kj.min(1)[None, :] <= qi.max(1)[:, None]
     if window is not None:
         live &= kj.max(1)[None, :] > qi.min(1)[:, None] - window
+        if not causal:                                  # |a - b| < window: keys after the query too
+            live &= kj.min(1)[None, :] < qi.max(1)[:, None] + window
     ij = np.argwhere(live).astype(np.int32)
     return np.concatenate([ij, np.ones((len(ij), 1), np.int32)], axis=1)
 
@@ -89,7 +91,7 @@ def _mask(kern: Kernel, qi, kj, qs, ks):
     if kern.causal:
         m &= (kj[None, :] <= qi[:, None])[None]
     if kern.window is not None:
-        m &= (qi[:, None] - kj[None, :] < kern.window)[None]
+        m &= (jnp.abs(qi[:, None] - kj[None, :]) < kern.window)[None]
     if qs is not None:
         m = m & (qs[:, :, None] == ks[:, None, :])
     return m

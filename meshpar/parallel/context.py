@@ -27,9 +27,10 @@ heads' axes), one custom VJP (`model.context_strategy`):
                 elements received, backward as much again plus the scatter.
     ring        (Ring Attention, Liu et al. 2023) K/V shards hop round the ring with `ppermute`,
                 cp - 1 hops, partial results merged by their log-sum-exp; the backward sends K/V
-                round again with their dK/dV accumulators (cp hops). The same bytes as the
-                all-gather, but only two K/V shards live at a time, and each hop's transfer can
-                hide behind the previous block's compute.
+                round again (cp - 1 hops) with their fp32 dK/dV accumulators (cp hops). The
+                forward moves the all-gather's bytes, the backward about twice its bytes in bf16;
+                only two K/V shards live at a time, and each hop's transfer can hide behind the
+                previous block's compute. (The planner costs the all-gather.)
 """
 from __future__ import annotations
 
@@ -107,7 +108,8 @@ def attention(q, k, v, *, causal: bool = True, segment_ids=None, kv_segment_ids=
               context_strategy: str = "all_gather"):
     """softmax(mask(q k^T / sqrt(H))) v: q [B, T, N, H], k/v [B, S, K, H] -> [B, T, N, H], the layout
     of `jax.nn.dot_product_attention`. segment_ids [B, T] (kv_segment_ids [B, S], default the same):
-    a query sees only keys of its own segment; window W: query i sees keys i-W+1..i; softcap c:
+    a query sees only keys of its own segment; window W: query i sees keys i-W+1..i (not causal:
+    |i - j| < W); softcap c:
     scores c tanh(s / c) before masking; implementation: xla | flash | cudnn | auto
     (meshpar.nn.attention). Sequences split over `context` attend across the shards by
     `context_strategy`: all_gather (K/V gathered) or ring (K/V passed round, flash only)."""
@@ -189,8 +191,8 @@ def _merge(o, lse, o2, lse2):
     w1, w2 = jnp.exp(lse - m_safe), jnp.exp(lse2 - m_safe)
     total = w1 + w2
     out = (o.astype(jnp.float32) * _heads(w1, o) + o2.astype(jnp.float32) * _heads(w2, o)) / _heads(
-        jnp.where(total == 0, 1.0, total), o)
-    return out.astype(o.dtype), jnp.where(total == 0, -jnp.inf, m_safe + jnp.log(jnp.where(total == 0, 1.0, total)))
+        jnp.where(total == 0, 1.0, total), o)                          # fp32: the caller casts once, at the end
+    return out, jnp.where(total == 0, -jnp.inf, m_safe + jnp.log(jnp.where(total == 0, 1.0, total)))
 
 
 def _heads(w, o):
@@ -219,10 +221,10 @@ def _ring(c: _Call):
         for h in range(n):
             nxt = send(k, v, k_seg) if h < n - 1 else None
             o2, lse2 = flash_lib.forward(c.kern, q, k, v, qi[0], ki[0, h], q_seg, k_seg, tiles[0, h])
-            o, lse = (o2, lse2) if o is None else _merge(o, lse, o2, lse2)
+            o, lse = (o2.astype(jnp.float32), lse2) if o is None else _merge(o, lse, o2, lse2)
             if nxt is not None:
                 k, v, k_seg = nxt
-        return o, lse
+        return o.astype(q.dtype), lse
 
     def bwd(q, k, v, q_seg, k_seg, qi, ki, tiles, o, lse, do):
         dq = dk = dv = 0.0
@@ -252,11 +254,13 @@ def _across(q, k, v, mask, q_seg, k_seg, implementation, block, cp, strategy):
             check_length(n, cp, what)
         elif n % cp:
             raise ConfigError(f"{what} {n} is not divisible by mesh.context={cp}")
-    impl = attn_lib.choose(implementation, q, k, mask, q_seg is not None)
-    if impl == "cudnn":
-        raise ConfigError("model.attention=cudnn cannot attend across mesh.context shards; use flash (or xla)")
     if strategy not in STRATEGIES:
         raise ConfigError(f"unknown context strategy '{strategy}'" + suggest(strategy, STRATEGIES))
+    impl = attn_lib.choose(implementation, q, k, mask, q_seg is not None)
+    if implementation == "auto" and (impl == "cudnn" or strategy == "ring"):
+        impl = "flash"                                  # what auto means across shards: cudnn cannot, the ring merges lse
+    if impl == "cudnn":
+        raise ConfigError("model.attention=cudnn cannot attend across mesh.context shards; use flash (or xla)")
     unit_q = t // (2 * cp) if is_balanced else t // cp
     unit_k = s // (2 * cp) if is_balanced else s // cp
     kern = flash_lib.Kernel(mask.causal, mask.window, mask.softcap, 1.0 / float(np.sqrt(q.shape[-1])),

@@ -219,7 +219,8 @@ def activation_parts(facts: ModelFacts, cand: Candidate, cfg, c: int) -> dict:
     """Per-device activation memory of one step (bytes) by term (see the module docstring)."""
     d, shape = facts.dims, cand.shape
     b, s = local_batch(cfg, cand), cfg.batch.length
-    leaves = 3 if cfg.data.documents and cfg.data.kind != "synthetic" else 1      # tokens (+ segment ids, positions)
+    from meshpar.train.data import packs_documents
+    leaves = 3 if packs_documents(cfg.data) else 1                     # tokens (+ segment ids, positions)
     out = {"batch": 4 * leaves * b * cand.microbatches * cand.pp_microbatches * (s + 1)}   # int32 [B, T+1] / dp
     if not all(d.get(k) for k in ("layers", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab")):
         return out                                                      # a user model without sizes

@@ -26,8 +26,8 @@ Time per step (seconds).
   interleaved schedule moves the stacked layers to chunk order and the gradients back (all-to-all).
 * Context parallelism (meshpar.parallel.context, all-gather CP): per layer and forward pass an
   all-gather of K and V over `context`, 2 c b s k q / t_k bytes (whole tensor; each device receives
-  (x-1)/x of it), and in the backward a reduce-scatter of their gradients as large; on the critical
-  path. Weight gradients are all-reduced over `context` with the batch axes. Causal attention FLOPs
+  (x-1)/x of it), gathered again in the backward, which reduce-scatters their gradients (as large);
+  on the critical path. Weight gradients are all-reduced over `context` with the batch axes. Causal attention FLOPs
   are the same on every device (balanced order), so compute divides by N as before.
 * Pipeline bubble (Narayanan et al. 2021, sec. 2.2): (p - 1) / (v M) of the compute time (GPipe and
   1F1B, whose ticks pair an F with a B, alike; interleaving divides it by v).
@@ -128,7 +128,7 @@ def collectives(facts: ModelFacts, cand: Candidate, cfg, res: Resolver, c: int, 
         kv = c * b * s * 2 * d["kv_heads"] * d["head_dim"] / t_k
         runs = ma * (cand.virtual * cand.pp_microbatches + p - 1) if p > 1 and cand.schedule != "1f1b" else n_mb
         passes = 1 + (cand.remat == "full") + stage_recompute(facts, cand)
-        add("all-gather", ["context"], kv * layers * passes * runs, False)
+        add("all-gather", ["context"], kv * layers * (passes + 1) * runs, False)   # + the backward's regather
         add("reduce-scatter", ["context"], kv * layers * runs, False)
     sp = any(n_ == "length" for n_, _ in st.params)     # SP: the residual is split over tensor
     if t > 1 and any(n == "heads" for n, _ in st.params):

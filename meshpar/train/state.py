@@ -128,6 +128,9 @@ class TrainSetup:
             check_protocol(nnx.eval_shape(lambda: self.factory(nnx.Rngs(0))), lm=self.is_lm)
         check_state(self.spec)
         cfg = self.cfg
+        if self.is_lm and isinstance(self.batch_spec, dict):
+            raise ConfigError("pipelining the built-in LM loss on packed documents (segment ids) is not supported yet; "
+                              "set data.documents=false, or mesh.pipeline=1")
         pipeline.check(cfg.pipeline, cfg.batch, self.layout, self.spec.shapes, cfg.model.layers,
                        dropless_moe=cfg.model.name == "moe" and cfg.moe.capacity_factor is None)
 

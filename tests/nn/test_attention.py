@@ -27,7 +27,7 @@ def naive(q, k, v, causal=True, segment_ids=None, window=None, softcap=None):
     if causal:
         vis &= j <= i
     if window:
-        vis &= i - j < window
+        vis &= np.abs(i - j) < window
     vis = jnp.asarray(vis)[None, None]
     if segment_ids is not None:
         vis = vis & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
@@ -44,7 +44,8 @@ def qkv():
 
 
 MASKS = {"causal": {}, "segments": {"seg": True}, "window": {"window": 7}, "softcap": {"softcap": 2.0},
-         "all": {"seg": True, "window": 9, "softcap": 3.0}, "bidirectional+segments": {"causal": False, "seg": True}}
+         "all": {"seg": True, "window": 9, "softcap": 3.0}, "bidirectional+segments": {"causal": False, "seg": True},
+         "bidirectional+window": {"causal": False, "window": 5}}
 
 
 @pytest.mark.parametrize("impl", ["xla", "flash"])
@@ -100,13 +101,23 @@ def test_auto_picks_flash_for_long_keys_on_cpu(qkv):
     assert choose("auto", q[:, :256], q[:, :256], Mask(), False) == "xla"
 
 
+def test_a_query_that_sees_no_key_gets_zeros_from_every_kernel(qkv):
+    """Keys of other segments only (kv_segment_ids apart from segment_ids): zeros, not V's mean."""
+    q, k, v, seg, _ = qkv
+    for impl in ("xla", "flash"):
+        o = meshpar.attention(q, k, v, causal=False, segment_ids=seg, kv_segment_ids=seg + 10, implementation=impl)
+        assert float(jnp.abs(o).max()) == 0.0
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(window=0), "window=0 must be a positive"),
     (dict(window=-3), "window=-3 must be a positive"),
-    (dict(softcap=0.0), "softcap=0.0 must be positive"),
+    (dict(softcap=0.0), "softcap=0.0 must be a positive number"),
     (dict(segment_ids=jnp.zeros((B, T - 1), jnp.int32)), r"segment_ids has shape \(2, 63\)"),
     (dict(implementation="flsh"), "did you mean 'flash'"),
     (dict(implementation="cudnn"), "cudnn cannot serve this call"),
+    (dict(window="abc"), "window='abc' must be a positive number"),
+    (dict(kv_segment_ids=jnp.zeros((B, T), jnp.int32)), "kv_segment_ids needs segment_ids"),
 ])
 def test_bad_input_is_one_line(qkv, kwargs, match):
     q, k, v, _, _ = qkv

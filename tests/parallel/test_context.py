@@ -99,16 +99,18 @@ def test_length_not_divisible_by_twice_context_is_one_line():
         make_cfg("model.attention=cudnn", "batch.length=16", mesh={"context": 4, "data": 2})
 
 
-@pytest.mark.parametrize("balanced", [True, False], ids=["balanced", "natural"])
+@pytest.mark.parametrize("balanced,impl", [(True, "flash"), (False, "flash"), (True, "auto")],
+                         ids=["balanced", "natural", "auto"])
 @pytest.mark.parametrize("masks", [{}, {"segments": True, "window": 9, "softcap": 3.0}], ids=["causal", "all"])
-def test_the_ring_attends_as_one_device(setup, balanced, masks):
-    """K/V passed round the ring (cp - 1 hops, merged by log-sum-exp): values and gradients of one device."""
+def test_the_ring_attends_as_one_device(setup, balanced, impl, masks):
+    """K/V passed round the ring (cp - 1 hops, merged by log-sum-exp): values and gradients of one
+    device (`auto` means flash there, whatever the length)."""
     (q, k, v, seg, ct), layout = setup
     kw = dict(masks, context_strategy="ring")
     ref_kw = {k_: v_ for k_, v_ in masks.items() if k_ != "segments"}
     if masks.get("segments"):
         ref_kw["segment_ids"] = seg
-    f = split(layout, "flash", balanced, **kw)
+    f = split(layout, impl, balanced, **kw)
     ref = lambda q, k, v: meshpar.attention(q, k, v, implementation="xla", **ref_kw)
     assert float(jnp.abs(jax.jit(f)(q, k, v, seg) - ref(q, k, v)).max()) <= 1e-5
     g = jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v, seg) * ct), (0, 1, 2)))(q, k, v)
