@@ -103,12 +103,12 @@ class Attention(nnx.Module):
         scaling = getattr(cfg, "rope_scaling", None)
         q, k = rope(q, positions, cfg.rope_theta, scaling), rope(k, positions, cfg.rope_theta, scaling)
         adt = attention_dtype(dt)   # = dt, except fp16 on CPU (see meshpar.core.precision.attention_dtype)
-        masks = dict(window=getattr(cfg, "window", None), softcap=getattr(cfg, "softcap", None))
+        masks = dict(window=cfg.window, softcap=cfg.softcap)
         if cache is not None:
             cache = self._write(k, v, positions, cache)
         if cache is None or t == cache["k"].shape[2] > 1:     # training, or a prefill that fills its whole cache
             o = attention(q.astype(adt), k.astype(adt), v.astype(adt), causal=True, segment_ids=segment_ids,
-                          implementation=cfg.attention, context_strategy=getattr(cfg, "context_strategy", "all_gather"),
+                          implementation=cfg.attention, context_strategy=cfg.context_strategy,
                           **masks).astype(dt)                                           # [B, T, N, D]
         else:
             o = self._attend_cache(q, positions, cache, adt, **masks)

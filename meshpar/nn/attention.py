@@ -99,29 +99,16 @@ def choose(implementation: str, q, k, mask: Mask, has_segments: bool) -> str:
     return implementation
 
 
-def visible(mask: Mask, q_index, k_index, q_seg=None, k_seg=None):
-    """The mask as booleans [B or 1, T, S] from sequence indices q_index [T], k_index [S]."""
-    m = jnp.ones((1, q_index.shape[0], k_index.shape[0]), bool)
-    if mask.causal:
-        m &= (k_index[None, :] <= q_index[:, None])[None]
-    if mask.window is not None:
-        m &= (jnp.abs(q_index[:, None] - k_index[None, :]) < mask.window)[None]
-    if q_seg is not None:
-        m = m & (q_seg[:, :, None] == k_seg[:, None, :])
-    return m
-
-
-def reference(q, k, v, mask: Mask, q_index, k_index, q_seg=None, k_seg=None, scale=None):
+def reference(q, k, v, mask: Mask, q_index, k_index, q_seg=None, k_seg=None):
     """The materialised reference: [B, T, N, H] from fp32 scores [B, K, G, T, S] (a query that sees
-    no key gets zeros)."""
+    no key gets zeros); the mask of `flash.visibility` from sequence indices q_index [T], k_index [S]."""
     b, t, n, h = q.shape
     nk = k.shape[2]
-    scale = 1.0 / math.sqrt(h) if scale is None else scale
     q5 = q.reshape(b, t, nk, n // nk, h)
-    s = jnp.einsum("btkgh,bskh->bkgts", q5, k, preferred_element_type=jnp.float32) * scale
+    s = jnp.einsum("btkgh,bskh->bkgts", q5, k, preferred_element_type=jnp.float32) / math.sqrt(h)
     if mask.softcap is not None:
         s = mask.softcap * jnp.tanh(s / mask.softcap)
-    vis = visible(mask, q_index, k_index, q_seg, k_seg)[:, None, None]               # [B or 1, 1, 1, T, S]
+    vis = flash_lib.visibility(mask.causal, mask.window, q_index, k_index, q_seg, k_seg)[:, None, None]   # [B|1,1,1,T,S]
     s = jnp.where(vis, s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
     p = jnp.exp(s - jnp.where(jnp.isneginf(m), 0.0, m))
@@ -140,11 +127,10 @@ def _jax_nn(q, k, v, mask: Mask, q_seg, k_seg, implementation):
 
 
 def local_attention(q, k, v, mask: Mask, *, q_index=None, k_index=None, q_seg=None, k_seg=None,
-                    implementation: str = "auto", block: int = DEFAULT_BLOCK, tile_list=None):
+                    implementation: str = "auto", block: int = DEFAULT_BLOCK):
     """Attention of q [B, T, N, H] to k, v [B, S, K, H] held on this device -> [B, T, N, H].
 
-    q_index [T] / k_index [S]: sequence indices (default 0..T-1, 0..S-1; context parallelism passes
-    its shard's); tile_list: flash's tiles when the indices are not known before tracing."""
+    q_index [T] / k_index [S]: concrete sequence indices (default 0..T-1, 0..S-1)."""
     impl = choose(implementation, q, k, mask, q_seg is not None)
     natural = q_index is None and k_index is None
     # jax.nn gives a query that sees no key the mean of V, not zeros: use it only where every query
@@ -157,5 +143,5 @@ def local_attention(q, k, v, mask: Mask, *, q_index=None, k_index=None, q_seg=No
     if impl == "flash":
         kern = flash_lib.Kernel(mask.causal, mask.window, mask.softcap, 1.0 / math.sqrt(q.shape[-1]),
                                 flash_lib.block_size(q.shape[1], block), flash_lib.block_size(k.shape[1], block))
-        return flash_lib.flash_attention(kern, q, k, v, q_index, k_index, q_seg, k_seg, tile_list)
+        return flash_lib.flash_attention(kern, q, k, v, q_index, k_index, q_seg, k_seg)
     return reference(q, k, v, mask, jnp.asarray(q_index), jnp.asarray(k_index), q_seg, k_seg)

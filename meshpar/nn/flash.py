@@ -85,13 +85,14 @@ def _zeros_from(x):
     return x.astype(jnp.float32) * 0.0
 
 
-def _mask(kern: Kernel, qi, kj, qs, ks):
-    """Visibility [B or 1, bq, bk] of keys kj [bk] (segments ks [B, bk]) to queries qi [bq] (qs [B, bq])."""
+def visibility(causal: bool, window: int | None, qi, kj, qs=None, ks=None):
+    """The mask as booleans [B or 1, Tq, Tk]: keys of sequence indices kj [Tk] (segments ks [B, Tk])
+    a query of qi [Tq] (qs [B, Tq]) sees; every kernel's one definition of it."""
     m = (qi[:, None] >= 0)[None] & (kj[None, :] >= 0)[None]          # all true, made of the indices
-    if kern.causal:
+    if causal:
         m &= (kj[None, :] <= qi[:, None])[None]
-    if kern.window is not None:
-        m &= (jnp.abs(qi[:, None] - kj[None, :]) < kern.window)[None]
+    if window is not None:
+        m &= (jnp.abs(qi[:, None] - kj[None, :]) < window)[None]
     if qs is not None:
         m = m & (qs[:, :, None] == ks[:, None, :])
     return m
@@ -123,7 +124,7 @@ class _Walk:
         kj = lax.dynamic_slice_in_dim(self.k_index, j * self.kern.bk, self.kern.bk)
         qs = None if self.q_seg is None else self.rows(self.q_seg, i)
         ks = None if self.k_seg is None else self.cols(self.k_seg, j)
-        return _mask(self.kern, qi, kj, qs, ks)
+        return visibility(self.kern.causal, self.kern.window, qi, kj, qs, ks)
 
     def live(self, tile):
         """A listed tile, unless its query and key segment ranges cannot meet (in any row)."""
@@ -241,15 +242,13 @@ def backward(kern: Kernel, q, k, v, q_index, k_index, q_seg, k_seg, tile_list, o
     return dq.reshape(q.shape), dk, dv
 
 
-def flash_attention(kern: Kernel, q, k, v, q_index, k_index, q_seg=None, k_seg=None, tile_list=None):
+def flash_attention(kern: Kernel, q, k, v, q_index, k_index, q_seg=None, k_seg=None):
     """q [B, T, N, H], k/v [B, S, K, H] -> [B, T, N, H]. q_index [T] / k_index [S]: the tokens'
-    sequence indices (the causal and window masks compare them); q_seg [B, T] / k_seg [B, S]:
-    segment ids or None; tile_list [P, 3]: the tiles to walk (default: `tiles` of the indices,
-    which must then be concrete)."""
+    sequence indices, concrete (the causal and window masks compare them, `tiles` lists the tiles
+    to walk from them); q_seg [B, T] / k_seg [B, S]: segment ids or None."""
     b, t, n, h = q.shape
     nk = k.shape[2]
-    if tile_list is None:
-        tile_list = tiles(np.asarray(q_index), np.asarray(k_index), kern.bq, kern.bk, kern.causal, kern.window)
+    tile_list = tiles(np.asarray(q_index), np.asarray(k_index), kern.bq, kern.bk, kern.causal, kern.window)
     o = _flash(kern, _grouped(q, nk), k, v, jnp.asarray(q_index, jnp.int32), jnp.asarray(k_index, jnp.int32),
                q_seg, k_seg, jnp.asarray(tile_list, jnp.int32))
     return o.reshape(b, t, n, h)

@@ -60,6 +60,7 @@ import jax
 
 from meshpar.core.mesh import MESH_AXES
 from meshpar.core.rules import BATCH_AXES, get_strategy, parse_user_rules, resolve, spec_axes
+from meshpar.train.data import packs_documents
 
 REMATS = ("none", "save_dots", "full")
 
@@ -219,7 +220,6 @@ def activation_parts(facts: ModelFacts, cand: Candidate, cfg, c: int) -> dict:
     """Per-device activation memory of one step (bytes) by term (see the module docstring)."""
     d, shape = facts.dims, cand.shape
     b, s = local_batch(cfg, cand), cfg.batch.length
-    from meshpar.train.data import packs_documents
     leaves = 3 if packs_documents(cfg.data) else 1                     # tokens (+ segment ids, positions)
     out = {"batch": 4 * leaves * b * cand.microbatches * cand.pp_microbatches * (s + 1)}   # int32 [B, T+1] / dp
     if not all(d.get(k) for k in ("layers", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab")):

@@ -123,17 +123,16 @@ def collectives(facts: ModelFacts, cand: Candidate, cfg, res: Resolver, c: int, 
     act = c * b * s * h / cp                            # one [b, s, h] activation per device
     t = shape["tensor"]
     p = shape["pipeline"]
+    # layer passes per step: every stage computes on every tick of GPipe / interleaved (bubble ticks too)
+    runs = ma * (cand.virtual * cand.pp_microbatches + p - 1) if p > 1 and cand.schedule != "1f1b" else n_mb
     if cp > 1:                                          # K and V gathered per layer, gradients scattered back
         t_k = t if any(n == "kv_heads" for n, _ in st.params) and d["kv_heads"] % t == 0 else 1
         kv = c * b * s * 2 * d["kv_heads"] * d["head_dim"] / t_k
-        runs = ma * (cand.virtual * cand.pp_microbatches + p - 1) if p > 1 and cand.schedule != "1f1b" else n_mb
         passes = 1 + (cand.remat == "full") + stage_recompute(facts, cand)
         add("all-gather", ["context"], kv * layers * (passes + 1) * runs, False)   # + the backward's regather
         add("reduce-scatter", ["context"], kv * layers * runs, False)
     sp = any(n_ == "length" for n_, _ in st.params)     # SP: the residual is split over tensor
     if t > 1 and any(n == "heads" for n, _ in st.params):
-        # every stage computes on every tick of GPipe / interleaved (bubble ticks too)
-        runs = ma * (cand.virtual * cand.pp_microbatches + p - 1) if p > 1 and cand.schedule != "1f1b" else n_mb
         moe, kc = 0.0, 0.0          # share of MoE layers; their buffer [E,G,C,M] relative to [b, s, h]
         if facts.moe and any(n_ == "expert_mlp" for n_, _ in st.params):
             moe, kc = 1 / facts.moe["every"], facts.moe["top_k"] * facts.moe["capacity_factor"]

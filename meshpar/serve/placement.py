@@ -51,21 +51,22 @@ def serving_layout(mesh, strategy: str, user_rules, cache_spec, slots: int) -> t
         k = min(kv)
         data = math.prod(shape.get(a, 1) for a in BATCH_AXES)
         over = (*BATCH_AXES, "tensor") if slots % (data * t) == 0 else BATCH_AXES
-        extra = table(kv_heads=None, cache_batch=[over])
-        layout = dataclasses.replace(layout, strategy=dataclasses.replace(
-            layout.strategy, params=extra + layout.strategy.params))
+        layout = _before(layout, table(kv_heads=None, cache_batch=[over]))
         where = "slots over data x tensor" if "tensor" in over else "replicated over tensor (serve.slots not divisible)"
         notes.append(f"note: kv_heads={k} cannot split over tensor={t}: K/V heads replicated, KV cache {where}")
     cp = shape.get("context", 1)
     if cp > 1:       # decoding feeds one token per step: `context` holds requests (KV-cache slots) instead
         data = math.prod(shape.get(a, 1) for a in BATCH_AXES)
         over = (*BATCH_AXES, "context") if slots % (data * cp) == 0 else BATCH_AXES
-        extra = table(length=None, seq=None, batch=[over], cache_batch=[over])
-        layout = dataclasses.replace(layout, strategy=dataclasses.replace(
-            layout.strategy, params=extra + layout.strategy.params))
+        layout = _before(layout, table(length=None, seq=None, batch=[over], cache_batch=[over]))
         notes.append(f"note: serving splits requests, not sequences, over context={cp}"
                      + ("" if "context" in over else " (serve.slots not divisible: replicated over context)"))
     return layout, notes
+
+
+def _before(layout: Layout, rules) -> Layout:
+    """`layout` with `rules` tried before its strategy's parameter rules."""
+    return dataclasses.replace(layout, strategy=dataclasses.replace(layout.strategy, params=rules + layout.strategy.params))
 
 
 def zeros(spec):
