@@ -108,17 +108,32 @@ def test_damaged_latest_falls_back_to_previous(saved, tmp_path):
     assert len(aside) == 1 and (d / aside[0] / "state").is_dir() and not (d / "4").exists()
 
 
+def _rewrite_first_frame(path: Path) -> None:
+    """Replace the first zstd frame of an OCDBT data file by a valid frame of the same length and
+    decoded size holding other bytes (an RLE block then a raw block): it decodes without error."""
+    blob = bytearray(path.read_bytes())
+    i = blob.index(b"\x28\xb5\x2f\xfd")                  # zstd frame magic (RFC 8878)
+    fhd = blob[i + 4]
+    single, did, fcs = (fhd >> 5) & 1, fhd & 3, fhd >> 6
+    assert single and fcs == 1 and did == 0, f"unexpected zstd frame header {fhd:#x}"
+    head, size = 7, int.from_bytes(blob[i + 5:i + 7], "little") + 256
+    end = i + head
+    while True:                                           # walk the blocks to the frame's end
+        h = int.from_bytes(blob[end:end + 3], "little")
+        end += 3 + (1 if (h >> 1) & 3 == 1 else h >> 3)
+        if h & 1:
+            break
+    raw = end - i - head - 3 - 1 - 3                      # raw block bytes that keep the length
+    rle = (0 | 1 << 1 | (size - raw) << 3).to_bytes(3, "little") + b"\x3f"
+    blob[i + head:end] = rle + (1 | 0 << 1 | raw << 3).to_bytes(3, "little") + bytes(raw)
+    path.write_bytes(bytes(blob))
+
+
 def test_silent_corruption_is_caught_by_fingerprint(saved, tmp_path):
-    """Bytes flipped inside an array file can decode without any read error; the saved fingerprint
-    catches it and names the leaf."""
+    """An array file whose bytes still decode cleanly to other values (a valid zstd frame of the same
+    length) is caught by the saved fingerprint and named as such."""
     d = _copy(saved["dir"], tmp_path / "ck")
-    victim = _largest_array_file(d / "4")
-    size = victim.stat().st_size
-    with open(victim, "r+b") as f:
-        f.seek(size // 2)
-        chunk = f.read(64)
-        f.seek(size // 2)
-        f.write(bytes(b ^ 0xFF for b in chunk))
+    _rewrite_first_frame(_largest_array_file(d / "4"))
     cfg = make_cfg("strategy=fsdp", "steps=8", f"checkpoint.dir={d}", mesh={"fsdp": 8})
     found = Checkpointer(cfg.checkpoint, Trainer(cfg, devices=devices(8)), info=lambda m: None).restore_latest()
     assert found.step == 2 and found.damaged[0]["step"] == 4
