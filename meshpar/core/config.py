@@ -46,7 +46,7 @@ class ModelConfig:
     vocab: int | None = None          # vocabulary size (None: from model.size)
     scan_layers: bool = True          # stack layers on a `layers` axis and lax.scan them
     remat: str = "full"               # none | full | save_dots | offload
-    attention: str = "auto"           # xla | flash | cudnn | auto: cudnn on GPU where it can, else flash beyond 1k keys, else xla
+    attention: str = "auto"           # xla | flash | cudnn | splash | auto: cudnn (GPU) / splash (TPU) where they can, else flash beyond 1k keys, else xla
     window: int | None = None         # sliding-window attention: a token sees the last `window` tokens (Mistral)
     softcap: float | None = None      # attention logit soft-cap c: scores c*tanh(s/c) (Gemma 2)
     context_strategy: str = "all_gather"   # mesh.context > 1: all_gather (K/V gathered, Llama 3) | ring (flash only)
@@ -385,7 +385,7 @@ def _check_moe(cfg: Config) -> None:
 def _check_attention(cfg: Config) -> None:
     """Attention and context-parallel checks that need no devices; one line each."""
     m = cfg.model
-    _choice("model.attention", m.attention, ("xla", "flash", "cudnn", "auto"))
+    _choice("model.attention", m.attention, ("xla", "flash", "cudnn", "splash", "auto"))
     _choice("model.context_strategy", m.context_strategy, ("all_gather", "ring"))
     if m.window is not None and m.window < 1:
         raise ConfigError(f"config key 'model.window' must be a positive number of tokens (a token sees the last "
@@ -398,15 +398,16 @@ def _check_attention(cfg: Config) -> None:
                           f"parallelism cuts each sequence into 2 x context chunks for a balanced causal load); use "
                           f"a multiple of {2 * cp}")
     pp = cfg.mesh.pipeline * int((cfg.mesh.dcn or {}).get("pipeline", 1))
-    if cp > 1 and pp > 1:
-        raise ConfigError(f"mesh.context={cp} with mesh.pipeline={pp}: context parallelism inside pipeline stages is "
-                          "not supported yet (its shard_map nested in the pipeline's does not compile on JAX 0.10 / "
-                          "Shardy); split the sequence over context with data/fsdp/tensor instead of pipeline")
+    if cp > 1 and pp > 1 and m.name == "moe":
+        raise ConfigError(f"mesh.context={cp} with mesh.pipeline={pp} and model.name=moe: a pipeline stage routes only "
+                          "its own share of each sequence, which changes capacity and load balancing; drop one of "
+                          "context, pipeline or the MoE layers")
     if cp > 1 and m.context_strategy == "ring" and m.attention not in ("flash", "auto"):
         raise ConfigError(f"model.context_strategy=ring needs model.attention=flash (got {m.attention}): the ring merges "
                           "partial results by their log-sum-exp; use flash, or context_strategy=all_gather")
-    if cp > 1 and m.attention == "cudnn":
-        raise ConfigError("model.attention=cudnn cannot attend across mesh.context shards; use model.attention=flash")
+    if cp > 1 and m.attention in ("cudnn", "splash"):
+        raise ConfigError(f"model.attention={m.attention} cannot attend across mesh.context shards; use "
+                          "model.attention=flash")
 
 
 def _choice(key: str, value: str, choices) -> None:

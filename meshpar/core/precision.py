@@ -80,9 +80,11 @@ def compute_dtype() -> jnp.dtype:
     return _ACTIVE.get().compute_dtype
 
 
-def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array | None = None) -> jax.Array:
+def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array | None = None,
+                  over: tuple[str, ...] = ()) -> jax.Array:
     """Mean token cross-entropy (weighted by `weights` [batch, length] when given: sum(w nll) / sum(w)),
-    computed in fp32 with a max-shifted log-softmax.
+    computed in fp32 with a max-shifted log-softmax. `over`: manual mesh axes the tokens are split
+    over (inside a shard_map), whose sums are added up first.
 
     logits [batch, length, vocab] (any float dtype), targets [batch, length] int -> scalar fp32.
     The target logit is picked with a one-hot contraction so a vocab-sharded `logits` needs only
@@ -93,9 +95,13 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array | No
     log_z = jnp.log(jnp.sum(jnp.exp(shifted), axis=-1))
     picked = jnp.sum(shifted * jax.nn.one_hot(targets, logits.shape[-1], dtype=jnp.float32), axis=-1)
     nll = log_z - picked
-    if weights is None:
+    if weights is None and not over:
         return jnp.mean(nll)
-    return jnp.sum(nll * weights) / jnp.maximum(jnp.sum(weights), 1.0)
+    num = jnp.sum(nll if weights is None else nll * weights)
+    den = jnp.sum(weights) if weights is not None else jnp.asarray(nll.size, jnp.float32)
+    if over:
+        num, den = jax.lax.psum((num, den), over)
+    return num / jnp.maximum(den, 1.0)
 
 
 # ----------------------------------------------------------------------------------------------

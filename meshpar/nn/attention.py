@@ -18,8 +18,11 @@ Implementations (`model.attention`):
            tiles the masks remove (meshpar.nn.flash; every backend)
     cudnn  `jax.nn.dot_product_attention(implementation="cudnn")` (GPU; bf16/fp16, no segment ids
            or soft-cap)
-    auto   cudnn where it can serve the call, else flash for S > AUTO_FLASH_FROM (when S has a block
-           size >= MIN_AUTO_BLOCK: a prime length would mean 1 x 1 tiles), else xla
+    splash Pallas splash attention (TPU; meshpar.nn.splash: self-attention, lengths a multiple of
+           128; elsewhere Pallas's interpreter, for tests)
+    auto   cudnn on GPU / splash on TPU where it can serve the call, else flash for S >
+           AUTO_FLASH_FROM (when S has a block size >= MIN_AUTO_BLOCK: a prime length would mean
+           1 x 1 tiles), else xla
 
 Context parallelism (a sequence split over the `context` mesh axis) wraps this in
 `meshpar.parallel.context.attention`, which is the public `meshpar.attention`.
@@ -35,8 +38,9 @@ import numpy as np
 
 from meshpar.core.errors import ConfigError, suggest
 from meshpar.nn import flash as flash_lib
+from meshpar.nn import splash as splash_lib
 
-IMPLEMENTATIONS = ("auto", "xla", "flash", "cudnn")
+IMPLEMENTATIONS = ("auto", "xla", "flash", "cudnn", "splash")
 AUTO_FLASH_FROM = 1024      # keys: below this the [T, S] scores are small and one fused product is fastest
 DEFAULT_BLOCK = 512
 MIN_AUTO_BLOCK = 64
@@ -81,9 +85,9 @@ def check_shapes(q, k, v, mask: Mask, segment_ids, kv_segment_ids) -> None:
                               "(one segment id per token)")
 
 
-def choose(implementation: str, q, k, mask: Mask, has_segments: bool) -> str:
+def choose(implementation: str, q, k, mask: Mask, has_segments: bool, splash_ok: bool = False) -> str:
     """The kernel that serves this call: `implementation`, with `auto` resolved; one line when the
-    named kernel cannot do the requested masks on this backend."""
+    named kernel cannot do the requested masks on this backend. `splash_ok`: `splash.serves` said yes."""
     if implementation not in IMPLEMENTATIONS:
         raise ConfigError(f"unknown attention implementation '{implementation}'" + suggest(implementation, IMPLEMENTATIONS))
     cudnn_ok = (jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[-1] % 8 == 0
@@ -93,7 +97,13 @@ def choose(implementation: str, q, k, mask: Mask, has_segments: bool) -> str:
                "it needs bf16/fp16 inputs, a head width that is a multiple of 8 and at most 128, no segment ids "
                "and no soft-cap")
         raise ConfigError(f"model.attention=cudnn cannot serve this call ({why}); use model.attention=flash or auto")
+    if implementation == "splash" and not splash_ok:
+        raise ConfigError("model.attention=splash cannot serve this call (it needs the splash kernel in the installed "
+                          "jax, self-attention in natural order with one segment-id array, and a length that is a "
+                          f"multiple of {splash_lib.LANE}); use model.attention=flash or auto")
     if implementation == "auto":
+        if splash_ok and jax.default_backend() == "tpu":
+            return "splash"
         long = k.shape[1] > AUTO_FLASH_FROM and flash_lib.block_size(k.shape[1], DEFAULT_BLOCK) >= MIN_AUTO_BLOCK
         return "cudnn" if cudnn_ok else "flash" if long else "xla"
     return implementation
@@ -131,8 +141,10 @@ def local_attention(q, k, v, mask: Mask, *, q_index=None, k_index=None, q_seg=No
     """Attention of q [B, T, N, H] to k, v [B, S, K, H] held on this device -> [B, T, N, H].
 
     q_index [T] / k_index [S]: concrete sequence indices (default 0..T-1, 0..S-1)."""
-    impl = choose(implementation, q, k, mask, q_seg is not None)
     natural = q_index is None and k_index is None
+    impl = choose(implementation, q, k, mask, q_seg is not None, splash_lib.serves(q, k, q_seg, k_seg, natural))
+    if impl == "splash":
+        return splash_lib.splash_attention(q, k, v, mask.causal, mask.window, mask.softcap, q_seg, block)
     # jax.nn gives a query that sees no key the mean of V, not zeros: use it only where every query
     # sees itself (queries are keys, one segment array for both)
     sees_itself = q.shape[1] == k.shape[1] and (q_seg is None or q_seg is k_seg)

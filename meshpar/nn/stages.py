@@ -17,8 +17,10 @@ live in `pre` and `post`: each runs on one stage, once per microbatch in order, 
 accumulation over `pipeline.microbatches` runs them on one device. The stacked layers hold
 parameters only (a layer's state would have to travel between stages with every microbatch).
 
-The reference LM is the same cut: `embed` (tokens [b, T+1] -> [b, T, E] of the inputs), `layers`
-(called with positions), `head` + next-token cross-entropy against the shifted tokens (`LM`).
+The reference LM is the same cut: `embed` (the inputs [b, T] -> [b, T, E]), `layers` (called with
+positions, and segment ids for packed documents), `head` + next-token cross-entropy against the
+targets; `lm_rows` makes those rows from token rows [B, T+1] before the batch is cut into
+microbatches (so a pipeline can also split them over `context`).
 `StageModel` is what the pipeline executors call: one part at a time, on pure dicts of
 parameters and state, returning the state a part changed.
 """
@@ -34,6 +36,7 @@ from meshpar.core.errors import ConfigError
 from meshpar.nn.layers import scan_layers
 
 PROTOCOL = ("pre", "post", "loss")
+SEQUENCE_AXES = ("context",)     # mesh axes a pipeline splits the LM's rows [b, T] over (manually)
 
 
 def layer_options(model) -> tuple[str, bool]:
@@ -42,13 +45,28 @@ def layer_options(model) -> tuple[str, bool]:
     return getattr(cfg, "remat", "full"), getattr(cfg, "scan_layers", True)
 
 
-def apply_layers(model, x, positions=None):
+def apply_layers(model, x, positions=None, segment_ids=None):
     """The stack `model.layers` on x -> (x, aux loss scalar, aux metrics {k: [layers]})."""
     remat, scan = layer_options(model)
-    x, aux = scan_layers(model.layers, x, positions, remat, scan)
+    x, aux = scan_layers(model.layers, x, positions, remat, scan, segment_ids=segment_ids)
     aux = dict(aux)
     extra = jnp.sum(aux.pop("loss")).astype(jnp.float32) if "loss" in aux else jnp.zeros((), jnp.float32)
     return x, extra, aux
+
+
+def lm_rows(batch) -> dict:
+    """The LM's rows [B, T] from token rows [B, T+1] or packed documents {"tokens", "segment_ids",
+    "positions"} [B, T+1]: inputs, targets (the next tokens) and, for documents, the inputs'
+    positions and segment ids and the targets' weights (1 where a target stays in its input's
+    document, else 0)."""
+    docs = isinstance(batch, dict)
+    tokens = batch["tokens"] if docs else batch
+    rows = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    if docs:
+        seg = batch["segment_ids"]
+        rows.update(positions=batch["positions"][:, :-1], segment_ids=seg[:, :-1],
+                    weights=(seg[:, 1:] == seg[:, :-1]).astype(jnp.float32))
+    return rows
 
 
 def stage_loss(model, batch):
@@ -124,21 +142,25 @@ class StageModel:
     def pre(self, outer, layers, vars, mb):
         """First stage: mb -> (x [b, ...] in the compute dtype, vars after `pre`)."""
         m = self.module(outer, layers, vars)
-        x = m.embed(mb[:, :-1], self.policy.compute_dtype) if self.lm else m.pre(mb)
+        x = m.embed(mb["inputs"], self.policy.compute_dtype) if self.lm else m.pre(mb)
         return x, self.spec.vars_of(m)
 
-    def stage(self, outer, layers, x):
-        """This stage's layers [Lc, ...], x -> (y, aux loss scalar, metrics {k: [Lc]})."""
+    def stage(self, outer, layers, x, mb):
+        """This stage's layers [Lc, ...], x, the microbatch (the LM reads its rows' positions and
+        segment ids) -> (y, aux loss scalar, metrics {k: [Lc]})."""
         m = self.module(outer, layers)
-        y, loss, aux = apply_layers(m, vary(x), jnp.arange(x.shape[1]) if self.lm else None)   # the scan's carry
-        return y, vary(loss), aux                                                            # varies over stages
+        pos, seg = (mb["positions"], mb.get("segment_ids")) if self.lm else (None, None)
+        y, loss, aux = apply_layers(m, vary(x), pos, seg)     # vary: the scan's carry
+        return y, vary(loss), aux                             # varies over stages
 
     def post_loss(self, outer, layers, vars, y, mb):
         """Last stage: y -> (the microbatch's loss (fp32 scalar), its metrics, vars after `post`)."""
         from meshpar.core.precision import cross_entropy
         m = self.module(outer, layers, vars)
-        if self.lm:
-            loss, metrics = cross_entropy(m.head(y, self.policy.compute_dtype), mb[:, 1:]), {}
+        if self.lm:   # a sequence split over a manual `context`: sums over its shards
+            over = tuple(a for a in manual_axes() if a in SEQUENCE_AXES)
+            loss = cross_entropy(m.head(y, self.policy.compute_dtype), mb["targets"], mb.get("weights"), over)
+            metrics = {}
         else:
             loss, metrics = m.loss(m.post(y), mb)
         if jnp.shape(loss) != ():

@@ -18,7 +18,8 @@ segment ids alike, under `balanced()`); every other caller's activations are in 
 correct, unbalanced.
 
 Attention across shards, inside `jax.shard_map` manual over `context` and the batch axes (and the
-heads' axes), one custom VJP (`model.context_strategy`):
+heads' axes; or inside the pipeline's shard_map, which is manual over `context` when sequences are
+split: `meshpar.parallel.pipeline`), one custom VJP (`model.context_strategy`):
 
     all_gather  (default; Llama 3) each device all-gathers K and V [b, S/cp, K, H] -> [b, S, K, H]
                 (small under GQA, K << N) and attends its own queries with the tiles its own indices
@@ -65,8 +66,17 @@ def balanced(on: bool = True):
         _BALANCED.reset(token)
 
 
+def manual() -> bool:
+    """Inside a shard_map manual over `context` (a pipeline stage): activations are local in length."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return any(a == AXIS and t == jax.sharding.AxisType.Manual for a, t in zip(mesh.axis_names, mesh.axis_types))
+
+
 def context_size() -> int:
-    """cp: the size of the `context` axis when the active rules split sequence positions over it, else 1."""
+    """cp: the size of the `context` axis when the active rules split sequence positions over it (or a
+    shard_map is manual over it), else 1."""
+    if manual():
+        return jax.sharding.get_abstract_mesh().shape[AXIS]
     layout = active_layout()
     if layout is None or layout.shape.get(AXIS, 1) == 1:
         return 1
@@ -97,6 +107,16 @@ def balance(*rows):
     return tuple(None if r is None else jnp.take(r, perm, axis=-1) for r in rows)
 
 
+def balance_rows(rows: dict) -> dict:
+    """Rows {name: [B, T]} -> the balanced order when sequences are split over `context`, with the
+    positions (which the order scrambles) made explicit first; else unchanged."""
+    if context_size() == 1:
+        return rows
+    first = next(iter(rows.values()))
+    rows = {"positions": jnp.broadcast_to(jnp.arange(first.shape[1], dtype=jnp.int32), first.shape), **rows}
+    return dict(zip(rows, balance(*rows.values())))
+
+
 def _indices(t: int, cp: int, balanced_order: bool) -> np.ndarray:
     """Sequence indices [cp, T/cp] of the tokens each device holds."""
     idx = order(t, cp) if balanced_order else np.arange(t)
@@ -110,7 +130,7 @@ def attention(q, k, v, *, causal: bool = True, segment_ids=None, kv_segment_ids=
     of `jax.nn.dot_product_attention`. segment_ids [B, T] (kv_segment_ids [B, S], default the same):
     a query sees only keys of its own segment; window W: query i sees keys i-W+1..i (not causal:
     |i - j| < W); softcap c:
-    scores c tanh(s / c) before masking; implementation: xla | flash | cudnn | auto
+    scores c tanh(s / c) before masking; implementation: xla | flash | cudnn | splash | auto
     (meshpar.nn.attention). Sequences split over `context` attend across the shards by
     `context_strategy`: all_gather (K/V gathered) or ring (K/V passed round, flash only)."""
     mask = attn_lib.Mask(causal, window, softcap).check()
@@ -246,8 +266,10 @@ def _across(q, k, v, mask, q_seg, k_seg, implementation, block, cp, strategy):
     """Context-parallel attention as one custom VJP over two `shard_map`s (manual over `context` and
     the batch axes): the strategy's forward (K/V gathered or passed round a ring), its backward
     (flash: from the saved o and lse), so no autodiff of a shard_map hands residuals across its
-    boundary."""
-    t, s = q.shape[1], k.shape[1]
+    boundary. Inside a shard_map already manual over `context` (a pipeline stage, whose rows arrive
+    split and balanced) the strategy's functions run as they are, no shard_map nested."""
+    inside = manual()                                   # already local in length: [B, T/cp, ...]
+    t, s = (q.shape[1] * cp, k.shape[1] * cp) if inside else (q.shape[1], k.shape[1])
     is_balanced = _BALANCED.get()
     for n, what in ((t, "the queries' length"), (s, "the keys' length")):
         if is_balanced:
@@ -257,10 +279,10 @@ def _across(q, k, v, mask, q_seg, k_seg, implementation, block, cp, strategy):
     if strategy not in STRATEGIES:
         raise ConfigError(f"unknown context strategy '{strategy}'" + suggest(strategy, STRATEGIES))
     impl = attn_lib.choose(implementation, q, k, mask, q_seg is not None)
-    if implementation == "auto" and (impl == "cudnn" or strategy == "ring"):
-        impl = "flash"                                  # what auto means across shards: cudnn cannot, the ring merges lse
-    if impl == "cudnn":
-        raise ConfigError("model.attention=cudnn cannot attend across mesh.context shards; use flash (or xla)")
+    if implementation == "auto" and (impl in ("cudnn", "splash") or strategy == "ring"):
+        impl = "flash"              # what auto means across shards: cudnn and splash cannot, the ring merges lse
+    if impl in ("cudnn", "splash"):
+        raise ConfigError(f"model.attention={impl} cannot attend across mesh.context shards; use flash (or xla)")
     unit_q = t // (2 * cp) if is_balanced else t // cp
     unit_k = s // (2 * cp) if is_balanced else s // cp
     kern = flash_lib.Kernel(mask.causal, mask.window, mask.softcap, 1.0 / float(np.sqrt(q.shape[-1])),
@@ -268,13 +290,12 @@ def _across(q, k, v, mask, q_seg, k_seg, implementation, block, cp, strategy):
     call = _Call(cp, impl, mask, kern, _indices(t, cp, is_balanced), _indices(s, cp, is_balanced))
     fwd_local, bwd_local, consts, const_specs = STRATEGIES[strategy](call)
 
-    qs, ks, ss, manual = _specs(q, k)
-    segs = None if q_seg is None else ss
-    mesh = jax.sharding.get_abstract_mesh()
-    mesh = mesh if mesh.axis_names else active_layout().mesh
-    smap = lambda f, ins, outs: jax.shard_map(f, mesh=mesh, in_specs=ins, out_specs=outs, axis_names=manual)
-    fwd = smap(fwd_local, (qs, ks, ks, segs, segs, *const_specs), (qs, ks))
-    bwd = smap(bwd_local, (qs, ks, ks, segs, segs, *const_specs, qs, ks, qs), (qs, ks, ks))
+    if inside:    # each device's rows of the per-device operands, picked by its index on `context`
+        fwd, bwd, rows = fwd_local, bwd_local, lax.axis_index(AXIS)
+        consts = [x if sp == P() else lax.dynamic_index_in_dim(jnp.asarray(x, jnp.int32), rows, 0)
+                  for x, sp in zip(consts, const_specs)]
+    else:
+        fwd, bwd = _mapped(q, k, q_seg, fwd_local, bwd_local, const_specs)
 
     @jax.custom_vjp
     def run(q, k, v, q_seg, k_seg, *consts):
@@ -292,3 +313,15 @@ def _across(q, k, v, mask, q_seg, k_seg, implementation, block, cp, strategy):
 
     run.defvjp(run_fwd, run_bwd)
     return run(q, k, v, q_seg, k_seg, *(jnp.asarray(x, jnp.int32) for x in consts))
+
+
+def _mapped(q, k, q_seg, fwd_local, bwd_local, const_specs):
+    """The strategy's per-device forward and backward as `shard_map`s manual over `context`, the batch
+    axes and the heads' axes (`_specs`)."""
+    qs, ks, ss, axes = _specs(q, k)
+    segs = None if q_seg is None else ss
+    mesh = jax.sharding.get_abstract_mesh()
+    mesh = mesh if mesh.axis_names else active_layout().mesh
+    smap = lambda f, ins, outs: jax.shard_map(f, mesh=mesh, in_specs=ins, out_specs=outs, axis_names=axes)
+    return (smap(fwd_local, (qs, ks, ks, segs, segs, *const_specs), (qs, ks)),
+            smap(bwd_local, (qs, ks, ks, segs, segs, *const_specs, qs, ks, qs), (qs, ks, ks)))

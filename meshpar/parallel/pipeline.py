@@ -7,7 +7,11 @@ batch pytree [B, ...] into M microbatches [M, B/M, ...]; one `jax.shard_map` is 
 non-Param state), so `fsdp`, `tensor` and `expert` stay automatic inside it and PP composes with
 DP/FSDP/TP/EP. Manual over `data`, each replica accumulates its own gradients over the ticks and
 they are reduced over `data` once per step; automatic, XLA all-reduced a stage's whole gradient on
-every tick. Activations [b, T, E] (b = B/M) move between neighbouring stages with `lax.ppermute`.
+every tick. With sequences split over `context` (the built-in LM loss), it is manual over `context`
+as well: the LM's rows [B, T] (`meshpar.nn.stages.lm_rows`) are put in the balanced order before it,
+each device's stage sees [b, T/cp, E], attention gathers K/V over `context` inside the stage
+(`meshpar.parallel.context`) and the loss sums its tokens over `context`.
+Activations [b, T, E] (b = B/M) move between neighbouring stages with `lax.ppermute`.
 The model's parts (meshpar.nn.stages: the LM's embed / head + cross-entropy, or a user model's pre /
 post + loss) sit outside the pipelined stack: the first stage runs `pre`, the last `post` and the
 loss, microbatch by microbatch, so no tensor with a full-batch or full-stack dimension crosses the
@@ -54,9 +58,10 @@ from jax.sharding import PartitionSpec as P
 
 from meshpar.core.errors import ConfigError, ShardingError
 from meshpar.core.rules import spec_axes
+from meshpar.parallel import context
 from meshpar.parallel.residuals import Residuals
 from meshpar.parallel.schedules import BRANCH_SHARE, branch_shares, one_f_one_b_branches, one_f_one_b_program
-from meshpar.nn.stages import StageModel, manual_axes as _manual_axes, merge_stage_vars, vary as _vary
+from meshpar.nn.stages import StageModel, lm_rows, manual_axes as _manual_axes, merge_stage_vars, vary as _vary
 
 AXIS = "pipeline"
 
@@ -151,15 +156,15 @@ def _circular_loss(model: StageModel, p: int, m: int, v: int, outer, layers, var
     mb0 = _micro(mbs, 0)
     x_spec = jax.eval_shape(lambda: model.pre(outer_e, chunk0, vars, mb0)[0])
     zero_x = jnp.zeros(x_spec.shape, x_spec.dtype)
-    _, _, met_spec = jax.eval_shape(model.stage, outer, chunk0, zero_x)
+    _, _, met_spec = jax.eval_shape(model.stage, outer, chunk0, zero_x, mb0)
     _, lmet_spec, _ = jax.eval_shape(lambda: model.post_loss(outer, chunk0, vars, zero_x, mb0))
 
     # Per-stage remat: only (r, x) are saved per tick; the chunk is picked inside, so the local
     # layers stay one loop-invariant residual instead of a per-tick copy of the chunk's weights.
     @partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable)
-    def run_stage(lay, r, x):
+    def run_stage(lay, r, x, mb):
         chunk = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, r, 0, keepdims=False), lay)
-        return model.stage(outer, chunk, x)
+        return model.stage(outer, chunk, x, mb)
 
     # Remat around the `cond`, not inside it: the checkpoint's residuals are then its inputs, and the
     # loop-invariant outer parameters stay one residual, where a checkpoint inside the branch made
@@ -186,7 +191,7 @@ def _circular_loss(model: StageModel, p: int, m: int, v: int, outer, layers, var
         mb = _micro(mbs, micro)
         first = (s == 0) & (r == 0) & valid           # pre runs once per microbatch: it may update state
         x, vs = lax.cond(first, lambda: _vary_tree(model.pre(outer_e, chunk0, vs, mb)), lambda: (recv, vs))
-        y, a_loss, met = run_stage(layers, r, x)
+        y, a_loss, met = run_stage(layers, r, x, mb)
         last = (s == p - 1) & (r == v - 1) & valid
         ce, lm, vs = post_or_zero(outer if model.lm else outer_e, vs, y, mb, last)
         w = valid.astype(jnp.float32)
@@ -236,17 +241,18 @@ def _one_f_one_b_grads(model: StageModel, p: int, m: int, outer, layers, vars, m
     mb0 = _micro(mbs, 0)
     x_spec = jax.eval_shape(lambda: model.pre(outer_e, layers, vars, mb0)[0])
     zero_x = jnp.zeros(x_spec.shape, x_spec.dtype)
-    _, _, met_spec = jax.eval_shape(model.stage, outer, layers, zero_x)
+    _, _, met_spec = jax.eval_shape(model.stage, outer, layers, zero_x, mb0)
     _, lmet_spec, _ = jax.eval_shape(lambda: model.post_loss(outer, layers, vars, zero_x, mb0))
     fwd_perm = [(i, i + 1) for i in range(p - 1)]
     bwd_perm = [(i + 1, i) for i in range(p - 1)]
     var_leaves, var_tree = jax.tree.flatten(vars)
 
-    def stage_only(lp, x):
-        y, a_loss, met = model.stage(outer, lp, x)
+    def stage_only(lp, x, mb):
+        y, a_loss, met = model.stage(outer, lp, x, mb)
         return (y, a_loss), met
 
-    residuals = Residuals(stage_only, layers, x_spec)
+    # the microbatch's rows are residuals too; typed as in the loop (picked by a stage-dependent index)
+    residuals = Residuals(partial(stage_only, mb=_vary_tree(mb0)), layers, x_spec)
     n_res = len(residuals.shapes)
 
     # The branches read and write one slot of the stash (`ins["res"]`, `res_new`), never the stash
@@ -259,7 +265,7 @@ def _one_f_one_b_grads(model: StageModel, p: int, m: int, outer, layers, vars, m
             x, c["vars"] = model.pre(outer_e, layers, before, _micro(mbs, mi))
         else:
             x = ins["x"]
-        (y, a_loss), pull, met = jax.vjp(stage_only, layers, x, has_aux=True)
+        (y, a_loss), pull, met = jax.vjp(partial(stage_only, mb=_micro(mbs, mi)), layers, x, has_aux=True)
         return {**c, "send_f": _vary(y), "res_new": residuals.split(pull, layers) + jax.tree.leaves(before),
                 "aux_loss": c["aux_loss"] + a_loss, "metrics": jax.tree.map(jnp.add, c["metrics"], met)}
 
@@ -279,7 +285,7 @@ def _one_f_one_b_grads(model: StageModel, p: int, m: int, outer, layers, vars, m
         o = outer if model.lm else outer_e
 
         def f(lp, o_, x_):
-            y_, a_, met_ = model.stage(o_, lp, x_)
+            y_, a_, met_ = model.stage(o_, lp, x_, mb)
             ce_, lm_, vars_ = model.post_loss(o_, lp, c["vars"], y_, mb)
             return (ce_ + a_) * inv_m, (ce_, a_, met_, lm_, vars_, y_)
         if model.lm:
@@ -390,20 +396,24 @@ def value_and_grad(spec, params: dict, batch, pc, layout, policy, loss_scale=Non
     vars = {} if vars is None else vars
     mesh = layout.mesh
     data = _manual_batch_axes(spec, layout)
-    manual = (AXIS,) + data
+    with use_layout(layout):
+        seq = (context.AXIS,) if lm and context.context_size() > 1 else ()
+    manual = (AXIS,) + data + seq
 
     def in_body(f):
-        """Trace `f` with the manual batch axis hidden from `constrain`."""
+        """Trace `f` with the manual batch (and sequence) axes hidden from `constrain`."""
         def run(*args):
-            with use_layout(layout.hiding(data)):
+            with use_layout(layout.hiding(data + seq)), context.balanced(bool(seq)):
                 return f(*args)
         return run
 
     with use_layout(layout):
         outer, layers = _split_params(params)
         n_layers = jax.tree.leaves(layers)[0].shape[0]
+        if lm:   # the LM's rows [B, T] (balanced over `context`), cut before the shard_map
+            batch, batch_spec = _lm_rows(batch)
         mbs = split_microbatches(batch, m, layout, batch_spec)
-        mb_specs = jax.tree.map(lambda _: P(None, data or None), mbs)
+        mb_specs = jax.tree.map(lambda a: P(None, data or None, *seq[:a.ndim - 2]), mbs)
         if pc.schedule == "1f1b":
             body = in_body(partial(_one_f_one_b_grads, model, p, m))
             fn = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(AXIS), P(), mb_specs, P()),
@@ -424,6 +434,17 @@ def value_and_grad(spec, params: dict, batch, pc, layout, policy, loss_scale=Non
                 return scaled, (loss_, ce_, met_, lmet_, vars_)
             (_, (loss, ce, metrics, lmet, vars)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     return (loss, {**({"ce": ce} if lm else {}), **lmet, **metrics, "vars": vars}), grads
+
+
+def _lm_rows(batch):
+    """Token rows [B, T+1] (or packed documents) -> the LM's rows {inputs, targets, positions, ...}
+    [B, T] in the balanced order when sequences are split over `context`, and their batch spec."""
+    from meshpar.core.batch import Leaf
+    rows = lm_rows(batch)
+    first = rows["inputs"]
+    rows = context.balance_rows({"positions": jnp.broadcast_to(jnp.arange(first.shape[1], dtype=jnp.int32),
+                                                               first.shape), **rows})
+    return rows, {k: Leaf(a.shape, a.dtype, ("batch", "length")) for k, a in rows.items()}
 
 
 def _manual_batch_axes(spec, layout) -> tuple:

@@ -77,8 +77,8 @@ def candidates(facts: ModelFacts, cfg, n: int, hw, strategies) -> list[Candidate
         s = dict(zip(MESH_AXES, sizes))
         if layers % s["pipeline"] or experts % s["expert"] or (s["expert"] > 1 and not facts.moe):
             continue
-        if s["context"] > 1 and (cfg.batch.length % (2 * s["context"]) or s["pipeline"] > 1):
-            continue                      # the balanced order's 2 x context chunks; not yet inside pipeline stages
+        if s["context"] > 1 and (cfg.batch.length % (2 * s["context"]) or (s["pipeline"] > 1 and facts.moe)):
+            continue                      # the balanced order's 2 x context chunks; MoE stages route whole sequences
         dcn = split_ici_dcn(sizes, n, hw.domain)
         if dcn is None:
             continue

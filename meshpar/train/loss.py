@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from meshpar.core import precision as precision_lib
 from meshpar.core.errors import ConfigError
+from meshpar.nn.stages import lm_rows
 from meshpar.parallel import context
 
 
@@ -21,18 +22,10 @@ def lm_loss(model, batch) -> tuple[jax.Array, dict]:
     key `loss` (already weighted, e.g. MoE load balancing) are added to the loss and the rest are
     reported as metrics. With sequences split over `context`, rows are stored in the balanced order
     (`meshpar.parallel.context`) and the model must take `positions=`."""
-    docs = isinstance(batch, dict)
-    tokens = batch["tokens"] if docs else batch
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    seg = batch["segment_ids"] if docs else None
-    weights = None if seg is None else (seg[:, 1:] == seg[:, :-1]).astype(jnp.float32)
-    positions = batch["positions"][:, :-1] if docs else None
-    seg = None if seg is None else seg[:, :-1]
+    rows = context.balance_rows(lm_rows(batch))
     cp = context.context_size()
-    if cp > 1:
-        if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
-        inputs, targets, positions, seg, weights = context.balance(inputs, targets, positions, seg, weights)
+    inputs, targets, weights = rows["inputs"], rows["targets"], rows.get("weights")
+    positions, seg = rows.get("positions"), rows.get("segment_ids")
     kwargs = {k: v for k, v in (("positions", positions), ("segment_ids", seg)) if v is not None}
     _check_accepts(model, kwargs, cp)
     with context.balanced(cp > 1):

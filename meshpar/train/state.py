@@ -59,6 +59,9 @@ def check_platform(model: ModelConfig) -> None:
     if model.attention == "cudnn" and backend != "gpu":
         raise ShardingError(f"model.attention=cudnn needs an NVIDIA GPU (this backend is {backend}); "
                             "use model.attention=xla, or auto to let JAX choose")
+    if model.attention == "splash" and backend != "tpu":
+        raise ShardingError(f"model.attention=splash needs a TPU (this backend is {backend}; elsewhere Pallas would "
+                            "interpret it, slowly); use model.attention=flash, or auto to let meshpar choose")
 
 
 @dataclass
@@ -124,13 +127,15 @@ class TrainSetup:
                               f"embed/layers/head) or train.loss=stages (a model with pre/layers/post/loss, see "
                               f"meshpar.nn.stages); {self.loss_name} is neither. Set mesh.pipeline=1, or give the model "
                               "those parts and train it with train.loss=stages")
+        from meshpar.parallel.context import AXIS as CONTEXT
+        if not self.is_lm and self.layout.shape.get(CONTEXT, 1) > 1:
+            raise ConfigError(f"mesh.context={self.layout.shape[CONTEXT]} with mesh.pipeline > 1 needs the built-in LM "
+                              "loss (train.loss=lm): a pipeline stage splits the LM's rows over context, and knows "
+                              f"nothing of {self.loss_name}'s batch; set mesh.context=1 or mesh.pipeline=1")
         with building(self.policy):
             check_protocol(nnx.eval_shape(lambda: self.factory(nnx.Rngs(0))), lm=self.is_lm)
         check_state(self.spec)
         cfg = self.cfg
-        if self.is_lm and isinstance(self.batch_spec, dict):
-            raise ConfigError("pipelining the built-in LM loss on packed documents (segment ids) is not supported yet; "
-                              "set data.documents=false, or mesh.pipeline=1")
         pipeline.check(cfg.pipeline, cfg.batch, self.layout, self.spec.shapes, cfg.model.layers,
                        dropless_moe=cfg.model.name == "moe" and cfg.moe.capacity_factor is None)
 

@@ -130,3 +130,32 @@ def test_causal_needs_as_many_queries_as_keys(qkv):
     with pytest.raises(ConfigError, match="as many queries as keys"):
         meshpar.attention(q[:, :8], k, v)
     assert meshpar.attention(q[:, :8], k, v, causal=False).shape == (B, 8, N, H)
+
+
+@pytest.mark.parametrize("name", ["causal", "all", "bidirectional+window"])
+def test_splash_equals_naive_attention(name):
+    """Pallas splash attention (`implementation="splash"`; TPU, here Pallas's interpreter) at 256
+    tokens in blocks of 128, grouped KV heads: values and gradients as the naive attention's."""
+    from meshpar.nn import splash
+    if not splash.available():
+        pytest.fail("this jax ships no splash attention kernel (jax.experimental.pallas.ops.tpu)")
+    rng = np.random.default_rng(1)
+    t = 256
+    q, k, v, ct = (jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((1, t, N, H), (1, t, K, H), (1, t, K, H),
+                                                                          (1, t, N, H)))
+    kw = dict(MASKS[name])
+    if kw.pop("seg", False):
+        kw["segment_ids"] = jnp.asarray(np.repeat([0, 1, 2], [100, 100, 56])[None])
+    ours = lambda q, k, v: meshpar.attention(q, k, v, implementation="splash", block=128, **kw)
+    ref = lambda q, k, v: naive(q, k, v, **kw)
+    assert float(jnp.abs(jax.jit(ours)(q, k, v) - ref(q, k, v)).max()) <= 1e-5
+    g = jax.jit(jax.grad(lambda *a: jnp.sum(ours(*a) * ct), (0, 1, 2)))(q, k, v)
+    g0 = jax.grad(lambda *a: jnp.sum(ref(*a) * ct), (0, 1, 2))(q, k, v)
+    for a, b in zip(g, g0):
+        assert float(jnp.abs(a - b).max()) <= 1e-5
+
+
+def test_splash_refuses_what_it_cannot_serve_in_one_line():
+    q = jnp.zeros((1, 200, 2, 8))
+    with pytest.raises(ConfigError, match="model.attention=splash cannot serve this call"):
+        meshpar.attention(q, q, q, implementation="splash")

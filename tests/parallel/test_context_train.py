@@ -1,7 +1,9 @@
 """Context parallelism in training: 3 steps of the tiny decoder (flash attention, fp32) with
-sequences split over `context` alone and combined with data, fsdp x tensor, pipeline, expert
-parallelism, accumulation and packed documents (not yet pipeline: one line says so) give the losses of the 1-device run (relative
-difference <= 1e-5)."""
+sequences split over `context` alone and combined with data, fsdp x tensor, pipeline (GPipe, 1F1B,
+interleaved: the stages manual over `context`), expert parallelism, accumulation, packed documents
+and the ring give the losses of the 1-device run (relative difference <= 1e-5). A pipeline averages
+its microbatches' losses as gradient accumulation does, so packed documents (whose microbatches
+weigh different numbers of targets) are compared with a 1-device run accumulating as many."""
 import numpy as np
 import pytest
 
@@ -41,30 +43,41 @@ def reference(extra, docs):
     return _REF[key]
 
 
-CASES = {
-    "context=8": ([], {"context": 8}, False),
-    "context=4 x data=2": ([], {"context": 4, "data": 2}, False),
-    "fsdp_tp: context=2 x fsdp=2 x tensor=2": (["strategy=fsdp_tp"], {"context": 2, "fsdp": 2, "tensor": 2}, False),
+PIPE = ["pipeline.microbatches=2"]
+CASES = {   # name: (config, mesh, packed documents?, what the 1-device reference adds)
+    "context=8": ([], {"context": 8}, False, []),
+    "context=4 x data=2": ([], {"context": 4, "data": 2}, False, []),
+    "fsdp_tp: context=2 x fsdp=2 x tensor=2": (["strategy=fsdp_tp"], {"context": 2, "fsdp": 2, "tensor": 2}, False, []),
     "tp_sp: context=2 x tensor=2, remat, accumulation": (["strategy=tp_sp", "model.remat=save_dots",
-                                                          "batch.microbatches=2"], {"context": 2, "tensor": 2, "data": 2}, False),
-    "moe: context=2 x expert=2 x data=2": (MOE, {"context": 2, "expert": 2, "data": 2}, False),
-    "packed documents: context=4 x data=2": ([], {"context": 4, "data": 2}, True),
-    "ring: context=4 x data=2": (["model.context_strategy=ring"], {"context": 4, "data": 2}, False),
+                                                          "batch.microbatches=2"], {"context": 2, "tensor": 2, "data": 2},
+                                                         False, []),
+    "moe: context=2 x expert=2 x data=2": (MOE, {"context": 2, "expert": 2, "data": 2}, False, []),
+    "packed documents: context=4 x data=2": ([], {"context": 4, "data": 2}, True, []),
+    "ring: context=4 x data=2": (["model.context_strategy=ring"], {"context": 4, "data": 2}, False, []),
+    "gpipe: context=2 x pipeline=2 x data=2": (PIPE, {"context": 2, "pipeline": 2, "data": 2}, False, []),
+    "1f1b, tp_sp: context=2 x pipeline=2 x tensor=2": (["strategy=tp_sp", "pipeline.schedule=1f1b", *PIPE],
+                                                       {"context": 2, "pipeline": 2, "tensor": 2}, False, []),
+    "interleaved, ring, packed documents: context=2 x pipeline=2 x data=2": (
+        ["pipeline.schedule=interleaved", "pipeline.virtual_stages=2", "model.layers=4", "model.context_strategy=ring",
+         *PIPE], {"context": 2, "pipeline": 2, "data": 2}, True, ["batch.microbatches=2"]),
 }
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_context_parallel_training_equals_one_device(name):
-    extra, mesh, docs = CASES[name]
-    ref_extra = [e for e in extra if not e.startswith(("strategy=", "pipeline.", "model.context_strategy"))]
+    extra, mesh, docs, ref_more = CASES[name]
+    ref_extra = [e for e in extra if not e.startswith(("strategy=", "pipeline.", "model.context_strategy"))] + ref_more
     got, ref = losses(extra, mesh, 8, docs), reference(ref_extra, docs)
     assert max(abs(a - b) / abs(b) for a, b in zip(got, ref)) <= 1e-5, (got, ref)
 
 
-def test_context_with_pipeline_is_one_line():
+def test_context_with_pipeline_needs_the_lm_loss():
+    """A user's stage protocol (its own batch) cannot be split over `context` by the pipeline: one line."""
     from meshpar.core.errors import ConfigError
-    with pytest.raises(ConfigError, match="context parallelism inside pipeline stages is not supported yet"):
-        make_cfg(*COMMON, mesh={"pipeline": 2, "context": 2, "data": 2})
+    from meshpar.nn.stages import stage_loss
+    cfg = make_cfg(*COMMON, mesh={"pipeline": 2, "context": 2, "data": 2})
+    with pytest.raises(ConfigError, match="mesh.context=2 with mesh.pipeline > 1 needs the built-in LM loss"):
+        Trainer(cfg, devices=devices(8), loss=stage_loss)
 
 
 def test_the_sharding_table_shows_length_over_context():

@@ -109,12 +109,3 @@ def test_a_prefill_that_fills_its_cache_attends_through_flash(model):
             out[impl] = m.decode(tokens, positions, cache)
     assert float(jnp.abs(out["xla"][0] - out["flash"][0]).max()) <= 1e-5
     assert all(float(jnp.abs(a - b).max()) == 0 for a, b in zip(jax.tree.leaves(out["xla"][1]), jax.tree.leaves(out["flash"][1])))
-
-
-def test_pipelining_packed_documents_is_one_line():
-    from meshpar.core.batch import lm_batch_spec
-    from meshpar.train.step import Trainer
-    from tests.conftest import devices, make_cfg
-    cfg = make_cfg("model.layers=2", mesh={"pipeline": 2, "data": 4})
-    with pytest.raises(ConfigError, match="pipelining the built-in LM loss on packed documents"):
-        Trainer(cfg, devices=devices(8), batch_spec=lm_batch_spec(cfg.batch.global_size, cfg.batch.length, True))
