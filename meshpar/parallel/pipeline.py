@@ -69,14 +69,20 @@ AXIS = "pipeline"
 # ----------------------------------------------------------------------------------------------
 # Config checks (one line each, naming the key and a fix).
 
-def check(pc, batch, layout, shapes: dict, model_layers: int, dropless_moe: bool = False) -> None:
+def check(pc, batch, layout, shapes: dict, model_layers: int, dropless_moe: bool = False, loss: str | None = None) -> None:
     """Raise ConfigError/ShardingError for a pipelined run that cannot run: `pc` its `cfg.pipeline`,
     `batch` its `cfg.batch`, shapes the model's parameter shapes (pure dict, `ModelSpec.shapes`),
-    `model_layers` its `model.layers`, `dropless_moe` whether it routes MoE without capacity."""
+    `model_layers` its `model.layers`, `dropless_moe` whether it routes MoE without capacity, `loss`
+    the name of a loss other than the built-in LM's (None: the LM's)."""
     p = layout.shape.get(AXIS, 1)
     m, v = pc.microbatches, pc.virtual_stages
     if p <= 1:
         return
+    cp = layout.shape.get(context.AXIS, 1)
+    if loss is not None and cp > 1:
+        raise ConfigError(f"mesh.context={cp} with mesh.pipeline > 1 needs the built-in LM loss (train.loss=lm): a "
+                          f"pipeline stage splits the LM's rows over context, and knows nothing of {loss}'s batch; set "
+                          "mesh.context=1 or mesh.pipeline=1")
     _split_params(shapes)
     num_layers = jax.tree.leaves(shapes["layers"])[0].shape[0]
     if pc.schedule == "1f1b" and dropless_moe:

@@ -127,17 +127,13 @@ class TrainSetup:
                               f"embed/layers/head) or train.loss=stages (a model with pre/layers/post/loss, see "
                               f"meshpar.nn.stages); {self.loss_name} is neither. Set mesh.pipeline=1, or give the model "
                               "those parts and train it with train.loss=stages")
-        from meshpar.parallel.context import AXIS as CONTEXT
-        if not self.is_lm and self.layout.shape.get(CONTEXT, 1) > 1:
-            raise ConfigError(f"mesh.context={self.layout.shape[CONTEXT]} with mesh.pipeline > 1 needs the built-in LM "
-                              "loss (train.loss=lm): a pipeline stage splits the LM's rows over context, and knows "
-                              f"nothing of {self.loss_name}'s batch; set mesh.context=1 or mesh.pipeline=1")
         with building(self.policy):
             check_protocol(nnx.eval_shape(lambda: self.factory(nnx.Rngs(0))), lm=self.is_lm)
         check_state(self.spec)
         cfg = self.cfg
         pipeline.check(cfg.pipeline, cfg.batch, self.layout, self.spec.shapes, cfg.model.layers,
-                       dropless_moe=cfg.model.name == "moe" and cfg.moe.capacity_factor is None)
+                       dropless_moe=cfg.model.name == "moe" and cfg.moe.capacity_factor is None,
+                       loss=None if self.is_lm else self.loss_name)
 
     def warnings(self) -> list[str]:
         """One line each for what this run will ignore: config keys it does not read, user rules

@@ -73,11 +73,28 @@ def test_context_parallel_training_equals_one_device(name):
 
 def test_context_with_pipeline_needs_the_lm_loss():
     """A user's stage protocol (its own batch) cannot be split over `context` by the pipeline: one line."""
+    from flax import nnx
+
+    import meshpar
+    from meshpar.core.batch import Leaf
     from meshpar.core.errors import ConfigError
-    from meshpar.nn.stages import stage_loss
+
+    class Stages(nnx.Module):
+        def __init__(self, rngs):
+            self.layers = meshpar.stacked(lambda r: nnx.Linear(4, 4, rngs=r), 2, rngs)
+
+        def pre(self, batch):
+            return batch
+
+        def post(self, x):
+            return x
+
+        def loss(self, outputs, batch):
+            return outputs.mean(), {}
     cfg = make_cfg(*COMMON, mesh={"pipeline": 2, "context": 2, "data": 2})
     with pytest.raises(ConfigError, match="mesh.context=2 with mesh.pipeline > 1 needs the built-in LM loss"):
-        Trainer(cfg, devices=devices(8), loss=stage_loss)
+        Trainer(cfg, devices=devices(8), model=Stages, loss=meshpar.stage_loss,
+                batch_spec=Leaf((8, 32, 4), np.float32, ("batch", "length", None)))
 
 
 def test_the_sharding_table_shows_length_over_context():
