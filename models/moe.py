@@ -24,31 +24,40 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshpar.nn import moe as moe_lib
+from meshpar.nn import routing
 from meshpar.models.decoder import Decoder, DecoderConfig
 from meshpar.nn.layers import param, scan_layers, stacked
 from meshpar.core.precision import compute_dtype
 from meshpar.core.batch import Leaf
-from meshpar.models.layers import CACHE_AXES, Block, RMSNorm
+from meshpar.models.layers import CACHE_AXES, MLP, Block, RMSNorm
 
 
 _DECODING = contextvars.ContextVar("moe_decoding", default=False)   # set while tracing `MoEDecoder.decode`
 
 
 class MoEFFN(nnx.Module):
-    """Router [M, E] and E SwiGLU experts (w_gate, w_up [E, M, H], w_down [E, H, M]).
+    """Router [M, E], E SwiGLU experts (w_gate, w_up [E, M, H], w_down [E, H, M]; H = moe.expert_mlp,
+    small for fine-grained experts), and `moe.shared_experts` always-on experts (DeepSeekMoE, Dai et
+    al. 2024: one SwiGLU of width shared x H) added to the routed output. With `moe.balance=bias`
+    the router's per-expert selection bias [E] is state (`routing.ExpertBias`).
     x [B, T, M] -> (y [B, T, M], aux); see `meshpar.nn.moe.moe_ffn`."""
 
     def __init__(self, cfg: DecoderConfig, moe: moe_lib.MoESettings, rngs: nnx.Rngs):
-        m, h, e = cfg.embed, cfg.mlp, moe.num_experts
+        m, h, e = cfg.embed, moe.expert_mlp or cfg.mlp, moe.num_experts
         self.router = param(rngs, (m, e), ("embed", None), 1.0 / math.sqrt(m))
         self.w_gate = param(rngs, (e, m, h), moe_lib.W_IN, 1.0 / math.sqrt(m))
         self.w_up = param(rngs, (e, m, h), moe_lib.W_IN, 1.0 / math.sqrt(m))
         self.w_down = param(rngs, (e, h, m), moe_lib.W_OUT, 1.0 / math.sqrt(h * 2 * cfg.layers))
+        self.shared = MLP(dataclasses.replace(cfg, mlp=moe.shared_experts * h), rngs) if moe.shared_experts else None
+        self.expert_bias = routing.ExpertBias(jnp.zeros((e,), jnp.float32)) if moe.balance == "bias" else None
         self.moe = moe
 
     def __call__(self, x):
         settings = dataclasses.replace(self.moe, capacity_factor=None) if _DECODING.get() else self.moe
-        return moe_lib.moe_ffn(x, self.router[...], self.w_gate[...], self.w_up[...], self.w_down[...], settings)
+        bias = None if self.expert_bias is None else self.expert_bias[...]
+        y, aux = moe_lib.moe_ffn(x, self.router[...], self.w_gate[...], self.w_up[...], self.w_down[...], settings,
+                                 bias)
+        return (y if self.shared is None else y + self.shared(x)), aux
 
 
 class SuperBlock(nnx.Module):
@@ -102,6 +111,11 @@ class MoEDecoder(Decoder):
         with moe_lib.routing_key(key):
             x, aux = scan_layers(self.layers, x, positions, self.cfg.remat, self.cfg.scan_layers,
                                  segment_ids=segment_ids)
+        aux = dict(aux)
+        load = aux.pop("expert_load", None)              # [L / k, E]: the bias moves after the forward
+        if load is not None and not _DECODING.get():
+            ffn = self.layers.moe.ffn
+            ffn.expert_bias.set_value(routing.updated_bias(ffn.expert_bias[...], load, self.moe_settings.bias_rate))
         return self.head(x, dtype), aux
 
 

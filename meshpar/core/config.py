@@ -121,10 +121,22 @@ class PipelineConfig:
 TOP_K = {"top1": 1, "top2": 2}       # moe.routing -> experts per token (K): Switch, GShard
 
 
+def top_k(moe) -> int:
+    """Experts per token of a `cfg.moe`: moe.top_k, else what moe.routing names."""
+    return moe.top_k if moe.top_k is not None else TOP_K[moe.routing]
+
+
 @dataclass
 class MoEConfig:
     """Mixture of experts (read by model.name=moe and user factories)."""
-    routing: str = "top2"             # top1 | top2
+    routing: str = "top2"             # top1 | top2 (Switch, GShard): what top_k is when it is null
+    top_k: int | None = None          # experts per token; null: from moe.routing
+    score: str = "softmax"            # router scores: softmax (GShard, Mixtral) | sigmoid (DeepSeek-V3)
+    norm_topk: bool | None = None     # renormalise the chosen k gates to sum to 1; null: when top_k > 1 (GShard)
+    shared_experts: int = 0           # always-on experts added to the routed output (DeepSeekMoE), each expert_mlp wide
+    expert_mlp: int | None = None     # hidden width of each expert (fine-grained experts); null: model.mlp
+    balance: str = "aux"              # aux (load-balancing loss) | bias (DeepSeek-V3: a per-expert selection bias, no aux loss)
+    bias_rate: float = 0.001          # moe.balance=bias: the bias moves by this per step, against the expert's load error
     capacity_factor: float | None = 1.25   # None: dropless
     num_experts: int = 4              # experts per MoE layer (divisible by mesh.expert)
     every: int = 2                    # MoE feed-forward in every k-th layer
@@ -367,10 +379,23 @@ def to_dict(cfg: Config) -> dict:
 
 def _check_moe(cfg: Config) -> None:
     """MoE checks that need no devices; one line each, naming the key and a fix."""
-    m, k = cfg.moe, TOP_K[cfg.moe.routing]
-    if k > m.num_experts:
-        raise ConfigError(f"moe.routing={m.routing} sends every token to {k} experts but moe.num_experts="
-                          f"{m.num_experts}; use routing=top1 or at least {k} experts")
+    m = cfg.moe
+    _choice("moe.routing", m.routing, TOP_K)
+    k = top_k(m)
+    if k < 1 or k > m.num_experts:
+        what = f"moe.top_k={k}" if m.top_k is not None else f"moe.routing={m.routing}"
+        raise ConfigError(f"{what} sends every token to {k} experts but moe.num_experts={m.num_experts}; use "
+                          f"1..{m.num_experts} experts per token, or more experts")
+    _choice("moe.score", m.score, ("softmax", "sigmoid"))
+    _choice("moe.balance", m.balance, ("aux", "bias"))
+    if m.shared_experts < 0 or (m.expert_mlp is not None and m.expert_mlp < 1) or m.bias_rate <= 0:
+        raise ConfigError("config keys 'moe.shared_experts' must be >= 0, 'moe.expert_mlp' >= 1 or null, "
+                          f"'moe.bias_rate' > 0 (got {m.shared_experts}, {m.expert_mlp}, {m.bias_rate})")
+    if m.balance == "bias" and cfg.model.name == "moe" and cfg.mesh.pipeline * int((cfg.mesh.dcn or {}).get(
+            "pipeline", 1)) > 1:
+        raise ConfigError("moe.balance=bias with mesh.pipeline > 1: the per-expert bias is state of the stacked "
+                          "layers, updated after each forward, which pipeline stages do not carry yet; use "
+                          "moe.balance=aux, or mesh.pipeline=1")
     if m.group_size is not None and m.group_size < 1:
         raise ConfigError(f"config key 'moe.group_size' must be >= 1 or null (one sequence per group), "
                           f"got {m.group_size}")
@@ -427,7 +452,6 @@ def validate(cfg: Config) -> None:
         _choice("data.kind", cfg.data.kind, ("synthetic", "tokens", "text"))
     _choice("data.dtype", cfg.data.dtype, ("uint16", "uint32"))
     _choice("pipeline.schedule", cfg.pipeline.schedule, ("gpipe", "1f1b", "interleaved"))
-    _choice("moe.routing", cfg.moe.routing, TOP_K)
     _choice("moe.second_expert_policy", cfg.moe.second_expert_policy, ("all", "random"))
     _choice("train.on_nan", cfg.train.on_nan, ("skip", "stop"))
     _choice("serve.strategy", cfg.serve.strategy, {**rules.SERVING, **rules.PRESETS})

@@ -3,6 +3,8 @@
 layers   `param` (annotated init), `stacked` (the `layers` axis), `scan_layers` (+ remat policies)
 attention  the attention mask as data, the xla / cudnn kernels, the kernel choice (`model.attention`)
 flash    blockwise attention with an online softmax and a recomputing backward: O(S) memory
-moe      mixture of experts: GShard/Switch routing, dispatch/combine (all-to-all over `expert`), dropless
+splash   Pallas splash attention (TPU)
+routing  MoE routing: scores, top-K, gates, capacity slots, aux/z losses, the balancing bias
+moe      mixture of experts: dispatch/combine (all-to-all over `expert`), dropless `ragged_dot`
 stages   the stage protocol: a model as pre / stacked layers / post / loss, what a pipeline cuts
 """

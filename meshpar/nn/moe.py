@@ -2,7 +2,13 @@
 
 After GShard (Lepikhin et al. 2020, Algorithm 1) and Switch Transformer (Fedus et al. 2021). Letters:
 G groups, S tokens per group, E experts, C capacity (slots per expert per group), M model width
-(`embed`), H expert hidden width (`expert_mlp`), K experts per token (top1: 1, top2: 2).
+(`embed`), H expert hidden width (`expert_mlp`), K experts per token (top1: 1, top2: 2; `moe.top_k`).
+
+Routing family (`meshpar.nn.routing.route`): softmax scores (GShard, Switch, Mixtral, Qwen) or sigmoid (DeepSeek-V3);
+the chosen K gates renormalised or not (`norm_topk`); a per-expert bias that picks experts but never
+weighs them, moved against the load error after each forward (`updated_bias`, DeepSeek-V3's
+auxiliary-loss-free balancing). Shared experts (DeepSeekMoE) are a dense SwiGLU the model adds
+(models/moe.py).
 
     x [B, T, M] -> regroup [G, S, M] -> router logits [G, S, E] (fp32) -> route
     capacity mode (`capacity_factor` a number), GShard's einsums (the reference, `DISPATCH="einsum"`):
@@ -34,11 +40,8 @@ data/fsdp and all-gathered over those axes for compute, as every FSDP weight is 
 over `expert`. Random routing draws U(0, 1) from a key folded with integer hashes of the tokens and
 of the layer's router, so it is identical under every sharding.
 
-Auxiliary losses (per MoE layer, fp32):
-    aux_loss = E * mean_G sum_E (mean_S gates[G,S,E]) * (mean_S top1_mask[G,S,E])   (GShard eq. 4,
-               Switch eq. 4): exactly 1 when the gates are uniform, so the training loss gets
-               `aux_loss_weight` then.
-    z_loss   = mean_{G,S} logsumexp(logits)^2   (ST-MoE, Zoph et al. 2022)
+Routing (scores, top-K, capacity slots, the auxiliary losses, the balancing bias) is
+`meshpar.nn.routing`.
 """
 from __future__ import annotations
 
@@ -47,14 +50,14 @@ import contextvars
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from meshpar.core.config import TOP_K
+from meshpar.core.config import top_k
 from meshpar.core.errors import ConfigError
 from meshpar.core.rules import active_layout, constrain
+from meshpar.nn.routing import Routing, capacity, route
 
 TOKENS = ("group", None, "embed")                         # GSM
 ROUTING = ("group", None, None)                           # GSE, GSK
@@ -75,140 +78,32 @@ DISPATCH = "gather"
 class MoESettings:
     """The MoE part of a run config, as the layers need it (see `meshpar.core.config.MoEConfig`)."""
     num_experts: int
-    top_k: int                        # 1 (Switch) or 2 (GShard)
+    top_k: int                        # K: 1 (Switch), 2 (GShard, Mixtral), 8 (DeepSeek-V3) ...
     capacity_factor: float | None     # None: dropless
     every: int = 2
     aux_loss_weight: float = 0.01
     z_loss_weight: float = 0.001
     group_size: int | None = None
     second_expert_policy: str = "all"
+    score: str = "softmax"            # softmax | sigmoid
+    norm_topk: bool | None = None     # None: when top_k > 1
+    shared_experts: int = 0
+    expert_mlp: int | None = None     # None: the model's mlp
+    balance: str = "aux"              # aux | bias
+    bias_rate: float = 0.001
 
     @classmethod
     def from_config(cls, m) -> "MoESettings":
-        return cls(num_experts=m.num_experts, top_k=TOP_K[m.routing],
+        return cls(num_experts=m.num_experts, top_k=top_k(m),
                    capacity_factor=m.capacity_factor, every=m.every, aux_loss_weight=m.aux_loss_weight,
                    z_loss_weight=m.z_loss_weight, group_size=m.group_size,
-                   second_expert_policy=m.second_expert_policy)
+                   second_expert_policy=m.second_expert_policy, score=m.score, norm_topk=m.norm_topk,
+                   shared_experts=m.shared_experts, expert_mlp=m.expert_mlp, balance=m.balance,
+                   bias_rate=m.bias_rate)
 
-
-def capacity(group_size: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
-    """Slots per expert per group: C = ceil(K * S * capacity_factor / E) (GShard §2.2)."""
-    if capacity_factor <= 0:
-        raise ConfigError(f"moe.capacity_factor must be > 0 or null (dropless), got {capacity_factor}")
-    return max(1, math.ceil(top_k * group_size * capacity_factor / num_experts))
-
-
-# ----------------------------------------------------------------------------------------------
-# Routing (fp32)
-
-class Routing(NamedTuple):
-    """What the router decided for logits [G, S, E]."""
-    index: jax.Array        # [G, S, K] int32: chosen experts, best first
-    gates: jax.Array        # [G, S, K] fp32: top1 the softmax gate; top2 g_k / (g1 + g2); 0 if not routed
-    routed: jax.Array       # [G, S, K] bool: assignment made (False: 2nd expert skipped by random routing)
-    kept: jax.Array         # [G, S, K] bool: routed and within capacity (all routed when dropless)
-    position: jax.Array     # [G, S, K] int32: slot in the expert's buffer (meaningful where kept)
-    combine: jax.Array | None   # [G, S, E, C] fp32 combine weights (None when dropless)
-    dispatch: jax.Array | None  # [G, S, E, C] bool dispatch mask (None when dropless)
-    aux_loss: jax.Array     # scalar: load-balancing loss, 1.0 under uniform gates (unweighted)
-    z_loss: jax.Array       # scalar: mean logsumexp(logits)^2 (unweighted)
-    drop_fraction: jax.Array  # scalar: dropped / routed (token, expert) assignments
-    load: jax.Array         # [E]: fraction of routed assignments per expert (sums to 1)
-
-
-def load_balancing_loss(gates: jax.Array, top1: jax.Array) -> jax.Array:
-    """E * mean_G sum_E mean_S(gates) * mean_S(top1 one-hot). gates, top1 [G, S, E] -> scalar.
-
-    Uniform gates (1/E each) give exactly 1 whatever the top-1 choices, since the top-1 fractions sum
-    to 1 over experts."""
-    e = gates.shape[-1]
-    me = jnp.mean(gates, axis=1)       # [G, E] mean gate
-    ce = jnp.mean(top1, axis=1)        # [G, E] fraction of tokens whose first choice is e
-    return e * jnp.mean(jnp.sum(me * ce, axis=-1))
-
-
-def z_loss(logits: jax.Array) -> jax.Array:
-    """Router z-loss: mean over tokens of logsumexp(logits)^2. logits [G, S, E] -> scalar."""
-    return jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
-
-
-def route(logits: jax.Array, top_k: int, capacity_factor: float | None, second_policy: str = "all",
-          rng: jax.Array | None = None, with_masks: bool = True) -> Routing:
-    """GShard Algorithm 1 (top2) / Switch (top1) on router logits [G, S, E], computed in fp32.
-
-    - gates = softmax(logits); expert 1 = argmax, expert 2 = argmax of the rest (ties: lowest index).
-    - top2: g1, g2 renormalised by g1 + g2; `second_policy="random"` keeps the 2nd expert only where
-      2 * g2 > U(0, 1) (needs `rng`). top1: the gate is the softmax probability itself (Switch), so
-      the router gets a gradient.
-    - capacity C = ceil(K * S * capacity_factor / E); a token's slot in an expert is its rank by
-      cumulative sum over S, first choices of the whole group before second choices; assignments at
-      slot >= C are dropped (the token then only passes through the residual connection).
-    - capacity_factor None: dropless, every routed assignment is kept.
-    - `with_masks=False`: skip the [G, S, E, C] combine/dispatch tensors (None); the fast path needs only
-      index, gates, kept and position.
-    """
-    logits = logits.astype(jnp.float32)
-    g, s, e = logits.shape
-    if top_k > e:
-        raise ConfigError(f"moe.routing=top{top_k} needs at least {top_k} experts, got moe.num_experts={e}")
-    probs = jax.nn.softmax(logits, axis=-1)
-    index, gates, masks = [], [], []
-    rest = probs
-    for _ in range(top_k):
-        i = jnp.argmax(rest, axis=-1)                                  # [G, S]
-        mask = jax.nn.one_hot(i, e, dtype=jnp.float32)                 # [G, S, E]
-        index.append(i)
-        gates.append(jnp.sum(probs * mask, axis=-1))
-        masks.append(mask)
-        rest = rest * (1.0 - mask) - mask                              # exclude chosen (probs >= 0)
-    index = jnp.stack(index, -1).astype(jnp.int32)                     # [G, S, K]
-    gates = jnp.stack(gates, -1)                                       # [G, S, K]
-    if top_k > 1:
-        gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
-    routed = jnp.ones(index.shape, bool)
-    if second_policy == "random" and top_k > 1:
-        if rng is None:
-            raise ValueError("second_policy='random' needs an rng key")
-        u = jax.random.uniform(rng, (g, s), jnp.float32)
-        routed = routed.at[..., 1].set(2.0 * gates[..., 1] > u)
-    gates = gates * routed
-
-    aux = load_balancing_loss(probs, masks[0])
-    zl = z_loss(logits)
-    routed_f = routed.astype(jnp.float32)
-    onehots = jnp.stack(masks, axis=2) * routed_f[..., None]           # [G, S, K, E]
-    load = jnp.sum(onehots, axis=(0, 1, 2)) / jnp.maximum(jnp.sum(routed_f), 1.0)
-
-    if capacity_factor is None:
-        return Routing(index, gates, routed, routed, jnp.zeros_like(index), None, None, aux, zl,
-                       jnp.zeros((), jnp.float32), load)
-
-    cap = capacity(s, e, top_k, capacity_factor)
-    filled = jnp.zeros((g, 1, e), jnp.float32)                         # slots taken per expert [G, 1, E]
-    kept, position = [], []
-    combine = jnp.zeros((g, s, e, cap), jnp.float32) if with_masks else None
-    for k in range(top_k):
-        mask = onehots[:, :, k]                                        # [G, S, E]
-        pos = (jnp.cumsum(mask, axis=1) - 1.0 + filled) * mask         # slot per (token, expert)
-        mask = mask * (pos < cap)
-        filled = filled + jnp.sum(mask, axis=1, keepdims=True)
-        pos_k = jnp.sum(pos * mask, axis=-1).astype(jnp.int32)         # [G, S]
-        kept_k = jnp.sum(mask, axis=-1) > 0                            # [G, S]
-        if with_masks:
-            slot = jax.nn.one_hot(pos_k, cap, dtype=jnp.float32) * kept_k[..., None]   # [G, S, C]
-            combine = combine + (gates[..., k, None] * mask)[..., None] * slot[:, :, None, :]
-        kept.append(kept_k)
-        position.append(pos_k)
-    kept = jnp.stack(kept, -1)
-    position = jnp.stack(position, -1)
-    drop = (jnp.sum(routed_f) - jnp.sum(kept.astype(jnp.float32))) / jnp.maximum(jnp.sum(routed_f), 1.0)
-    if not with_masks:
-        return Routing(index, gates, routed, kept, position, None, None, aux, zl, drop, load)
-    dispatch = jnp.zeros((g, s, e, cap), bool)
-    for k in range(top_k):
-        hit = jax.nn.one_hot(index[..., k], e, dtype=bool) & kept[..., k, None]      # [G, S, E]
-        dispatch = dispatch | (hit[..., None] & jax.nn.one_hot(position[..., k], cap, dtype=bool)[:, :, None, :])
-    return Routing(index, gates, routed, kept, position, combine, dispatch, aux, zl, drop, load)
+    @property
+    def normalise(self) -> bool:
+        return self.top_k > 1 if self.norm_topk is None else self.norm_topk
 
 
 # ----------------------------------------------------------------------------------------------
@@ -425,11 +320,13 @@ def regroup(x, group_size: int | None):
     return x.reshape(b * t // s, s, m)
 
 
-def moe_ffn(x, router, w_gate, w_up, w_down, settings: MoESettings):
-    """The MoE feed-forward. x [B, T, M]; router [M, E]; w_gate, w_up [E, M, H]; w_down [E, H, M].
+def moe_ffn(x, router, w_gate, w_up, w_down, settings: MoESettings, bias=None):
+    """The MoE feed-forward's routed experts. x [B, T, M]; router [M, E]; w_gate, w_up [E, M, H];
+    w_down [E, H, M]; bias [E]: DeepSeek-V3's selection bias (`moe.balance=bias`).
 
-    Returns (y [B, T, M], aux) with aux scalars: `loss` (weighted aux + z loss, added to the training
-    loss), `aux_loss`, `z_loss` (unweighted), `drop_fraction`, `load_min`, `load_max`."""
+    Returns (y [B, T, M], aux) with aux scalars: `loss` (weighted aux loss, none under bias balancing,
+    + z loss: added to the training loss), `aux_loss`, `z_loss` (unweighted), `drop_fraction`,
+    `load_min`, `load_max`, and with a bias `expert_load` [E] (for `updated_bias`)."""
     b, t, m = x.shape
     dt = x.dtype
     xg = constrain(regroup(x, settings.group_size), TOKENS, "moe tokens GSM")
@@ -444,7 +341,7 @@ def moe_ffn(x, router, w_gate, w_up, w_down, settings: MoESettings):
         rng = jax.random.fold_in(rng, jnp.sum(bits))
     einsum = DISPATCH == "einsum" and settings.capacity_factor is not None
     r = route(logits, settings.top_k, settings.capacity_factor, settings.second_expert_policy, rng,
-              with_masks=einsum)
+              with_masks=einsum, score=settings.score, normalise=settings.normalise, bias=bias)
     w = [a.astype(dt) for a in (w_gate, w_up, w_down)]
     if settings.capacity_factor is None:
         y = dropless(xg, r, *w)
@@ -455,7 +352,11 @@ def moe_ffn(x, router, w_gate, w_up, w_down, settings: MoESettings):
         r = r._replace(combine=constrain(r.combine, MASKS, "moe combine GSEC"),
                        dispatch=constrain(r.dispatch, MASKS, "moe dispatch GSEC"))
         y = dispatch_combine(xg, r, *w)
-    aux = {"loss": settings.aux_loss_weight * r.aux_loss + settings.z_loss_weight * r.z_loss,
+    aux_weight = 0.0 if settings.balance == "bias" else settings.aux_loss_weight
+    aux = {"loss": aux_weight * r.aux_loss + settings.z_loss_weight * r.z_loss,
            "aux_loss": r.aux_loss, "z_loss": r.z_loss, "drop_fraction": r.drop_fraction,
            "load_min": jnp.min(r.load), "load_max": jnp.max(r.load)}
+    if bias is not None:
+        aux["expert_load"] = r.load
     return y.reshape(b, t, m), aux
+

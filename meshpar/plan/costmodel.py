@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 
 import jax
 
+from meshpar.core.config import top_k
 from meshpar.core.mesh import MESH_AXES
 from meshpar.core.rules import BATCH_AXES, get_strategy, parse_user_rules, resolve, spec_axes
 from meshpar.train.data import packs_documents
@@ -103,13 +104,13 @@ class ModelFacts:
         dims = {k: getattr(m, k, None) for k in ("layers", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab")}
         moe = {}
         if any("expert" in lf.names for lf in leaves):
-            from meshpar.core.config import TOP_K
-            moe = {"num_experts": cfg.moe.num_experts, "every": cfg.moe.every, "top_k": TOP_K[cfg.moe.routing],
-                   "capacity_factor": cfg.moe.capacity_factor or 1.0, "expert_mlp": dims["mlp"]}
+            moe = {"num_experts": cfg.moe.num_experts, "every": cfg.moe.every, "top_k": top_k(cfg.moe),
+                   "capacity_factor": cfg.moe.capacity_factor or 1.0, "expert_mlp": cfg.moe.expert_mlp or dims["mlp"],
+                   "shared_experts": cfg.moe.shared_experts}
         n = sum(lf.numel for lf in leaves)
         lookups = () if getattr(m, "tie_embeddings", False) else tuple(
             lf.path for lf in leaves if not lf.stacked and lf.names == ("vocab", "embed"))
-        return cls(leaves, n, flops_per_token(m, active_params(spec, cfg.moe.routing), cfg.batch.length), dims, moe, lookups)
+        return cls(leaves, n, flops_per_token(m, active_params(spec, top_k(cfg.moe)), cfg.batch.length), dims, moe, lookups)
 
 
 @dataclass(frozen=True)

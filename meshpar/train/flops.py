@@ -12,15 +12,15 @@ import time
 import jax
 import jax.numpy as jnp
 
+from meshpar.core import config as config_lib
 from meshpar.core.sharding import ModelSpec
 
 
-def active_params(spec: ModelSpec, routing: str = "top2") -> float:
+def active_params(spec: ModelSpec, top_k: int = 2) -> float:
     """Parameters one token's forward pass multiplies with: all but the input embedding table (a
     gather, not a matmul), and of each expert weight (logical axis `expert`, size E) only the
-    top_k / E share its token is routed to (`routing`: `moe.routing`)."""
-    from meshpar.core.config import TOP_K
-    top_k = TOP_K[routing]
+    top_k / E share its token is routed to (`meshpar.core.config.top_k(cfg.moe)`); shared experts
+    are dense weights, counted whole."""
     total = 0.0
     for shape, names in zip(jax.tree.leaves(spec.shapes),
                             jax.tree.leaves(spec.logical, is_leaf=lambda x: isinstance(x, tuple))):
@@ -114,7 +114,7 @@ def model_flops_per_step(trainer) -> tuple[float, str]:
     are the trainer's run's."""
     b, t = trainer.cfg.batch, trainer.cfg.train
     if trainer.is_lm:
-        per_token = flops_per_token(trainer.spec.cfg, active_params(trainer.spec, trainer.cfg.moe.routing), b.length)
+        per_token = flops_per_token(trainer.spec.cfg, active_params(trainer.spec, config_lib.top_k(trainer.cfg.moe)), b.length)
         return per_token * b.global_size * b.length, "6N + 12LHQT per token (PaLM)"
     if t.flops_per_example:
         return t.flops_per_example * b.global_size, "train.flops_per_example"

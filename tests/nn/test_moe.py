@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 from tests.conftest import make_cfg
 
-from meshpar.nn import moe
+from meshpar.nn import moe, routing
 from meshpar.core.errors import ConfigError, ShardingError
 from meshpar.core.rules import PRESETS, resolve
 
 LN = math.log
 # jitted once per shape: eager mode would compile every small op of the router separately
-route = jax.jit(moe.route, static_argnums=(1, 2, 3))
+route = jax.jit(routing.route, static_argnums=(1, 2, 3))
 moe_ffn = jax.jit(moe.moe_ffn, static_argnums=(5,))
 
 
@@ -30,11 +30,11 @@ def _logits(rows):
 # capacity and dropping
 
 def test_capacity_formula():
-    assert moe.capacity(8, 4, 2, 1.0) == 4          # ceil(2 * 8 * 1.0 / 4)
-    assert moe.capacity(8, 4, 2, 1.25) == 5         # ceil(5.0)
-    assert moe.capacity(10, 4, 1, 1.0) == 3         # ceil(2.5)
+    assert routing.capacity(8, 4, 2, 1.0) == 4          # ceil(2 * 8 * 1.0 / 4)
+    assert routing.capacity(8, 4, 2, 1.25) == 5         # ceil(5.0)
+    assert routing.capacity(10, 4, 1, 1.0) == 3         # ceil(2.5)
     with pytest.raises(ConfigError, match="capacity_factor"):
-        moe.capacity(8, 4, 1, 0.0)
+        routing.capacity(8, 4, 1, 0.0)
 
 
 def test_top1_capacity_drops_later_tokens_in_order():

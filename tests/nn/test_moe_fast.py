@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from meshpar.nn import moe
+from meshpar.nn import moe, routing
 from tests.conftest import devices, make_cfg
 
 
@@ -68,7 +68,7 @@ def test_no_group_token_expert_slot_tensor_is_materialised():
     """Forward and backward of the gather path hold nothing shaped [G, S, E, C]; the einsum
     reference does (which is what the check looks for)."""
     settings = moe.MoESettings(E, 2, 1.25)
-    c = moe.capacity(T, E, 2, 1.25)
+    c = routing.capacity(T, E, 2, 1.25)
     gsec = (B, T, E, c)
     assert gsec in _shapes("einsum", settings)
     assert not any(s[-3:] == gsec[-3:] for s in _shapes("gather", settings) if len(s) >= 3)

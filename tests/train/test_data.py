@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from meshpar.train.data import Batches, MarkovLanguage, TextFiles, TokenFile
+from meshpar.core.config import top_k
 from meshpar.core.errors import ConfigError
 from tests.conftest import devices
 
@@ -73,12 +74,12 @@ def test_active_params_count_matmul_weights_and_routed_experts_only():
     dense = make_cfg()
     spec = model_spec(default_model(dense))
     emb = spec.shapes["embedding"].shape
-    assert active_params(spec, dense.moe.routing) == spec.num_params - emb[0] * emb[1]
+    assert active_params(spec, top_k(dense.moe)) == spec.num_params - emb[0] * emb[1]
     moe = make_cfg("model.name=moe", "moe.num_experts=4", "moe.routing=top1")
     mspec = model_spec(default_model(moe))
     experts = sum(np.prod(s.shape) for s, n in zip(jax_leaves(mspec.shapes), jax_leaves(mspec.logical))
                   if "expert" in n)
-    assert active_params(mspec, moe.moe.routing) == pytest.approx(mspec.num_params - emb[0] * emb[1] - experts * 3 / 4)
+    assert active_params(mspec, top_k(moe.moe)) == pytest.approx(mspec.num_params - emb[0] * emb[1] - experts * 3 / 4)
 
 
 def jax_leaves(tree):
