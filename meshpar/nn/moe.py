@@ -53,6 +53,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from meshpar.core.config import top_k
 from meshpar.core.errors import ConfigError
@@ -253,6 +254,20 @@ def _dropless_local(x, index, routed, gates, w_gate, w_up, w_down, ep_axes=(), e
     return jnp.einsum("nkm,nk->nm", per_assignment, gates.astype(dt))
 
 
+_BRANCHES: contextvars.ContextVar[bool] = contextvars.ContextVar("meshpar_moe_branches", default=False)
+
+
+@contextlib.contextmanager
+def in_device_branches(on: bool = True) -> Iterator[None]:
+    """Declare that layers traced inside run in per-device branches (1F1B's `lax.switch` on the stage
+    index): dropless routing then runs replicated over the stage's devices (see `dropless`)."""
+    token = _BRANCHES.set(on)
+    try:
+        yield
+    finally:
+        _BRANCHES.reset(token)
+
+
 def _in_manual_region() -> bool:
     """True inside a shard_map (the pipeline's, manual over `pipeline` and maybe `data`)."""
     ctx = jax.sharding.get_abstract_mesh()
@@ -267,15 +282,23 @@ def dropless(x, r: Routing, w_gate, w_up, w_down):
     tokens do not use (Megatron-style psum). Parameters are never gathered over `expert`.
     Inside the pipeline's shard_map (already manual over `pipeline`) the one-device computation runs
     auto-partitioned instead: XLA places it (gathering expert weights where it must). A nested
-    shard_map there trips JAX 0.10's derivation of residual/cotangent specs under Shardy."""
+    shard_map there trips JAX 0.10's derivation of residual/cotangent specs under Shardy. Inside
+    1F1B's per-device branches (`in_device_branches`) it runs replicated over the stage's devices,
+    tokens and expert weights gathered first: XLA:CPU partitions the sort and grouped matmuls with
+    collective-permutes, whose rendezvous waits for every device of the program, also those of the
+    other stages, which run other branches (a deadlock). That repeats the expert work on each of the
+    stage's devices: correct, not fast; GPipe and interleaved keep the partitioned path."""
     g, s, m = x.shape
     k = r.index.shape[-1]
     layout = active_layout()
+    if layout is not None and _BRANCHES.get():   # replicated: no collective-permute inside a branch
+        rep = lambda a: jax.lax.with_sharding_constraint(a, P())
+        x, w_gate, w_up, w_down = map(rep, (x, w_gate, w_up, w_down))
+        r = r._replace(index=rep(r.index), routed=rep(r.routed), gates=rep(r.gates))
     if layout is None or _in_manual_region():
         y = _dropless_local(x.reshape(g * s, m), r.index.reshape(g * s, k), r.routed.reshape(g * s, k),
                             r.gates.reshape(g * s, k), w_gate, w_up, w_down)
         return y.reshape(g, s, m)
-    from jax.sharding import PartitionSpec as P
     g_axes = _spec_axes(layout.spec(("group",)), 1)[0]
     e_axes, _, h_axes = _spec_axes(layout.spec(W_IN, w_gate.shape, "moe expert weights"), 3)
     h_axes = tuple(a for a in h_axes if a not in g_axes)

@@ -58,6 +58,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshpar.core.errors import ConfigError, ShardingError
 from meshpar.core.rules import spec_axes
+from meshpar.nn import moe
 from meshpar.parallel import context
 from meshpar.parallel.residuals import Residuals
 from meshpar.parallel.schedules import BRANCH_SHARE, branch_shares, one_f_one_b_branches, one_f_one_b_program
@@ -69,11 +70,11 @@ AXIS = "pipeline"
 # ----------------------------------------------------------------------------------------------
 # Config checks (one line each, naming the key and a fix).
 
-def check(pc, batch, layout, shapes: dict, model_layers: int, dropless_moe: bool = False, loss: str | None = None) -> None:
+def check(pc, batch, layout, shapes: dict, model_layers: int, loss: str | None = None) -> None:
     """Raise ConfigError/ShardingError for a pipelined run that cannot run: `pc` its `cfg.pipeline`,
     `batch` its `cfg.batch`, shapes the model's parameter shapes (pure dict, `ModelSpec.shapes`),
-    `model_layers` its `model.layers`, `dropless_moe` whether it routes MoE without capacity, `loss`
-    the name of a loss other than the built-in LM's (None: the LM's)."""
+    `model_layers` its `model.layers`, `loss` the name of a loss other than the built-in LM's (None:
+    the LM's)."""
     p = layout.shape.get(AXIS, 1)
     m, v = pc.microbatches, pc.virtual_stages
     if p <= 1:
@@ -85,11 +86,6 @@ def check(pc, batch, layout, shapes: dict, model_layers: int, dropless_moe: bool
                           "mesh.context=1 or mesh.pipeline=1")
     _split_params(shapes)
     num_layers = jax.tree.leaves(shapes["layers"])[0].shape[0]
-    if pc.schedule == "1f1b" and dropless_moe:
-        raise ConfigError("pipeline.schedule=1f1b cannot run dropless MoE (moe.capacity_factor=null): 1F1B runs each "
-                          "stage in a per-device branch, and XLA partitions dropless routing with collectives over "
-                          "all devices, which would deadlock; use pipeline.schedule=gpipe or interleaved, or set "
-                          "moe.capacity_factor")
     if v > 1 and pc.schedule != "interleaved":
         raise ConfigError(f"pipeline.virtual_stages={v} needs pipeline.schedule=interleaved "
                           f"(got {pc.schedule}); set pipeline.virtual_stages=1 or the interleaved schedule")
@@ -407,9 +403,11 @@ def value_and_grad(spec, params: dict, batch, pc, layout, policy, loss_scale=Non
     manual = (AXIS,) + data + seq
 
     def in_body(f):
-        """Trace `f` with the manual batch (and sequence) axes hidden from `constrain`."""
+        """Trace `f` with the manual batch (and sequence) axes hidden from `constrain`; under 1F1B
+        the stages run in per-device branches (dropless MoE layers then route replicated)."""
         def run(*args):
-            with use_layout(layout.hiding(data + seq)), context.balanced(bool(seq)):
+            with use_layout(layout.hiding(data + seq)), context.balanced(bool(seq)), \
+                    moe.in_device_branches(pc.schedule == "1f1b"):
                 return f(*args)
         return run
 

@@ -132,7 +132,6 @@ class TrainSetup:
         check_state(self.spec)
         cfg = self.cfg
         pipeline.check(cfg.pipeline, cfg.batch, self.layout, self.spec.shapes, cfg.model.layers,
-                       dropless_moe=cfg.model.name == "moe" and cfg.moe.capacity_factor is None,
                        loss=None if self.is_lm else self.loss_name)
 
     def warnings(self) -> list[str]:

@@ -1,5 +1,5 @@
 """Every pipeline schedule x model (decoder; MoE with top-1, top-2 and dropless routing, experts split
-over `expert` inside each stage) trains through `meshpar train` or stops with one line naming why.
+over `expert` inside each stage) trains through `meshpar train`.
 """
 import pytest
 
@@ -17,14 +17,10 @@ SWEEP = [("decoder", "1f1b"), ("moe-top1", "interleaved"), ("moe-top2", "1f1b"),
 
 @pytest.mark.parametrize("model,schedule", tiered(SWEEP, {("decoder", "1f1b"), ("moe-top1", "interleaved"),
                                                           ("moe-dropless", "1f1b")}, [f"{m}-{s}" for m, s in SWEEP]))
-def test_pipeline_with_moe_trains_or_stops_with_one_line(capsys, model, schedule):
+def test_pipeline_with_moe_trains(capsys, model, schedule):
     from meshpar.cli import main
     v = 2 if schedule == "interleaved" else 1
     code = main(["train", *MOE_TINY, *MODELS[model], f"pipeline.schedule={schedule}", f"pipeline.virtual_stages={v}",
                  "mesh.pipeline=2", "mesh.expert=2", "mesh.tensor=2", "mesh.data=1", "mesh.fsdp=1"])
     out = capsys.readouterr()
-    assert "Traceback" not in out.err
-    if code:
-        assert code == 2 and out.err.startswith("meshpar: error: ") and out.err.count("\n") == 1, out.err
-    assert (model, schedule) != ("moe-dropless", "1f1b") or "cannot run dropless MoE" in out.err
-    assert code == 0 or (model, schedule) == ("moe-dropless", "1f1b"), out.err[-2000:]
+    assert code == 0 and "Traceback" not in out.err, out.err[-2000:]

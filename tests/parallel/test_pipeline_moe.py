@@ -37,10 +37,13 @@ def test_pipelined_moe_with_expert_parallelism_equals_the_plain_moe():
         np.testing.assert_allclose(np.asarray(aux[k]), np.asarray(aux0[k]), rtol=1e-5, atol=1e-6)
 
 
-def test_pipelined_dropless_moe_equals_the_plain_model():
-    """GPipe over 2 stages with dropless experts split over `expert` inside each stage: loss and
-    gradients equal the unpipelined model on one device (fp32)."""
-    extra = [*TINY, "model.name=moe", "model.layers=4", "moe.capacity_factor=null", "pipeline.microbatches=2"]
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipelined_dropless_moe_equals_the_plain_model(schedule):
+    """GPipe (or 1F1B, whose per-device branches route replicated) over 2 stages with dropless experts
+    split over `expert` inside each stage: loss and gradients equal the unpipelined model on one
+    device (fp32)."""
+    extra = [*TINY, "model.name=moe", "model.layers=4", "moe.capacity_factor=null", "pipeline.microbatches=2",
+             f"pipeline.schedule={schedule}"]
     tr0 = Trainer(make_cfg(*extra, "strategy=dp", mesh={}), devices=devices(1))
     params = jax.device_get(tr0.init()["params"])
     tokens = np.asarray(jax.random.randint(jax.random.key(7), tr0.batch_shape, 0, 64))
