@@ -86,7 +86,7 @@ class ModelFacts:
     params: int
     flops_per_token: float
     dims: dict                      # layers, embed, heads, kv_heads, head_dim, mlp, vocab (None if unknown)
-    moe: dict = field(default_factory=dict)    # num_experts, every, top_k, capacity_factor, expert_mlp
+    moe: dict = field(default_factory=dict)    # num_experts, every, top_k, capacity_factor (None: dropless), expert_mlp, shared_experts
     lookups: tuple = ()             # paths of tables read by a lookup only ([vocab, embed], embeddings not tied)
 
     @classmethod
@@ -105,7 +105,7 @@ class ModelFacts:
         moe = {}
         if any("expert" in lf.names for lf in leaves):
             moe = {"num_experts": cfg.moe.num_experts, "every": cfg.moe.every, "top_k": top_k(cfg.moe),
-                   "capacity_factor": cfg.moe.capacity_factor or 1.0, "expert_mlp": cfg.moe.expert_mlp or dims["mlp"],
+                   "capacity_factor": cfg.moe.capacity_factor, "expert_mlp": cfg.moe.expert_mlp or dims["mlp"],
                    "shared_experts": cfg.moe.shared_experts}
         n = sum(lf.numel for lf in leaves)
         lookups = () if getattr(m, "tie_embeddings", False) else tuple(
@@ -250,10 +250,17 @@ def activation_parts(facts: ModelFacts, cand: Candidate, cfg, c: int) -> dict:
     if facts.moe:
         m = facts.moe
         moe_layers = layers / m["every"]
-        buf = tokens * m["top_k"] * m["capacity_factor"] * (2 * d["embed"] + 3 * m["expert_mlp"] / t_mlp)
+        buf = tokens * m["top_k"] * rows_factor(m, shape) * (2 * d["embed"] + 3 * m["expert_mlp"] / t_mlp)
         held = moe_layers / cand.virtual if shape["pipeline"] > 1 else moe_layers   # one microbatch's
         out["moe"] = c * buf * ((held if cand.remat == "none" else 0) + 1)
     return out
+
+
+def rows_factor(moe: dict, shape: dict) -> float:
+    """Expert-buffer rows per routed (token, expert) pair: the capacity factor, or, dropless, the
+    `expert` axis size (`meshpar.nn.moe.dropless` pads each shard's receive buffer to the worst case,
+    ep x the rows it routes)."""
+    return moe["capacity_factor"] if moe["capacity_factor"] is not None else shape["expert"]
 
 
 def activation_bytes(facts: ModelFacts, cand: Candidate, cfg, c: int) -> float:

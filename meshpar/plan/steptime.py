@@ -45,7 +45,7 @@ from meshpar.core.mesh import MESH_AXES
 from meshpar.core.rules import BATCH_AXES, get_strategy
 from meshpar.parallel.schedules import one_f_one_b_ticks, schedule_table
 from meshpar.plan.costmodel import (Candidate, ModelFacts, Resolver, _axes, _factor, activation_bytes, local_batch,
-                                    stage_recompute, state_bytes, workspace_parts)
+                                    rows_factor, stage_recompute, state_bytes, workspace_parts)
 
 
 def _batch_axes(shape: dict) -> list:
@@ -135,7 +135,7 @@ def collectives(facts: ModelFacts, cand: Candidate, cfg, res: Resolver, c: int, 
     if t > 1 and any(n == "heads" for n, _ in st.params):
         moe, kc = 0.0, 0.0          # share of MoE layers; their buffer [E,G,C,M] relative to [b, s, h]
         if facts.moe and any(n_ == "expert_mlp" for n_, _ in st.params):
-            moe, kc = 1 / facts.moe["every"], facts.moe["top_k"] * facts.moe["capacity_factor"]
+            moe, kc = 1 / facts.moe["every"], facts.moe["top_k"] * rows_factor(facts.moe, shape)
         dense, full = 1 - moe, cand.remat == "full"
         one_f = p > 1 and cand.schedule == "1f1b"       # bytes averaged over its stages (per-device branches)
         lc = layers / cand.virtual                      # layers a tick runs
@@ -173,7 +173,7 @@ def collectives(facts: ModelFacts, cand: Candidate, cfg, res: Resolver, c: int, 
     if facts.moe and shape["expert"] > 1:
         m = facts.moe
         per = 4 + (2 if cand.remat == "full" else 0)
-        buf = c * b * s * m["top_k"] * m["capacity_factor"] * h
+        buf = c * b * s * m["top_k"] * rows_factor(m, shape) * h
         add("all-to-all", ["expert"], buf * per * n_mb * layers / m["every"], False)
     return out
 

@@ -143,6 +143,11 @@ SWEEP = {   # name: (overrides, collective kinds the model must predict within 1
                           ["all-to-all", "all-reduce"]),
     "tiny moe expert=2 tp": (_T + _m(expert=2, tensor=2, data=2) + ["strategy=tp", "model.name=moe", "model.layers=4"],
                              ["all-to-all", "all-reduce"]),
+    "tiny moe dropless expert=4": (_T + _m(data=2, expert=4) + ["strategy=dp", "model.name=moe", "model.layers=4",
+                                                                 "moe.capacity_factor=null"], ["all-to-all", "all-reduce"]),
+    "tiny moe deepseek-style expert=4": (_T + _m(data=2, expert=4) + [
+        "strategy=dp", "model.name=moe", "model.layers=4", "moe.num_experts=8", "moe.top_k=2", "moe.shared_experts=1",
+        "moe.expert_mlp=32", "moe.score=sigmoid", "moe.balance=bias"], ["all-to-all", "all-reduce"]),
     "125m dp none": (_S + _m(data=8) + ["strategy=dp", "model.remat=none"], ["all-reduce"]),
     "125m dp 4 microbatches none": (_S + _m(data=8) + ["strategy=dp", "model.remat=none", "batch.global_size=32",
                                                        "batch.microbatches=4"], ["all-reduce"]),
@@ -164,7 +169,7 @@ SWEEP_FAST = {"tiny fsdp", "tiny 1f1b tp", "tiny moe expert=4", "125m zero1 4 mi
 
 
 def test_the_sweep_covers_presets_axes_remat_and_microbatches():
-    """29 configs (tiny and 125m; every preset; tensor, pipeline and expert axes; remat none, full and
+    """31 configs (tiny and 125m; MoE with capacity, dropless and DeepSeek-style; every preset; tensor, pipeline and expert axes; remat none, full and
     save_dots; microbatches 1 and 4), each checked against its compiled step below."""
     text = " ".join(" ".join(o) for o, _ in SWEEP.values())
     assert len(SWEEP) >= 20
