@@ -136,13 +136,14 @@ class TrainSetup:
 
     def warnings(self) -> list[str]:
         """One line each for what this run will ignore: config keys it does not read, user rules
-        that name no parameter, variable or batch leaf (they can only reach activations)."""
+        that name no parameter, variable or batch leaf (they can only reach activations); and the
+        padded exchange dropless expert parallelism falls back to."""
         from meshpar.core.config import ignored_warning
         out = [w for w in [ignored_warning(self.cfg)] if w]
         if self.idle_rules:
             out.append(f"warning: {', '.join(self.idle_rules)} name no parameter, variable or batch leaf of this "
                        "model: they apply only to activations constrained with those names")
-        return out + [f"warning: {w}" for w in self.batch_warnings]
+        return out + _dropless_note(self.cfg, self.layout) + [f"warning: {w}" for w in self.batch_warnings]
 
     def sharding_table(self) -> list[dict]:
         """The sharding table of this run: parameters, other state, batch leaves, and with the
@@ -218,3 +219,12 @@ def _lm_activations(setup) -> dict:
     """The built-in LM's token activations [batch, length], a row of the sharding table."""
     b = setup.cfg.batch
     return {"activations": Leaf((b.global_size, b.length), setup.policy.compute_dtype, ("batch", "length"))}
+
+
+def _dropless_note(cfg, layout) -> list[str]:
+    """Dropless expert parallelism exchanges tokens with a padded all-to-all: one line saying so."""
+    ep = layout.shape.get("expert", 1)
+    if cfg.model.name != "moe" or cfg.moe.capacity_factor is not None or ep == 1:
+        return []
+    return [f"note: dropless MoE over expert={ep} sends tokens with a padded all-to-all (each shard's buffer holds "
+            f"{ep} x its routed rows; jax.lax.ragged_all_to_all is not used yet)"]

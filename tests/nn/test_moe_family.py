@@ -134,3 +134,10 @@ def test_shared_and_fine_grained_experts_have_their_shapes():
 def test_bad_moe_keys_are_one_line(args, message):
     with pytest.raises(ConfigError, match=message):
         make_cfg(*COMMON, "moe.num_experts=8", *args)
+
+
+def test_dropless_expert_parallelism_says_its_exchange_is_padded():
+    tr = Trainer(make_cfg(*COMMON, *STYLES["deepseek"], mesh={"expert": 4, "data": 2}), devices=devices(8))
+    assert any("padded all-to-all" in w and "4 x its routed rows" in w for w in tr.warnings())
+    assert not any("padded" in w for w in Trainer(make_cfg(*COMMON, *STYLES["mixtral"], mesh={"expert": 4, "data": 2}),
+                                                  devices=devices(8)).warnings())
