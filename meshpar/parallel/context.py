@@ -278,7 +278,8 @@ def _across(q, k, v, mask, q_seg, k_seg, implementation, block, cp, strategy):
             raise ConfigError(f"{what} {n} is not divisible by mesh.context={cp}")
     if strategy not in STRATEGIES:
         raise ConfigError(f"unknown context strategy '{strategy}'" + suggest(strategy, STRATEGIES))
-    impl = attn_lib.choose(implementation, q, k, mask, q_seg is not None)
+    whole_k = jax.ShapeDtypeStruct((k.shape[0], s, *k.shape[2:]), k.dtype)   # auto decides by the whole length
+    impl = attn_lib.choose(implementation, q, whole_k, mask, q_seg is not None)
     if implementation == "auto" and (impl in ("cudnn", "splash") or strategy == "ring"):
         impl = "flash"              # what auto means across shards: cudnn and splash cannot, the ring merges lse
     if impl in ("cudnn", "splash"):
