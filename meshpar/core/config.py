@@ -377,6 +377,11 @@ def to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
 
 
+def _axis_total(cfg: Config, axis: str) -> int:
+    """A mesh axis's size as the config asks for it: mesh.<axis> (in a node) x mesh.dcn.<axis> (across)."""
+    return getattr(cfg.mesh, axis) * int((cfg.mesh.dcn or {}).get(axis, 1))
+
+
 def _check_moe(cfg: Config) -> None:
     """MoE checks that need no devices; one line each, naming the key and a fix."""
     m = cfg.moe
@@ -391,8 +396,7 @@ def _check_moe(cfg: Config) -> None:
     if m.shared_experts < 0 or (m.expert_mlp is not None and m.expert_mlp < 1) or m.bias_rate <= 0:
         raise ConfigError("config keys 'moe.shared_experts' must be >= 0, 'moe.expert_mlp' >= 1 or null, "
                           f"'moe.bias_rate' > 0 (got {m.shared_experts}, {m.expert_mlp}, {m.bias_rate})")
-    if m.balance == "bias" and cfg.model.name == "moe" and cfg.mesh.pipeline * int((cfg.mesh.dcn or {}).get(
-            "pipeline", 1)) > 1:
+    if m.balance == "bias" and cfg.model.name == "moe" and _axis_total(cfg, "pipeline") > 1:
         raise ConfigError("moe.balance=bias with mesh.pipeline > 1: the per-expert bias is state of the stacked "
                           "layers, updated after each forward, which pipeline stages do not carry yet; use "
                           "moe.balance=aux, or mesh.pipeline=1")
@@ -401,7 +405,7 @@ def _check_moe(cfg: Config) -> None:
                           f"got {m.group_size}")
     if m.aux_loss_weight < 0 or m.z_loss_weight < 0:
         raise ConfigError("config keys 'moe.aux_loss_weight' and 'moe.z_loss_weight' must be >= 0")
-    ep = cfg.mesh.expert * int((cfg.mesh.dcn or {}).get("expert", 1))
+    ep = _axis_total(cfg, "expert")
     if cfg.model.name == "moe" and ep > 1 and m.num_experts % ep:
         raise ConfigError(f"moe.num_experts={m.num_experts} is not divisible by the `expert` mesh axis "
                           f"(mesh.expert={ep}); use a multiple of {ep} experts or resize mesh.expert")
@@ -417,12 +421,12 @@ def _check_attention(cfg: Config) -> None:
                           f"`window` tokens) or null, got {m.window}")
     if m.softcap is not None and m.softcap <= 0:
         raise ConfigError(f"config key 'model.softcap' must be > 0 (scores become c*tanh(s/c)) or null, got {m.softcap}")
-    cp = cfg.mesh.context * int((cfg.mesh.dcn or {}).get("context", 1))
+    cp = _axis_total(cfg, "context")
     if cp > 1 and cfg.batch.length % (2 * cp):
         raise ConfigError(f"batch.length={cfg.batch.length} is not divisible by 2 x mesh.context = {2 * cp} (context "
                           f"parallelism cuts each sequence into 2 x context chunks for a balanced causal load); use "
                           f"a multiple of {2 * cp}")
-    pp = cfg.mesh.pipeline * int((cfg.mesh.dcn or {}).get("pipeline", 1))
+    pp = _axis_total(cfg, "pipeline")
     if cp > 1 and pp > 1 and m.name == "moe":
         raise ConfigError(f"mesh.context={cp} with mesh.pipeline={pp} and model.name=moe: a pipeline stage routes only "
                           "its own share of each sequence, which changes capacity and load balancing; drop one of "

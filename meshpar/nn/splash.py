@@ -37,8 +37,7 @@ def available() -> bool:
 def serves(q, k, q_seg, k_seg, natural: bool) -> bool:
     """Whether splash can serve q [B, T, N, H], k [B, S, K, H] (see the module docstring)."""
     t, s = q.shape[1], k.shape[1]
-    return (available() and natural and t == s and t % LANE == 0
-            and (q_seg is None) == (k_seg is None) and (q_seg is None or q_seg is k_seg))
+    return available() and natural and t == s and t % LANE == 0 and q_seg is k_seg
 
 
 def block_size(n: int, block: int) -> int:

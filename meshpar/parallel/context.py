@@ -107,14 +107,15 @@ def balance(*rows):
     return tuple(None if r is None else jnp.take(r, perm, axis=-1) for r in rows)
 
 
-def balance_rows(rows: dict) -> dict:
+def balance_rows(rows: dict, positions: bool = False) -> dict:
     """Rows {name: [B, T]} -> the balanced order when sequences are split over `context`, with the
-    positions (which the order scrambles) made explicit first; else unchanged."""
-    if context_size() == 1:
-        return rows
-    first = next(iter(rows.values()))
-    rows = {"positions": jnp.broadcast_to(jnp.arange(first.shape[1], dtype=jnp.int32), first.shape), **rows}
-    return dict(zip(rows, balance(*rows.values())))
+    positions (which the order scrambles) made explicit first; else unchanged (with `positions`,
+    made explicit anyway)."""
+    cp = context_size()
+    if cp > 1 or positions:
+        first = next(iter(rows.values()))
+        rows = {"positions": jnp.broadcast_to(jnp.arange(first.shape[1], dtype=jnp.int32), first.shape), **rows}
+    return rows if cp == 1 else dict(zip(rows, balance(*rows.values())))
 
 
 def _indices(t: int, cp: int, balanced_order: bool) -> np.ndarray:

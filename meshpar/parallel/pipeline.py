@@ -444,10 +444,7 @@ def _lm_rows(batch):
     """Token rows [B, T+1] (or packed documents) -> the LM's rows {inputs, targets, positions, ...}
     [B, T] in the balanced order when sequences are split over `context`, and their batch spec."""
     from meshpar.core.batch import Leaf
-    rows = lm_rows(batch)
-    first = rows["inputs"]
-    rows = context.balance_rows({"positions": jnp.broadcast_to(jnp.arange(first.shape[1], dtype=jnp.int32),
-                                                               first.shape), **rows})
+    rows = context.balance_rows(lm_rows(batch), positions=True)
     return rows, {k: Leaf(a.shape, a.dtype, ("batch", "length")) for k, a in rows.items()}
 
 
