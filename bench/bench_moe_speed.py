@@ -1,6 +1,7 @@
 """MoE step vs its dense twin, side by side in one process (issue 13's configuration).
 
     python bench/bench_moe_speed.py [--steps 20] [--rounds 5] [--variants dense,top2,...] [KEY=VALUE ...]
+    DEVICES=1 python bench/bench_moe_speed.py ... mesh.fsdp=1 mesh.expert=1 strategy=dp   # one device
 
 Configuration (issue 13): embed 256, 4 heads x 64, MLP 512, vocab 1024, 2 layers, sequence 128,
 global batch 8, mesh fsdp=4 x expert=2, strategy fsdp, bf16, remat full; the MoE model has an MoE
@@ -8,7 +9,9 @@ feed-forward in every layer (4 experts, top-2, capacity 1.25). `top2-einsum` is 
 GShard's einsum dispatch/combine (meshpar.nn.moe.DISPATCH="einsum", the reference and the code before
 issue 13); `top2` uses the default gather dispatch/combine. Both models get the same constant
 device batch, so only the train step is timed. The variants run in interleaved rounds (dense, moe,
-dense, moe, ...) so load from other processes hits them alike; the figure is the median step time
+dense, moe, ...) so load from other processes hits them alike; `floor-2x` and `floor-2.5x` are
+dense twins whose MLP is 2x and 2.5x as wide: the FLOPs of top-2's routed rows and of its capacity
+slots at 1.25, with no routing or exchange, so they bound what any top-2 MoE of this width can reach; the figure is the median step time
 over all rounds after warm-up, and the ratio is MoE median / dense median. Also printed: the
 all-to-all ops in the compiled step (count per step, bytes) for each variant.
 """
@@ -20,7 +23,8 @@ import time
 
 from meshpar.core.mesh import fake_cpu_devices
 
-fake_cpu_devices(8)
+import os
+fake_cpu_devices(int(os.environ.get("DEVICES", "8")))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -36,6 +40,10 @@ BASE = ["model.embed=256", "model.heads=4", "model.kv_heads=4", "model.head_dim=
         "model.remat=full", "moe.num_experts=4", "moe.every=1", "moe.capacity_factor=1.25"]
 VARIANTS = {
     "dense": ["model.name=decoder"],
+    # FLOP floors: dense twins whose one MLP is as wide as top-2's routed rows (2x) or top-2 x capacity 1.25's
+    # expert slots (2.5x). No routing, no exchange: no top-2 MoE of this width can beat them.
+    "floor-2x": ["model.name=decoder", "model.mlp=1024"],
+    "floor-2.5x": ["model.name=decoder", "model.mlp=1280"],
     "top2": ["model.name=moe", "moe.routing=top2"],
     "top2-einsum": ["model.name=moe", "moe.routing=top2", "DISPATCH=einsum"],
     "top1": ["model.name=moe", "moe.routing=top1"],
