@@ -9,10 +9,10 @@ feed-forward in every layer (4 experts, top-2, capacity 1.25). `top2-einsum` is 
 GShard's einsum dispatch/combine (meshpar.nn.moe.DISPATCH="einsum", the reference and the code before
 issue 13); `top2` uses the default gather dispatch/combine. Both models get the same constant
 device batch, so only the train step is timed. The variants run in interleaved rounds (dense, moe,
-dense, moe, ...) so load from other processes hits them alike; `floor-2x` and `floor-2.5x` are
+dense, moe, ...) so load from other processes hits them alike. `floor-2x` and `floor-2.5x` are
 dense twins whose MLP is 2x and 2.5x as wide: the FLOPs of top-2's routed rows and of its capacity
-slots at 1.25, with no routing or exchange, so they bound what any top-2 MoE of this width can reach; the figure is the median step time
-over all rounds after warm-up, and the ratio is MoE median / dense median. Also printed: the
+slots at 1.25, with no routing or exchange, so they bound what any top-2 MoE of this width can
+reach. The figure is the median step time over all rounds after warm-up, and the ratio is MoE median / dense median. Also printed: the
 all-to-all ops in the compiled step (count per step, bytes) for each variant.
 """
 from __future__ import annotations

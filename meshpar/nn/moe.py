@@ -25,7 +25,8 @@ auxiliary-loss-free balancing). Shared experts (DeepSeekMoE) are a dense SwiGLU 
         group each way; gradients are gathers too. tests/nn/test_moe_fast.py holds it to the einsums.
     dropless mode (`capacity_factor: null`): top-K experts [G, S, K] -> every device sorts its tokens
         by expert, sends each expert shard its rows (all-to-all), runs grouped matmuls over its
-        local experts (`meshpar.nn.gmm`: `ragged_dot`, or row tiles on CPU), sends the rows back (all-to-all), weighted sum over K.
+        local experts (`meshpar.nn.gmm`: `ragged_dot`, or row tiles on CPU), sends the rows back
+        (all-to-all), weighted sum over K.
 
 Sharding. Expert weights [E, M, H] carry the logical axis `expert` (-> mesh `expert`); tokens
 [G, S, M] carry `group` (-> the batch axes data/fsdp/expert jointly). The dispatch einsum runs in
