@@ -52,6 +52,9 @@ class DecoderConfig:
     norm_eps: float = 1e-6
     tie_embeddings: bool = False       # logits = x @ embedding.T (no separate lm_head)
     rope_scaling: tuple | None = None  # llama3: (factor, low_freq_factor, high_freq_factor, original_max_positions)
+    qkv_bias: bool = False             # biases on q, k, v (Qwen2)
+    qk_norm: bool = False              # RMSNorm of each q and k head before RoPE (Qwen3)
+    family: str = "llama"              # the Hugging Face family export writes (meshpar.models.hf_llama.FAMILIES)
 
     @classmethod
     def from_config(cls, m) -> "DecoderConfig":
@@ -137,12 +140,12 @@ class Decoder(nnx.Module):
     # -- Hugging Face format (meshpar.io.hf) --------------------------------------------------------------
     def hf_tensors(self) -> dict:
         """{parameter path: meshpar.io.hf.Source}: how each parameter reads from / writes to the HF
-        Llama tensors (meshpar.models.hf_llama)."""
+        tensors of its family (meshpar.models.hf_llama)."""
         from meshpar.models.hf_llama import tensors
         return tensors(self.cfg)
 
     def hf_config(self) -> dict:
-        """The `config.json` of this model as a `LlamaForCausalLM`."""
+        """The `config.json` of this model in its family's format (Llama, Mistral, Qwen2, Qwen3)."""
         from meshpar.models.hf_llama import hf_config
         return hf_config(self.cfg)
 

@@ -1,11 +1,20 @@
-"""The Hugging Face Llama format (`LlamaForCausalLM`) <-> the reference decoder (`meshpar.io.hf`).
+"""The Hugging Face Llama family and its dense kin <-> the reference decoder (`meshpar.io.hf`).
+
+Families (`FAMILIES`): one table of tensor names below, plus the few decoder options each adds:
+
+    LlamaForCausalLM     the table as written
+    MistralForCausalLM   + `sliding_window` (a token sees the last W positions) -> DecoderConfig.window
+    Qwen2ForCausalLM     + q/k/v biases [N*D], [K*D], [K*D] -> layers.attn.bqkv [l, K, G+2, D] (qkv_bias)
+    Qwen3ForCausalLM     + self_attn.q_norm / k_norm weights [D] -> layers.attn.q_norm / k_norm.scale
+                           [l, D] (qk_norm: RMSNorm of each head before RoPE); explicit head_dim
 
 config.json -> DecoderConfig: hidden_size E, num_hidden_layers L, num_attention_heads N,
 num_key_value_heads K (default N), head_dim D (default E / N), intermediate_size F, vocab_size V,
 rope theta and `llama3` rope scaling (either transformers 5's `rope_parameters` or 4's
 `rope_theta` + `rope_scaling`), rms_norm_eps, tie_word_embeddings. Refused in one line naming the
 file and key: another architecture, a hidden_act other than silu, attention_bias/mlp_bias true,
-partial rotary embeddings, a rope type other than default/llama3.
+partial rotary embeddings, a rope type other than default/llama3, Qwen's `use_sliding_window`
+(windows on some layers only).
 
 Tensors (HF `nn.Linear` weights are [out, in]; meshpar's are [in, out]; G = N / K):
 
@@ -36,7 +45,10 @@ import numpy as np
 from meshpar.core.errors import ConfigError
 from meshpar.io.hf import Source, hf_path, read_config
 
-ARCHITECTURES = ("LlamaForCausalLM",)
+# architecture -> family (its config.json's model_type)
+FAMILIES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+            "Qwen3ForCausalLM": "qwen3"}
+ARCHITECTURES = tuple(FAMILIES)
 ROPE_ROWS = "identity"      # HF rotate_half rows == meshpar rope rows (see the module docstring)
 
 
@@ -70,13 +82,21 @@ def decoder_config(m):
             raise ConfigError(f"{where}: key '{key}' must be a positive integer, got {v!r}")
         return v
     archs = hf.get("architectures") or [hf.get("model_type", "?")]
-    if not any(a in ARCHITECTURES for a in archs):
+    family = next((FAMILIES[a] for a in archs if a in FAMILIES), None)
+    if family is None:
         raise ConfigError(f"{where}: key 'architectures' is {archs}; meshpar implements {', '.join(ARCHITECTURES)}")
     if hf.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"{where}: key 'hidden_act' is {hf['hidden_act']!r}; the decoder's MLP is SwiGLU (silu)")
     for key in ("attention_bias", "mlp_bias"):
         if hf.get(key):
-            raise ConfigError(f"{where}: key '{key}' is true; the decoder has no biases")
+            raise ConfigError(f"{where}: key '{key}' is true; the decoder has no biases"
+                              + (" but Qwen2's q/k/v biases" if family == "qwen2" else ""))
+    if family in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
+        raise ConfigError(f"{where}: key 'use_sliding_window' is true; a window on some layers only (Qwen's "
+                          "max_window_layers) is not implemented: set it false to read the model without windows")
+    window = hf.get("sliding_window") if family == "mistral" else None
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise ConfigError(f"{where}: key 'sliding_window' must be a positive integer or null, got {window!r}")
     rope = dict(hf.get("rope_parameters") or {})
     rope.update({k: v for k, v in (hf.get("rope_scaling") or {}).items()})
     theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
@@ -100,18 +120,37 @@ def decoder_config(m):
                               "dimensions")
     return DecoderConfig(**dims, remat=m.remat, scan_layers=m.scan_layers, attention=m.attention,
                          rope_theta=theta, norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-                         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), rope_scaling=scaling)
+                         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), rope_scaling=scaling,
+                         window=window, qkv_bias=family == "qwen2", qk_norm=family == "qwen3", family=family)
+
+
+def family_of(c) -> str:
+    """The family export writes: the one read, or for a decoder made here the one that has its options."""
+    if c.family != "llama":
+        return c.family
+    return "qwen3" if c.qk_norm else "qwen2" if c.qkv_bias else "mistral" if c.window else "llama"
 
 
 def hf_config(c) -> dict:
-    """DecoderConfig -> a `LlamaForCausalLM` config.json (transformers 5's `rope_parameters`, plus
-    4's `rope_theta`/`rope_scaling` keys so either version reads the same RoPE)."""
+    """DecoderConfig -> the config.json of its family (transformers 5's `rope_parameters`, plus 4's
+    `rope_theta`/`rope_scaling` keys so either version reads the same RoPE)."""
     rope = {"rope_type": "default", "rope_theta": c.rope_theta}
     if c.rope_scaling:
         f, lo, hi, orig = c.rope_scaling
         rope.update(rope_type="llama3", factor=f, low_freq_factor=lo, high_freq_factor=hi,
                     original_max_position_embeddings=int(orig))
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+    family = family_of(c)
+    if c.softcap is not None:
+        raise ConfigError("model.softcap: attention soft-capping has no place in the Llama, Mistral or Qwen formats; "
+                          "export a model without it")
+    if c.window is not None and family != "mistral":
+        raise ConfigError(f"model.window: the {family} format has no window for every layer; a windowed decoder "
+                          "exports as Mistral (a model read from Mistral does)")
+    arch = next(a for a, f in FAMILIES.items() if f == family)
+    extra = {"mistral": {"sliding_window": c.window},
+             "qwen2": {"use_sliding_window": False, "sliding_window": None, "max_window_layers": c.layers},
+             "qwen3": {"use_sliding_window": False, "sliding_window": None, "max_window_layers": c.layers}}
+    return {"architectures": [arch], "model_type": family, "hidden_act": "silu", **extra.get(family, {}),
             "hidden_size": c.embed, "intermediate_size": c.mlp, "num_hidden_layers": c.layers,
             "num_attention_heads": c.heads, "num_key_value_heads": c.kv_heads, "head_dim": c.head_dim,
             "vocab_size": c.vocab, "rms_norm_eps": c.norm_eps, "tie_word_embeddings": c.tie_embeddings,
@@ -203,6 +242,25 @@ def tensors(c) -> dict:
                                          lambda a: {"mlp.gate_proj.weight": a[:, 0].T, "mlp.up_proj.weight": a[:, 1].T}),
         ("layers", "ffn", "w_down"): linear_t("mlp.down_proj.weight", (E, F)),
     }
+    if c.qkv_bias:
+        def bias_read(get_l, box):      # q/k/v biases [N*D], [K*D] -> [K_s, J_s, D_s]
+            ks, js, (d0, d1) = box
+            out = []
+            for k in _r(*ks):
+                parts = []
+                for j in _r(*js):
+                    proj, h = ("q_proj", k * G + j) if j < G else ("k_proj" if j == G else "v_proj", k)
+                    parts.append(get_l(f"self_attn.{proj}.bias", (h * D + d0, h * D + d1)))
+                out.append(np.stack(parts, 0))
+            return np.stack(out, 0)
+        out[("layers", "attn", "bqkv")] = group(
+            {"self_attn.q_proj.bias": (N * D,), "self_attn.k_proj.bias": (K * D,), "self_attn.v_proj.bias": (K * D,)},
+            bias_read, lambda a: {"self_attn.q_proj.bias": a[:, :G].reshape(N * D),
+                                  "self_attn.k_proj.bias": a[:, G].reshape(K * D),
+                                  "self_attn.v_proj.bias": a[:, G + 1].reshape(K * D)})
+    if c.qk_norm:
+        out[("layers", "attn", "q_norm", "scale")] = stacked("self_attn.q_norm.weight", (D,), lambda g, b: g(b[0]), lambda a: a)
+        out[("layers", "attn", "k_norm", "scale")] = stacked("self_attn.k_norm.weight", (D,), lambda g, b: g(b[0]), lambda a: a)
     if not c.tie_embeddings:
         out[("lm_head",)] = Source({"lm_head.weight": (V, E)}, lambda get, b: get("lm_head.weight", b[1], b[0]).T,
                                    lambda a: {"lm_head.weight": a.T})

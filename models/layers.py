@@ -74,7 +74,9 @@ def rope(x, positions, theta: float, scaling: tuple | None = None):
 
 
 class Attention(nnx.Module):
-    """Causal multi-head attention with grouped KV heads (Ainslie et al. 2023), fused QKV.
+    """Causal multi-head attention with grouped KV heads (Ainslie et al. 2023), fused QKV; options
+    `qkv_bias` (a bias [K, G + 2, D] on the fused projection, Qwen2) and `qk_norm` (RMSNorm of each
+    query and key head over D before RoPE, Qwen3).
 
     The QKV weight [E, K, G + 2, D] holds, for each of the K KV groups, its G = N / K query heads
     followed by its key and value head; splitting `kv_heads` over `tensor` keeps a group on one
@@ -87,6 +89,11 @@ class Attention(nnx.Module):
         e, n, k, d = cfg.embed, cfg.heads, cfg.kv_heads, cfg.head_dim
         self.wqkv = param(rngs, (e, k, n // k + 2, d), ("embed", "kv_heads", None, "kv"), 1.0 / math.sqrt(e))
         self.wo = param(rngs, (n, d, e), ("heads", "kv", "embed"), 1.0 / math.sqrt(n * d * 2 * cfg.layers))
+        if getattr(cfg, "qkv_bias", False):          # Qwen2: biases on q, k and v (not on wo)
+            self.bqkv = param(rngs, (k, n // k + 2, d), ("kv_heads", None, "kv"), init="zeros")
+        if getattr(cfg, "qk_norm", False):           # Qwen3: RMSNorm over D of each q and k head, before RoPE
+            self.q_norm = RMSNorm(d, cfg.norm_eps, rngs)
+            self.k_norm = RMSNorm(d, cfg.norm_eps, rngs)
         self.cfg = cfg
 
     def __call__(self, x, positions, cache=None, segment_ids=None):
@@ -97,9 +104,13 @@ class Attention(nnx.Module):
         b, t, _ = x.shape
         g = cfg.heads // cfg.kv_heads
         qkv = jnp.einsum("bte,ekgd->btkgd", x, self.wqkv[...].astype(dt))              # [B, T, K, G+2, D]
+        if getattr(cfg, "qkv_bias", False):
+            qkv = qkv + self.bqkv[...].astype(dt)
         qkv = constrain(qkv, ("batch", "seq", "kv_heads", None, "kv"))
         q = qkv[:, :, :, :g].reshape(b, t, cfg.heads, cfg.head_dim)                     # head n = k*G + j
         k, v = qkv[:, :, :, g], qkv[:, :, :, g + 1]                                     # [B, T, K, D]
+        if getattr(cfg, "qk_norm", False):
+            q, k = self.q_norm(q), self.k_norm(k)
         scaling = getattr(cfg, "rope_scaling", None)
         q, k = rope(q, positions, cfg.rope_theta, scaling), rope(k, positions, cfg.rope_theta, scaling)
         adt = attention_dtype(dt)   # = dt, except fp16 on CPU (see meshpar.core.precision.attention_dtype)

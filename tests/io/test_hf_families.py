@@ -1,0 +1,161 @@
+"""Mistral, Qwen2 and Qwen3 in and out of Hugging Face format (meshpar.models.hf_llama.FAMILIES), proven
+against transformers itself on tiny random models saved here.
+
+Each family's own parts are made to matter: norm weights and biases are random (transformers
+initialises them to ones and zeros, under which a swapped or dropped mapping is invisible), the
+prompt (300 tokens) is longer than Mistral's window, and a permutation test per family shows that
+the logits test would catch a wrong mapping.
+"""
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+from safetensors.numpy import save_file  # noqa: E402
+
+from meshpar.core.errors import ConfigError  # noqa: E402
+from meshpar.io import hf  # noqa: E402
+from tests.io.test_hf import FSDP_TP, PROMPT, logits, reference, tensors_of, trainer  # noqa: E402
+
+FAMILIES = {
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 48}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"use_sliding_window": False}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 24, "use_sliding_window": False}),
+}
+
+
+def save_family(path, family, seed=0, **kw):
+    """A random model of `family` (weights std 0.1; norm weights 1 + N(0, 0.3), biases N(0, 0.3)), fp32."""
+    config_cls, model_cls, extra = FAMILIES[family]
+    torch.manual_seed(seed)
+    c = getattr(transformers, config_cls)(
+        vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=False, rms_norm_eps=1e-5, initializer_range=0.1,
+        attn_implementation="eager", **{**extra, **kw})
+    m = getattr(transformers, model_cls)(c).eval()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith("bias"):
+                p.copy_(0.3 * torch.randn_like(p))
+            elif "norm" in name:
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+    m.save_pretrained(path, safe_serialization=True)
+    return m
+
+
+def rewritten(src, dst, change):
+    """A copy of the checkpoint at `src` with its tensors passed through `change(dict)`."""
+    t = change(tensors_of(src))
+    dst.mkdir()
+    save_file(t, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    shutil.copy(src / "config.json", dst)
+    return dst
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_logits_equal_transformers_on_1_and_8_devices(tmp_path, family):
+    m = save_family(tmp_path, family)
+    ref = reference(m, PROMPT)
+    assert ref.std() > 0.3
+    for n, mesh in [(1, None), (8, FSDP_TP)]:
+        tr = trainer(tmp_path, n, mesh)
+        diff = np.abs(logits(tr, tr.load_pretrained(), PROMPT) - ref).max()
+        print(f"{family} devices={n}: max |logits - transformers| = {diff:.3g}")
+        assert diff <= 1e-4
+
+
+def _swap(a, b):
+    def change(t):
+        for k in [k for k in t if k.endswith(a)]:
+            t[k], t[k.replace(a, b)] = t[k.replace(a, b)], t[k]
+        return t
+    return change
+
+
+@pytest.mark.parametrize("family,change", [
+    ("qwen2", _swap("self_attn.k_proj.bias", "self_attn.v_proj.bias")),   # biases read into the wrong slot
+    ("qwen3", _swap("self_attn.q_norm.weight", "self_attn.k_norm.weight")),  # q/k norms swapped
+])
+def test_a_wrong_mapping_moves_the_logits(tmp_path, family, change):
+    """The same mapping error in the checkpoint that a wrong table would make: the test above must see it."""
+    m = save_family(tmp_path / "a", family)
+    tr = trainer(rewritten(tmp_path / "a", tmp_path / "b", change))
+    assert np.abs(logits(tr, tr.load_pretrained(), PROMPT) - reference(m, PROMPT)).max() > 1e-2
+
+
+def test_mistral_window_is_read_from_config_json(tmp_path):
+    """Mistral's only difference from Llama is the window: read without it, the 300-token logits move."""
+    m = save_family(tmp_path / "a", "mistral")
+    (tmp_path / "b").mkdir()
+    shutil.copy(tmp_path / "a" / "model.safetensors", tmp_path / "b")
+    cfg = json.loads((tmp_path / "a" / "config.json").read_text())
+    (tmp_path / "b" / "config.json").write_text(json.dumps({**cfg, "sliding_window": None}))
+    tr = trainer(tmp_path / "b")
+    assert np.abs(logits(tr, tr.load_pretrained(), PROMPT) - reference(m, PROMPT)).max() > 1e-2
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_export_loads_in_transformers_and_round_trips_bitwise(tmp_path, family):
+    from flax import nnx
+    from meshpar.core.sharding import building
+    m = save_family(tmp_path / "src", family)
+    tr = trainer(tmp_path / "src", 8, FSDP_TP)
+    with building(tr.policy):
+        abstract = nnx.eval_shape(lambda: tr.factory(nnx.Rngs(0)))
+    hf.export(tr.load_pretrained(), abstract, str(tmp_path / "out"), "fp32")
+    a, b = tensors_of(tmp_path / "src"), tensors_of(tmp_path / "out")
+    assert sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a)      # HF -> meshpar -> HF
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert written["architectures"] == [FAMILIES[family][1]] and written["model_type"] == family
+    model_cls = getattr(transformers, FAMILIES[family][1])
+    back, info = model_cls.from_pretrained(tmp_path / "out", output_loading_info=True, attn_implementation="eager")
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info.get("mismatched_keys")
+    assert back.config.sliding_window == m.config.sliding_window
+    assert np.abs(reference(back.eval(), PROMPT[:1]) - reference(m, PROMPT[:1])).max() == 0
+
+
+def test_generate_in_a_window_matches_transformers_greedy(tmp_path, capsys):
+    """Mistral with a window of 16 and a prompt longer than it: prefill and each decoded token see
+    only the last 16 positions, as transformers' generate does."""
+    from meshpar.cli import main
+    from meshpar.io.tokenizer import HFTokenizer
+    from tests.io.test_hf import save_tokenizer
+    m = save_family(tmp_path / "hf", "mistral", sliding_window=16)
+    tok_dir = save_tokenizer(tmp_path / "tok")
+    prompt = "the quick brown fox jumps over the lazy dog and says hello world " * 2
+    ids = HFTokenizer(str(tok_dir)).prompt(prompt)
+    assert len(ids) > 16
+    m.generation_config.eos_token_id = None
+    with torch.no_grad():
+        want = m.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=8, pad_token_id=0)[0, len(ids):].tolist()
+    capsys.readouterr()
+    assert main(["generate", "--prompt", prompt, "--json", "--max-new-tokens", "8", "--devices", "8",
+                 f"model.init_from=hf:{tmp_path / 'hf'}", f"data.tokenizer={tok_dir}", "precision=fp32",
+                 "serve.cache_length=128", "mesh.data=4", "mesh.fsdp=1", "mesh.tensor=2"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert len(out["tokens"][0]) >= 4 and out["tokens"][0] == want[:len(out["tokens"][0])]   # may stop at EOS
+
+
+def test_unsupported_family_options_are_one_line(tmp_path):
+    save_family(tmp_path / "a", "qwen2")
+    cfg = json.loads((tmp_path / "a" / "config.json").read_text())
+    (tmp_path / "a" / "config.json").write_text(json.dumps({**cfg, "use_sliding_window": True}))
+    with pytest.raises(ConfigError, match=r"config.json: key 'use_sliding_window' is true; .* set it false"):
+        trainer(tmp_path / "a")
+
+
+def test_export_writes_the_family_that_has_the_decoders_options():
+    """A decoder made here (not read) exports as the family whose format holds its options; what no
+    family here holds is refused in one line."""
+    from meshpar.models.decoder import DecoderConfig
+    from meshpar.models.hf_llama import hf_config
+    c = DecoderConfig(layers=2, embed=64, heads=4, kv_heads=2, head_dim=16, mlp=96, vocab=320)
+    assert hf_config(c)["architectures"] == ["LlamaForCausalLM"]
+    windowed = hf_config(c.replace(window=32))
+    assert windowed["architectures"] == ["MistralForCausalLM"] and windowed["sliding_window"] == 32
+    assert hf_config(c.replace(qk_norm=True))["model_type"] == "qwen3"
+    with pytest.raises(ConfigError, match="model.softcap: attention soft-capping has no place"):
+        hf_config(c.replace(softcap=30.0))
