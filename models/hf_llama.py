@@ -47,7 +47,8 @@ from meshpar.io.hf import Source, hf_path, read_config
 
 # architecture -> family (its config.json's model_type)
 FAMILIES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-            "Qwen3ForCausalLM": "qwen3"}
+            "Qwen3ForCausalLM": "qwen3", "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe"}
+MOE = ("mixtral", "qwen3_moe")      # their experts: meshpar.models.hf_moe
 ARCHITECTURES = tuple(FAMILIES)
 ROPE_ROWS = "identity"      # HF rotate_half rows == meshpar rope rows (see the module docstring)
 
@@ -77,7 +78,7 @@ def decoder_config(m):
     where = str(hf_path(m.init_from) / "config.json")
 
     def need(key, default=None):
-        v = hf.get(key, default)
+        v = default if hf.get(key) is None else hf[key]
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ConfigError(f"{where}: key '{key}' must be a positive integer, got {v!r}")
         return v
@@ -91,10 +92,13 @@ def decoder_config(m):
         if hf.get(key):
             raise ConfigError(f"{where}: key '{key}' is true; the decoder has no biases"
                               + (" but Qwen2's q/k/v biases" if family == "qwen2" else ""))
-    if family in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
+    if family in MOE and getattr(m, "name", "moe") != "moe":
+        raise ConfigError(f"{where}: key 'architectures' is {archs}, a mixture of experts: add model.name=moe "
+                          "(and the moe.* keys it asks for)")
+    if family in ("qwen2", "qwen3", "qwen3_moe") and hf.get("use_sliding_window"):
         raise ConfigError(f"{where}: key 'use_sliding_window' is true; a window on some layers only (Qwen's "
                           "max_window_layers) is not implemented: set it false to read the model without windows")
-    window = hf.get("sliding_window") if family == "mistral" else None
+    window = hf.get("sliding_window") if family in ("mistral", "mixtral") else None
     if window is not None and (not isinstance(window, int) or window < 1):
         raise ConfigError(f"{where}: key 'sliding_window' must be a positive integer or null, got {window!r}")
     rope = dict(hf.get("rope_parameters") or {})
@@ -121,7 +125,8 @@ def decoder_config(m):
     return DecoderConfig(**dims, remat=m.remat, scan_layers=m.scan_layers, attention=m.attention,
                          rope_theta=theta, norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
                          tie_embeddings=bool(hf.get("tie_word_embeddings", False)), rope_scaling=scaling,
-                         window=window, qkv_bias=family == "qwen2", qk_norm=family == "qwen3", family=family)
+                         window=window, qkv_bias=family == "qwen2", qk_norm=family in ("qwen3", "qwen3_moe"),
+                         family=family)
 
 
 def family_of(c) -> str:
@@ -162,108 +167,116 @@ def _r(a, b):
     return range(a, b)
 
 
-def tensors(c) -> dict:
-    """{parameter path: Source} for the decoder with config `c` (see the module docstring)."""
-    L, E, N, K, D, F, V = c.layers, c.embed, c.heads, c.kv_heads, c.head_dim, c.mlp, c.vocab
+LAYER = "model.layers.{}."
+
+
+def layered(ids, shapes: dict, read_one, write_one) -> Source:
+    """A parameter stacked over the HF layers `ids` (its first dimension), each layer's block read
+    from that layer's tensors `shapes` ({suffix after model.layers.i.: shape}).
+    read_one(get_l, box) -> one layer's block, get_l(suffix, *ranges); write_one(a) -> {suffix: array}."""
+    ids = list(ids)
+    names = {s: [LAYER.format(i) + s for i in ids] for s in shapes}
+
+    def read(get, box):
+        return np.stack([read_one(lambda s, *r, i=i: get(names[s][i], *r), box[1:]) for i in _r(*box[0])])
+
+    def write(a):
+        out = {}
+        for i in range(len(ids)):
+            out.update({names[s][i]: t for s, t in write_one(a[i]).items()})
+        return out
+    return Source({names[s][i]: shape for s, shape in shapes.items() for i in range(len(ids))}, read, write)
+
+
+def one_per_layer(ids, suffix, shape, read_one, write_one) -> Source:
+    """`layered` for a parameter made of one tensor per layer."""
+    return layered(ids, {suffix: shape}, lambda get_l, box: read_one(lambda *r: get_l(suffix, *r), box),
+                   lambda a: {suffix: write_one(a)})
+
+
+def tensors(c, blocks: dict | None = None) -> dict:
+    """{parameter path: Source} for the decoder with config `c` (see the module docstring).
+    blocks: {path prefix: (HF layer indices, with the dense MLP)}, for models that stack their layers
+    otherwise (meshpar.models.hf_moe); default {("layers",): (all layers, True)}."""
+    E, V = c.embed, c.vocab
+    out = {
+        ("embedding",): Source({"model.embed_tokens.weight": (V, E)}, lambda get, b: get("model.embed_tokens.weight", *b),
+                               lambda a: {"model.embed_tokens.weight": a}),
+        ("final_norm", "scale"): Source({"model.norm.weight": (E,)}, lambda get, b: get("model.norm.weight", *b),
+                                        lambda a: {"model.norm.weight": a}),
+    }
+    for prefix, (ids, mlp) in (blocks or {("layers",): (range(c.layers), True)}).items():
+        out.update({(*prefix, *path): src for path, src in block_tensors(c, ids, mlp).items()})
+    if not c.tie_embeddings:
+        out[("lm_head",)] = Source({"lm_head.weight": (V, E)}, lambda get, b: get("lm_head.weight", b[1], b[0]).T,
+                                   lambda a: {"lm_head.weight": a.T})
+    return out
+
+
+def block_tensors(c, ids, mlp: bool = True) -> dict:
+    """{path within a block: Source} of the blocks stacked from HF layers `ids`: norms, attention,
+    and (mlp) the dense SwiGLU."""
+    E, N, K, D, F = c.embed, c.heads, c.kv_heads, c.head_dim, c.mlp
     G = N // K
-    lay = "model.layers.{}."
 
-    def per_layer(suffix):
-        return [lay.format(i) + suffix for i in range(L)]
+    def vector(suffix, n):
+        return one_per_layer(ids, suffix, (n,), lambda g, b: g(b[0]), lambda a: a)
 
-    def stacked(suffix, shape, read_one, write_one):
-        names = per_layer(suffix)
-
-        def read(get, box):
-            return np.stack([read_one(lambda *r, n=names[i]: get(n, *r), box[1:]) for i in _r(*box[0])])
-
-        def write(a):
-            return {names[i]: write_one(a[i]) for i in range(L)}
-        return Source({n: shape for n in names}, read, write)
-
-    def norm(suffix):
-        return stacked(suffix, (E,), lambda g, b: g(b[0]), lambda a: a)
-
-    def linear_t(suffix, shape):        # HF [out, in] -> meshpar [in, out]
-        return stacked(suffix, shape, lambda g, b: g(b[1], b[0]).T, lambda a: a.T)
-
-    def qkv_read(get_l, box):
-        """Block [E_s, K_s, J_s, D_s] of one layer's wqkv from q/k/v rows (row of head h, feature
-        d: h * D + d; ROPE_ROWS: the identity within a head)."""
-        (e0, e1), ks, js, (d0, d1) = box
+    def head_rows(get_l, kind, box_k, box_j, d0, d1, *cols):
+        """Rows of fused-QKV slot (k, j) from q/k/v ({kind}: weight or bias): head h, feature d is
+        row h * D + d (ROPE_ROWS: the identity within a head)."""
         out = []
-        for k in _r(*ks):
+        for k in _r(*box_k):
             parts = []
-            for j in _r(*js):
+            for j in _r(*box_j):
                 proj, h = ("q_proj", k * G + j) if j < G else ("k_proj" if j == G else "v_proj", k)
-                parts.append(get_l(f"self_attn.{proj}.weight", (h * D + d0, h * D + d1), (e0, e1)).T)
-            out.append(np.stack(parts, 1))
-        return np.stack(out, 1)
+                parts.append(get_l(f"self_attn.{proj}.{kind}", (h * D + d0, h * D + d1), *cols))
+            out.append(parts)
+        return out
+
+    def qkv_read(get_l, box):           # [E_s, K_s, J_s, D_s]
+        (e0, e1), ks, js, (d0, d1) = box
+        rows = head_rows(get_l, "weight", ks, js, d0, d1, (e0, e1))
+        return np.stack([np.stack([r.T for r in parts], 1) for parts in rows], 1)
 
     def qkv_write(a):                   # [E, K, G+2, D] -> q [N*D, E], k/v [K*D, E]
         return {"self_attn.q_proj.weight": a[:, :, :G].reshape(E, N * D).T,
                 "self_attn.k_proj.weight": a[:, :, G].reshape(E, K * D).T,
                 "self_attn.v_proj.weight": a[:, :, G + 1].reshape(E, K * D).T}
 
-    def group(shapes, read_one, write_one):
-        names = {s: per_layer(s) for s in shapes}
-
-        def read(get, box):
-            return np.stack([read_one(lambda s, *r, i=i: get(names[s][i], *r), box[1:]) for i in _r(*box[0])])
-
-        def write(a):
-            out = {}
-            for i in range(L):
-                out.update({names[s][i]: t for s, t in write_one(a[i]).items()})
-            return out
-        return Source({names[s][i]: shape for s, shape in shapes.items() for i in range(L)}, read, write)
-
     def wo_read(get_l, box):            # o_proj [E, N*D] -> [N_s, D_s, E_s]
         (n0, n1), (d0, d1), (e0, e1) = box
         w = get_l("self_attn.o_proj.weight", (e0, e1), (n0 * D, n1 * D)).reshape(e1 - e0, n1 - n0, D)
         return w[:, :, d0:d1].transpose(1, 2, 0)
 
-    def w_in_read(get_l, box):          # gate/up [F, E] -> [E_s, C_s, F_s]
-        (e0, e1), cs, fs = box
-        return np.stack([get_l(f"mlp.{('gate_proj', 'up_proj')[c]}.weight", fs, (e0, e1)).T for c in _r(*cs)], 1)
-
     out = {
-        ("embedding",): Source({"model.embed_tokens.weight": (V, E)}, lambda get, b: get("model.embed_tokens.weight", *b),
-                               lambda a: {"model.embed_tokens.weight": a}),
-        ("final_norm", "scale"): Source({"model.norm.weight": (E,)}, lambda get, b: get("model.norm.weight", *b),
-                                        lambda a: {"model.norm.weight": a}),
-        ("layers", "attn_norm", "scale"): norm("input_layernorm.weight"),
-        ("layers", "ffn_norm", "scale"): norm("post_attention_layernorm.weight"),
-        ("layers", "attn", "wqkv"): group({"self_attn.q_proj.weight": (N * D, E), "self_attn.k_proj.weight": (K * D, E),
-                                           "self_attn.v_proj.weight": (K * D, E)}, qkv_read, qkv_write),
-        ("layers", "attn", "wo"): group({"self_attn.o_proj.weight": (E, N * D)}, wo_read,
-                                        lambda a: {"self_attn.o_proj.weight": a.reshape(N * D, E).T}),
-        ("layers", "ffn", "w_in"): group({"mlp.gate_proj.weight": (F, E), "mlp.up_proj.weight": (F, E)}, w_in_read,
-                                         lambda a: {"mlp.gate_proj.weight": a[:, 0].T, "mlp.up_proj.weight": a[:, 1].T}),
-        ("layers", "ffn", "w_down"): linear_t("mlp.down_proj.weight", (E, F)),
+        ("attn_norm", "scale"): vector("input_layernorm.weight", E),
+        ("ffn_norm", "scale"): vector("post_attention_layernorm.weight", E),
+        ("attn", "wqkv"): layered(ids, {"self_attn.q_proj.weight": (N * D, E), "self_attn.k_proj.weight": (K * D, E),
+                                        "self_attn.v_proj.weight": (K * D, E)}, qkv_read, qkv_write),
+        ("attn", "wo"): layered(ids, {"self_attn.o_proj.weight": (E, N * D)}, wo_read,
+                                lambda a: {"self_attn.o_proj.weight": a.reshape(N * D, E).T}),
     }
+    if mlp:
+        def w_in_read(get_l, box):      # gate/up [F, E] -> [E_s, C_s, F_s]
+            (e0, e1), cs, fs = box
+            return np.stack([get_l(f"mlp.{('gate_proj', 'up_proj')[c]}.weight", fs, (e0, e1)).T for c in _r(*cs)], 1)
+        out[("ffn", "w_in")] = layered(ids, {"mlp.gate_proj.weight": (F, E), "mlp.up_proj.weight": (F, E)}, w_in_read,
+                                       lambda a: {"mlp.gate_proj.weight": a[:, 0].T, "mlp.up_proj.weight": a[:, 1].T})
+        out[("ffn", "w_down")] = one_per_layer(ids, "mlp.down_proj.weight", (E, F), lambda g, b: g(b[1], b[0]).T,
+                                               lambda a: a.T)
     if c.qkv_bias:
         def bias_read(get_l, box):      # q/k/v biases [N*D], [K*D] -> [K_s, J_s, D_s]
             ks, js, (d0, d1) = box
-            out = []
-            for k in _r(*ks):
-                parts = []
-                for j in _r(*js):
-                    proj, h = ("q_proj", k * G + j) if j < G else ("k_proj" if j == G else "v_proj", k)
-                    parts.append(get_l(f"self_attn.{proj}.bias", (h * D + d0, h * D + d1)))
-                out.append(np.stack(parts, 0))
-            return np.stack(out, 0)
-        out[("layers", "attn", "bqkv")] = group(
-            {"self_attn.q_proj.bias": (N * D,), "self_attn.k_proj.bias": (K * D,), "self_attn.v_proj.bias": (K * D,)},
+            return np.stack([np.stack(parts, 0) for parts in head_rows(get_l, "bias", ks, js, d0, d1)], 0)
+        out[("attn", "bqkv")] = layered(
+            ids, {"self_attn.q_proj.bias": (N * D,), "self_attn.k_proj.bias": (K * D,), "self_attn.v_proj.bias": (K * D,)},
             bias_read, lambda a: {"self_attn.q_proj.bias": a[:, :G].reshape(N * D),
                                   "self_attn.k_proj.bias": a[:, G].reshape(K * D),
                                   "self_attn.v_proj.bias": a[:, G + 1].reshape(K * D)})
     if c.qk_norm:
-        out[("layers", "attn", "q_norm", "scale")] = stacked("self_attn.q_norm.weight", (D,), lambda g, b: g(b[0]), lambda a: a)
-        out[("layers", "attn", "k_norm", "scale")] = stacked("self_attn.k_norm.weight", (D,), lambda g, b: g(b[0]), lambda a: a)
-    if not c.tie_embeddings:
-        out[("lm_head",)] = Source({"lm_head.weight": (V, E)}, lambda get, b: get("lm_head.weight", b[1], b[0]).T,
-                                   lambda a: {"lm_head.weight": a.T})
+        out[("attn", "q_norm", "scale")] = vector("self_attn.q_norm.weight", D)
+        out[("attn", "k_norm", "scale")] = vector("self_attn.k_norm.weight", D)
     return out
 
 

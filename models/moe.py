@@ -126,6 +126,15 @@ class MoEDecoder(Decoder):
                     dtype or compute_dtype(), CACHE_AXES)
         return [{"k": leaf, "v": leaf} for _ in range(self.moe_settings.every)]
 
+    # -- Hugging Face format (meshpar.io.hf): Mixtral and Qwen3-MoE (meshpar.models.hf_moe) ----------------
+    def hf_tensors(self) -> dict:
+        from meshpar.models.hf_moe import family_of, moe_tensors
+        return moe_tensors(self.cfg, self.moe_settings, family_of(self.cfg, self.moe_settings))
+
+    def hf_config(self) -> dict:
+        from meshpar.models.hf_moe import moe_config
+        return moe_config(self.cfg, self.moe_settings)
+
     def decode(self, tokens, positions, cache, dtype=None):
         """The decoder's `decode`, with the MoE layers routing dropless."""
         token = _DECODING.set(True)
@@ -136,6 +145,10 @@ class MoEDecoder(Decoder):
 
 
 def build(cfg, rngs: nnx.Rngs) -> MoEDecoder:
-    """From a run config: `model.*` for the decoder, `moe.*` for the experts."""
+    """From a run config: `model.*` for the decoder, `moe.*` for the experts (which must agree with a
+    Mixtral/Qwen3-MoE `model.init_from`'s config.json: `meshpar.models.hf_moe.check_settings`)."""
+    if cfg.model.init_from:
+        from meshpar.models.hf_moe import check_settings
+        check_settings(cfg)
     return MoEDecoder(DecoderConfig.from_config(cfg.model), moe_lib.MoESettings.from_config(cfg.moe), rngs,
                       seed=cfg.train.seed)

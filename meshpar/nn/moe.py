@@ -318,10 +318,19 @@ def dropless(x, r: Routing, w_gate, w_up, w_down):
     w_in, w_out = P(e_axes or None, None, h_axes or None), P(e_axes or None, h_axes or None, None)
     x = constrain(x, TOKENS, "moe tokens GSM")
 
+    # Tokens not split over the expert axes (a decode batch smaller than them): every expert shard
+    # holds all tokens, computes the rows routed to its own experts, and the shards' outputs are summed.
+    replicated = bool(e_axes) and not set(e_axes) & set(g_axes)
+
     def local(x, index, routed, gates, wg, wu, wd):
         gl = x.shape[0]
-        y = _dropless_local(x.reshape(gl * s, m), index.reshape(gl * s, k), routed.reshape(gl * s, k),
-                            gates.reshape(gl * s, k), wg, wu, wd, e_axes, ep, h_axes)
+        flat = lambda a: a.reshape(gl * s, *a.shape[2:])                  # noqa: E731
+        if replicated:
+            first = jax.lax.axis_index(e_axes) * wg.shape[0]
+            mine = routed & (index >= first) & (index < first + wg.shape[0])
+            y = _dropless_local(flat(x), flat(index - first), flat(mine), flat(gates), wg, wu, wd, h_axes=h_axes)
+            return jax.lax.psum(y, e_axes).reshape(gl, s, m)
+        y = _dropless_local(flat(x), flat(index), flat(routed), flat(gates), wg, wu, wd, e_axes, ep, h_axes)
         return y.reshape(gl, s, m)
 
     fn = jax.shard_map(local, mesh=layout.mesh, in_specs=(tok, tok, tok, tok, w_in, w_in, w_out), out_specs=tok)
