@@ -7,6 +7,8 @@ Families (`FAMILIES`): one table of tensor names below, plus the few decoder opt
     Qwen2ForCausalLM     + q/k/v biases [N*D], [K*D], [K*D] -> layers.attn.bqkv [l, K, G+2, D] (qkv_bias)
     Qwen3ForCausalLM     + self_attn.q_norm / k_norm weights [D] -> layers.attn.q_norm / k_norm.scale
                            [l, D] (qk_norm: RMSNorm of each head before RoPE); explicit head_dim
+    MixtralForCausalLM   attention as Mistral, Qwen3MoeForCausalLM as Qwen3; their experts and
+                           routers: meshpar.models.hf_moe (model.name=moe)
 
 config.json -> DecoderConfig: hidden_size E, num_hidden_layers L, num_attention_heads N,
 num_key_value_heads K (default N), head_dim D (default E / N), intermediate_size F, vocab_size V,
