@@ -6,7 +6,7 @@
     meshpar launch N [train arguments...]        # N loopback processes (meshpar/runtime/launch.py)
     meshpar launch --print-slurm [--nodes N --gpus-per-node G ...] [train arguments...]   # meshpar/runtime/slurm.py
     meshpar plot RUN.jsonl [RUN2.jsonl ...] [-o out.png] [--size 1200x800]   # meshpar/train/plot.py
-    meshpar generate [--config FILE] [--devices N] [--prompt TEXT | --prompt-ids 1,2,3] [--json] [KEY=VALUE ...]
+    meshpar generate [--config FILE] [--devices N] [--prompt TEXT [--chat] | --prompt-ids 1,2,3] [--json] [KEY=VALUE ...]
     meshpar plan [--config FILE] --devices N --hardware h100 [--top K] [--strategies a,b] [--all] [--json]
                  [--bytes-per-param W,G,O] [--out plan.yaml] [--verify K] [KEY=VALUE ...]
     meshpar export --format hf --out DIR [--dtype bf16|fp32] [--max-shard-size 5GB] [--config FILE] [KEY=VALUE ...]
@@ -71,6 +71,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", action="append", default=[], metavar="TEXT",
                    help="a text prompt (data.tokenizer's tokens, else bytes; repeatable)")
     g.add_argument("--prompt-ids", action="append", default=[], metavar="1,2,3", help="a prompt as token ids (repeatable)")
+    g.add_argument("--chat", action="store_true",
+                   help="each --prompt is a user message, wrapped by data.tokenizer's chat template")
     g.add_argument("--max-new-tokens", type=int, help="tokens to generate per prompt (default: serve.max_new_tokens)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
     g.add_argument("--top-k", type=int, help="sample among the k most likely tokens")
@@ -213,7 +215,12 @@ def _generate(cfg, args) -> None:
     from meshpar.io.tokenizer import ByteTokenizer, HFTokenizer
     texts = bool(args.prompt) or cfg.data.kind == "text" or bool(cfg.data.tokenizer)
     hf_tok = HFTokenizer(cfg.data.tokenizer) if cfg.data.tokenizer else None
-    prompts = [hf_tok.prompt(p) if hf_tok else ByteTokenizer.encode(p) for p in args.prompt]   # default: bytes
+    if args.chat and not hf_tok:
+        raise MeshparError("--chat needs data.tokenizer=DIR (a tokenizer whose tokenizer_config.json has a chat_template)")
+    if args.chat:
+        prompts = [hf_tok.chat([{"role": "user", "content": p}]) for p in args.prompt]
+    else:
+        prompts = [hf_tok.prompt(p) if hf_tok else ByteTokenizer.encode(p) for p in args.prompt]   # default: bytes
     for ids in args.prompt_ids:
         try:
             prompts.append([int(x) for x in ids.replace(" ", "").split(",") if x])

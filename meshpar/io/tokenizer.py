@@ -32,7 +32,11 @@ class HFTokenizer:
     holds one). End and beginning of sequence: `eos_token_id`/`bos_token_id` of the folder's
     generation_config.json, else its config.json, else the tokens its tokenizer_config.json names
     (`eos_token`/`bos_token`). `encode` adds no special tokens: prompts get BOS from `prompt`,
-    documents BOS and EOS from `document` (a list of EOS ids counts its first)."""
+    documents BOS and EOS from `document` (a list of EOS ids counts its first). Whether a text gets
+    BOS is the tokenizer's word, as in transformers: tokenizer_config.json's `add_bos_token` if it
+    says, else none when it names `bos_token: null` (Qwen: its config.json's bos_token_id is not
+    prepended), else BOS when one is known. `chat(messages)` renders tokenizer_config.json's
+    `chat_template` with jinja2 (sandboxed, as transformers does) and tokenizes the text."""
 
     def __init__(self, path: str, model_vocab: int | None = None):
         import json
@@ -50,6 +54,8 @@ class HFTokenizer:
         if model_vocab is not None and self.vocab_size > model_vocab:
             raise ConfigError(f"data.tokenizer '{file}' has {self.vocab_size} tokens, more than model.vocab={model_vocab}")
         meta = {}
+        conf = file.parent / "tokenizer_config.json"
+        self.config = json.loads(conf.read_text()) if conf.is_file() else {}
         for name in ("tokenizer_config.json", "config.json", "generation_config.json"):   # later files win
             f = file.parent / name
             if f.is_file():
@@ -64,12 +70,28 @@ class HFTokenizer:
                     if isinstance(v, int):
                         meta[what] = v
         self.bos_id, self.eos_id = meta.get("bos"), meta.get("eos")
+        if "add_bos_token" in self.config:
+            self.add_bos = bool(self.config["add_bos_token"]) and self.bos_id is not None
+        else:
+            self.add_bos = self.bos_id is not None and not ("bos_token" in self.config and self.config["bos_token"] is None)
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
 
     def prompt(self, text: str) -> list[int]:
-        return ([self.bos_id] if self.bos_id is not None else []) + self.encode(text)
+        return ([self.bos_id] if self.add_bos else []) + self.encode(text)
+
+    def chat(self, messages: list[dict]) -> list[int]:
+        """[{"role", "content"}, ...] -> the ids of tokenizer_config.json's `chat_template` rendered with
+        the generation prompt (the template writes any BOS itself)."""
+        template = self.config.get("chat_template")
+        if isinstance(template, list):                      # named templates: the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        if not isinstance(template, str):
+            raise ConfigError("data.tokenizer has no chat_template in its tokenizer_config.json: drop --chat, or "
+                              "use the tokenizer of a chat (instruct) model")
+        text = render_chat(template, messages, self.config)
+        return self.encode(text)
 
     def document(self, text: str) -> list[int]:
         """BOS (if the tokenizer has one) + text + EOS (required: it separates packed documents)."""
@@ -81,6 +103,31 @@ class HFTokenizer:
 
     def decode(self, ids) -> str:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+
+def render_chat(template: str, messages: list[dict], config: dict) -> str:
+    """A chat template rendered as transformers' `apply_chat_template(..., add_generation_prompt=True)`
+    does: jinja2's sandboxed environment, trim_blocks and lstrip_blocks, loop controls, the special
+    tokens of tokenizer_config.json as variables, `raise_exception`, `strftime_now` and a `tojson`
+    that keeps non-ASCII text."""
+    import datetime
+    import json
+    from jinja2 import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
+    env.globals.update(raise_exception=raise_exception,
+                       strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
+    special = {k: (v.get("content") if isinstance(v, dict) else v) for k, v in config.items()
+               if k.endswith("_token") and (v is None or isinstance(v, (str, dict)))}
+    try:
+        return env.from_string(template).render(messages=messages, add_generation_prompt=True, **special)
+    except TemplateError as e:
+        raise ConfigError(f"data.tokenizer's chat_template failed: {e}") from None
 
 
 def load_tokenizer(data, model_vocab: int):

@@ -159,3 +159,66 @@ def test_export_writes_the_family_that_has_the_decoders_options():
     assert hf_config(c.replace(qk_norm=True))["model_type"] == "qwen3"
     with pytest.raises(ConfigError, match="model.softcap: attention soft-capping has no place"):
         hf_config(c.replace(softcap=30.0))
+
+
+CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+MISTRAL_CHAT = ("{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+                "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+                "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+                "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token }}{% endif %}{% endfor %}")
+
+
+def _tokenizer(path, **config):
+    from tests.io.test_hf import save_tokenizer
+    d = save_tokenizer(path)
+    (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>", **config}))
+    return d
+
+
+def test_bos_follows_the_tokenizer_not_config_json(tmp_path):
+    """Qwen's tokenizer names no BOS though its config.json has a bos_token_id: prompts and documents
+    start without one, as transformers' tokenizer encodes them."""
+    from meshpar.io.tokenizer import HFTokenizer
+    qwen = _tokenizer(tmp_path / "qwen", bos_token=None)
+    (qwen / "config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+    tok = HFTokenizer(str(qwen))
+    ids = tok.encode("hello world")
+    assert tok.prompt("hello world") == ids and tok.document("hello world") == ids + [2]
+    ref = transformers.PreTrainedTokenizerFast.from_pretrained(str(qwen))
+    assert ref("hello world")["input_ids"] == ids
+    assert HFTokenizer(str(_tokenizer(tmp_path / "off", add_bos_token=False))).prompt("hello") == tok.encode("hello")
+    assert HFTokenizer(str(_tokenizer(tmp_path / "llama"))).prompt("hello") == [1, *tok.encode("hello")]
+
+
+@pytest.mark.parametrize("template", [CHATML, MISTRAL_CHAT], ids=["chatml", "mistral"])
+def test_chat_template_renders_as_transformers_does(tmp_path, template):
+    from meshpar.io.tokenizer import HFTokenizer
+    d = _tokenizer(tmp_path / "tok", chat_template=template)
+    messages = [{"role": "user", "content": "hello world"}, {"role": "assistant", "content": "the lazy dog"},
+                {"role": "user", "content": "quick brown fox ü"}]
+    ref = transformers.PreTrainedTokenizerFast.from_pretrained(str(d))
+    want = ref.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert HFTokenizer(str(d)).chat(messages) == list(want)
+    if template is MISTRAL_CHAT:
+        with pytest.raises(ConfigError, match="chat_template failed: Conversation roles must alternate"):
+            HFTokenizer(str(d)).chat(messages[:1] * 2)
+    with pytest.raises(ConfigError, match="no chat_template in its tokenizer_config.json: drop --chat"):
+        HFTokenizer(str(_tokenizer(tmp_path / "plain"))).chat(messages)
+
+
+def test_generate_chat_matches_transformers_greedy(tmp_path, capsys):
+    from meshpar.cli import main
+    m = save_family(tmp_path / "hf", "qwen2")
+    d = _tokenizer(tmp_path / "tok", bos_token=None, chat_template=CHATML)
+    ids = transformers.PreTrainedTokenizerFast.from_pretrained(str(d)).apply_chat_template(
+        [{"role": "user", "content": "hello world"}], add_generation_prompt=True, tokenize=True, return_dict=False)
+    m.generation_config.eos_token_id = None
+    with torch.no_grad():
+        want = m.generate(torch.tensor([list(ids)]), do_sample=False, max_new_tokens=6, pad_token_id=0)[0, len(ids):].tolist()
+    capsys.readouterr()
+    assert main(["generate", "--chat", "--prompt", "hello world", "--json", "--max-new-tokens", "6",
+                 f"model.init_from=hf:{tmp_path / 'hf'}", f"data.tokenizer={d}", "precision=fp32", "--devices", "8",
+                 "serve.cache_length=64", "mesh.data=4", "mesh.fsdp=1", "mesh.tensor=2"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert len(out["tokens"][0]) >= 3 and out["tokens"][0] == want[:len(out["tokens"][0])]

@@ -4,7 +4,9 @@ and under tensor parallelism; an expert-order permutation caught; export round t
 loads in transformers; the run's moe.* keys must agree with config.json, in one line.
 """
 import json
+import tracemalloc
 
+import jax
 import numpy as np
 import pytest
 
@@ -30,20 +32,20 @@ FAMILIES = {
 }
 
 
-def save_moe(path, family, seed=0):
+def save_moe(path, family, seed=0, shard=None, **kw):
     """A random MoE of `family`: weights std 0.1, norm weights 1 + N(0, 0.3); 4 layers, 4 experts, top 2."""
     config_cls, model_cls, extra, _ = FAMILIES[family]
     torch.manual_seed(seed)
-    c = getattr(transformers, config_cls)(
-        vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, num_experts_per_tok=2, tie_word_embeddings=False, rms_norm_eps=1e-5,
-        initializer_range=0.1, attn_implementation="eager", **extra)
+    c = getattr(transformers, config_cls)(**{
+        "vocab_size": 320, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "num_experts_per_tok": 2, "tie_word_embeddings": False, "rms_norm_eps": 1e-5,
+        "initializer_range": 0.1, "attn_implementation": "eager", **extra, **kw})
     m = getattr(transformers, model_cls)(c).eval()
     with torch.no_grad():
         for name, p in m.named_parameters():
             if "norm" in name:
                 p.copy_(1 + 0.3 * torch.randn_like(p))
-    m.save_pretrained(path, safe_serialization=True)
+    m.save_pretrained(path, safe_serialization=True, **({"max_shard_size": shard} if shard else {}))
     return m
 
 
@@ -125,3 +127,41 @@ def test_generate_matches_transformers_greedy_under_expert_parallelism(tmp_path,
                  *FAMILIES["qwen3_moe"][3]]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert len(out["tokens"][0]) >= 4 and out["tokens"][0] == want[:len(out["tokens"][0])]   # may stop at EOS
+
+
+def test_sharded_moe_checkpoint_loads_in_one_devices_share_of_host_memory(tmp_path):
+    """Under expert parallelism a device reads only its experts' tensors and its slices of the rest,
+    one block at a time: the host's transient peak is a few blocks, never the model."""
+    m = save_moe(tmp_path, "mixtral", shard="2MB", hidden_size=256, intermediate_size=512, vocab_size=2048,
+                 initializer_range=0.05)
+    assert len(set(json.loads((tmp_path / hf.INDEX).read_text())["weight_map"].values())) > 3
+    tr = moe_trainer(tmp_path, "mixtral", 8, EP)
+    reads = []
+    real_get = hf.Checkpoint.get
+
+    def get(self, name, *ranges):
+        out = real_get(self, name, *ranges)
+        reads.append((name, out.size))
+        return out
+    hf.Checkpoint.get = get
+    try:
+        tr.load_pretrained()                               # warm: imports, tracing of the abstract model
+        reads.clear()
+        tracemalloc.start()
+        params = tr.load_pretrained()
+        jax.block_until_ready(params)
+        kept, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+    finally:
+        hf.Checkpoint.get = real_get
+    full = {k: v.size for k, v in tensors_of(tmp_path).items()}
+    total = sum(v.nbytes for v in tensors_of(tmp_path).values())
+    block = max(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(params))
+    print(f"checkpoint {total} bytes, largest block {block}, host transient peak {peak - kept}")
+    assert peak - kept < total / 8 and peak - kept < 4 * block + (256 << 10)    # below one device's share
+    # every expert tensor is read once in all (by a device that holds it; the data-parallel copy is
+    # placed from that read), the other tensors in blocks of a device's size
+    experts = [n for n in full if ".experts." in n]
+    assert sum(s for n, s in reads if ".experts." in n) == sum(full[n] for n in experts)
+    assert max(s for n, s in reads if n == "model.embed_tokens.weight") <= full["model.embed_tokens.weight"] // 2
+    assert np.abs(logits(tr, params, PROMPT) - reference(m, PROMPT)).max() <= 1e-4
