@@ -22,7 +22,7 @@ from meshpar.core.rules import constrain
 from meshpar.nn.layers import param, scan_layers, stacked
 from meshpar.core.precision import compute_dtype
 from meshpar.core.batch import Leaf
-from meshpar.models.layers import CACHE_AXES, RESIDUAL, Block, RMSNorm
+from meshpar.models.layers import CACHE_AXES, RESIDUAL, Block, Pattern, RMSNorm
 
 # name: (layers, embed, heads, kv_heads, head_dim, mlp, vocab)
 SIZES = {
@@ -55,6 +55,15 @@ class DecoderConfig:
     qkv_bias: bool = False             # biases on q, k, v (Qwen2)
     qk_norm: bool = False              # RMSNorm of each q and k head before RoPE (Qwen3)
     family: str = "llama"              # the Hugging Face family export writes (meshpar.models.hf_llama.FAMILIES)
+    # Gemma 2: RMSNorm x (1 + w), norms after attention and MLP too, GeGLU, scores / sqrt(query_scale),
+    # embeddings x sqrt(E), logits soft-capped, local (window) and global layers alternating
+    norm_offset: float = 0.0
+    post_norms: bool = False
+    mlp_act: str = "silu"              # silu | gelu_tanh
+    query_scale: float | None = None
+    embed_scale: bool = False
+    final_softcap: float | None = None
+    local_global: int | None = None    # p: groups of p layers, p - 1 with the window, then one without
 
     @classmethod
     def from_config(cls, m) -> "DecoderConfig":
@@ -95,14 +104,21 @@ class Decoder(nnx.Module):
     def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs, block=None):
         self.cfg = cfg
         self.embedding = param(rngs, (cfg.vocab, cfg.embed), ("vocab", "embed"), 1.0)
-        self.layers = stacked(block or (lambda r: Block(cfg, r)), cfg.layers, rngs)
-        self.final_norm = RMSNorm(cfg.embed, cfg.norm_eps, rngs)
+        p = cfg.local_global or 1
+        if cfg.layers % p:
+            from meshpar.core.errors import ConfigError
+            raise ConfigError(f"model.layers={cfg.layers} is not a multiple of the local/global pattern's {p} layers")
+        default = (lambda r: Pattern(cfg, r)) if p > 1 else (lambda r: Block(cfg, r))
+        self.layers = stacked(block or default, cfg.layers // p, rngs)
+        self.final_norm = RMSNorm(cfg.embed, cfg.norm_eps, rngs, cfg.norm_offset)
         if not cfg.tie_embeddings:
             self.lm_head = param(rngs, (cfg.embed, cfg.vocab), ("embed", "vocab"), 1.0 / math.sqrt(cfg.embed))
 
     def embed(self, tokens, dtype):
         """tokens [B, T] int -> [B, T, E] (row gather of a vocab-parallel table)."""
         x = jnp.take(self.embedding[...].astype(dtype), tokens, axis=0)
+        if self.cfg.embed_scale:                     # Gemma: x sqrt(E), the factor rounded to the compute dtype
+            x = x * jnp.asarray(math.sqrt(self.cfg.embed), dtype)
         return constrain(x, RESIDUAL)
 
     def head(self, x, dtype):
@@ -112,6 +128,9 @@ class Decoder(nnx.Module):
             logits = jnp.einsum("bte,ve->btv", x, self.embedding[...].astype(dtype))
         else:
             logits = jnp.einsum("bte,ev->btv", x, self.lm_head[...].astype(dtype))
+        if self.cfg.final_softcap:                   # Gemma 2: c tanh(logits / c)
+            c = self.cfg.final_softcap
+            logits = (c * jnp.tanh(logits.astype(jnp.float32) / c)).astype(logits.dtype)
         return constrain(logits, ("batch", "seq", "vocab"))
 
     def __call__(self, tokens, dtype=None, *, positions=None, segment_ids=None):
@@ -127,8 +146,9 @@ class Decoder(nnx.Module):
     def cache_spec(self, batch: int, length: int, dtype=None) -> dict:
         """The KV cache of `batch` sequences of up to `length` positions: {"k", "v"} [L, B, K, S, D]."""
         c = self.cfg
-        leaf = Leaf((c.layers, batch, c.kv_heads, length, c.head_dim), dtype or compute_dtype(), CACHE_AXES)
-        return {"k": leaf, "v": leaf}
+        p = c.local_global or 1
+        leaf = Leaf((c.layers // p, batch, c.kv_heads, length, c.head_dim), dtype or compute_dtype(), CACHE_AXES)
+        return {"k": leaf, "v": leaf} if p == 1 else [{"k": leaf, "v": leaf} for _ in range(p)]
 
     def decode(self, tokens, positions, cache, dtype=None):
         """tokens, positions [B, T] -> (logits [B, T, V], cache with these tokens' keys/values)."""

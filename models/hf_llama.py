@@ -7,6 +7,10 @@ Families (`FAMILIES`): one table of tensor names below, plus the few decoder opt
     Qwen2ForCausalLM     + q/k/v biases [N*D], [K*D], [K*D] -> layers.attn.bqkv [l, K, G+2, D] (qkv_bias)
     Qwen3ForCausalLM     + self_attn.q_norm / k_norm weights [D] -> layers.attn.q_norm / k_norm.scale
                            [l, D] (qk_norm: RMSNorm of each head before RoPE); explicit head_dim
+    Gemma2ForCausalLM    + pre_feedforward_layernorm (-> ffn_norm), post_attention_layernorm and
+                           post_feedforward_layernorm (-> post_attn_norm, post_ffn_norm), blocks stacked
+                           in local/global pairs (layers.blocks.i [l] = HF layer 2l + i); (1 + w) norms,
+                           GeGLU, query_pre_attn_scalar, both soft-caps, x sqrt(E) embeddings
     MixtralForCausalLM   attention as Mistral, Qwen3MoeForCausalLM as Qwen3; their experts and
                            routers: meshpar.models.hf_moe (model.name=moe)
 
@@ -49,7 +53,8 @@ from meshpar.io.hf import Source, hf_path, read_config
 
 # architecture -> family (its config.json's model_type)
 FAMILIES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-            "Qwen3ForCausalLM": "qwen3", "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe"}
+            "Qwen3ForCausalLM": "qwen3", "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe",
+            "Gemma2ForCausalLM": "gemma2"}
 MOE = ("mixtral", "qwen3_moe")      # their experts: meshpar.models.hf_moe
 ARCHITECTURES = tuple(FAMILIES)
 ROPE_ROWS = "identity"      # HF rotate_half rows == meshpar rope rows (see the module docstring)
@@ -88,8 +93,11 @@ def decoder_config(m):
     family = next((FAMILIES[a] for a in archs if a in FAMILIES), None)
     if family is None:
         raise ConfigError(f"{where}: key 'architectures' is {archs}; meshpar implements {', '.join(ARCHITECTURES)}")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"{where}: key 'hidden_act' is {hf['hidden_act']!r}; the decoder's MLP is SwiGLU (silu)")
+    act_key = "hidden_activation" if family == "gemma2" else "hidden_act"
+    act = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}.get(hf.get(act_key) or "silu")
+    if act is None or (family == "gemma2") != (act == "gelu_tanh"):
+        raise ConfigError(f"{where}: key '{act_key}' is {hf.get(act_key)!r}; the decoder's MLP is SwiGLU (silu), "
+                          "or GeGLU (gelu_pytorch_tanh) for Gemma")
     for key in ("attention_bias", "mlp_bias"):
         if hf.get(key):
             raise ConfigError(f"{where}: key '{key}' is true; the decoder has no biases"
@@ -100,7 +108,8 @@ def decoder_config(m):
     if family in ("qwen2", "qwen3", "qwen3_moe") and hf.get("use_sliding_window"):
         raise ConfigError(f"{where}: key 'use_sliding_window' is true; a window on some layers only (Qwen's "
                           "max_window_layers) is not implemented: set it false to read the model without windows")
-    window = hf.get("sliding_window") if family in ("mistral", "mixtral") else None
+    window = hf.get("sliding_window") if family in ("mistral", "mixtral", "gemma2") else None
+    gemma = gemma_options(hf, where, dims_layers=hf.get("num_hidden_layers")) if family == "gemma2" else {}
     if window is not None and (not isinstance(window, int) or window < 1):
         raise ConfigError(f"{where}: key 'sliding_window' must be a positive integer or null, got {window!r}")
     rope = dict(hf.get("rope_parameters") or {})
@@ -128,13 +137,27 @@ def decoder_config(m):
                          rope_theta=theta, norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
                          tie_embeddings=bool(hf.get("tie_word_embeddings", False)), rope_scaling=scaling,
                          window=window, qkv_bias=family == "qwen2", qk_norm=family in ("qwen3", "qwen3_moe"),
-                         family=family)
+                         family=family, **gemma)
+
+
+def gemma_options(hf: dict, where: str, dims_layers) -> dict:
+    """Gemma 2's decoder options from its config.json; its layers must alternate local, global."""
+    types = hf.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                      for i in range(dims_layers or 0)]
+    if types != ["sliding_attention", "full_attention"] * (len(types) // 2) or len(types) % 2:
+        raise ConfigError(f"{where}: key 'layer_types' must alternate sliding_attention, full_attention (Gemma 2); "
+                          "other patterns are not implemented")
+    return {"norm_offset": 1.0, "post_norms": True, "mlp_act": "gelu_tanh", "embed_scale": True, "local_global": 2,
+            "query_scale": hf.get("query_pre_attn_scalar") or hf.get("head_dim") or 256,
+            "softcap": hf.get("attn_logit_softcapping"), "final_softcap": hf.get("final_logit_softcapping")}
 
 
 def family_of(c) -> str:
     """The family export writes: the one read, or for a decoder made here the one that has its options."""
     if c.family != "llama":
         return c.family
+    if c.post_norms:
+        return "gemma2"
     return "qwen3" if c.qk_norm else "qwen2" if c.qkv_bias else "mistral" if c.window else "llama"
 
 
@@ -147,17 +170,23 @@ def hf_config(c) -> dict:
         rope.update(rope_type="llama3", factor=f, low_freq_factor=lo, high_freq_factor=hi,
                     original_max_position_embeddings=int(orig))
     family = family_of(c)
-    if c.softcap is not None:
+    if c.softcap is not None and family != "gemma2":
         raise ConfigError("model.softcap: attention soft-capping has no place in the Llama, Mistral or Qwen formats; "
                           "export a model without it")
-    if c.window is not None and family != "mistral":
+    if c.window is not None and family not in ("mistral", "gemma2"):
         raise ConfigError(f"model.window: the {family} format has no window for every layer; a windowed decoder "
                           "exports as Mistral (a model read from Mistral does)")
     arch = next(a for a, f in FAMILIES.items() if f == family)
     extra = {"mistral": {"sliding_window": c.window},
              "qwen2": {"use_sliding_window": False, "sliding_window": None, "max_window_layers": c.layers},
-             "qwen3": {"use_sliding_window": False, "sliding_window": None, "max_window_layers": c.layers}}
-    return {"architectures": [arch], "model_type": family, "hidden_act": "silu", **extra.get(family, {}),
+             "qwen3": {"use_sliding_window": False, "sliding_window": None, "max_window_layers": c.layers},
+             "gemma2": {"hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": (int(c.query_scale) if c.query_scale
+                                                  and float(c.query_scale).is_integer() else c.query_scale),
+                        "attn_logit_softcapping": c.softcap, "final_logit_softcapping": c.final_softcap,
+                        "sliding_window": c.window,
+                        "layer_types": ["sliding_attention", "full_attention"] * (c.layers // 2)}}
+    act = "gelu_pytorch_tanh" if c.mlp_act == "gelu_tanh" else "silu"
+    return {"architectures": [arch], "model_type": family, "hidden_act": act, **extra.get(family, {}),
             "hidden_size": c.embed, "intermediate_size": c.mlp, "num_hidden_layers": c.layers,
             "num_attention_heads": c.heads, "num_key_value_heads": c.kv_heads, "head_dim": c.head_dim,
             "vocab_size": c.vocab, "rms_norm_eps": c.norm_eps, "tie_word_embeddings": c.tie_embeddings,
@@ -207,6 +236,9 @@ def tensors(c, blocks: dict | None = None) -> dict:
         ("final_norm", "scale"): Source({"model.norm.weight": (E,)}, lambda get, b: get("model.norm.weight", *b),
                                         lambda a: {"model.norm.weight": a}),
     }
+    p = c.local_global or 1
+    if blocks is None and p > 1:                      # Pattern groups: block i of group j is HF layer j*p + i
+        blocks = {("layers", "blocks", str(i)): ([j * p + i for j in range(c.layers // p)], True) for i in range(p)}
     for prefix, (ids, mlp) in (blocks or {("layers",): (range(c.layers), True)}).items():
         out.update({(*prefix, *path): src for path, src in block_tensors(c, ids, mlp).items()})
     if not c.tie_embeddings:
@@ -251,9 +283,10 @@ def block_tensors(c, ids, mlp: bool = True) -> dict:
         w = get_l("self_attn.o_proj.weight", (e0, e1), (n0 * D, n1 * D)).reshape(e1 - e0, n1 - n0, D)
         return w[:, :, d0:d1].transpose(1, 2, 0)
 
+    post = getattr(c, "post_norms", False)      # Gemma: post_attention_layernorm follows attention
     out = {
         ("attn_norm", "scale"): vector("input_layernorm.weight", E),
-        ("ffn_norm", "scale"): vector("post_attention_layernorm.weight", E),
+        ("ffn_norm", "scale"): vector("pre_feedforward_layernorm.weight" if post else "post_attention_layernorm.weight", E),
         ("attn", "wqkv"): layered(ids, {"self_attn.q_proj.weight": (N * D, E), "self_attn.k_proj.weight": (K * D, E),
                                         "self_attn.v_proj.weight": (K * D, E)}, qkv_read, qkv_write),
         ("attn", "wo"): layered(ids, {"self_attn.o_proj.weight": (E, N * D)}, wo_read,
@@ -267,6 +300,9 @@ def block_tensors(c, ids, mlp: bool = True) -> dict:
                                        lambda a: {"mlp.gate_proj.weight": a[:, 0].T, "mlp.up_proj.weight": a[:, 1].T})
         out[("ffn", "w_down")] = one_per_layer(ids, "mlp.down_proj.weight", (E, F), lambda g, b: g(b[1], b[0]).T,
                                                lambda a: a.T)
+    if post:
+        out[("post_attn_norm", "scale")] = vector("post_attention_layernorm.weight", E)
+        out[("post_ffn_norm", "scale")] = vector("post_feedforward_layernorm.weight", E)
     if c.qkv_bias:
         def bias_read(get_l, box):      # q/k/v biases [N*D], [K*D] -> [K_s, J_s, D_s]
             ks, js, (d0, d1) = box

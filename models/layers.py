@@ -23,16 +23,17 @@ from meshpar.parallel.context import attention
 
 
 class RMSNorm(nnx.Module):
-    """x / rms(x) * scale (Zhang & Sennrich 2019), statistics in fp32. [B, T, E] -> [B, T, E]."""
+    """x / rms(x) * (offset + scale) (Zhang & Sennrich 2019), statistics in fp32. [..., E] -> [..., E].
+    offset 0 (scale starts at 1), or 1 (Gemma: scale starts at 0)."""
 
-    def __init__(self, dim: int, eps: float, rngs: nnx.Rngs):
-        self.scale = param(rngs, (dim,), ("norm",), init="ones")
-        self.eps = eps
+    def __init__(self, dim: int, eps: float, rngs: nnx.Rngs, offset: float = 0.0):
+        self.scale = param(rngs, (dim,), ("norm",), init="zeros" if offset else "ones")
+        self.eps, self.offset = eps, offset
 
     def __call__(self, x):
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (y * self.scale[...]).astype(x.dtype)
+        return (y * (self.offset + self.scale[...])).astype(x.dtype)
 
 
 # Stacked K or V cache [L, B, K, S, D]: heads before positions, so the decode attention's batch
@@ -92,8 +93,8 @@ class Attention(nnx.Module):
         if getattr(cfg, "qkv_bias", False):          # Qwen2: biases on q, k and v (not on wo)
             self.bqkv = param(rngs, (k, n // k + 2, d), ("kv_heads", None, "kv"), init="zeros")
         if getattr(cfg, "qk_norm", False):           # Qwen3: RMSNorm over D of each q and k head, before RoPE
-            self.q_norm = RMSNorm(d, cfg.norm_eps, rngs)
-            self.k_norm = RMSNorm(d, cfg.norm_eps, rngs)
+            self.q_norm = RMSNorm(d, cfg.norm_eps, rngs, getattr(cfg, "norm_offset", 0.0))
+            self.k_norm = RMSNorm(d, cfg.norm_eps, rngs, getattr(cfg, "norm_offset", 0.0))
         self.cfg = cfg
 
     def __call__(self, x, positions, cache=None, segment_ids=None):
@@ -113,6 +114,8 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         scaling = getattr(cfg, "rope_scaling", None)
         q, k = rope(q, positions, cfg.rope_theta, scaling), rope(k, positions, cfg.rope_theta, scaling)
+        if getattr(cfg, "query_scale", None):       # scores q.k / sqrt(query_scale), not / sqrt(D) (Gemma 2)
+            q = (q.astype(jnp.float32) * math.sqrt(cfg.head_dim / cfg.query_scale)).astype(q.dtype)
         adt = attention_dtype(dt)   # = dt, except fp16 on CPU (see meshpar.core.precision.attention_dtype)
         masks = dict(window=cfg.window, softcap=cfg.softcap)
         if cache is not None:
@@ -170,12 +173,14 @@ class MLP(nnx.Module):
         e, f = cfg.embed, cfg.mlp
         self.w_in = param(rngs, (e, 2, f), ("embed", None, "mlp"), 1.0 / math.sqrt(e))
         self.w_down = param(rngs, (f, e), ("mlp", "embed"), 1.0 / math.sqrt(f * 2 * cfg.layers))
+        self.act = getattr(cfg, "mlp_act", "silu")        # silu (SwiGLU) | gelu_tanh (GeGLU, Gemma)
 
     def __call__(self, x):
         dt = x.dtype
         h = jnp.einsum("bte,ecf->btcf", x, self.w_in[...].astype(dt))                 # [B, T, 2, F]
         h = constrain(h, ("batch", "seq", None, "mlp"))     # pinned here, or SP may gather Wg|Wu instead
-        h = constrain(jax.nn.silu(h[:, :, 0]) * h[:, :, 1], ("batch", "seq", "mlp"))
+        gate = jax.nn.silu(h[:, :, 0]) if self.act == "silu" else jax.nn.gelu(h[:, :, 0], approximate=True)
+        h = constrain(gate * h[:, :, 1], ("batch", "seq", "mlp"))
         return jnp.einsum("btf,fe->bte", h, self.w_down[...].astype(dt))
 
 
@@ -183,14 +188,20 @@ RESIDUAL = ("batch", "length", "embed")
 
 
 class Block(nnx.Module):
-    """Pre-norm decoder block: x + Attn(norm(x)), then + FFN(norm(x)). Returns (x, aux) where aux is
-    a dict of per-layer scalars (empty for a dense block; MoE blocks report their losses there)."""
+    """Pre-norm decoder block: x + Attn(norm(x)), then + FFN(norm(x)); with `post_norms` (Gemma 2/3)
+    each branch's output is normed too before it is added: x + norm(Attn(norm(x))). Returns (x, aux)
+    where aux is a dict of per-layer scalars (empty for a dense block; MoE blocks report losses there)."""
 
     def __init__(self, cfg, rngs: nnx.Rngs, ffn=None):
-        self.attn_norm = RMSNorm(cfg.embed, cfg.norm_eps, rngs)
+        off = getattr(cfg, "norm_offset", 0.0)
+        self.attn_norm = RMSNorm(cfg.embed, cfg.norm_eps, rngs, off)
         self.attn = Attention(cfg, rngs)
-        self.ffn_norm = RMSNorm(cfg.embed, cfg.norm_eps, rngs)
+        self.ffn_norm = RMSNorm(cfg.embed, cfg.norm_eps, rngs, off)
         self.ffn = ffn if ffn is not None else MLP(cfg, rngs)
+        if getattr(cfg, "post_norms", False):
+            self.post_attn_norm = RMSNorm(cfg.embed, cfg.norm_eps, rngs, off)
+            self.post_ffn_norm = RMSNorm(cfg.embed, cfg.norm_eps, rngs, off)
+        self.post_norms = getattr(cfg, "post_norms", False)
 
     def __call__(self, x, positions, cache=None, segment_ids=None):
         """-> (x, aux); with a KV `cache` (decoding) -> (x, aux, cache)."""
@@ -198,11 +209,33 @@ class Block(nnx.Module):
         a = self.attn(h, positions, cache, segment_ids)
         if cache is not None:
             a, cache = a
-        x = constrain(x + a, RESIDUAL)
+        x = constrain(x + (self.post_attn_norm(a) if self.post_norms else a), RESIDUAL)
         h = constrain(self.ffn_norm(x), RESIDUAL)
         out = self.ffn(h)
         aux = {}
         if isinstance(out, tuple):
             out, aux = out
-        x = constrain(x + out, RESIDUAL)
+        x = constrain(x + (self.post_ffn_norm(out) if self.post_norms else out), RESIDUAL)
         return (x, aux) if cache is None else (x, aux, cache)
+
+
+class Pattern(nnx.Module):
+    """p consecutive blocks whose attention differs by position (Gemma 2: local then global): blocks
+    0..p-2 see a window of `cfg.window` keys, block p-1 sees every key before it. The stack scans
+    over these groups, so each block keeps a static mask. x [B, T, E] -> (x, {})."""
+
+    def __init__(self, cfg, rngs: nnx.Rngs):
+        p = cfg.local_global
+        self.blocks = nnx.List([Block(cfg.replace(window=cfg.window if i < p - 1 else None), rngs) for i in range(p)])
+
+    def __call__(self, x, positions, cache=None, segment_ids=None):
+        """-> (x, {}); with `cache` (a list: one {"k", "v"} per block, decoding) -> (x, {}, cache)."""
+        if cache is None:
+            for block in self.blocks:
+                x, _ = block(x, positions, segment_ids=segment_ids)
+            return x, {}
+        new = []
+        for block, c in zip(self.blocks, cache):
+            x, _, c = block(x, positions, c)
+            new.append(c)
+        return x, {}, new

@@ -1,4 +1,4 @@
-"""Mistral, Qwen2 and Qwen3 in and out of Hugging Face format (meshpar.models.hf_llama.FAMILIES), proven
+"""Mistral, Qwen2, Qwen3 and Gemma 2 in and out of Hugging Face format (meshpar.models.hf_llama.FAMILIES), proven
 against transformers itself on tiny random models saved here.
 
 Each family's own parts are made to matter: norm weights and biases are random (transformers
@@ -24,6 +24,8 @@ FAMILIES = {
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 48}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"use_sliding_window": False}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 24, "use_sliding_window": False}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 16, "sliding_window": 48, "query_pre_attn_scalar": 24,
+                                                     "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}),
 }
 
 
@@ -78,6 +80,7 @@ def _swap(a, b):
 @pytest.mark.parametrize("family,change", [
     ("qwen2", _swap("self_attn.k_proj.bias", "self_attn.v_proj.bias")),   # biases read into the wrong slot
     ("qwen3", _swap("self_attn.q_norm.weight", "self_attn.k_norm.weight")),  # q/k norms swapped
+    ("gemma2", _swap("post_attention_layernorm.weight", "post_feedforward_layernorm.weight")),  # post-norms swapped
 ])
 def test_a_wrong_mapping_moves_the_logits(tmp_path, family, change):
     """The same mapping error in the checkpoint that a wrong table would make: the test above must see it."""
@@ -117,13 +120,14 @@ def test_export_loads_in_transformers_and_round_trips_bitwise(tmp_path, family):
     assert np.abs(reference(back.eval(), PROMPT[:1]) - reference(m, PROMPT[:1])).max() == 0
 
 
-def test_generate_in_a_window_matches_transformers_greedy(tmp_path, capsys):
-    """Mistral with a window of 16 and a prompt longer than it: prefill and each decoded token see
-    only the last 16 positions, as transformers' generate does."""
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+def test_generate_in_a_window_matches_transformers_greedy(tmp_path, capsys, family):
+    """A window of 16 and a prompt longer than it: prefill and each decoded token see only the last
+    16 positions (Gemma 2: on its local layers; its global ones see all), as transformers' generate does."""
     from meshpar.cli import main
     from meshpar.io.tokenizer import HFTokenizer
     from tests.io.test_hf import save_tokenizer
-    m = save_family(tmp_path / "hf", "mistral", sliding_window=16)
+    m = save_family(tmp_path / "hf", family, sliding_window=16)
     tok_dir = save_tokenizer(tmp_path / "tok")
     prompt = "the quick brown fox jumps over the lazy dog and says hello world " * 2
     ids = HFTokenizer(str(tok_dir)).prompt(prompt)
