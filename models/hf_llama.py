@@ -180,8 +180,7 @@ def hf_config(c) -> dict:
     extra = {"mistral": {"sliding_window": c.window},
              "qwen2": {"use_sliding_window": False, "sliding_window": None, "max_window_layers": c.layers},
              "qwen3": {"use_sliding_window": False, "sliding_window": None, "max_window_layers": c.layers},
-             "gemma2": {"hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": (int(c.query_scale) if c.query_scale
-                                                  and float(c.query_scale).is_integer() else c.query_scale),
+             "gemma2": {"hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": c.query_scale or c.head_dim,
                         "attn_logit_softcapping": c.softcap, "final_logit_softcapping": c.final_softcap,
                         "sliding_window": c.window,
                         "layer_types": ["sliding_attention", "full_attention"] * (c.layers // 2)}}
@@ -237,14 +236,20 @@ def tensors(c, blocks: dict | None = None) -> dict:
                                         lambda a: {"model.norm.weight": a}),
     }
     p = c.local_global or 1
-    if blocks is None and p > 1:                      # Pattern groups: block i of group j is HF layer j*p + i
-        blocks = {("layers", "blocks", str(i)): ([j * p + i for j in range(c.layers // p)], True) for i in range(p)}
+    if blocks is None and p > 1:                      # Pattern groups (models/layers.Pattern)
+        blocks = {("layers", "blocks", str(i)): (ids, True) for i, ids in enumerate(grouped(p, c.layers // p))}
     for prefix, (ids, mlp) in (blocks or {("layers",): (range(c.layers), True)}).items():
         out.update({(*prefix, *path): src for path, src in block_tensors(c, ids, mlp).items()})
     if not c.tie_embeddings:
         out[("lm_head",)] = Source({"lm_head.weight": (V, E)}, lambda get, b: get("lm_head.weight", b[1], b[0]).T,
                                    lambda a: {"lm_head.weight": a.T})
     return out
+
+
+def grouped(p: int, groups: int) -> list[list[int]]:
+    """HF layer indices of each block position of a stack scanned in groups of p blocks: block i of
+    group j is HF layer j * p + i."""
+    return [[j * p + i for j in range(groups)] for i in range(p)]
 
 
 def block_tensors(c, ids, mlp: bool = True) -> dict:
@@ -283,7 +288,7 @@ def block_tensors(c, ids, mlp: bool = True) -> dict:
         w = get_l("self_attn.o_proj.weight", (e0, e1), (n0 * D, n1 * D)).reshape(e1 - e0, n1 - n0, D)
         return w[:, :, d0:d1].transpose(1, 2, 0)
 
-    post = getattr(c, "post_norms", False)      # Gemma: post_attention_layernorm follows attention
+    post = c.post_norms                         # Gemma: post_attention_layernorm follows attention
     out = {
         ("attn_norm", "scale"): vector("input_layernorm.weight", E),
         ("ffn_norm", "scale"): vector("pre_feedforward_layernorm.weight" if post else "post_attention_layernorm.weight", E),

@@ -24,7 +24,7 @@ import numpy as np
 
 from meshpar.core.errors import ConfigError
 from meshpar.io.hf import hf_path, read_config
-from meshpar.models.hf_llama import FAMILIES, _r, hf_config as dense_config, layered, tensors
+from meshpar.models.hf_llama import FAMILIES, _r, grouped, hf_config as dense_config, layered, tensors
 
 MOE_FAMILIES = {"MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe"}
 # family -> (router tensor, expert prefix, (gate, up, down) names)
@@ -71,9 +71,8 @@ def check_settings(cfg) -> None:
 
 def blocks(every: int, moe_layers: int) -> dict:
     """{path prefix: (HF layer indices, with dense MLP)} of a MoEDecoder with `moe_layers` super-blocks."""
-    out = {("layers", "dense", str(d)): ([j * every + d for j in range(moe_layers)], True) for d in range(every - 1)}
-    out[("layers", "moe")] = ([j * every + every - 1 for j in range(moe_layers)], False)
-    return out
+    *dense, moe = grouped(every, moe_layers)
+    return {**{("layers", "dense", str(d)): (ids, True) for d, ids in enumerate(dense)}, ("layers", "moe"): (moe, False)}
 
 
 def moe_tensors(c, settings, family: str) -> dict:
@@ -84,10 +83,10 @@ def moe_tensors(c, settings, family: str) -> dict:
     ids = blocks(k, n)[("layers", "moe")][0]
     name = lambda i, w: f"{prefix.format(i)}{w}.weight"       # noqa: E731
 
-    def experts(w, shape, transposed_box):
+    def experts(w, shape):              # HF [out, in] per expert -> [E_s, in_s, out_s]
         def read(get_l, box):
-            es, rest = box[0], box[1:]
-            return np.stack([get_l(name(i, w), *transposed_box(rest)).T for i in _r(*es)], 0)
+            es, (a, b) = box[0], box[1:]
+            return np.stack([get_l(name(i, w), b, a).T for i in _r(*es)], 0)
         return layered(ids, {name(i, w): shape for i in range(e)}, read,
                        lambda a: {name(i, w): a[i].T for i in range(e)})
 
@@ -95,9 +94,9 @@ def moe_tensors(c, settings, family: str) -> dict:
     out.update({
         ("layers", "moe", "ffn", "router"): layered(ids, {router: (e, m)}, lambda g, b: g(router, b[1], b[0]).T,
                                                     lambda a: {router: a.T}),
-        ("layers", "moe", "ffn", "w_gate"): experts(gate, (h, m), lambda r: (r[1], r[0])),
-        ("layers", "moe", "ffn", "w_up"): experts(up, (h, m), lambda r: (r[1], r[0])),
-        ("layers", "moe", "ffn", "w_down"): experts(down, (m, h), lambda r: (r[1], r[0])),
+        ("layers", "moe", "ffn", "w_gate"): experts(gate, (h, m)),
+        ("layers", "moe", "ffn", "w_up"): experts(up, (h, m)),
+        ("layers", "moe", "ffn", "w_down"): experts(down, (m, h)),
     })
     return out
 

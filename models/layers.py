@@ -230,12 +230,18 @@ class Pattern(nnx.Module):
 
     def __call__(self, x, positions, cache=None, segment_ids=None):
         """-> (x, {}); with `cache` (a list: one {"k", "v"} per block, decoding) -> (x, {}, cache)."""
-        if cache is None:
-            for block in self.blocks:
-                x, _ = block(x, positions, segment_ids=segment_ids)
-            return x, {}
-        new = []
-        for block, c in zip(self.blocks, cache):
-            x, _, c = block(x, positions, c)
-            new.append(c)
-        return x, {}, new
+        return in_order(list(self.blocks), x, positions, cache, segment_ids)
+
+
+def in_order(blocks, x, positions, cache=None, segment_ids=None):
+    """Blocks one after another, as one scanned group (`Pattern`, MoE super-blocks) -> (x, aux of the
+    last block); with `cache` (a list: one {"k", "v"} per block, decoding) -> (x, aux, cache)."""
+    if cache is None:
+        for block in blocks[:-1]:
+            x, _ = block(x, positions, segment_ids=segment_ids)
+        return blocks[-1](x, positions, segment_ids=segment_ids)
+    new = []
+    for block, c in zip(blocks, cache):
+        x, aux, c = block(x, positions, c)
+        new.append(c)
+    return x, aux, new

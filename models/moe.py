@@ -29,7 +29,7 @@ from meshpar.models.decoder import Decoder, DecoderConfig
 from meshpar.nn.layers import param, scan_layers, stacked
 from meshpar.core.precision import compute_dtype
 from meshpar.core.batch import Leaf
-from meshpar.models.layers import CACHE_AXES, MLP, Block, RMSNorm
+from meshpar.models.layers import CACHE_AXES, MLP, Block, RMSNorm, in_order
 
 
 _DECODING = contextvars.ContextVar("moe_decoding", default=False)   # set while tracing `MoEDecoder.decode`
@@ -69,16 +69,7 @@ class SuperBlock(nnx.Module):
 
     def __call__(self, x, positions, cache=None, segment_ids=None):
         """-> (x, aux); with `cache` (a list: one {"k", "v"} per block, decoding) -> (x, aux, cache)."""
-        if cache is None:
-            for block in self.dense:
-                x, _ = block(x, positions, segment_ids=segment_ids)
-            return self.moe(x, positions, segment_ids=segment_ids)
-        new = []
-        for block, c in zip(self.dense, cache[:-1]):
-            x, _, c = block(x, positions, c)
-            new.append(c)
-        x, aux, c = self.moe(x, positions, cache[-1])
-        return x, aux, [*new, c]
+        return in_order([*self.dense, self.moe], x, positions, cache, segment_ids)
 
 
 class MoEDecoder(Decoder):

@@ -54,12 +54,13 @@ class HFTokenizer:
         if model_vocab is not None and self.vocab_size > model_vocab:
             raise ConfigError(f"data.tokenizer '{file}' has {self.vocab_size} tokens, more than model.vocab={model_vocab}")
         meta = {}
-        conf = file.parent / "tokenizer_config.json"
-        self.config = json.loads(conf.read_text()) if conf.is_file() else {}
+        self.config = {}                                    # tokenizer_config.json (BOS rule, chat template)
         for name in ("tokenizer_config.json", "config.json", "generation_config.json"):   # later files win
             f = file.parent / name
             if f.is_file():
                 data = json.loads(f.read_text())
+                if name == "tokenizer_config.json":
+                    self.config = data
                 for what in ("bos", "eos"):
                     tok = data.get(f"{what}_token")
                     tok = tok.get("content") if isinstance(tok, dict) else tok
@@ -70,10 +71,8 @@ class HFTokenizer:
                     if isinstance(v, int):
                         meta[what] = v
         self.bos_id, self.eos_id = meta.get("bos"), meta.get("eos")
-        if "add_bos_token" in self.config:
-            self.add_bos = bool(self.config["add_bos_token"]) and self.bos_id is not None
-        else:
-            self.add_bos = self.bos_id is not None and not ("bos_token" in self.config and self.config["bos_token"] is None)
+        says = self.config.get("add_bos_token", self.config.get("bos_token", "") is not None)   # bos_token: null -> no
+        self.add_bos = self.bos_id is not None and bool(says)
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids

@@ -68,6 +68,46 @@ def reference(m, tokens):
         return m(torch.tensor(tokens)).logits.numpy()
 
 
+def greedy(m, ids, n):
+    """transformers' greedy continuation of `ids` by `n` tokens (no EOS stop)."""
+    m.generation_config.eos_token_id = None
+    with torch.no_grad():
+        return m.generate(torch.tensor([list(ids)]), do_sample=False, max_new_tokens=n, pad_token_id=0)[0, len(ids):].tolist()
+
+
+def generated(capsys, *argv):
+    """`meshpar generate --json ARGV` in this process -> its JSON record (exit 0 asserted)."""
+    from meshpar.cli import main
+    capsys.readouterr()
+    assert main(["generate", "--json", *argv]) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def measured_load(tr):
+    """`tr.load_pretrained()` after a warm-up call (imports, tracing), every checkpoint read recorded:
+    -> (params, [(tensor name, elements read)], host bytes kept, host transient peak beyond them)."""
+    reads = []
+    real_get = hf.Checkpoint.get
+
+    def get(self, name, *ranges):
+        out = real_get(self, name, *ranges)
+        reads.append((name, out.size))
+        return out
+    hf.Checkpoint.get = get
+    try:
+        tr.load_pretrained()
+        reads.clear()
+        tracemalloc.start()
+        base = tracemalloc.get_traced_memory()[0]
+        params = tr.load_pretrained()
+        jax.block_until_ready(params)
+        kept, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+    finally:
+        hf.Checkpoint.get = real_get
+    return params, reads, kept - base, peak - kept
+
+
 def tensors_of(path):
     out = {}
     for f in sorted(path.glob("*.safetensors")):
@@ -113,27 +153,11 @@ def test_sharded_checkpoint_read_in_blocks_one_array_at_a_time(tmp_path):
     index = json.loads((tmp_path / hf.INDEX).read_text())
     assert len(set(index["weight_map"].values())) > 3
     tr = trainer(tmp_path, 8, FSDP_TP)
-    reads = []
-    real_get = hf.Checkpoint.get
-    def get(self, name, *ranges):
-        out = real_get(self, name, *ranges)
-        reads.append((name, out.size))
-        return out
-    hf.Checkpoint.get = get
-    try:
-        tr.load_pretrained()                               # warm: imports, tracing of the abstract model
-        tracemalloc.start()
-        base = tracemalloc.get_traced_memory()[0]
-        params = tr.load_pretrained()
-        jax.block_until_ready(params)
-        kept, peak = tracemalloc.get_traced_memory()
-        tracemalloc.stop()
-    finally:
-        hf.Checkpoint.get = real_get
+    # CPU "devices" may alias the host blocks they were given: those stay (kept), as weights
+    params, reads, kept, transient = measured_load(tr)
     total = sum(v.nbytes for v in tensors_of(tmp_path).values())
     block = max(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(params))
-    transient = peak - kept     # CPU "devices" may alias the host blocks they were given: those stay, as weights
-    print(f"checkpoint {total} bytes, largest block {block}, kept {kept - base}, host transient peak {transient}")
+    print(f"checkpoint {total} bytes, largest block {block}, kept {kept}, host transient peak {transient}")
     # one block, its per-layer pieces and slack at a time; never the model
     assert transient < 3 * block + (256 << 10) and transient < total / 3
     full = {k: v.size for k, v in tensors_of(tmp_path).items()}
@@ -260,20 +284,14 @@ def test_tokenizer_packs_documents_with_eos_between(tmp_path):
 
 
 def test_generate_with_tokenizer_matches_transformers_greedy(tmp_path, capsys):
-    from meshpar.cli import main
     from meshpar.io.tokenizer import HFTokenizer
     m = save_llama(tmp_path / "hf", kv=2, llama3=True)
     tok_dir = save_tokenizer(tmp_path / "tok")
     prompt = "the quick brown fox jumps over the lazy dog and says hello world " * 3
-    ids = HFTokenizer(str(tok_dir)).prompt(prompt)
-    m.generation_config.eos_token_id = None
-    with torch.no_grad():
-        want = m.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=12, pad_token_id=0)[0, len(ids):].tolist()
-    capsys.readouterr()
-    assert main(["generate", "--prompt", prompt, "--json", "--max-new-tokens", "12", "--devices", "8",
-                 f"model.init_from=hf:{tmp_path / 'hf'}", f"data.tokenizer={tok_dir}", "precision=fp32",
-                 "serve.cache_length=128", "mesh.data=4", "mesh.fsdp=1", "mesh.tensor=2"]) == 0
-    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    want = greedy(m, HFTokenizer(str(tok_dir)).prompt(prompt), 12)
+    out = generated(capsys, "--prompt", prompt, "--max-new-tokens", "12", "--devices", "8",
+                    f"model.init_from=hf:{tmp_path / 'hf'}", f"data.tokenizer={tok_dir}", "precision=fp32",
+                    "serve.cache_length=128", "mesh.data=4", "mesh.fsdp=1", "mesh.tensor=2")
     assert out["tokens"][0] == want[:len(out["tokens"][0])] and len(out["tokens"][0]) >= 1
     assert out["text"][0] == HFTokenizer(str(tok_dir)).decode(out["tokens"][0])
 

@@ -18,7 +18,7 @@ from safetensors.numpy import save_file  # noqa: E402
 
 from meshpar.core.errors import ConfigError  # noqa: E402
 from meshpar.io import hf  # noqa: E402
-from tests.io.test_hf import FSDP_TP, PROMPT, logits, reference, tensors_of, trainer  # noqa: E402
+from tests.io.test_hf import FSDP_TP, PROMPT, generated, greedy, logits, reference, tensors_of, trainer  # noqa: E402
 
 FAMILIES = {
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 48}),
@@ -100,31 +100,37 @@ def test_mistral_window_is_read_from_config_json(tmp_path):
     assert np.abs(logits(tr, tr.load_pretrained(), PROMPT) - reference(m, PROMPT)).max() > 1e-2
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_export_loads_in_transformers_and_round_trips_bitwise(tmp_path, family):
+def exports_as(m, tr, src, out, arch, family, prompt):
+    """Export `tr`'s load of `src` to `out` in fp32 and check it: the same tensors bit for bit (HF ->
+    meshpar -> HF), config.json of `arch`/`family`, transformers loads it with no missing, unexpected
+    or mismatched keys, and gives `m`'s logits exactly. -> the model transformers loaded."""
     from flax import nnx
     from meshpar.core.sharding import building
-    m = save_family(tmp_path / "src", family)
-    tr = trainer(tmp_path / "src", 8, FSDP_TP)
     with building(tr.policy):
         abstract = nnx.eval_shape(lambda: tr.factory(nnx.Rngs(0)))
-    hf.export(tr.load_pretrained(), abstract, str(tmp_path / "out"), "fp32")
-    a, b = tensors_of(tmp_path / "src"), tensors_of(tmp_path / "out")
+    hf.export(tr.load_pretrained(), abstract, str(out), "fp32")
+    a, b = tensors_of(src), tensors_of(out)
     assert sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a)      # HF -> meshpar -> HF
-    written = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert written["architectures"] == [FAMILIES[family][1]] and written["model_type"] == family
-    model_cls = getattr(transformers, FAMILIES[family][1])
-    back, info = model_cls.from_pretrained(tmp_path / "out", output_loading_info=True, attn_implementation="eager")
+    written = json.loads((out / "config.json").read_text())
+    assert written["architectures"] == [arch] and written["model_type"] == family
+    back, info = getattr(transformers, arch).from_pretrained(out, output_loading_info=True, attn_implementation="eager")
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info.get("mismatched_keys")
+    assert np.abs(reference(back.eval(), prompt) - reference(m, prompt)).max() == 0
+    return back
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_export_loads_in_transformers_and_round_trips_bitwise(tmp_path, family):
+    m = save_family(tmp_path / "src", family)
+    tr = trainer(tmp_path / "src", 8, FSDP_TP)
+    back = exports_as(m, tr, tmp_path / "src", tmp_path / "out", FAMILIES[family][1], family, PROMPT[:1])
     assert back.config.sliding_window == m.config.sliding_window
-    assert np.abs(reference(back.eval(), PROMPT[:1]) - reference(m, PROMPT[:1])).max() == 0
 
 
 @pytest.mark.parametrize("family", ["mistral", "gemma2"])
 def test_generate_in_a_window_matches_transformers_greedy(tmp_path, capsys, family):
     """A window of 16 and a prompt longer than it: prefill and each decoded token see only the last
     16 positions (Gemma 2: on its local layers; its global ones see all), as transformers' generate does."""
-    from meshpar.cli import main
     from meshpar.io.tokenizer import HFTokenizer
     from tests.io.test_hf import save_tokenizer
     m = save_family(tmp_path / "hf", family, sliding_window=16)
@@ -132,14 +138,10 @@ def test_generate_in_a_window_matches_transformers_greedy(tmp_path, capsys, fami
     prompt = "the quick brown fox jumps over the lazy dog and says hello world " * 2
     ids = HFTokenizer(str(tok_dir)).prompt(prompt)
     assert len(ids) > 16
-    m.generation_config.eos_token_id = None
-    with torch.no_grad():
-        want = m.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=8, pad_token_id=0)[0, len(ids):].tolist()
-    capsys.readouterr()
-    assert main(["generate", "--prompt", prompt, "--json", "--max-new-tokens", "8", "--devices", "8",
-                 f"model.init_from=hf:{tmp_path / 'hf'}", f"data.tokenizer={tok_dir}", "precision=fp32",
-                 "serve.cache_length=128", "mesh.data=4", "mesh.fsdp=1", "mesh.tensor=2"]) == 0
-    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    want = greedy(m, ids, 8)
+    out = generated(capsys, "--prompt", prompt, "--max-new-tokens", "8", "--devices", "8",
+                    f"model.init_from=hf:{tmp_path / 'hf'}", f"data.tokenizer={tok_dir}", "precision=fp32",
+                    "serve.cache_length=128", "mesh.data=4", "mesh.fsdp=1", "mesh.tensor=2")
     assert len(out["tokens"][0]) >= 4 and out["tokens"][0] == want[:len(out["tokens"][0])]   # may stop at EOS
 
 
@@ -212,17 +214,12 @@ def test_chat_template_renders_as_transformers_does(tmp_path, template):
 
 
 def test_generate_chat_matches_transformers_greedy(tmp_path, capsys):
-    from meshpar.cli import main
     m = save_family(tmp_path / "hf", "qwen2")
     d = _tokenizer(tmp_path / "tok", bos_token=None, chat_template=CHATML)
     ids = transformers.PreTrainedTokenizerFast.from_pretrained(str(d)).apply_chat_template(
         [{"role": "user", "content": "hello world"}], add_generation_prompt=True, tokenize=True, return_dict=False)
-    m.generation_config.eos_token_id = None
-    with torch.no_grad():
-        want = m.generate(torch.tensor([list(ids)]), do_sample=False, max_new_tokens=6, pad_token_id=0)[0, len(ids):].tolist()
-    capsys.readouterr()
-    assert main(["generate", "--chat", "--prompt", "hello world", "--json", "--max-new-tokens", "6",
-                 f"model.init_from=hf:{tmp_path / 'hf'}", f"data.tokenizer={d}", "precision=fp32", "--devices", "8",
-                 "serve.cache_length=64", "mesh.data=4", "mesh.fsdp=1", "mesh.tensor=2"]) == 0
-    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    want = greedy(m, ids, 6)
+    out = generated(capsys, "--chat", "--prompt", "hello world", "--max-new-tokens", "6",
+                    f"model.init_from=hf:{tmp_path / 'hf'}", f"data.tokenizer={d}", "precision=fp32", "--devices", "8",
+                    "serve.cache_length=64", "mesh.data=4", "mesh.fsdp=1", "mesh.tensor=2")
     assert len(out["tokens"][0]) >= 3 and out["tokens"][0] == want[:len(out["tokens"][0])]

@@ -4,7 +4,6 @@ and under tensor parallelism; an expert-order permutation caught; export round t
 loads in transformers; the run's moe.* keys must agree with config.json, in one line.
 """
 import json
-import tracemalloc
 
 import jax
 import numpy as np
@@ -15,8 +14,8 @@ transformers = pytest.importorskip("transformers")
 
 from meshpar.core.errors import ConfigError  # noqa: E402
 from meshpar.io import hf  # noqa: E402
-from tests.io.test_hf import FSDP_TP, logits, reference, tensors_of, trainer  # noqa: E402
-from tests.io.test_hf_families import rewritten  # noqa: E402
+from tests.io.test_hf import FSDP_TP, generated, greedy, logits, measured_load, reference, tensors_of, trainer  # noqa: E402
+from tests.io.test_hf_families import exports_as, rewritten  # noqa: E402
 
 EP = {"expert": 4, "data": 2}
 PROMPT = np.random.default_rng(1).integers(0, 320, (8, 300))     # 8 rows: batch split over data x expert
@@ -81,21 +80,9 @@ def test_shuffled_experts_move_the_logits(tmp_path):
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_export_loads_in_transformers_and_round_trips_bitwise(tmp_path, family):
-    from flax import nnx
-    from meshpar.core.sharding import building
     m = save_moe(tmp_path / "src", family)
     tr = moe_trainer(tmp_path / "src", family, 8, EP)
-    with building(tr.policy):
-        abstract = nnx.eval_shape(lambda: tr.factory(nnx.Rngs(0)))
-    hf.export(tr.load_pretrained(), abstract, str(tmp_path / "out"), "fp32")
-    a, b = tensors_of(tmp_path / "src"), tensors_of(tmp_path / "out")
-    assert sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a)      # HF -> meshpar -> HF
-    written = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert written["architectures"] == [FAMILIES[family][1]] and written["model_type"] == family
-    back, info = getattr(transformers, FAMILIES[family][1]).from_pretrained(
-        tmp_path / "out", output_loading_info=True, attn_implementation="eager")
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info.get("mismatched_keys")
-    assert np.abs(reference(back.eval(), PROMPT[:1]) - reference(m, PROMPT[:1])).max() == 0
+    exports_as(m, tr, tmp_path / "src", tmp_path / "out", FAMILIES[family][1], family, PROMPT[:1])
 
 
 def test_moe_keys_must_agree_with_config_json(tmp_path):
@@ -110,22 +97,16 @@ def test_moe_keys_must_agree_with_config_json(tmp_path):
 
 
 def test_generate_matches_transformers_greedy_under_expert_parallelism(tmp_path, capsys):
-    from meshpar.cli import main
     from meshpar.io.tokenizer import HFTokenizer
     from tests.io.test_hf import save_tokenizer
     m = save_moe(tmp_path / "hf", "qwen3_moe")
     tok_dir = save_tokenizer(tmp_path / "tok")
     prompt = "the quick brown fox jumps over the lazy dog and says hello world"
-    ids = HFTokenizer(str(tok_dir)).prompt(prompt)
-    m.generation_config.eos_token_id = None
-    with torch.no_grad():
-        want = m.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=8, pad_token_id=0)[0, len(ids):].tolist()
-    capsys.readouterr()
-    assert main(["generate", "--prompt", prompt, "--json", "--max-new-tokens", "8", "--devices", "8",
-                 f"model.init_from=hf:{tmp_path / 'hf'}", f"data.tokenizer={tok_dir}", "precision=fp32",
-                 "serve.cache_length=64", "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=1", "mesh.expert=4", "model.name=moe",
-                 *FAMILIES["qwen3_moe"][3]]) == 0
-    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    want = greedy(m, HFTokenizer(str(tok_dir)).prompt(prompt), 8)
+    out = generated(capsys, "--prompt", prompt, "--max-new-tokens", "8", "--devices", "8",
+                    f"model.init_from=hf:{tmp_path / 'hf'}", f"data.tokenizer={tok_dir}", "precision=fp32",
+                    "serve.cache_length=64", "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=1", "mesh.expert=4",
+                    "model.name=moe", *FAMILIES["qwen3_moe"][3])
     assert len(out["tokens"][0]) >= 4 and out["tokens"][0] == want[:len(out["tokens"][0])]   # may stop at EOS
 
 
@@ -136,29 +117,12 @@ def test_sharded_moe_checkpoint_loads_in_one_devices_share_of_host_memory(tmp_pa
                  initializer_range=0.05)
     assert len(set(json.loads((tmp_path / hf.INDEX).read_text())["weight_map"].values())) > 3
     tr = moe_trainer(tmp_path, "mixtral", 8, EP)
-    reads = []
-    real_get = hf.Checkpoint.get
-
-    def get(self, name, *ranges):
-        out = real_get(self, name, *ranges)
-        reads.append((name, out.size))
-        return out
-    hf.Checkpoint.get = get
-    try:
-        tr.load_pretrained()                               # warm: imports, tracing of the abstract model
-        reads.clear()
-        tracemalloc.start()
-        params = tr.load_pretrained()
-        jax.block_until_ready(params)
-        kept, peak = tracemalloc.get_traced_memory()
-        tracemalloc.stop()
-    finally:
-        hf.Checkpoint.get = real_get
+    params, reads, _, transient = measured_load(tr)
     full = {k: v.size for k, v in tensors_of(tmp_path).items()}
     total = sum(v.nbytes for v in tensors_of(tmp_path).values())
     block = max(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(params))
-    print(f"checkpoint {total} bytes, largest block {block}, host transient peak {peak - kept}")
-    assert peak - kept < total / 8 and peak - kept < 4 * block + (256 << 10)    # below one device's share
+    print(f"checkpoint {total} bytes, largest block {block}, host transient peak {transient}")
+    assert transient < total / 8 and transient < 4 * block + (256 << 10)    # below one device's share
     # every expert tensor is read once in all (by a device that holds it; the data-parallel copy is
     # placed from that read), the other tensors in blocks of a device's size
     experts = [n for n in full if ".experts." in n]
