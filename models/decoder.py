@@ -51,12 +51,12 @@ class DecoderConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     tie_embeddings: bool = False       # logits = x @ embedding.T (no separate lm_head)
-    rope_scaling: tuple | None = None  # llama3: (factor, low_freq_factor, high_freq_factor, original_max_positions)
+    rope_scaling: tuple | None = None  # ("linear", factor) | ("llama3", factor, low, high, original_max_positions)
     qkv_bias: bool = False             # biases on q, k, v (Qwen2)
     qk_norm: bool = False              # RMSNorm of each q and k head before RoPE (Qwen3)
     family: str = "llama"              # the Hugging Face family export writes (meshpar.models.hf_llama.FAMILIES)
-    # Gemma 2: RMSNorm x (1 + w), norms after attention and MLP too, GeGLU, scores / sqrt(query_scale),
-    # embeddings x sqrt(E), logits soft-capped, local (window) and global layers alternating
+    # Gemma 2/3: RMSNorm x (1 + w), norms after attention and MLP too, GeGLU, scores / sqrt(query_scale),
+    # embeddings x sqrt(E), logits soft-capped, local (window) and global layers in groups of p
     norm_offset: float = 0.0
     post_norms: bool = False
     mlp_act: str = "silu"              # silu | gelu_tanh
@@ -64,6 +64,8 @@ class DecoderConfig:
     embed_scale: bool = False
     final_softcap: float | None = None
     local_global: int | None = None    # p: groups of p layers, p - 1 with the window, then one without
+    local_rope: tuple | None = None    # (theta, scaling) of the windowed layers of a group, when not the global
+                                       # layers' rope_theta/rope_scaling (Gemma 3)
 
     @classmethod
     def from_config(cls, m) -> "DecoderConfig":
@@ -86,8 +88,8 @@ class DecoderConfig:
             raise ConfigError(f"model.head_dim={base['head_dim']} must be even (rotary embedding)")
         scaling = getattr(m, "rope_scaling", None) or None
         if scaling:
-            from meshpar.models.hf_llama import llama3_scaling
-            scaling = llama3_scaling(scaling, "model.rope_scaling")
+            from meshpar.models.hf_llama import rope_scaling
+            scaling = rope_scaling(scaling, "model.rope_scaling")
         return cls(**base, remat=m.remat, scan_layers=m.scan_layers, attention=m.attention,
                    window=getattr(m, "window", None), softcap=getattr(m, "softcap", None),
                    context_strategy=getattr(m, "context_strategy", "all_gather"),
@@ -99,17 +101,23 @@ class DecoderConfig:
 
 
 class Decoder(nnx.Module):
-    """The dense reference LM. `__call__(tokens) -> (logits [B, T, V], aux)`."""
+    """The dense reference LM. `__call__(tokens) -> (logits [B, T, V], aux)`.
+
+    Layers: one stack scanned over `layers` (blocks, or with `local_global` = p groups of p blocks,
+    `Pattern`); when p does not divide the layers, the last L mod p (local) blocks are an unscanned
+    `tail` after the stack (Gemma 3 1B: 4 groups of 6, then 2), which a pipeline cannot cut."""
 
     def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs, block=None):
         self.cfg = cfg
         self.embedding = param(rngs, (cfg.vocab, cfg.embed), ("vocab", "embed"), 1.0)
         p = cfg.local_global or 1
-        if cfg.layers % p:
+        groups, rest = divmod(cfg.layers, p)
+        if groups == 0:
             from meshpar.core.errors import ConfigError
-            raise ConfigError(f"model.layers={cfg.layers} is not a multiple of the local/global pattern's {p} layers")
+            raise ConfigError(f"model.layers={cfg.layers} is fewer than the local/global pattern's {p} layers")
         default = (lambda r: Pattern(cfg, r)) if p > 1 else (lambda r: Block(cfg, r))
-        self.layers = stacked(block or default, cfg.layers // p, rngs)
+        self.layers = stacked(block or default, groups, rngs)
+        self.tail = Pattern(cfg, rngs, count=rest) if rest else None
         self.final_norm = RMSNorm(cfg.embed, cfg.norm_eps, rngs, cfg.norm_offset)
         if not cfg.tie_embeddings:
             self.lm_head = param(rngs, (cfg.embed, cfg.vocab), ("embed", "vocab"), 1.0 / math.sqrt(cfg.embed))
@@ -133,6 +141,14 @@ class Decoder(nnx.Module):
             logits = (c * jnp.tanh(logits.astype(jnp.float32) / c)).astype(logits.dtype)
         return constrain(logits, ("batch", "seq", "vocab"))
 
+    def pipeline_refusal(self) -> str | None:
+        """Why a pipeline cannot cut this model into embed | layers | head (`meshpar.nn.stages`), or None."""
+        if self.tail is None:
+            return None
+        p = self.cfg.local_global
+        return (f"its {self.cfg.layers} layers are {self.cfg.layers // p} scanned groups of {p} plus a tail of "
+                f"{len(self.tail.blocks)} local layers after them, which no stage holds")
+
     def __call__(self, tokens, dtype=None, *, positions=None, segment_ids=None):
         """tokens [B, T] -> (logits [B, T, V], aux). Packed documents: positions [B, T] (RoPE restarts
         at each document; default 0..T-1) and segment_ids [B, T] (a token sees its own document only)."""
@@ -140,22 +156,35 @@ class Decoder(nnx.Module):
         positions = jnp.arange(tokens.shape[1]) if positions is None else positions
         x = self.embed(tokens, dtype)
         x, aux = scan_layers(self.layers, x, positions, self.cfg.remat, self.cfg.scan_layers, segment_ids=segment_ids)
+        if self.tail is not None:
+            x, _ = self.tail(x, positions, segment_ids=segment_ids)
         return self.head(x, dtype), aux
 
     # -- serving (meshpar.serve.engine) ---------------------------------------------------------------------
     def cache_spec(self, batch: int, length: int, dtype=None) -> dict:
-        """The KV cache of `batch` sequences of up to `length` positions: {"k", "v"} [L, B, K, S, D]."""
+        """The KV cache of `batch` sequences of up to `length` positions: {"k", "v"} [L, B, K, S, D]
+        (a local/global pattern: one such pair per block of a group; with a tail, {"layers": those,
+        "tail": one pair [B, K, S, D] per tail block})."""
         c = self.cfg
         p = c.local_global or 1
-        leaf = Leaf((c.layers // p, batch, c.kv_heads, length, c.head_dim), dtype or compute_dtype(), CACHE_AXES)
-        return {"k": leaf, "v": leaf} if p == 1 else [{"k": leaf, "v": leaf} for _ in range(p)]
+        dtype = dtype or compute_dtype()
+        leaf = Leaf((c.layers // p, batch, c.kv_heads, length, c.head_dim), dtype, CACHE_AXES)
+        stack = {"k": leaf, "v": leaf} if p == 1 else [{"k": leaf, "v": leaf} for _ in range(p)]
+        if self.tail is None:
+            return stack
+        one = Leaf(leaf.shape[1:], dtype, CACHE_AXES[1:])
+        return {"layers": stack, "tail": [{"k": one, "v": one} for _ in self.tail.blocks]}
 
     def decode(self, tokens, positions, cache, dtype=None):
         """tokens, positions [B, T] -> (logits [B, T, V], cache with these tokens' keys/values)."""
         dtype = dtype or compute_dtype()
         x = self.embed(tokens, dtype)
-        x, _, cache = scan_layers(self.layers, x, positions, "none", self.cfg.scan_layers, cache=cache)
-        return self.head(x, dtype), cache
+        stack = cache if self.tail is None else cache["layers"]
+        x, _, stack = scan_layers(self.layers, x, positions, "none", self.cfg.scan_layers, cache=stack)
+        if self.tail is None:
+            return self.head(x, dtype), stack
+        x, _, tail = self.tail(x, positions, cache["tail"])
+        return self.head(x, dtype), {"layers": stack, "tail": tail}
 
     # -- Hugging Face format (meshpar.io.hf) --------------------------------------------------------------
     def hf_tensors(self) -> dict:
@@ -165,7 +194,7 @@ class Decoder(nnx.Module):
         return tensors(self.cfg)
 
     def hf_config(self) -> dict:
-        """The `config.json` of this model in its family's format (Llama, Mistral, Qwen2, Qwen3)."""
+        """The `config.json` of this model in its family's format (`meshpar.models.hf_llama.FAMILIES`)."""
         from meshpar.models.hf_llama import hf_config
         return hf_config(self.cfg)
 

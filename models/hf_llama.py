@@ -11,16 +11,23 @@ Families (`FAMILIES`): one table of tensor names below, plus the few decoder opt
                            post_feedforward_layernorm (-> post_attn_norm, post_ffn_norm), blocks stacked
                            in local/global pairs (layers.blocks.i [l] = HF layer 2l + i); (1 + w) norms,
                            GeGLU, query_pre_attn_scalar, both soft-caps, x sqrt(E) embeddings
+    Gemma3ForCausalLM    Gemma 2's table plus Qwen3's q/k norms; `layer_types` in groups of p (p - 1
+                           sliding, 1 full: layers.blocks.i [l] = HF layer p*l + i), the last L mod p
+                           (sliding) layers unstacked (tail.blocks.i = HF layer p*(L // p) + i); RoPE
+                           base and scaling per layer type (`rope_parameters`, or 4's `rope_theta`,
+                           `rope_scaling`, `rope_local_base_freq`); text only (model_type gemma3_text)
     MixtralForCausalLM   attention as Mistral, Qwen3MoeForCausalLM as Qwen3; their experts and
                            routers: meshpar.models.hf_moe (model.name=moe)
 
 config.json -> DecoderConfig: hidden_size E, num_hidden_layers L, num_attention_heads N,
 num_key_value_heads K (default N), head_dim D (default E / N), intermediate_size F, vocab_size V,
-rope theta and `llama3` rope scaling (either transformers 5's `rope_parameters` or 4's
+rope theta and `linear`/`llama3` rope scaling (either transformers 5's `rope_parameters` or 4's
 `rope_theta` + `rope_scaling`), rms_norm_eps, tie_word_embeddings. Refused in one line naming the
-file and key: another architecture, a hidden_act other than silu, attention_bias/mlp_bias true,
-partial rotary embeddings, a rope type other than default/llama3, Qwen's `use_sliding_window`
-(windows on some layers only).
+file and key: another architecture (Gemma3ForConditionalGeneration's vision tower too), a hidden_act
+other than silu (GeGLU for Gemma), attention_bias/mlp_bias true, partial rotary embeddings, a rope
+type other than default/linear/llama3, Qwen's `use_sliding_window` (windows on some layers only),
+Gemma layer types that are not groups of sliding layers each closed by a full one, bidirectional
+attention.
 
 Tensors (HF `nn.Linear` weights are [out, in]; meshpar's are [in, out]; G = N / K):
 
@@ -54,8 +61,10 @@ from meshpar.io.hf import Source, hf_path, read_config
 # architecture -> family (its config.json's model_type)
 FAMILIES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
             "Qwen3ForCausalLM": "qwen3", "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe",
-            "Gemma2ForCausalLM": "gemma2"}
+            "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text"}
 MOE = ("mixtral", "qwen3_moe")      # their experts: meshpar.models.hf_moe
+GEMMA = ("gemma2", "gemma3_text")
+WINDOWED = ("mistral", "mixtral", *GEMMA)   # families whose config.json's sliding_window is read
 ARCHITECTURES = tuple(FAMILIES)
 ROPE_ROWS = "identity"      # HF rotate_half rows == meshpar rope rows (see the module docstring)
 
@@ -66,16 +75,38 @@ def interleaved_to_half(d: int) -> np.ndarray:
     return np.concatenate([np.arange(0, d, 2), np.arange(1, d, 2)])
 
 
-def llama3_scaling(rs: dict, where: str) -> tuple:
-    """A `llama3` rope scaling dict -> (factor, low_freq_factor, high_freq_factor, original_max)."""
+def rope_scaling(rs: dict, where: str) -> tuple:
+    """A rope scaling dict -> ("linear", factor) or ("llama3", factor, low_freq_factor,
+    high_freq_factor, original_max) (`meshpar.models.layers.rope_frequencies`)."""
     kind = rs.get("rope_type", rs.get("type", "default"))
-    if kind != "llama3":
-        raise ConfigError(f"{where}: rope type '{kind}' is not implemented (default and llama3 are)")
-    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    keys = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                                              "original_max_position_embeddings")}.get(kind)
+    if keys is None:
+        raise ConfigError(f"{where}: rope type '{kind}' is not implemented (default, linear and llama3 are)")
     for k in keys:
-        if not isinstance(rs.get(k), (int, float)):
-            raise ConfigError(f"{where}: llama3 rope scaling needs a number for '{k}'")
-    return tuple(float(rs[k]) for k in keys)
+        if not isinstance(rs.get(k), (int, float)) or isinstance(rs.get(k), bool):
+            raise ConfigError(f"{where}: {kind} rope scaling needs a number for '{k}'")
+    return (kind, *(float(rs[k]) for k in keys))
+
+
+def rope_settings(rope: dict, where: str, theta: float = 10000.0) -> tuple:
+    """One RoPE dict (`rope_parameters`, or a layer type's in Gemma 3) -> (theta, scaling or None)."""
+    if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ConfigError(f"{where}: key 'partial_rotary_factor' is not 1; the decoder rotates whole heads")
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    return float(rope.get("rope_theta", theta)), None if kind in (None, "default") else rope_scaling(rope, where)
+
+
+def rope_parameters(theta: float, scaling: tuple | None) -> dict:
+    """(theta, scaling) -> its `rope_parameters` dict (the inverse of `rope_settings`)."""
+    out = {"rope_type": "default", "rope_theta": theta}
+    if scaling and scaling[0] == "linear":
+        out.update(rope_type="linear", factor=scaling[1])
+    elif scaling:
+        _, f, lo, hi, orig = scaling
+        out.update(rope_type="llama3", factor=f, low_freq_factor=lo, high_freq_factor=hi,
+                   original_max_position_embeddings=int(orig))
+    return out
 
 
 def decoder_config(m):
@@ -92,34 +123,32 @@ def decoder_config(m):
     archs = hf.get("architectures") or [hf.get("model_type", "?")]
     family = next((FAMILIES[a] for a in archs if a in FAMILIES), None)
     if family is None:
-        raise ConfigError(f"{where}: key 'architectures' is {archs}; meshpar implements {', '.join(ARCHITECTURES)}")
-    act_key = "hidden_activation" if family == "gemma2" else "hidden_act"
+        vlm = next((a for a in archs if a.endswith("ForConditionalGeneration")), None)
+        raise ConfigError(f"{where}: key 'architectures' is {archs}; meshpar implements {', '.join(ARCHITECTURES)}"
+                          + (f" ({vlm} has a vision tower: read its text model's ...ForCausalLM checkpoint)" if vlm else ""))
+    gemma = family in GEMMA
+    act_key = "hidden_activation" if gemma else "hidden_act"
     act = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}.get(hf.get(act_key) or "silu")
-    if act is None or (family == "gemma2") != (act == "gelu_tanh"):
+    if act is None or gemma != (act == "gelu_tanh"):
         raise ConfigError(f"{where}: key '{act_key}' is {hf.get(act_key)!r}; the decoder's MLP is SwiGLU (silu), "
                           "or GeGLU (gelu_pytorch_tanh) for Gemma")
-    for key in ("attention_bias", "mlp_bias"):
+    for key in ("attention_bias", "mlp_bias", "use_bidirectional_attention"):
         if hf.get(key):
-            raise ConfigError(f"{where}: key '{key}' is true; the decoder has no biases"
-                              + (" but Qwen2's q/k/v biases" if family == "qwen2" else ""))
+            raise ConfigError(f"{where}: key '{key}' is true; " + (
+                "the decoder is causal" if key == "use_bidirectional_attention" else
+                "the decoder has no biases" + (" but Qwen2's q/k/v biases" if family == "qwen2" else "")))
     if family in MOE and getattr(m, "name", "moe") != "moe":
         raise ConfigError(f"{where}: key 'architectures' is {archs}, a mixture of experts: add model.name=moe "
                           "(and the moe.* keys it asks for)")
     if family in ("qwen2", "qwen3", "qwen3_moe") and hf.get("use_sliding_window"):
         raise ConfigError(f"{where}: key 'use_sliding_window' is true; a window on some layers only (Qwen's "
                           "max_window_layers) is not implemented: set it false to read the model without windows")
-    window = hf.get("sliding_window") if family in ("mistral", "mixtral", "gemma2") else None
-    gemma = gemma_options(hf, where, dims_layers=hf.get("num_hidden_layers")) if family == "gemma2" else {}
+    window = hf.get("sliding_window") if family in WINDOWED else None
     if window is not None and (not isinstance(window, int) or window < 1):
         raise ConfigError(f"{where}: key 'sliding_window' must be a positive integer or null, got {window!r}")
-    rope = dict(hf.get("rope_parameters") or {})
-    rope.update({k: v for k, v in (hf.get("rope_scaling") or {}).items()})
-    theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
-    if float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))) != 1.0:
-        raise ConfigError(f"{where}: key 'partial_rotary_factor' is not 1; the decoder rotates whole heads")
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    rkey = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
-    scaling = None if kind in (None, "default") else llama3_scaling(rope, f"{where}: key '{rkey}'")
+    glob, loc = rope_of(hf, where, family)
+    extra = (gemma_options(hf, where, family, window, glob, loc) if gemma else
+             {"window": window, "rope_theta": glob[0], "rope_scaling": glob[1]})
     heads = need("num_attention_heads")
     dims = {"layers": need("num_hidden_layers"), "embed": need("hidden_size"), "heads": heads,
             "kv_heads": need("num_key_value_heads", heads), "mlp": need("intermediate_size"),
@@ -134,22 +163,65 @@ def decoder_config(m):
             raise ConfigError(f"model.{k}={mine} disagrees with {where} ({v}); drop it: model.init_from sets the "
                               "dimensions")
     return DecoderConfig(**dims, remat=m.remat, scan_layers=m.scan_layers, attention=m.attention,
-                         rope_theta=theta, norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-                         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), rope_scaling=scaling,
-                         window=window, qkv_bias=family == "qwen2", qk_norm=family in ("qwen3", "qwen3_moe"),
-                         family=family, **gemma)
+                         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), qkv_bias=family == "qwen2",
+                         qk_norm=family in ("qwen3", "qwen3_moe", "gemma3_text"), family=family, **extra)
 
 
-def gemma_options(hf: dict, where: str, dims_layers) -> dict:
-    """Gemma 2's decoder options from its config.json; its layers must alternate local, global."""
-    types = hf.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention"
-                                      for i in range(dims_layers or 0)]
-    if types != ["sliding_attention", "full_attention"] * (len(types) // 2) or len(types) % 2:
-        raise ConfigError(f"{where}: key 'layer_types' must alternate sliding_attention, full_attention (Gemma 2); "
-                          "other patterns are not implemented")
-    return {"norm_offset": 1.0, "post_norms": True, "mlp_act": "gelu_tanh", "embed_scale": True, "local_global": 2,
+def rope_of(hf: dict, where: str, family: str) -> tuple:
+    """config.json's RoPE -> ((theta, scaling) of the global layers, that of the local ones): one dict
+    for every layer (`rope_parameters` or 4's `rope_theta` + `rope_scaling`), or Gemma 3's per layer
+    type (5's `rope_parameters.{full,sliding}_attention`, 4's `rope_local_base_freq`)."""
+    rope = dict(hf.get("rope_parameters") or {})
+    if family == "gemma3_text" and ("full_attention" in rope or "sliding_attention" in rope):
+        return tuple(rope_settings({"rope_theta": t, **(rope.get(k) or {})}, f"{where}: key 'rope_parameters.{k}'")
+                     for k, t in (("full_attention", 1e6), ("sliding_attention", 1e4)))
+    rope.update(hf.get("rope_scaling") or {})
+    key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    theta = hf.get("rope_theta") or (1e6 if family == "gemma3_text" else 1e4)
+    glob = rope_settings({"rope_theta": theta, "partial_rotary_factor": hf.get("partial_rotary_factor") or 1.0, **rope},
+                         f"{where}: key '{key}'")
+    return glob, ((float(hf.get("rope_local_base_freq") or 1e4), None) if family == "gemma3_text" else glob)
+
+
+def gemma_options(hf: dict, where: str, family: str, window, glob: tuple, loc: tuple) -> dict:
+    """Gemma 2/3's decoder options from their config.json: (1 + w) norms, post-norms, GeGLU,
+    query_pre_attn_scalar, soft-caps, x sqrt(E) embeddings, and the layer pattern (`layer_types`, or
+    4's `sliding_window_pattern`) with the RoPE (theta, scaling) of its global and local layers."""
+    layers = hf.get("num_hidden_layers") or 0
+    every = hf.get("sliding_window_pattern") or (2 if family == "gemma2" else 6)
+    types = hf.get("layer_types") or ["full_attention" if (i + 1) % every == 0 else "sliding_attention"
+                                      for i in range(layers)]
+    p = types.index("full_attention") + 1 if "full_attention" in types else None
+    if len(types) != layers or types != [("full_attention" if p and (i + 1) % p == 0 else "sliding_attention")
+                                         for i in range(layers)]:
+        raise ConfigError(f"{where}: key 'layer_types' must repeat (sliding_attention x p-1, full_attention), the "
+                          "last group maybe cut short (Gemma 2: p = 2; Gemma 3: 6); other patterns are not implemented")
+    if p is None:                               # every layer sliding: one kind of layer, the local one
+        glob = loc
+    elif p == 1:                                # every layer full: no window anywhere
+        p, window = None, None
+    return {"norm_offset": 1.0, "post_norms": True, "mlp_act": "gelu_tanh", "embed_scale": True,
             "query_scale": hf.get("query_pre_attn_scalar") or hf.get("head_dim") or 256,
-            "softcap": hf.get("attn_logit_softcapping"), "final_softcap": hf.get("final_logit_softcapping")}
+            "softcap": hf.get("attn_logit_softcapping"), "final_softcap": hf.get("final_logit_softcapping"),
+            "local_global": p, "window": window, "rope_theta": glob[0], "rope_scaling": glob[1],
+            "local_rope": loc if p and loc != glob else None}
+
+
+def gemma_config(c, family: str) -> dict:
+    """The Gemma-only keys of config.json (`gemma_options` read back)."""
+    p = c.local_global
+    kinds = ["full_attention" if (p and (i + 1) % p == 0) or c.window is None else "sliding_attention"
+             for i in range(c.layers)]
+    out = {"hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": c.query_scale or c.head_dim,
+           "attn_logit_softcapping": c.softcap, "final_logit_softcapping": c.final_softcap,
+           "sliding_window": c.window, "layer_types": kinds}
+    if family == "gemma3_text":
+        loc = c.local_rope or (c.rope_theta, c.rope_scaling)
+        out.update(use_bidirectional_attention=False, rope_local_base_freq=loc[0],
+                   rope_parameters={"full_attention": rope_parameters(c.rope_theta, c.rope_scaling),
+                                    "sliding_attention": rope_parameters(*loc)}, **({"sliding_window_pattern": p} if p else {}))
+    return out
 
 
 def family_of(c) -> str:
@@ -157,40 +229,33 @@ def family_of(c) -> str:
     if c.family != "llama":
         return c.family
     if c.post_norms:
-        return "gemma2"
+        return "gemma3_text" if c.qk_norm else "gemma2"
     return "qwen3" if c.qk_norm else "qwen2" if c.qkv_bias else "mistral" if c.window else "llama"
 
 
 def hf_config(c) -> dict:
     """DecoderConfig -> the config.json of its family (transformers 5's `rope_parameters`, plus 4's
     `rope_theta`/`rope_scaling` keys so either version reads the same RoPE)."""
-    rope = {"rope_type": "default", "rope_theta": c.rope_theta}
-    if c.rope_scaling:
-        f, lo, hi, orig = c.rope_scaling
-        rope.update(rope_type="llama3", factor=f, low_freq_factor=lo, high_freq_factor=hi,
-                    original_max_position_embeddings=int(orig))
+    rope = rope_parameters(c.rope_theta, c.rope_scaling)
     family = family_of(c)
-    if c.softcap is not None and family != "gemma2":
+    if c.softcap is not None and family not in GEMMA:
         raise ConfigError("model.softcap: attention soft-capping has no place in the Llama, Mistral or Qwen formats; "
                           "export a model without it")
-    if c.window is not None and family not in ("mistral", "gemma2"):
+    if c.window is not None and family not in ("mistral", *GEMMA):
         raise ConfigError(f"model.window: the {family} format has no window for every layer; a windowed decoder "
                           "exports as Mistral (a model read from Mistral does)")
     arch = next(a for a, f in FAMILIES.items() if f == family)
-    extra = {"mistral": {"sliding_window": c.window},
-             "qwen2": {"use_sliding_window": False, "sliding_window": None, "max_window_layers": c.layers},
-             "qwen3": {"use_sliding_window": False, "sliding_window": None, "max_window_layers": c.layers},
-             "gemma2": {"hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": c.query_scale or c.head_dim,
-                        "attn_logit_softcapping": c.softcap, "final_logit_softcapping": c.final_softcap,
-                        "sliding_window": c.window,
-                        "layer_types": ["sliding_attention", "full_attention"] * (c.layers // 2)}}
+    no_window = {"use_sliding_window": False, "sliding_window": None, "max_window_layers": c.layers}
+    extra = gemma_config(c, family) if family in GEMMA else {
+        "mistral": {"sliding_window": c.window}, "qwen2": no_window, "qwen3": no_window}.get(family, {})
     act = "gelu_pytorch_tanh" if c.mlp_act == "gelu_tanh" else "silu"
-    return {"architectures": [arch], "model_type": family, "hidden_act": act, **extra.get(family, {}),
+    return {"architectures": [arch], "model_type": family, "hidden_act": act,
             "hidden_size": c.embed, "intermediate_size": c.mlp, "num_hidden_layers": c.layers,
             "num_attention_heads": c.heads, "num_key_value_heads": c.kv_heads, "head_dim": c.head_dim,
             "vocab_size": c.vocab, "rms_norm_eps": c.norm_eps, "tie_word_embeddings": c.tie_embeddings,
             "attention_bias": False, "mlp_bias": False, "rope_parameters": rope, "rope_theta": c.rope_theta,
-            **({"rope_scaling": {k: v for k, v in rope.items() if k != "rope_theta"}} if c.rope_scaling else {})}
+            **({"rope_scaling": {k: v for k, v in rope.items() if k != "rope_theta"}} if c.rope_scaling else {}),
+            **extra}
 
 
 def _r(a, b):
@@ -236,14 +301,22 @@ def tensors(c, blocks: dict | None = None) -> dict:
                                         lambda a: {"model.norm.weight": a}),
     }
     p = c.local_global or 1
-    if blocks is None and p > 1:                      # Pattern groups (models/layers.Pattern)
+    if blocks is None and p > 1:                      # Pattern groups (models/layers.Pattern), then the tail
         blocks = {("layers", "blocks", str(i)): (ids, True) for i, ids in enumerate(grouped(p, c.layers // p))}
+        for i in range(c.layers % p):
+            tail = block_tensors(c, [c.layers - c.layers % p + i])
+            out.update({("tail", "blocks", str(i), *path): unstacked(src) for path, src in tail.items()})
     for prefix, (ids, mlp) in (blocks or {("layers",): (range(c.layers), True)}).items():
         out.update({(*prefix, *path): src for path, src in block_tensors(c, ids, mlp).items()})
     if not c.tie_embeddings:
         out[("lm_head",)] = Source({"lm_head.weight": (V, E)}, lambda get, b: get("lm_head.weight", b[1], b[0]).T,
                                    lambda a: {"lm_head.weight": a.T})
     return out
+
+
+def unstacked(src: Source) -> Source:
+    """A Source stacked over one layer, as the parameter of that layer alone (no `layers` dimension)."""
+    return Source(src.tensors, lambda get, box: src.read(get, ((0, 1), *box))[0], lambda a: src.write(a[None]))
 
 
 def grouped(p: int, groups: int) -> list[list[int]]:

@@ -42,14 +42,18 @@ CACHE_AXES = ("layers", "cache_batch", "kv_heads", "cache_length", "kv")
 
 
 def rope_frequencies(d: int, theta: float, scaling: tuple | None = None):
-    """The D/2 inverse frequencies theta^(-2i/D) in fp32; with `scaling` = (factor, low_freq_factor,
-    high_freq_factor, original_max_positions), Llama 3.1's `llama3` rescaling: wavelengths longer
-    than original/low_freq_factor are divided by `factor`, shorter than original/high_freq_factor
-    kept, and those between interpolated smoothly (the formulas of HF's `_compute_llama3_parameters`)."""
+    """The D/2 inverse frequencies theta^(-2i/D) in fp32, rescaled by `scaling`:
+    ("linear", factor): every frequency divided by factor (position interpolation, Chen et al. 2023;
+    Gemma 3's global layers); ("llama3", factor, low_freq_factor, high_freq_factor, original_max_positions):
+    Llama 3.1's rescaling, wavelengths longer than original/low_freq_factor divided by `factor`, shorter
+    than original/high_freq_factor kept, and those between interpolated smoothly (the formulas of HF's
+    `_compute_llama3_parameters`)."""
     freqs = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))          # [D/2]
     if scaling is None:
         return freqs
-    factor, low, high, original = scaling
+    if scaling[0] == "linear":
+        return freqs / scaling[1]
+    _, factor, low, high, original = scaling
     wavelen = 2 * math.pi / freqs
     scaled = jnp.where(wavelen > original / low, freqs / factor, freqs)
     smooth = (original / wavelen - low) / (high - low)
@@ -220,13 +224,17 @@ class Block(nnx.Module):
 
 
 class Pattern(nnx.Module):
-    """p consecutive blocks whose attention differs by position (Gemma 2: local then global): blocks
-    0..p-2 see a window of `cfg.window` keys, block p-1 sees every key before it. The stack scans
-    over these groups, so each block keeps a static mask. x [B, T, E] -> (x, {})."""
+    """p consecutive blocks whose attention differs by position (Gemma 2: local then global; Gemma 3:
+    five local, one global): blocks 0..p-2 see a window of `cfg.window` keys (with RoPE base and
+    scaling `cfg.local_rope` where it is set), block p-1 sees every key before it. The stack scans
+    over these groups, so each block keeps a static mask. `count` < p: the first `count` blocks only
+    (the local tail of a stack whose layers are not a multiple of p). x [B, T, E] -> (x, {})."""
 
-    def __init__(self, cfg, rngs: nnx.Rngs):
+    def __init__(self, cfg, rngs: nnx.Rngs, count: int | None = None):
         p = cfg.local_global
-        self.blocks = nnx.List([Block(cfg.replace(window=cfg.window if i < p - 1 else None), rngs) for i in range(p)])
+        local = cfg.replace(rope_theta=cfg.local_rope[0], rope_scaling=cfg.local_rope[1]) if cfg.local_rope else cfg
+        self.blocks = nnx.List([Block(local if i < p - 1 else cfg.replace(window=None), rngs)
+                                for i in range(p if count is None else count)])
 
     def __call__(self, x, positions, cache=None, segment_ids=None):
         """-> (x, {}); with `cache` (a list: one {"k", "v"} per block, decoding) -> (x, {}, cache)."""

@@ -85,6 +85,7 @@ class MoEDecoder(Decoder):
         self.seed = seed
         self.embedding = param(rngs, (cfg.vocab, cfg.embed), ("vocab", "embed"), 1.0)
         self.layers = stacked(lambda r: SuperBlock(cfg, moe, r), cfg.layers // moe.every, rngs)
+        self.tail = None
         self.final_norm = RMSNorm(cfg.embed, cfg.norm_eps, rngs)
         self.lm_head = param(rngs, (cfg.embed, cfg.vocab), ("embed", "vocab"), 1.0 / math.sqrt(cfg.embed))
 

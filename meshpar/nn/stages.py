@@ -21,6 +21,8 @@ The reference LM is the same cut: `embed` (the inputs [b, T] -> [b, T, E]), `lay
 positions, and segment ids for packed documents), `head` + next-token cross-entropy against the
 targets; `lm_rows` makes those rows from token rows [B, T+1] before the batch is cut into
 microbatches (so a pipeline can also split them over `context`).
+A model whose body is more than that cut (say layers after the stack) declares so with an optional
+`model.pipeline_refusal() -> str | None` (the reason, one clause), and is refused in one line.
 `StageModel` is what the pipeline executors call: one part at a time, on pure dicts of
 parameters and state, returning the state a part changed.
 """
@@ -88,6 +90,10 @@ def check_protocol(module, lm: bool) -> None:
                            ".loss(outputs, batch) (meshpar.nn.stages)")
         lacks = ", ".join(f".{m}" for m in missing + ([] if hasattr(module, "layers") else ["layers"]))
         raise ConfigError(f"model {name} cannot be pipelined: {what}; it lacks {lacks}. Or set mesh.pipeline=1")
+    refusal = getattr(module, "pipeline_refusal", None)
+    why = refusal() if callable(refusal) else None
+    if why:
+        raise ConfigError(f"model {name} cannot be pipelined: {why}; set mesh.pipeline=1")
 
 
 def check_state(spec) -> None:

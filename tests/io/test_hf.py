@@ -191,7 +191,8 @@ def test_bad_checkpoints_are_refused_in_one_line_naming_file_and_key(tmp_path):
         if config is not None:
             (d / "config.json").write_text(json.dumps(config))
         return d
-    _refused(variant("arch", {**cfg, "architectures": ["Gemma3ForCausalLM"]}), match=["config.json", "architectures"])
+    _refused(variant("arch", {**cfg, "architectures": ["Gemma3ForConditionalGeneration"]}),
+             match=["config.json", "architectures", "vision tower"])
     _refused(variant("rope", {**cfg, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}),
              match=["config.json", "rope_parameters", "yarn"])
     _refused(variant("shape", {**cfg, "intermediate_size": 128}), match=["safetensors", "mlp.gate_proj.weight", "128"])

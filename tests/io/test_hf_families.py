@@ -1,4 +1,4 @@
-"""Mistral, Qwen2, Qwen3 and Gemma 2 in and out of Hugging Face format (meshpar.models.hf_llama.FAMILIES), proven
+"""Mistral, Qwen2, Qwen3, Gemma 2 and Gemma 3 in and out of Hugging Face format (meshpar.models.hf_llama.FAMILIES), proven
 against transformers itself on tiny random models saved here.
 
 Each family's own parts are made to matter: norm weights and biases are random (transformers
@@ -9,6 +9,7 @@ the logits test would catch a wrong mapping.
 import json
 import shutil
 
+import jax
 import numpy as np
 import pytest
 
@@ -20,12 +21,19 @@ from meshpar.core.errors import ConfigError  # noqa: E402
 from meshpar.io import hf  # noqa: E402
 from tests.io.test_hf import FSDP_TP, PROMPT, generated, greedy, logits, reference, tensors_of, trainer  # noqa: E402
 
+GEMMA3_TYPES = ["sliding_attention", "sliding_attention", "full_attention"] * 1 + ["sliding_attention"] * 2
+GEMMA3_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+               "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}}
 FAMILIES = {
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 48}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"use_sliding_window": False}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 24, "use_sliding_window": False}),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 16, "sliding_window": 48, "query_pre_attn_scalar": 24,
                                                      "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}),
+    # 5 layers in groups of 3 (local, local, global), the last 2 a tail; RoPE base and scaling per layer type; tied
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", {
+        "head_dim": 16, "sliding_window": 48, "query_pre_attn_scalar": 24, "num_hidden_layers": 5,
+        "tie_word_embeddings": True, "layer_types": GEMMA3_TYPES, "rope_parameters": GEMMA3_ROPE}),
 }
 
 
@@ -33,10 +41,10 @@ def save_family(path, family, seed=0, **kw):
     """A random model of `family` (weights std 0.1; norm weights 1 + N(0, 0.3), biases N(0, 0.3)), fp32."""
     config_cls, model_cls, extra = FAMILIES[family]
     torch.manual_seed(seed)
-    c = getattr(transformers, config_cls)(
-        vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, tie_word_embeddings=False, rms_norm_eps=1e-5, initializer_range=0.1,
-        attn_implementation="eager", **{**extra, **kw})
+    c = getattr(transformers, config_cls)(**{
+        "vocab_size": 320, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "tie_word_embeddings": False, "rms_norm_eps": 1e-5, "initializer_range": 0.1,
+        "attn_implementation": "eager", **extra, **kw})
     m = getattr(transformers, model_cls)(c).eval()
     with torch.no_grad():
         for name, p in m.named_parameters():
@@ -81,6 +89,7 @@ def _swap(a, b):
     ("qwen2", _swap("self_attn.k_proj.bias", "self_attn.v_proj.bias")),   # biases read into the wrong slot
     ("qwen3", _swap("self_attn.q_norm.weight", "self_attn.k_norm.weight")),  # q/k norms swapped
     ("gemma2", _swap("post_attention_layernorm.weight", "post_feedforward_layernorm.weight")),  # post-norms swapped
+    ("gemma3_text", _swap("layers.3.self_attn.q_norm.weight", "layers.3.self_attn.k_norm.weight")),  # in the tail
 ])
 def test_a_wrong_mapping_moves_the_logits(tmp_path, family, change):
     """The same mapping error in the checkpoint that a wrong table would make: the test above must see it."""
@@ -125,15 +134,69 @@ def test_export_loads_in_transformers_and_round_trips_bitwise(tmp_path, family):
     tr = trainer(tmp_path / "src", 8, FSDP_TP)
     back = exports_as(m, tr, tmp_path / "src", tmp_path / "out", FAMILIES[family][1], family, PROMPT[:1])
     assert back.config.sliding_window == m.config.sliding_window
+    assert back.config.rope_parameters == m.config.rope_parameters
+    assert getattr(back.config, "layer_types", None) == getattr(m.config, "layer_types", None)
 
 
-@pytest.mark.parametrize("family", ["mistral", "gemma2"])
-def test_generate_in_a_window_matches_transformers_greedy(tmp_path, capsys, family):
-    """A window of 16 and a prompt longer than it: prefill and each decoded token see only the last
-    16 positions (Gemma 2: on its local layers; its global ones see all), as transformers' generate does."""
+def test_gemma3_rope_and_pattern_are_read_per_layer_type(tmp_path):
+    """Gemma 3's local and global layers differ by RoPE base and scaling: read with the two swapped,
+    the logits move; its transformers 4 config.json (rope_theta, rope_local_base_freq, rope_scaling,
+    sliding_window_pattern, no layer_types) reads as the same model; a pattern that is not groups of
+    sliding layers closed by a full one is refused in one line."""
+    m = save_family(tmp_path / "a", "gemma3_text")
+    cfg = json.loads((tmp_path / "a" / "config.json").read_text())
+
+    def variant(name, config):
+        (tmp_path / name).mkdir()
+        shutil.copy(tmp_path / "a" / "model.safetensors", tmp_path / name)
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+        return trainer(tmp_path / name)
+    swapped = {"sliding_attention": GEMMA3_ROPE["full_attention"], "full_attention": GEMMA3_ROPE["sliding_attention"]}
+    tr = variant("swapped", {**cfg, "rope_parameters": swapped})
+    assert np.abs(logits(tr, tr.load_pretrained(), PROMPT[:1]) - reference(m, PROMPT[:1])).max() > 1e-2
+    old = {k: v for k, v in cfg.items() if k not in ("rope_parameters", "layer_types")}
+    tr = variant("v4", {**old, "rope_theta": 1e6, "rope_local_base_freq": 1e4, "sliding_window_pattern": 3,
+                        "rope_scaling": {"rope_type": "linear", "factor": 2.0}})
+    assert tr.spec.shapes["tail"]["blocks"][1]["attn"]["q_norm"]["scale"].shape == (16,)
+    assert np.abs(logits(tr, tr.load_pretrained(), PROMPT[:1]) - reference(m, PROMPT[:1])).max() <= 1e-4
+    with pytest.raises(ConfigError, match=r"config.json: key 'layer_types' must repeat"):
+        variant("odd", {**cfg, "layer_types": ["full_attention", *GEMMA3_TYPES[1:]]})
+
+
+def test_gemma3_fine_tunes_and_exports_its_tail_and_refuses_a_pipeline(tmp_path):
+    """A Gemma 3 whose layers are not a multiple of its pattern trains (the tail's weights move), its
+    export gives the checkpoint's logits in transformers; a pipeline (which cannot hold the tail) is
+    refused in one line."""
+    from meshpar.cli import main
+    from meshpar.io.checkpoint import restore_weights
+    src = tmp_path / "hf"
+    save_family(src, "gemma3_text")
+    common = [f"model.init_from=hf:{src}", "precision=fp32", "batch.global_size=8", "batch.length=32",
+              "train.warmup_steps=1", "train.lr=0.01", f"checkpoint.dir={tmp_path / 'ckpt'}", "--devices", "8"]
+    assert main(["train", "steps=2", *common]) == 0
+    assert main(["export", "--out", str(tmp_path / "out"), "--dtype", "fp32", *common]) == 0
+    a, b = tensors_of(src), tensors_of(tmp_path / "out")
+    assert sorted(a) == sorted(b)
+    assert not np.array_equal(a["model.layers.4.mlp.down_proj.weight"], b["model.layers.4.mlp.down_proj.weight"])
+    tr = trainer(src)
+    target = {"params": jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                                     tr.spec.shapes, tr.param_shardings)}
+    tree, step, _ = restore_weights(str(tmp_path / "ckpt"), target, lambda m: None)
+    back = transformers.Gemma3ForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
+    assert step == 2 and np.abs(logits(tr, tree["params"], PROMPT[:1]) - reference(back, PROMPT[:1])).max() <= 1e-4
+    with pytest.raises(ConfigError, match=r"cannot be pipelined: its 5 layers are 1 scanned groups of 3 plus a tail "
+                                          r"of 2 local layers.*set mesh.pipeline=1"):
+        trainer(src, 8, {"pipeline": 2, "data": 4}, "strategy=dp")
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2", "gemma3_text", "qwen3"])
+def test_generate_matches_transformers_greedy(tmp_path, capsys, family):
+    """Greedy decoding equals transformers' generate; where the family has a window, one of 16 and a
+    prompt longer than it: prefill and each decoded token see only the last 16 positions (Gemma: on
+    its local layers; its global ones see all)."""
     from meshpar.io.tokenizer import HFTokenizer
     from tests.io.test_hf import save_tokenizer
-    m = save_family(tmp_path / "hf", family, sliding_window=16)
+    m = save_family(tmp_path / "hf", family, **({} if family == "qwen3" else {"sliding_window": 16}))
     tok_dir = save_tokenizer(tmp_path / "tok")
     prompt = "the quick brown fox jumps over the lazy dog and says hello world " * 2
     ids = HFTokenizer(str(tok_dir)).prompt(prompt)

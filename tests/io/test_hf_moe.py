@@ -96,17 +96,18 @@ def test_moe_keys_must_agree_with_config_json(tmp_path):
         trainer(tmp_path, 1).init()
 
 
-def test_generate_matches_transformers_greedy_under_expert_parallelism(tmp_path, capsys):
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_generate_matches_transformers_greedy_under_expert_parallelism(tmp_path, capsys, family):
     from meshpar.io.tokenizer import HFTokenizer
     from tests.io.test_hf import save_tokenizer
-    m = save_moe(tmp_path / "hf", "qwen3_moe")
+    m = save_moe(tmp_path / "hf", family)
     tok_dir = save_tokenizer(tmp_path / "tok")
     prompt = "the quick brown fox jumps over the lazy dog and says hello world"
     want = greedy(m, HFTokenizer(str(tok_dir)).prompt(prompt), 8)
     out = generated(capsys, "--prompt", prompt, "--max-new-tokens", "8", "--devices", "8",
                     f"model.init_from=hf:{tmp_path / 'hf'}", f"data.tokenizer={tok_dir}", "precision=fp32",
                     "serve.cache_length=64", "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=1", "mesh.expert=4",
-                    "model.name=moe", *FAMILIES["qwen3_moe"][3])
+                    "model.name=moe", *FAMILIES[family][3])
     assert len(out["tokens"][0]) >= 4 and out["tokens"][0] == want[:len(out["tokens"][0])]   # may stop at EOS
 
 
