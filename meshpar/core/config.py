@@ -179,12 +179,18 @@ class CheckpointConfig:
 
 @dataclass
 class ServeConfig:
-    """`meshpar generate` / `meshpar.serve.engine.Engine`: the serving layout and the decode batch."""
+    """`meshpar generate` / `meshpar serve` / `meshpar.serve.engine.Engine`: the serving layout, the decode
+    batch, prefill batching, the prefix cache and the request queue."""
     strategy: str = "serve_tp"        # serve_tp, or any training preset (FSDP ones gather weights per token)
     slots: int = 8                    # requests decoded together (continuous batching)
-    cache_length: int | None = None   # positions per slot (prompt + generated); None: batch.length
+    cache_length: int | None = None   # positions per slot (prompt + generated); None: the model's maximum
+                                      # positions (4096 if it states none), capped by device memory
     min_bucket: int = 16              # prompts are padded to powers of two >= this, up to cache_length
-    max_new_tokens: int = 32          # generate's default budget of new tokens per prompt
+    max_new_tokens: int = 32          # default budget of new tokens per prompt (generate; serve without max_tokens)
+    prefill_batch: int = 8            # waiting prompts prefilled together in one call (1: one at a time)
+    prefix_cache: int = 4             # prompts whose KV stays cached for reuse by a shared prefix (0: off)
+    prefix_block: int = 16            # tokens per hashed block of the prefix cache (a prefix is reused in whole blocks)
+    max_waiting: int = 256            # requests queued beyond the slots; more get HTTP 429 with Retry-After
 
 
 @dataclass
@@ -469,9 +475,13 @@ def validate(cfg: Config) -> None:
                    ("pipeline.virtual_stages", cfg.pipeline.virtual_stages), ("moe.num_experts", cfg.moe.num_experts),
                    ("moe.every", cfg.moe.every), ("data.branching", cfg.data.branching),
                    ("serve.slots", cfg.serve.slots), ("serve.min_bucket", cfg.serve.min_bucket),
-                   ("serve.max_new_tokens", cfg.serve.max_new_tokens), ("serve.cache_length", cfg.serve.cache_length or 1)]:
+                   ("serve.max_new_tokens", cfg.serve.max_new_tokens), ("serve.cache_length", cfg.serve.cache_length or 1),
+                   ("serve.prefill_batch", cfg.serve.prefill_batch), ("serve.prefix_block", cfg.serve.prefix_block),
+                   ("serve.max_waiting", cfg.serve.max_waiting)]:
         if v < 1:
             raise ConfigError(f"config key '{key}' must be >= 1, got {v}")
+    if cfg.serve.prefix_cache < 0:
+        raise ConfigError(f"config key 'serve.prefix_cache' must be >= 0 (0: off), got {cfg.serve.prefix_cache}")
     if cfg.train.lr <= 0:
         raise ConfigError(f"config key 'train.lr' must be > 0, got {cfg.train.lr}")
     if cfg.moe.capacity_factor is not None and cfg.moe.capacity_factor <= 0:

@@ -2,6 +2,9 @@
 
 sampling   greedy / temperature / top-k / top-p, traced per slot
 placement  the model in its serving layout: mesh, KV-cache spec and shardings, weights loaded once
-engine     `Engine`: compiled prefill, insert and generate
-batching   `Request`, `Completion` and continuous batching over the engine's slots
+engine     `Engine`: compiled prefill (batched), extend (after a cached prefix), insert and generate
+batching   `Request`, `Completion`
+prefix     `PrefixCache`: prompts' KV caches reused by a shared prefix (hashed blocks)
+scheduler  continuous batching over the engine's slots, for a list or a server's queue
+openai     the OpenAI-compatible HTTP API (`meshpar serve`)
 """

@@ -3,26 +3,33 @@
     engine = Engine(cfg)                                   # mesh, serving layout, weights
     done = engine.run([Request([5, 6, 7], max_new_tokens=8, sampling=Sampling(temperature=0.7))])
 
-The engine's three calls (the prefill/insert/generate split of JetStream and MaxText's engine):
+The engine's compiled calls (the prefill/insert/generate split of JetStream and MaxText's engine):
 
-    prefill(tokens, true length, sampling)  -> (entry: a cache of P positions + the request, first token)
-    insert(entry, state, slot)              -> state with the request in `slot`
-    generate(state)                         -> (state, next token per slot [B], logits [B, V])
+    prefill_batch(prompts, samplings) -> (entry: n prompts' caches [.., n, P, ..] + requests, first tokens [n])
+    extend(cache, tokens, start, ...) -> (entry: one prompt whose first `start` positions are cached, first token)
+    insert(entry, state, slots)       -> state with entry row r in slot slots[r]
+    generate(state)                   -> (state, next token per slot [B], logits [B, V])
 
-(each takes `params=` to serve other weights than the engine's own).
+(each takes `params=` to serve other weights than the engine's own; `prefill` is `prefill_batch`
+of one prompt).
 
-A prompt of n tokens is padded to the bucket P = the smallest power of two >= max(n, min_bucket),
-capped at the cache length S: one compilation per bucket; causal attention makes the padding
-invisible to the n real positions. `generate` compiles once and donates the decode state (updated
-in place). Sampling settings are per-slot traced arrays (`meshpar.serve.sampling`): changing them never
-recompiles. `run` is continuous batching: a request enters a free slot as soon as one frees (end
-of sequence, its token budget, or a full cache), while the other slots keep decoding.
+Prompts are padded to the bucket P = the smallest power of two >= max(longest, min_bucket), capped at
+the cache length S, and batched prompts to a power of two rows: one compilation per (rows, bucket);
+causal attention keeps the padding out of the real positions. `extend` runs only a prompt's tail
+after a cached prefix (`meshpar.serve.prefix`): the tail's tokens at positions start.. attend to the
+cached ones, one compilation per tail bucket. `generate` compiles once and donates the decode state
+(updated in place). Sampling settings are per-row traced arrays (`meshpar.serve.sampling`): changing
+them never recompiles. `run` is continuous batching (`meshpar.serve.scheduler`): a request enters a
+free slot as soon as one frees (end of sequence, its token budget, or a full cache), while the
+other slots keep decoding.
 
-Placement and layout: `meshpar.serve.placement`; the request loop: `meshpar.serve.batching`.
+Placement and layout: `meshpar.serve.placement`; the request loop: `meshpar.serve.scheduler`.
 
 The model protocol (any nnx.Module can implement it; see `meshpar.models.decoder`):
     model.cache_spec(B, S) -> tree of meshpar.Leaf, each with a `cache_batch` and a `cache_length` axis
-    model.decode(tokens [B, T], positions [B, T], cache) -> (logits [B, T, V], cache)
+    model.decode(tokens [B, T], positions [B, T], cache) -> (logits [B, T, V], cache): writes the
+        tokens' keys and values at their positions, each token attending to every cached position
+        <= its own (so a prompt may be prefilled in pieces)
 """
 from __future__ import annotations
 
@@ -39,7 +46,7 @@ from meshpar.core import precision as precision_lib
 from meshpar.core.batch import is_leaf
 from meshpar.core.errors import ConfigError
 from meshpar.core.rules import Layout, table, use_layout
-from meshpar.serve.batching import Completion, Request, continuous_batching
+from meshpar.serve.batching import Completion, Request
 from meshpar.serve.placement import Placement, zeros
 from meshpar.serve.sampling import Sampling, position_key, sample
 
@@ -54,13 +61,17 @@ def _check_length(request: Request, length: int) -> None:
 
 
 def _single(layout: Layout) -> Layout:
-    """One request (batch 1, prefill): its batch, cache-slot and group dimensions are not split."""
+    """Prefill (a few requests): its batch, cache-slot and group dimensions are not split."""
     return dataclasses.replace(layout, user_rules=table(batch=None, cache_batch=None, group=None) + layout.user_rules)
 
 
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
 class Engine(Placement):
-    """Serve a model on a mesh: the weights placed (`Placement`), then prefill / insert / generate,
-    each compiled once per shape, and `run`: continuous batching over them.
+    """Serve a model on a mesh: the weights placed (`Placement`), then prefill / extend / insert /
+    generate, each compiled once per shape, and `run`: continuous batching over them.
 
     `model`, `weights`: as `Placement` (default: `cfg.model.name`; the newest checkpoint of
     `cfg.checkpoint.dir`, else `model.init_from`, else a fresh init)."""
@@ -71,7 +82,10 @@ class Engine(Placement):
         rep = NamedSharding(self.mesh, P())
         self.traces = collections.Counter()      # compilations: one trace per compiled shape
         self._empty = None
+        self._specs = {}
         self._prefill = jax.jit(self._prefill_fn, out_shardings=(None, rep, rep))
+        self._extend = jax.jit(self._extend_fn, out_shardings=(None, rep, rep))
+        self._full = jax.jit(self._full_fn)
         self._insert = jax.jit(self._insert_fn, out_shardings=self.state_shardings, donate_argnums=(1,))
         self._generate = jax.jit(self._generate_fn, in_shardings=(self.weight_shardings, self.state_shardings),
                                  out_shardings=(self.state_shardings, rep, rep), donate_argnums=(1,))
@@ -95,39 +109,73 @@ class Engine(Placement):
                                   out_shardings=self.state_shardings)
         return self._empty()
 
-    # -- the three compiled calls ------------------------------------------------------------------
-    def _prefill_fn(self, weights, tokens, length, samp):
-        """tokens [1, P], length = true prompt length -> (entry cache, first token, its logits [V])."""
-        self.traces["prefill"] += 1
-        p = tokens.shape[1]
-        layout = _single(self.layout)
-        with use_layout(layout), precision_lib.use_policy(self.policy):
-            logits, cache = self._model(weights).decode(tokens, jnp.arange(p, dtype=jnp.int32)[None],
-                                                        zeros(self._entry_specs[p]))
-        last = jax.lax.dynamic_index_in_dim(logits[0], length - 1, keepdims=False).astype(jnp.float32)
-        key = position_key(samp["key"], length - 1)
-        tok = sample(last[None], samp["temp"][None], samp["top_k"][None], samp["top_p"][None], key[None])[0]
-        return {"cache": cache, "length": length, "token": tok, **samp}, tok, last
+    def entry_spec(self, rows: int, length: int):
+        """The cache tree of `rows` prompts of `length` positions (tree of Leaf)."""
+        if (rows, length) not in self._specs:
+            with precision_lib.use_policy(self.policy):
+                self._specs[rows, length] = self.abstract.cache_spec(rows, length)
+        return self._specs[rows, length]
 
-    def _insert_fn(self, entry, state, slot):
-        """Write a prefilled request into `slot`: its cache rows (padded to S), position, token, sampling."""
+    # -- the compiled calls --------------------------------------------------------------------------
+    def _first(self, weights, tokens, positions, cache, last_at, samp):
+        """Decode `tokens` [n, T] at `positions` into `cache`; sample each row's token after index
+        `last_at` [n] -> (entry, first tokens [n], their logits [n, V])."""
+        with use_layout(_single(self.layout)), precision_lib.use_policy(self.policy):
+            logits, cache = self._model(weights).decode(tokens, positions, cache)
+        last = jnp.take_along_axis(logits, last_at[:, None, None], axis=1)[:, 0].astype(jnp.float32)   # [n, V]
+        at = jnp.take_along_axis(positions, last_at[:, None], axis=1)[:, 0]
+        keys = jax.vmap(position_key)(samp["key"], at)
+        tok = sample(last, samp["temp"], samp["top_k"], samp["top_p"], keys)
+        return {"cache": cache, "length": at + 1, "token": tok, **samp}, tok, last
+
+    def _prefill_fn(self, weights, tokens, lengths, samp):
+        """tokens [n, P] (row r's prompt in its first lengths[r] entries) -> `_first`'s triple."""
+        self.traces["prefill"] += 1
+        n, p = tokens.shape
+        positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (n, p))
+        return self._first(weights, tokens, positions, zeros(self.entry_spec(n, p)), lengths - 1, samp)
+
+    def _extend_fn(self, weights, cache, tokens, start, length, samp):
+        """A cache [.., 1, S, ..] whose positions < start hold a prompt's prefix, the prompt's tail
+        tokens [1, T] from `start` (its true end: `length`) -> `_first`'s triple (cache S long)."""
+        self.traces["extend"] += 1
+        positions = start + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+        return self._first(weights, tokens, positions, cache, (length - 1 - start)[None], samp)
+
+    def _full_fn(self, cache, row):
+        """Row `row` of a prefill's cache [.., n, P, ..], padded to [.., 1, S, ..] (a prefix to keep)."""
+        self.traces["full"] += 1
+
+        def one(leaf, c):
+            bd, ld = leaf.axes.index("cache_batch"), leaf.axes.index("cache_length")
+            c = jax.lax.dynamic_index_in_dim(c, row, bd, keepdims=True)
+            pad = [(0, 0)] * c.ndim
+            pad[ld] = (0, self.length - c.shape[ld])
+            return jnp.pad(c, pad)
+        return jax.tree.map(one, self.entry_spec(1, self.length), cache, is_leaf=is_leaf)
+
+    def _insert_fn(self, entry, state, slots):
+        """Write entry row r into slot slots[r] (a slot of -1: a padding row, dropped): its cache rows
+        (padded to S), position, token and sampling settings."""
         self.traces["insert"] += 1
-        onehot = jnp.arange(self.slots) == slot                                         # [B]
-        length, token = entry["length"], entry["token"]
+        hit = slots[:, None] == jnp.arange(self.slots)[None, :]                          # [n, B]
+        has, row = jnp.any(hit, axis=0), jnp.argmax(hit, axis=0)                         # [B] each
+
+        def take(e, c, bd):
+            """entry rows [n, ...] (batch at bd) -> per slot its row, where it has one, else c."""
+            mask = has.reshape([-1 if d == bd else 1 for d in range(c.ndim)])
+            return jnp.where(mask, jnp.take(e, row, axis=bd).astype(c.dtype), c)
 
         def put(leaf, e, c):
             bd, ld = leaf.axes.index("cache_batch"), leaf.axes.index("cache_length")
             pad = [(0, 0)] * e.ndim
             pad[ld] = (0, c.shape[ld] - e.shape[ld])
-            mask = onehot.reshape([-1 if d == bd else 1 for d in range(c.ndim)])
-            return jnp.where(mask, jnp.pad(e, pad).astype(c.dtype), c)
+            return take(jnp.pad(e, pad), c, bd)
 
-        cache = jax.tree.map(put, self.cache_spec, entry["cache"], state["cache"], is_leaf=is_leaf)
-        new = {"cache": cache, "pos": jnp.where(onehot, length, state["pos"]),
-               "token": jnp.where(onehot, token, state["token"])}
-        for k in ("temp", "top_k", "top_p"):
-            new[k] = jnp.where(onehot, entry[k], state[k])
-        new["key"] = jnp.where(onehot[:, None], entry["key"][None], state["key"])
+        new = {"cache": jax.tree.map(put, self.cache_spec, entry["cache"], state["cache"], is_leaf=is_leaf),
+               "pos": take(entry["length"], state["pos"], 0)}
+        for k in ("token", "temp", "top_k", "top_p", "key"):
+            new[k] = take(entry[k], state[k], 0)
         return new
 
     def _generate_fn(self, weights, state):
@@ -145,7 +193,8 @@ class Engine(Placement):
     @staticmethod
     def precheck(cfg, requests) -> None:
         """The checks that need no model (run before loading one): prompt lengths and sampling ranges."""
-        length = cfg.serve.cache_length or cfg.batch.length
+        from meshpar.serve.placement import cache_length
+        length = cfg.serve.cache_length or cache_length(cfg, None)
         for r in requests:
             _check_length(r, length)
             r.sampling.check(vocab=None)
@@ -163,28 +212,79 @@ class Engine(Placement):
     def bucket(self, n: int) -> int:
         return next(p for p in self.buckets if p >= n)
 
+    def _weights(self, params):
+        return self.weights if params is None else params
+
+    def _samplings(self, samplings, rows: int) -> dict:
+        arrays = [s.arrays(self.vocab) for s in samplings]
+        arrays += [arrays[0]] * (rows - len(arrays))
+        return {k: jnp.stack([a[k] for a in arrays]) for k in arrays[0]}
+
+    def prefill_batch(self, prompts: list, samplings: list | None = None, params=None):
+        """n prompts (lists of ids) prefilled in one call -> (entry of rows padded to a power of two,
+        first tokens [n] (device), their logits [n, V]). Rows beyond n repeat the first prompt."""
+        samplings = samplings or [Sampling()] * len(prompts)
+        for t, s in zip(prompts, samplings):
+            self.check(Request(list(t), 1, s))
+        rows = _pow2(len(prompts))
+        tokens = np.zeros((rows, self.bucket(max(map(len, prompts)))), np.int32)
+        lengths = np.full((rows,), len(prompts[0]), np.int32)
+        for r in range(rows):
+            t = prompts[r if r < len(prompts) else 0]
+            tokens[r, :len(t)], lengths[r] = t, len(t)
+        entry, tok, last = self._prefill(self._weights(params), jnp.asarray(tokens), jnp.asarray(lengths),
+                                         self._samplings(samplings, rows))
+        return entry, tok[:len(prompts)], last[:len(prompts)]
+
     def prefill(self, tokens, true_length: int | None = None, sampling: Sampling | None = None, params=None):
         """One prompt -> (entry, its first token (a device scalar), the logits that chose it [V]).
 
-        `tokens`: the prompt's ids (padded here to its bucket), or ids already padded to a bucket with
-        `true_length` the real count. The entry holds the prompt's cache [.., 1, P, ..], its length,
-        first token and sampling settings, for `insert`. `params`: weights (default: the engine's)."""
+        `tokens`: the prompt's ids, or ids already padded with `true_length` the real count."""
         tokens = list(np.asarray(tokens).reshape(-1))
         n = len(tokens) if true_length is None else int(true_length)
         request = Request(tokens[:n], 1, sampling or Sampling())
         self.check(request)
         padded = np.zeros((1, self.bucket(max(n, len(tokens)))), np.int32)
         padded[0, :n] = tokens[:n]
-        return self._prefill(self.weights if params is None else params, jnp.asarray(padded), jnp.int32(n),
-                             request.sampling.arrays(self.vocab))
+        entry, tok, last = self._prefill(self._weights(params), jnp.asarray(padded), jnp.asarray([n], np.int32),
+                                         self._samplings([request.sampling], 1))
+        return entry, tok[0], last[0]
 
-    def insert(self, entry, state, slot: int):
-        """-> `state` with the prefilled request in `slot` (donated: updated in place)."""
-        return self._insert(entry, state, jnp.int32(slot))
+    def can_extend(self, n: int, start: int) -> bool:
+        """Whether a prompt of n tokens can be prefilled from position `start` (its tail's bucket is
+        shorter than the cache: a bucket as long as the cache is a prefill from position 0)."""
+        return 0 < start < n and self.bucket(n - start) < self.length
+
+    def extend(self, cache, tokens, start: int, sampling: Sampling | None = None, params=None):
+        """A prompt whose first `start` positions `cache` ([.., 1, S, ..], e.g. `full(entry, r)` of a
+        prompt with the same prefix) already holds -> (entry, first token, its logits [V]); only
+        tokens[start:] are computed."""
+        tokens = list(tokens)
+        request = Request(tokens, 1, sampling or Sampling())
+        self.check(request)
+        if not self.can_extend(len(tokens), start):
+            raise ConfigError(f"cannot extend a prompt of {len(tokens)} tokens from position {start}")
+        tail = np.zeros((1, self.bucket(len(tokens) - start)), np.int32)
+        tail[0, :len(tokens) - start] = tokens[start:]
+        entry, tok, last = self._extend(self._weights(params), cache, jnp.asarray(tail), jnp.int32(start),
+                                        jnp.int32(len(tokens)), self._samplings([request.sampling], 1))
+        return entry, tok[0], last[0]
+
+    def full(self, entry, row: int = 0):
+        """Row `row` of an entry's cache as a whole-length cache [.., 1, S, ..] (for `extend`)."""
+        return self._full(entry["cache"], jnp.int32(row))
+
+    def insert(self, entry, state, slot):
+        """-> `state` with entry row r in slot `slot[r]` (an int: row 0; -1 drops a row); `state` is
+        donated (updated in place)."""
+        slots = np.atleast_1d(np.asarray(slot, np.int32))
+        rows = jax.tree.leaves(entry["length"])[0].shape[0]
+        slots = np.concatenate([slots, np.full((rows - len(slots),), -1, np.int32)])
+        return self._insert(entry, state, jnp.asarray(slots))
 
     def generate(self, state, params=None):
         """-> (state, next token per slot [B], logits [B, V]); `state` is donated."""
-        return self._generate(self.weights if params is None else params, state)
+        return self._generate(self._weights(params), state)
 
     def warmup(self, requests=()) -> None:
         """Compile prefill/insert for the buckets of `requests` and generate, outside any timing."""
@@ -196,8 +296,9 @@ class Engine(Placement):
 
     def run(self, requests: list[Request], on_token: Callable[[int, int], None] | None = None) -> list[Completion]:
         """Continuous batching: every request decoded to its end; `on_token(request index, token)`
-        streams (`meshpar.serve.batching`)."""
-        return continuous_batching(self, requests, on_token)
+        streams (`meshpar.serve.scheduler`)."""
+        from meshpar.serve.scheduler import run_all
+        return run_all(self, requests, on_token)
 
     def compiled_generate(self):
         """The compiled decode step (HLO text, memory_analysis) without running it."""

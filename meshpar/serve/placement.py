@@ -12,6 +12,11 @@ trade for multi-query attention), or replicated over `tensor` if the slots do no
 
 Per decode step every weight byte and every cache byte is read once, so decode is bound by memory
 bandwidth: bytes/s per device = (weight bytes + cache bytes per device) / step time.
+
+Cache length S (`serve.cache_length`, else `cache_length`): the positions the model was made for
+(`model.max_positions`, or `max_position_embeddings` of `model.init_from`'s config.json; 4096 for a
+model that states none), capped so that the slots' caches and the prefix cache's entries
+(`meshpar.serve.prefix`) take at most half of what a device has beside the weights.
 """
 from __future__ import annotations
 
@@ -38,6 +43,41 @@ def buckets(cache_length: int, min_bucket: int) -> list[int]:
         out.append(p)
         p *= 2
     return out + [cache_length]
+
+
+DEFAULT_POSITIONS = 4096       # a model that states no maximum (RoPE runs on; the cache is the limit)
+
+
+def model_positions(cfg, abstract=None) -> int:
+    """The most positions the model was made for: `abstract.max_positions` where the model states it,
+    else model.init_from's config.json `max_position_embeddings`, else DEFAULT_POSITIONS."""
+    n = getattr(abstract, "max_positions", None)
+    if n is None and cfg.model.init_from:
+        from meshpar.io.hf import read_config
+        n = read_config(cfg.model.init_from).get("max_position_embeddings")
+    return int(n) if isinstance(n, int) and n > 0 else DEFAULT_POSITIONS
+
+
+def device_bytes() -> int:
+    """Memory of one local device: its allocator's limit, or on a host (CPU) platform the host's
+    memory shared by its devices."""
+    import os
+    dev = jax.local_devices()[0]
+    limit = (getattr(dev, "memory_stats", lambda: None)() or {}).get("bytes_limit")
+    if limit:
+        return int(limit)
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(1, jax.local_device_count()))
+
+
+def cache_length(cfg, abstract=None, position_bytes: int = 0, free_bytes: int | None = None) -> int:
+    """`serve.cache_length`, else the model's positions capped by memory: `position_bytes` per device
+    for one position of every cached sequence, half of `free_bytes` for the caches."""
+    if cfg.serve.cache_length:
+        return cfg.serve.cache_length
+    n = model_positions(cfg, abstract)
+    if position_bytes and free_bytes is not None:
+        n = min(n, max(cfg.serve.min_bucket, free_bytes // 2 // position_bytes))
+    return n
 
 
 def serving_layout(mesh, strategy: str, user_rules, cache_spec, slots: int) -> tuple[Layout, list[str]]:
@@ -101,21 +141,22 @@ class Placement:
             raise ConfigError(f"model {name} cannot be served: it needs decode(tokens, positions, cache) and "
                               "cache_spec(batch, length) (see meshpar.serve.engine)")
         self.slots = cfg.serve.slots
-        self.length = cfg.serve.cache_length or cfg.batch.length
-        self.buckets = buckets(self.length, cfg.serve.min_bucket)
         with precision_lib.use_policy(self.policy):
-            self.cache_spec = abstract.cache_spec(self.slots, self.length)
-            self._entry_specs = {p: abstract.cache_spec(1, p) for p in self.buckets}
-        for path, leaf in jax.tree_util.tree_leaves_with_path(self.cache_spec, is_leaf=is_leaf):
+            one = abstract.cache_spec(self.slots, 1)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(one, is_leaf=is_leaf):
             if not is_leaf(leaf) or "cache_batch" not in leaf.axes or "cache_length" not in leaf.axes:
                 raise ConfigError(f"{name}.cache_spec: leaf {path_name(path) or 'cache'} must be a meshpar.Leaf "
                                   "with a 'cache_batch' and a 'cache_length' axis")
         self.vocab = self._vocab(abstract)
-        self.layout, self.notes = serving_layout(self.mesh, cfg.serve.strategy, cfg.rules, self.cache_spec, self.slots)
+        self.layout, self.notes = serving_layout(self.mesh, cfg.serve.strategy, cfg.rules, one, self.slots)
         rep = NamedSharding(self.mesh, P())
         params = jax.tree.map(lambda s: s.update(dtype=self._serve_dtype(s.dtype)), self.spec.shapes)
         self.weight_shardings = {"params": param_shardings(self.spec, self.layout),
                                  "vars": var_shardings(self.spec, self.layout)}
+        self.length = self._cache_length(one, params)
+        self.buckets = buckets(self.length, cfg.serve.min_bucket)
+        with precision_lib.use_policy(self.policy):
+            self.cache_spec = abstract.cache_spec(self.slots, self.length)
         self.notes += self._gather_warning()
         self.weight_shapes = {"params": params, "vars": self.spec.var_shapes}
         cache_sh = jax.tree.map(lambda leaf: self.layout.sharding(leaf.axes, leaf.shape, "KV cache"),
@@ -124,6 +165,19 @@ class Placement:
         self.weights, self.source = self._load(weights)
 
     # -- set-up ----------------------------------------------------------------------------------
+    def _cache_length(self, one, params) -> int:
+        """S (see the module docstring): one position of every slot and prefix entry, per device."""
+        from meshpar.core.sharding import bytes_per_device
+        if self.cfg.serve.cache_length:
+            return self.cfg.serve.cache_length
+        leaves = jax.tree.leaves(one, is_leaf=is_leaf)
+        per_slot = sum(bytes_per_device(leaf.shape, leaf.dtype, self.layout.sharding(leaf.axes, leaf.shape, "KV cache"))
+                       for leaf in leaves) / self.slots
+        position = int(per_slot * (self.slots + self.cfg.serve.prefix_cache)) + 1
+        weights = sum(bytes_per_device(s.shape, s.dtype, sh) for s, sh in zip(
+            jax.tree.leaves(params), jax.tree.leaves(self.weight_shardings["params"])))
+        return cache_length(self.cfg, self.abstract, position, max(0, device_bytes() - weights))
+
     def _vocab(self, abstract) -> int:
         """The logits' last dimension, from an abstract decode of one token (no memory, no compile)."""
         from flax import nnx

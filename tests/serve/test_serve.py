@@ -124,7 +124,38 @@ def test_compiles_prefill_once_per_bucket_and_decode_once():
     reqs[0] = Request([1] * 20, 3)
     out = e.run(reqs)
     assert [len(c.tokens) for c in out] == [r.max_new_tokens for r in reqs]
-    assert e.traces["prefill"] <= 2 and e.traces["generate"] == 1, dict(e.traces)
+    # one prefill per (rows: 1, 2 or 4 prompts batched, bucket: 16 or 32), whatever the sampling settings
+    assert e.traces["prefill"] <= 6 and e.traces["generate"] == 1, dict(e.traces)
+
+
+def test_prefix_cache_computes_only_the_tail_and_changes_no_output():
+    """A prompt sharing 32 tokens (2 blocks of 16) with one served before it is extended from them:
+    the same tokens and logits as prefilled whole; a prompt sharing less than a block is not."""
+    from meshpar.serve.prefix import PrefixCache
+    from meshpar.serve.scheduler import Scheduler
+    e = engine("gqa", "data2_tensor4")
+    system = list(range(3, 35))                                      # 32 shared tokens
+    a, b, c = system + [40, 41, 42], system + [50, 51, 52, 53, 54], system[:10] + [60, 61]
+
+    def serve(prefix, prompts):
+        sched = Scheduler(e, prefill_batch=1, prefix=prefix)
+        tickets = [sched.submit(Request(prompts[0], 6))]
+        sched.step()                                                 # the first is prefilled (and kept)
+        tickets += [sched.submit(Request(p, 6)) for p in prompts[1:]]
+        while sched.step():
+            pass
+        return [t.completion.tokens for t in tickets], sched
+    whole, _ = serve(None, [a, b, c])
+    before = e.traces["extend"]
+    cached, sched = serve(PrefixCache(4, 16), [a, b, c])
+    assert cached == whole
+    assert (sched.prefix.hits, sched.prefix.reused, sched.prefix.misses) == (1, 32, 2)
+    assert e.traces["extend"] - before <= 1                          # one tail bucket (16)
+    # logits of the first new token: extended from the cached prefix vs prefilled whole
+    entry, _, _ = e.prefill(a)
+    _, tok, last = e.extend(e.full(entry), b, 32)
+    _, tok2, last2 = e.prefill(b)
+    assert int(tok) == int(tok2) and np.allclose(np.asarray(last), np.asarray(last2), atol=1e-4)
 
 
 def test_continuous_batching_matches_each_request_alone():
@@ -258,8 +289,9 @@ def test_trained_checkpoint_continues_the_alphabet_and_other_shapes_are_refused(
     assert out.out.strip() == "abcdefghijkl" and "with the settings it was trained with" in out.err
     assert main(["export", "--out", str(tmp_path / "hf"), ck]) == 0
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["vocab_size"] == 256
-    # a prompt that fills the cache (batch.length 32 from the checkpoint): the output says it stopped
-    assert main(["generate", "--prompt", "abcdefghijklmnopqrstuvwxyzabc", ck, "--max-new-tokens", "8"]) == 0
+    # a prompt that fills the cache (32 positions): the output says it stopped
+    assert main(["generate", "--prompt", "abcdefghijklmnopqrstuvwxyzabc", ck, "--max-new-tokens", "8",
+                 "serve.cache_length=32"]) == 0
     out = capsys.readouterr()
     assert out.out.strip() == "abcdefghijklmnopqrstuvwxyzabcdefg"          # 29 + 4 tokens, 32 positions
     assert "note: prompt 1 stopped after 4 tokens: the KV cache holds 32 positions" in out.err
@@ -276,7 +308,8 @@ def test_trained_checkpoint_continues_the_alphabet_and_other_shapes_are_refused(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "holds another model" in err and "['params']" in err and "[256, 64]" in err
     for bad, msg in [(["--top-p", "0"], "top-p must be in (0, 1], got 0.0"), (["--top-k", "0"], "got 0"),
-                     (["--prompt", "x" * 40], "longer than the KV cache"), (["--prompt", ""], "empty prompt"),
+                     (["--prompt", "x" * 40, "serve.cache_length=32"], "longer than the KV cache"),
+                     (["--prompt", ""], "empty prompt"),
                      (["--prompt-ids", "1,x"], "--prompt-ids '1,x'")]:
         args = bad if "--prompt" in bad[0] else ["--prompt", "ab", *bad]
         assert main(["generate", *args, *common]) == 2

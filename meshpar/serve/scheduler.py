@@ -1,0 +1,194 @@
+"""Continuous batching (Orca, Yu et al. 2022) over an `Engine`'s slots, one tick at a time, for a
+request list (`run_all`, what `meshpar generate` and `Engine.run` use) or a server that keeps
+taking requests from other threads (`Scheduler.serve`, `meshpar serve`):
+
+    tick:  drop cancelled requests (their slots free)
+           admit waiting requests into free slots: a cached prefix (`meshpar.serve.prefix`) -> extend
+           its tail alone; the rest prefilled together, up to serve.prefill_batch per call and one
+           call per length bucket; each first token emitted
+           generate one token for every busy slot; emit each; a finished request frees its slot
+
+A request finishes at its end token (`eos`), its token budget (`max_tokens`), a full cache
+(`cache_full`) or when cancelled (`cancelled`: a client that went away, or a stop string its
+reader saw). Requests beyond `max_waiting` queued are refused with `QueueFull` (HTTP 429).
+Callbacks run on the scheduler's thread, in token order.
+"""
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from meshpar.serve.batching import Completion, Request
+from meshpar.serve.prefix import PrefixCache
+
+
+class QueueFull(Exception):
+    """More requests than slots + `max_waiting`: try again later."""
+
+
+@dataclass(eq=False)
+class Ticket:
+    """A submitted request: its completion so far and where its tokens go."""
+    request: Request
+    completion: Completion
+    on_token: Callable[[int], None] | None = None
+    on_done: Callable[[Completion], None] | None = None
+    submitted: float = field(default_factory=time.perf_counter)
+    cancelled: bool = False
+
+
+class Scheduler:
+    """Requests -> an engine's slots (see the module docstring). `prefill_batch`: prompts per prefill
+    call; `prefix`: a PrefixCache or None; `max_waiting`: queue bound (None: unbounded)."""
+
+    def __init__(self, engine, *, prefill_batch: int = 1, prefix: PrefixCache | None = None,
+                 max_waiting: int | None = None):
+        self.engine, self.prefill_batch, self.prefix, self.max_waiting = engine, prefill_batch, prefix, max_waiting
+        self.waiting: collections.deque[Ticket] = collections.deque()
+        self.active: dict[int, Ticket] = {}
+        self.free = list(range(engine.slots))
+        self.state = None
+        self.cv = threading.Condition()
+        self.decode_steps, self.decode_s, self.prefill_calls = 0, 0.0, 0
+
+    @classmethod
+    def for_config(cls, engine, serve, bounded: bool = False) -> "Scheduler":
+        """From `cfg.serve`: prefill batch, prefix cache and (a server's) queue bound."""
+        prefix = PrefixCache(serve.prefix_cache, serve.prefix_block) if serve.prefix_cache else None
+        return cls(engine, prefill_batch=min(serve.prefill_batch, engine.slots), prefix=prefix,
+                   max_waiting=serve.max_waiting if bounded else None)
+
+    # -- from any thread ----------------------------------------------------------------------------
+    def submit(self, request: Request, on_token=None, on_done=None) -> Ticket:
+        """Queue a request (checked first: ConfigError names what is wrong) -> its ticket."""
+        self.engine.check(request)
+        ticket = Ticket(request, Completion(list(request.tokens)), on_token, on_done)
+        with self.cv:
+            if self.max_waiting is not None and len(self.waiting) >= self.max_waiting:
+                raise QueueFull(f"{len(self.waiting)} requests are waiting for {self.engine.slots} slots")
+            self.waiting.append(ticket)
+            self.cv.notify()
+        return ticket
+
+    def cancel(self, ticket: Ticket) -> None:
+        """Stop a request at the next tick (its slot frees); a finished one is left as it is."""
+        ticket.cancelled = True
+        with self.cv:
+            self.cv.notify()
+
+    def busy(self) -> bool:
+        return bool(self.waiting or self.active)
+
+    def serve(self, stop: threading.Event) -> None:
+        """Tick while there is work, wait while there is none; return once `stop` is set and every
+        request taken has finished (a server's graceful shutdown)."""
+        while True:
+            with self.cv:
+                while not self.busy() and not stop.is_set():
+                    self.cv.wait(0.05)
+                if stop.is_set() and not self.busy():
+                    return
+            self.step()
+
+    # -- the tick (one thread) -------------------------------------------------------------------------
+    def step(self) -> bool:
+        """One tick (see the module docstring) -> whether work remains."""
+        with self.cv:
+            for t in [t for t in self.waiting if t.cancelled]:
+                self.waiting.remove(t)
+                self._finish(t, None, "cancelled")
+            for slot, t in list(self.active.items()):
+                if t.cancelled:
+                    self._finish(t, slot, "cancelled")
+            admitted = [self.waiting.popleft() for _ in range(min(len(self.waiting), len(self.free)))]
+            slots = [self.free.pop(0) for _ in admitted]
+        if self.state is None:
+            self.state = self.engine.new_state()
+        if admitted:
+            self._admit(admitted, slots)
+        if self.active:
+            t0 = time.perf_counter()
+            self.state, toks, _ = self.engine.generate(self.state)
+            toks = np.asarray(toks)
+            self.decode_s += time.perf_counter() - t0
+            self.decode_steps += 1
+            for slot, t in list(self.active.items()):
+                self._emit(t, slot, int(toks[slot]))
+        with self.cv:
+            return self.busy()
+
+    def _admit(self, tickets, slots) -> None:
+        """Prefill `tickets` into `slots`: cached prefixes extended one by one, the rest batched."""
+        e, rest = self.engine, []
+        for t, slot in zip(tickets, slots):
+            tokens = t.request.tokens
+            hit = self.prefix.lookup(tokens) if self.prefix is not None else None
+            if hit is not None and e.can_extend(len(tokens), hit[1]):
+                entry, tok, _ = e.extend(hit[0], tokens, hit[1], t.request.sampling)
+                self.prefix.store(tokens, entry["cache"])
+                self._place(entry, [t], [slot], np.asarray(tok)[None])
+            else:
+                rest.append((t, slot))
+        groups = collections.defaultdict(list)
+        for t, slot in rest:
+            groups[e.bucket(len(t.request.tokens))].append((t, slot))
+        for group in groups.values():
+            for i in range(0, len(group), self.prefill_batch):
+                part = group[i:i + self.prefill_batch]
+                entry, toks, _ = e.prefill_batch([t.request.tokens for t, _ in part],
+                                                 [t.request.sampling for t, _ in part])
+                self.prefill_calls += 1
+                if self.prefix is not None:
+                    for r, (t, _) in enumerate(part):
+                        if self.prefix.wants(t.request.tokens):
+                            self.prefix.store(t.request.tokens, e.full(entry, r))
+                self._place(entry, [t for t, _ in part], [s for _, s in part], np.asarray(toks))
+
+    def _place(self, entry, tickets, slots, toks) -> None:
+        self.state = self.engine.insert(entry, self.state, slots)
+        now = time.perf_counter()
+        for t, slot, tok in zip(tickets, slots, toks):
+            t.completion.ttft_s = now - t.submitted
+            self.active[slot] = t
+            self._emit(t, slot, int(tok))
+
+    def _emit(self, t: Ticket, slot: int, tok: int) -> None:
+        """Record a token; finish the request when it ends."""
+        r, c = t.request, t.completion
+        c.tokens.append(tok)
+        if t.on_token:
+            t.on_token(tok)
+        eos = r.eos if isinstance(r.eos, (list, tuple, set)) else () if r.eos is None else (r.eos,)
+        if tok in eos:
+            self._finish(t, slot, "eos")
+        elif len(c.tokens) >= r.max_new_tokens:
+            self._finish(t, slot, "max_tokens")
+        elif len(r.tokens) + len(c.tokens) > self.engine.length:       # no room to write the last token
+            self._finish(t, slot, "cache_full")
+
+    def _finish(self, t: Ticket, slot: int | None, why: str) -> None:
+        t.completion.finish = t.completion.finish or why
+        if slot is not None and self.active.get(slot) is t:
+            del self.active[slot]
+            self.free.append(slot)
+        if t.on_done:
+            t.on_done(t.completion)
+
+
+def run_all(engine, requests: list[Request], on_token: Callable[[int, int], None] | None = None) -> list[Completion]:
+    """Every request decoded to its end (`cfg.serve`'s prefill batch and prefix cache);
+    `on_token(request index, token)` streams. Sets `engine.decode_steps` and `engine.decode_s`."""
+    sched = Scheduler.for_config(engine, engine.cfg.serve)
+    for r in requests:
+        engine.check(r)
+    tickets = [sched.submit(r, (lambda tok, i=i: on_token(i, tok)) if on_token else None)
+               for i, r in enumerate(requests)]
+    while sched.step():
+        pass
+    engine.decode_steps, engine.decode_s = sched.decode_steps, sched.decode_s
+    return [t.completion for t in tickets]
