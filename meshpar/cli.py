@@ -1,4 +1,4 @@
-"""The `meshpar` command: train, config, inspect, launch, plot, generate, plan, export.
+"""The `meshpar` command: train, config, inspect, launch, plot, generate, serve, plan, export.
 
     meshpar train [--config FILE] [--devices N] [--metrics-out FILE] [KEY=VALUE ...]
     meshpar config [--config FILE] [KEY=VALUE ...]    # the resolved config, every key with its meaning
@@ -7,6 +7,7 @@
     meshpar launch --print-slurm [--nodes N --gpus-per-node G ...] [train arguments...]   # meshpar/runtime/slurm.py
     meshpar plot RUN.jsonl [RUN2.jsonl ...] [-o out.png] [--size 1200x800]   # meshpar/train/plot.py
     meshpar generate [--config FILE] [--devices N] [--prompt TEXT [--chat] | --prompt-ids 1,2,3] [--json] [KEY=VALUE ...]
+    meshpar serve [--host 127.0.0.1] [--port 8000] [--model-name NAME] [--config FILE] [KEY=VALUE ...]   # OpenAI API
     meshpar plan [--config FILE] --devices N --hardware h100 [--top K] [--strategies a,b] [--all] [--json]
                  [--bytes-per-param W,G,O] [--out plan.yaml] [--verify K] [KEY=VALUE ...]
     meshpar export --format hf --out DIR [--dtype bf16|fp32] [--max-shard-size 5GB] [--config FILE] [KEY=VALUE ...]
@@ -80,6 +81,11 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0, help="sampling seed (prompt i uses seed + i)")
     g.add_argument("--json", action="store_true",
                    help='print one JSON object {"tokens", "text", "ttft_s", "decode_tokens_per_s"} instead of streaming')
+    sv = sub.add_parser("serve", parents=[common], help="an OpenAI-compatible HTTP server (/v1/completions, "
+                        "/v1/chat/completions, /v1/models, /health) over the serving engine; SIGTERM drains it")
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    sv.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free one, printed)")
+    sv.add_argument("--model-name", help="the model id clients name (default: the checkpoint's or init_from's folder)")
     pl = sub.add_parser("plan", parents=[common], help="choose mesh, strategy, microbatches and remat for N devices "
                         "of some hardware (cost model), write the winner as a config; --verify compiles the top K")
     pl.add_argument("--hardware", default="h100", help="h100, h200, a100-80g, tpu-v4, tpu-v5e, tpu-v5p, tpu-v6e or a YAML")
@@ -229,11 +235,8 @@ def _generate(cfg, args) -> None:
     if not prompts:
         raise MeshparError("no prompt: give --prompt TEXT or --prompt-ids 1,2,3")
     n = args.max_new_tokens if args.max_new_tokens is not None else cfg.serve.max_new_tokens
-    eos = hf_tok.eos_id if hf_tok else None
-    if eos is None and cfg.model.init_from:          # the model's own end token (config.json)
-        from meshpar.io.hf import read_config
-        eos = read_config(cfg.model.init_from).get("eos_token_id")
-        eos = eos[0] if isinstance(eos, list) and eos else eos
+    from meshpar.io.tokenizer import end_tokens
+    eos = end_tokens(hf_tok, cfg.model.init_from)      # the tokenizer's, else config.json's
     reqs = [Request(p, n, Sampling(args.temperature, args.top_k, args.top_p, args.seed + i), eos=eos)
             for i, p in enumerate(prompts)]
     Engine.precheck(cfg, reqs)                   # before loading anything: what needs no model
@@ -275,6 +278,52 @@ def _generate(cfg, args) -> None:
             print(f"note: prompt {i + 1} stopped after {len(c.tokens)} tokens: the KV cache holds "
                   f"{engine.length} positions (serve.cache_length); raise it for longer output", file=sys.stderr)
     print(f"first token {out[0].ttft_s:.3f} s, decode {rate:.1f} tokens/s", file=sys.stderr)
+
+
+def _serve(cfg, args) -> None:
+    """`meshpar serve`: the engine, its scheduler on a thread, uvicorn on the main one until SIGTERM or
+    Ctrl-C (then: no new connections, the requests in flight finish, exit 0)."""
+    import signal
+    import socket
+    import threading
+    from pathlib import Path
+    import uvicorn
+    from meshpar.io.tokenizer import ByteTokenizer, HFTokenizer, end_tokens
+    from meshpar.serve.api import Server, create_app
+    from meshpar.serve.engine import Engine
+    engine = Engine(cfg, info=lambda m: print(m, file=sys.stderr))
+    for note in engine.notes:
+        print(note, file=sys.stderr)
+    tok = HFTokenizer(cfg.data.tokenizer, engine.vocab) if cfg.data.tokenizer else ByteTokenizer(max(256, engine.vocab))
+    source = cfg.checkpoint.dir or (cfg.model.init_from or "")[3:]
+    name = args.model_name or (Path(source).name if source else cfg.model.name)
+    server = Server(engine, cfg.serve, tok, name, end_tokens(tok, cfg.model.init_from))
+    engine.warmup()
+    stop = threading.Event()
+    worker = threading.Thread(target=server.scheduler.serve, args=(stop,), name="meshpar-scheduler", daemon=True)
+    worker.start()
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((args.host, args.port))
+    except OSError as e:
+        raise MeshparError(f"--host {args.host} --port {args.port}: cannot listen there ({e.strerror}); "
+                           "choose another port (0: any free one)") from None
+    sock.listen(1024)
+    port = sock.getsockname()[1]
+    print(f"serving {name} ({engine.source}) on http://{args.host}:{port} with {engine.mesh.devices.size} devices "
+          f"({cfg.serve.strategy}, {engine.slots} slots, cache {engine.length}, prefill batch "
+          f"{server.scheduler.prefill_batch}, prefix cache {cfg.serve.prefix_cache})", file=sys.stderr, flush=True)
+    config = uvicorn.Config(create_app(server), log_level="warning", timeout_graceful_shutdown=None)
+    # uvicorn drains on SIGTERM, then raises it again under the handler it found: make that one a no-op,
+    # so a drained server exits 0 (Ctrl-C still ends with 130, through interrupts_exit's handler)
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    uvicorn.Server(config).run(sockets=[sock])
+    stop.set()
+    worker.join()
+    p = server.scheduler.prefix
+    print(f"stopped: {server.scheduler.decode_steps} decode steps, {server.scheduler.prefill_calls} prefill calls"
+          + (f", prefix cache {p.hits} hits / {p.misses} misses" if p is not None else ""), file=sys.stderr)
 
 
 def _setup_devices(cfg, devices_flag: int | None, processes: int = 1, planning: bool = False) -> None:
@@ -347,14 +396,17 @@ def _run(args) -> int:
             cfg.devices = args.devices if args.devices is not None else cfg.devices
             sys.stdout.write(annotated_yaml(cfg))
             return 0
-        if args.command in ("generate", "export") and cfg.checkpoint.dir:
-            cfg = _with_saved_settings(cfg, args)
         from meshpar.runtime import distributed
         multi = distributed.resolve(getattr(args, "coordinator", None), getattr(args, "num_processes", None),
                                     getattr(args, "process_id", None))
         _setup_devices(cfg, args.devices, (multi.num_processes or 1) if multi else 1, args.command == "plan")
         if multi:
             distributed.initialize(multi)
+        if args.command in ("generate", "serve", "export") and cfg.checkpoint.dir:
+            # read after the devices are faked: Orbax initialises JAX (before: one device, and the run refused)
+            devices, mesh = cfg.devices, cfg.mesh
+            cfg = _with_saved_settings(cfg, args)
+            cfg.devices, cfg.mesh = devices, mesh             # the mesh is not a saved setting
         import jax
         planning = args.command == "plan" and not args.verify      # a plan without --verify uses no devices
         if jax.device_count() < cfg.devices and jax.default_backend() == "cpu" and not planning:
@@ -367,6 +419,8 @@ def _run(args) -> int:
             run(cfg, metrics_out=args.metrics_out)
         elif args.command == "generate":
             _generate(cfg, args)
+        elif args.command == "serve":
+            _serve(cfg, args)
         elif args.command == "plan":
             _plan(cfg, args)
         elif args.command == "export":

@@ -1,0 +1,272 @@
+"""The OpenAI-compatible HTTP API (`meshpar serve`): FastAPI routes over a `Scheduler` whose
+thread keeps decoding while requests come and go.
+
+    POST /v1/completions        {"model", "prompt": text | [ids], "max_tokens", "temperature", "top_p",
+                                 "top_k" (extension), "stop", "seed", "n": 1, "stream"}
+    POST /v1/chat/completions   {"model", "messages": [{"role", "content"}], ... the same}
+    GET  /v1/models             the one model served;  GET /health
+
+Responses and stream chunks follow OpenAI's shapes (`text_completion`, `chat.completion`,
+`chat.completion.chunk`; server-sent events `data: {...}` ending with `data: [DONE]`), with `usage`
+counts (in a stream: a last chunk when `stream_options.include_usage`). finish_reason: `stop` (an
+end token or a stop string), `length` (max_tokens, or the KV cache full). Errors are
+`{"error": {"message", "type", "param", "code"}}`: 400 for a bad body (malformed JSON, a field of the
+wrong type or out of range, a prompt and max_tokens beyond the cache), 404 for an unknown model, 429
+with Retry-After when serve.max_waiting requests already wait. A client that goes away frees its
+slot at the next tick. Temperature defaults to 1, as OpenAI's does (0 is greedy).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Any
+
+from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from meshpar.core.errors import ConfigError
+from meshpar.serve.batching import Request
+from meshpar.serve.sampling import Sampling
+from meshpar.serve.scheduler import QueueFull, Scheduler
+
+FINISH = {"eos": "stop", "stop": "stop", "max_tokens": "length", "cache_full": "length", "cancelled": "stop"}
+
+
+class APIError(Exception):
+    """An HTTP error in OpenAI's body shape."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error", headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.param, self.code, self.kind, self.headers = status, param, code, kind, headers
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def _field(body: dict, key: str, kinds: tuple, default: Any = None, check=None, why: str = ""):
+    """body[key] of one of `kinds` (bool is not a number), else the default; `check(v)` False -> 400."""
+    v = body.get(key, default)
+    if v is None:
+        return default
+    if not isinstance(v, kinds) or (isinstance(v, bool) and bool not in kinds):
+        raise APIError(400, f"'{key}' must be {' or '.join(k.__name__ for k in kinds)}, got {json.dumps(v)[:40]}", key)
+    if check is not None and not check(v):
+        raise APIError(400, f"'{key}' {why}, got {v}", key)
+    return v
+
+
+class Server:
+    """The routes' state: the scheduler (running on its own thread), the tokenizer, the served name."""
+
+    def __init__(self, engine, serve_cfg, tokenizer, name: str, eos: list[int]):
+        self.engine, self.tok, self.name, self.eos = engine, tokenizer, name, eos
+        self.default_tokens = serve_cfg.max_new_tokens
+        self.scheduler = Scheduler.for_config(engine, serve_cfg, bounded=True)
+        self.created = int(time.time())
+
+    # -- a request body -> Request -------------------------------------------------------------------
+    def parse(self, body: Any, chat: bool) -> tuple[Request, dict]:
+        """-> (Request, options {stream, stop, include_usage}); APIError naming the field at fault."""
+        if not isinstance(body, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        model = _field(body, "model", (str,))
+        if model is None:
+            raise APIError(400, "'model' is required", "model")
+        if model != self.name:
+            raise APIError(404, f"the model '{model}' does not exist; this server serves '{self.name}'", "model",
+                           "model_not_found")
+        _field(body, "n", (int,), 1, lambda v: v == 1, "must be 1 (one choice per request)")
+        if body.get("echo") or body.get("logprobs") or body.get("best_of", 1) not in (1, None):
+            raise APIError(400, "echo, logprobs and best_of are not supported", "logprobs")
+        tokens = self._prompt(body, chat)
+        room = self.engine.length - len(tokens)
+        if room < 1:
+            raise APIError(400, f"the prompt has {len(tokens)} tokens; this server's context (serve.cache_length) "
+                                f"holds {self.engine.length}", "messages" if chat else "prompt", "context_length_exceeded")
+        key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
+        n = _field(body, key, (int,), None, lambda v: v >= 1, "must be >= 1")
+        if n is not None and n > room:
+            raise APIError(400, f"'{key}'={n} with a prompt of {len(tokens)} tokens exceeds this server's context of "
+                                f"{self.engine.length} tokens (serve.cache_length): at most {room}", key,
+                           "context_length_exceeded")
+        temp = _field(body, "temperature", (int, float), 1.0, lambda v: 0 <= v <= 2, "must be between 0 and 2")
+        top_p = _field(body, "top_p", (int, float), 1.0, lambda v: 0 < v <= 1, "must be in (0, 1]")
+        top_k = _field(body, "top_k", (int,), None, lambda v: v == -1 or 1 <= v <= self.engine.vocab,
+                       f"must be -1 (off) or between 1 and the vocabulary {self.engine.vocab}")
+        seed = _field(body, "seed", (int,), 0)
+        stop = _field(body, "stop", (str, list), [])
+        stop = [stop] if isinstance(stop, str) else stop
+        if len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
+            raise APIError(400, "'stop' must be a string or a list of up to 4 non-empty strings", "stop")
+        stream = _field(body, "stream", (bool,), False)
+        usage = bool((_field(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
+        samp = Sampling(float(temp), None if top_k in (None, -1) else top_k, float(top_p), seed % (2 ** 31))
+        req = Request(tokens, n or min(self.default_tokens, room), samp, eos=self.eos)
+        return req, {"stream": stream, "stop": stop, "include_usage": usage}
+
+    def _prompt(self, body: dict, chat: bool) -> list[int]:
+        if chat:
+            msgs = body.get("messages")
+            if not isinstance(msgs, list) or not msgs or not all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                    for m in msgs):
+                raise APIError(400, "'messages' must be a non-empty list of {\"role\": str, \"content\": str}",
+                               "messages")
+            if not hasattr(self.tok, "chat"):
+                raise APIError(400, "this server has no chat template (serve a model with data.tokenizer=DIR whose "
+                                    "tokenizer_config.json has one); use /v1/completions", "messages")
+            try:
+                return self.tok.chat([{"role": m["role"], "content": m["content"]} for m in msgs])
+            except ConfigError as e:
+                raise APIError(400, str(e), "messages") from None
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]                                        # a batch of one
+        if isinstance(prompt, str) and prompt:
+            return self.tok.prompt(prompt)
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            if not all(0 <= t < self.engine.vocab for t in prompt):
+                raise APIError(400, f"'prompt' token ids must be in 0..{self.engine.vocab - 1}", "prompt")
+            return list(prompt)
+        raise APIError(400, "'prompt' must be a non-empty string or list of token ids (one prompt per request)",
+                       "prompt")
+
+    # -- running one request ------------------------------------------------------------------------
+    async def events(self, req: Request, stop: list[str], disconnected):
+        """Submit `req`; yield ("text", delta) as text becomes final and one ("done", finish, tokens)."""
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        try:
+            ticket = self.scheduler.submit(req, lambda t: loop.call_soon_threadsafe(q.put_nowait, ("tok", t)),
+                                           lambda c: loop.call_soon_threadsafe(q.put_nowait, ("done", c)))
+        except QueueFull as e:
+            raise APIError(429, f"the server is busy ({e}); retry shortly", code="rate_limit_exceeded",
+                           kind="rate_limit_error", headers={"Retry-After": "1"}) from None
+        except ConfigError as e:
+            raise APIError(400, str(e)) from None
+        tokens, sent, finish = [], "", None
+        try:
+            while True:
+                try:
+                    kind, value = await asyncio.wait_for(q.get(), 1.0)
+                except asyncio.TimeoutError:
+                    if await disconnected():
+                        return
+                    continue
+                if kind == "done":
+                    finish = finish or value.finish
+                    break
+                tokens.append(value)
+                text = self.tok.decode([t for t in tokens if t not in self.eos])
+                cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
+                if cut >= 0:
+                    text, finish = text[:cut], "stop"
+                    self.scheduler.cancel(ticket)
+                held = 0 if finish else max((len(s) - 1 for s in stop), default=0)   # a stop string may be starting
+                ready = text[:len(text) - held] if held else text
+                if ready.endswith("\ufffd") and not finish:                      # half a UTF-8 character
+                    ready = ready[:-1]
+                if len(ready) > len(sent) and ready.startswith(sent):
+                    yield "text", ready[len(sent):]
+                    sent = ready
+                if finish == "stop" and cut >= 0:
+                    break
+            text = self.tok.decode([t for t in tokens if t not in self.eos])
+            if finish == "stop" and cut >= 0:
+                text = text[:cut]
+            if len(text) > len(sent) and text.startswith(sent):
+                yield "text", text[len(sent):]
+            yield "done", FINISH.get(finish, "stop"), len(tokens)
+        finally:
+            self.scheduler.cancel(ticket)                      # a no-op once finished; frees a vanished client's slot
+
+
+def create_app(server: Server):
+    """The FastAPI application of `server`."""
+    app = FastAPI(title="meshpar", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(APIError)
+    async def api_error(_, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(404)
+    async def not_found(request, _):
+        return JSONResponse(APIError(404, f"no route {request.method} {request.url.path}", code="not_found").body(),
+                            status_code=404)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "waiting": len(server.scheduler.waiting), "active": len(server.scheduler.active)}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": server.name, "object": "model", "created": server.created,
+                                            "owned_by": "meshpar"}]}
+
+    async def body_of(http: HTTPRequest):
+        raw = await http.body()
+        try:
+            return json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise APIError(400, f"the request body is not valid JSON ({str(e).splitlines()[0]})") from None
+
+    async def complete(http: HTTPRequest, chat: bool):
+        req, opt = server.parse(await body_of(http), chat)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": int(time.time()), "model": server.name}
+        events = server.events(req, opt["stop"], http.is_disconnected)
+        first = await events.__anext__()             # errors (429, 400) before any byte is sent
+        n_prompt = len(req.tokens)
+
+        def usage(n):
+            return {"prompt_tokens": n_prompt, "completion_tokens": n, "total_tokens": n_prompt + n}
+
+        def choice(text=None, finish=None, role=False):
+            if not chat:
+                return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            delta = ({"role": "assistant"} if role else {}) | ({"content": text} if text is not None else {})
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+        async def all_events():
+            yield first
+            async for ev in events:
+                yield ev
+
+        if opt["stream"]:
+            async def sse():
+                if chat:
+                    yield f"data: {json.dumps(head | {'choices': [choice('', role=True)]})}\n\n"
+                async for ev in all_events():
+                    if ev[0] == "text":
+                        yield f"data: {json.dumps(head | {'choices': [choice(ev[1])]})}\n\n"
+                    else:
+                        yield f"data: {json.dumps(head | {'choices': [choice(None if chat else '', ev[1])]})}\n\n"
+                        if opt["include_usage"]:
+                            yield f"data: {json.dumps(head | {'choices': [], 'usage': usage(ev[2])})}\n\n"
+                yield "data: [DONE]\n\n"
+            return StreamingResponse(sse(), media_type="text/event-stream")
+        text, finish, n = "", "stop", 0
+        async for ev in all_events():
+            if ev[0] == "text":
+                text += ev[1]
+            else:
+                finish, n = ev[1], ev[2]
+        if chat:
+            out = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                   "finish_reason": finish}
+            return head | {"object": "chat.completion", "choices": [out], "usage": usage(n)}
+        return head | {"choices": [choice(text, finish)], "usage": usage(n)}
+
+    @app.post("/v1/completions")
+    async def completions(http: HTTPRequest):
+        return await complete(http, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(http: HTTPRequest):
+        return await complete(http, chat=True)
+
+    return app
