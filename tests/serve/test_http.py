@@ -1,0 +1,217 @@
+"""`meshpar serve` (meshpar/serve/api.py) as users run it: a subprocess on 8 fake CPU devices serving a
+checkpoint trained on the repeated alphabet, talked to by the official `openai` client and by raw
+HTTP on loopback. Completions continue the alphabet and equal `meshpar generate`; chat goes through
+the tokenizer's chat template; streaming and not give the same text; bad requests get 4xx in
+OpenAI's error shape and the server keeps serving; a full queue answers 429 and no accepted
+request is lost; a client that goes away frees its slot; SIGTERM finishes what is in flight and
+exits 0. Every loop here is bounded.
+"""
+import json
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+openai = pytest.importorskip("openai")
+
+ALPHABET = "abcdefghijklmnopqrstuvwxyz"
+CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+          "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+SLOTS, WAITING = 2, 2
+
+
+def char_tokenizer(d):
+    """A Hugging Face tokenizer whose ids are the bytes of ASCII text (so it reads a byte-level
+    checkpoint as it was trained), the ChatML markers as ids 1 and 2, and a chat template."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    vocab = {chr(i): i for i in range(32, 127)} | {"\n": 10, "<unk>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    d.mkdir()
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML, "eos_token": "<|im_end|>",
+                                                         "bos_token": None}))
+    return d
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """(base URL, the server process, tmp dir, common args): the alphabet checkpoint served."""
+    from meshpar.cli import main
+    tmp = tmp_path_factory.mktemp("http")
+    (tmp / "abc.txt").write_text(ALPHABET * 200)
+    ck = f"checkpoint.dir={tmp / 'ck'}"
+    assert main(["train", "steps=30", "train.log_every=30", "data.kind=text", f"data.path={tmp / 'abc.txt'}",
+                 "model.vocab=256", "batch.length=32", ck]) == 0
+    common = [ck, f"data.tokenizer={char_tokenizer(tmp / 'tok')}", "--devices", "8"]
+    proc = subprocess.Popen([sys.executable, "-m", "meshpar.cli", "serve", "--port", "0", "--model-name", "abc",
+                             *common, "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=4", f"serve.slots={SLOTS}", f"serve.max_waiting={WAITING}", "serve.cache_length=256"],
+                            stderr=subprocess.PIPE, text=True)
+    lines, url, t0 = [], None, time.time()
+    while url is None and time.time() - t0 < 240:
+        line = proc.stderr.readline()
+        if not line:
+            break
+        lines.append(line)
+        if " on http://" in line:
+            url = line.split(" on ")[1].split()[0]
+    assert url, "".join(lines)
+    drain = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)   # keep the pipe flowing
+    drain.start()
+    yield url, proc, tmp, common, lines
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(30)
+
+
+def client(url):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def post(url, path, body, raw=False):
+    """-> (status, JSON body, headers) of a POST (body: an object, or bytes sent as they are)."""
+    data = body if raw else json.dumps(body).encode()
+    req = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read()), {k.lower(): v for k, v in r.headers.items()}
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read()), {k.lower(): v for k, v in e.headers.items()}
+
+
+def test_completions_continue_the_alphabet_streamed_or_not_as_generate_does(served, capsys):
+    from meshpar.cli import main
+    url, _, _, common, _ = served
+    c = client(url)
+    assert [m.id for m in c.models.list().data] == ["abc"]
+    r = c.completions.create(model="abc", prompt="abcd", max_tokens=8, temperature=0)
+    assert r.choices[0].text == "efghijkl" and r.choices[0].finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (4, 8, 12)
+    chunks = list(c.completions.create(model="abc", prompt="abcd", max_tokens=8, temperature=0, stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == "efghijkl" and chunks[-1].choices[0].finish_reason == "length"
+    capsys.readouterr()
+    assert main(["generate", "--prompt", "mnop", "--json", "--max-new-tokens", "6", *common]) == 0
+    want = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["text"][0]
+    assert c.completions.create(model="abc", prompt="mnop", max_tokens=6, temperature=0).choices[0].text == want
+    stop = c.completions.create(model="abc", prompt="abcd", max_tokens=8, temperature=0, stop=["hi", "z"])
+    assert stop.choices[0].text == "efg" and stop.choices[0].finish_reason == "stop"
+    ids = c.completions.create(model="abc", prompt=[ord(x) for x in "uvw"], max_tokens=3, temperature=0)
+    assert ids.choices[0].text == "xyz"
+
+
+def test_chat_goes_through_the_template_as_generate_chat_does(served, capsys):
+    from meshpar.cli import main
+    url, _, _, common, _ = served
+    capsys.readouterr()
+    assert main(["generate", "--chat", "--prompt", "abc", "--json", "--max-new-tokens", "6", *common]) == 0
+    want = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["text"][0]
+    c = client(url)
+    r = c.chat.completions.create(model="abc", messages=[{"role": "user", "content": "abc"}], max_tokens=6,
+                                  temperature=0)
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == want
+    rendered = "<|im_start|>user\nabc<|im_end|>\n<|im_start|>assistant\n"
+    assert r.usage.prompt_tokens == len(rendered.replace("<|im_start|>", "S").replace("<|im_end|>", "E"))
+    chunks = list(c.chat.completions.create(model="abc", messages=[{"role": "user", "content": "abc"}], max_tokens=6,
+                                            temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == want
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+
+
+def test_bad_requests_get_4xx_in_openais_shape_and_the_server_keeps_serving(served):
+    url = served[0]
+    good = {"model": "abc", "prompt": "abcd", "max_tokens": 4, "temperature": 0}
+    for body, status, param in [
+            (b"{not json", 400, None), (b"[1, 2]", 400, None),
+            ({**good, "max_tokens": "4"}, 400, "max_tokens"), ({**good, "max_tokens": -1}, 400, "max_tokens"),
+            ({**good, "max_tokens": 10_000}, 400, "max_tokens"), ({**good, "top_p": 0}, 400, "top_p"),
+            ({**good, "top_p": 1.5}, 400, "top_p"), ({**good, "temperature": "hot"}, 400, "temperature"),
+            ({**good, "n": 2}, 400, "n"), ({**good, "prompt": ""}, 400, "prompt"), ({**good, "prompt": [999]}, 400, "prompt"),
+            ({**good, "prompt": "x" * 300}, 400, "prompt"), ({**good, "stop": [1]}, 400, "stop"),
+            ({**good, "model": "gpt-4"}, 404, "model")]:
+        code, err, _ = post(url, "/v1/completions", body, raw=isinstance(body, bytes))
+        assert code == status and set(err["error"]) == {"message", "type", "param", "code"}, (body, err)
+        assert err["error"]["param"] == param and err["error"]["message"], err
+    code, err, _ = post(url, "/v1/chat/completions", {"model": "abc", "messages": "hi"})
+    assert code == 400 and err["error"]["param"] == "messages"
+    with pytest.raises(openai.NotFoundError):
+        client(url).completions.create(model="nope", prompt="a", max_tokens=1)
+    assert post(url, "/v1/completions", good)[1]["choices"][0]["text"] == "efgh"
+
+
+def test_a_full_queue_answers_429_and_no_accepted_request_is_lost(served):
+    """2 slots + 2 waiting: of 10 requests sent at once some get 429 with Retry-After; each accepted one
+    completes whole; the refused ones, retried, complete too."""
+    url = served[0]
+    prompts = [ALPHABET[i:i + 3] for i in range(10)]
+    results = [None] * 10
+
+    def one(i):
+        results[i] = post(url, "/v1/completions", {"model": "abc", "prompt": prompts[i], "max_tokens": 40,
+                                                   "temperature": 0})
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(10)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    codes = [r[0] for r in results]
+    assert set(codes) == {200, 429} and codes.count(200) >= SLOTS + WAITING - 1, codes
+    want = lambda p: (ALPHABET * 3)[ALPHABET.index(p) + 3:][:40]           # noqa: E731
+    for p, (code, body, headers) in zip(prompts, results):
+        if code == 429:
+            assert headers.get("retry-after") == "1" and body["error"]["type"] == "rate_limit_error"
+            for _ in range(60):                                  # bounded retry
+                time.sleep(0.5)
+                code, body, headers = post(url, "/v1/completions", {"model": "abc", "prompt": p, "max_tokens": 40,
+                                                                     "temperature": 0})
+                if code == 200:
+                    break
+        assert code == 200 and body["choices"][0]["text"] == want(p) and body["usage"]["completion_tokens"] == 40
+
+
+def test_a_client_that_goes_away_frees_its_slot(served):
+    import http.client
+    url = served[0]
+    host, port = url.split("//")[1].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request("POST", "/v1/completions", json.dumps({"model": "abc", "prompt": "abc", "max_tokens": 200,
+                                                        "temperature": 0, "stream": True}),
+                 {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.readline().startswith(b"data: ")
+    conn.close()                                                 # gone after the first chunk
+    for _ in range(100):
+        with urllib.request.urlopen(url + "/health", timeout=10) as r:
+            health = json.loads(r.read())
+        if health["active"] == 0 and health["waiting"] == 0:
+            break
+        time.sleep(0.1)
+    assert health == {"status": "ok", "waiting": 0, "active": 0}
+
+
+def test_sigterm_finishes_the_requests_in_flight_and_exits_0(served):
+    """Last in this file: it stops the module's server."""
+    import signal
+    url, proc, _, _, lines = served
+    out = {}
+    t = threading.Thread(target=lambda: out.update(r=post(url, "/v1/completions", {
+        "model": "abc", "prompt": "abcd", "max_tokens": 200, "temperature": 0})))
+    t.start()
+    for _ in range(100):                                         # until it decodes
+        with urllib.request.urlopen(url + "/health", timeout=10) as r:
+            if json.loads(r.read())["active"]:
+                break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    t.join(120)
+    assert proc.wait(60) == 0, "".join(lines)
+    code, body, _ = out["r"]
+    assert code == 200 and body["usage"]["completion_tokens"] == 200
+    assert body["choices"][0]["text"] == ((ALPHABET * 10)[4:])[:200]
+    assert any(line.startswith("stopped:") for line in lines)
