@@ -45,7 +45,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from meshpar.core import precision as precision_lib
 from meshpar.core.batch import is_leaf
 from meshpar.core.errors import ConfigError
-from meshpar.core.rules import Layout, table, use_layout
+from meshpar.core.rules import Layout, spec_axes, table, use_layout
 from meshpar.serve.batching import Completion, Request
 from meshpar.serve.placement import Placement, zeros
 from meshpar.serve.sampling import Sampling, position_key, sample
@@ -117,10 +117,18 @@ class Engine(Placement):
         return self._specs[rows, length]
 
     # -- the compiled calls --------------------------------------------------------------------------
+    def rows_layout(self, rows: int) -> Layout:
+        """The layout of a prefill of `rows` prompts: split over the data axes as the decode slots are,
+        when they divide the rows; else every row on every device (`_single`)."""
+        import math
+        split = [math.prod(self.layout.shape[a] for a in spec_axes(self.layout.spec((name,))[:1]))
+                 for name in ("batch", "cache_batch")]
+        return self.layout if all(rows % d == 0 for d in split) else _single(self.layout)
+
     def _first(self, weights, tokens, positions, cache, last_at, samp):
         """Decode `tokens` [n, T] at `positions` into `cache`; sample each row's token after index
         `last_at` [n] -> (entry, first tokens [n], their logits [n, V])."""
-        with use_layout(_single(self.layout)), precision_lib.use_policy(self.policy):
+        with use_layout(self.rows_layout(tokens.shape[0])), precision_lib.use_policy(self.policy):
             logits, cache = self._model(weights).decode(tokens, positions, cache)
         last = jnp.take_along_axis(logits, last_at[:, None, None], axis=1)[:, 0].astype(jnp.float32)   # [n, V]
         at = jnp.take_along_axis(positions, last_at[:, None], axis=1)[:, 0]
