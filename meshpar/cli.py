@@ -291,13 +291,22 @@ def _serve(cfg, args) -> None:
     from meshpar.io.tokenizer import ByteTokenizer, HFTokenizer, end_tokens
     from meshpar.serve.api import Server, create_app
     from meshpar.serve.engine import Engine
+    import jax
+    from meshpar.serve.multihost import Replicas
+    from meshpar.serve.scheduler import Scheduler
     engine = Engine(cfg, info=lambda m: print(m, file=sys.stderr))
+    replicas = Replicas() if jax.process_count() > 1 else None
+    if replicas is not None and not replicas.leader:   # another process of the server: tick with process 0
+        signal.signal(signal.SIGTERM, lambda signum, frame: None)           # process 0 drains, then says stop
+        engine.warmup()
+        Scheduler.for_config(engine, cfg.serve, replicas=replicas).follow()
+        return
     for note in engine.notes:
         print(note, file=sys.stderr)
     tok = HFTokenizer(cfg.data.tokenizer, engine.vocab) if cfg.data.tokenizer else ByteTokenizer(max(256, engine.vocab))
     source = cfg.checkpoint.dir or (cfg.model.init_from or "")[3:]
     name = args.model_name or (Path(source).name if source else cfg.model.name)
-    server = Server(engine, cfg.serve, tok, name, end_tokens(tok, cfg.model.init_from))
+    server = Server(engine, cfg.serve, tok, name, end_tokens(tok, cfg.model.init_from), replicas)
     engine.warmup()
     stop = threading.Event()
     worker = threading.Thread(target=server.scheduler.serve, args=(stop,), name="meshpar-scheduler", daemon=True)
@@ -311,7 +320,8 @@ def _serve(cfg, args) -> None:
                            "choose another port (0: any free one)") from None
     sock.listen(1024)
     port = sock.getsockname()[1]
-    print(f"serving {name} ({engine.source}) on http://{args.host}:{port} with {engine.mesh.devices.size} devices "
+    procs = f" in {jax.process_count()} processes" if replicas is not None else ""
+    print(f"serving {name} ({engine.source}) on http://{args.host}:{port} with {engine.mesh.devices.size} devices{procs} "
           f"({cfg.serve.strategy}, {engine.slots} slots, cache {engine.length}, prefill batch "
           f"{server.scheduler.prefill_batch}, prefix cache {cfg.serve.prefix_cache})", file=sys.stderr, flush=True)
     config = uvicorn.Config(create_app(server), log_level="warning", timeout_graceful_shutdown=None)

@@ -1,4 +1,5 @@
 """`meshpar launch N [train arguments...]`: N training processes on this machine (loopback, gloo);
+`meshpar launch N serve [serve arguments...]`: one server in N processes (meshpar/serve/multihost.py);
 `meshpar launch --print-slurm ...`: the SLURM batch script for a cluster (`launch/slurm.sbatch` is
 its default output).
 
@@ -75,8 +76,14 @@ def _why(rc: int) -> str:
     return f"exit status {rc}"
 
 
+COMMANDS = ("train", "serve")       # what the processes run: `meshpar launch N serve ...`; default train
+
+
 def launch(n: int, train_args: list[str], env: dict | None = None, poll_s: float = 0.2) -> int:
-    """Start `n` processes of `meshpar train *train_args*`, forward signals, wait; first non-zero status."""
+    """Start `n` processes of `meshpar train *train_args*` (or `serve`, when the arguments start with
+    it), forward signals, wait; first non-zero status."""
+    command, train_args = (train_args[0], train_args[1:]) if train_args[:1] and train_args[0] in COMMANDS \
+        else ("train", train_args)
     base = dict(os.environ if env is None else env)
     base.setdefault("JAX_PLATFORMS", "cpu")
     port = int(base.get("MESHPAR_PORT") or free_port())
@@ -84,7 +91,7 @@ def launch(n: int, train_args: list[str], env: dict | None = None, poll_s: float
     for i in range(n):
         penv = {**base, "MESHPAR_COORDINATOR": f"127.0.0.1:{port}", "MESHPAR_NUM_PROCESSES": str(n),
                 "MESHPAR_PROCESS_ID": str(i)}
-        p = subprocess.Popen([sys.executable, "-m", "meshpar.cli", "train", *train_args], env=penv,
+        p = subprocess.Popen([sys.executable, "-m", "meshpar.cli", command, *train_args], env=penv,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         procs.append(p)
         prefix = b"" if i == 0 else f"[process {i}] ".encode()
@@ -150,6 +157,7 @@ def relay(command: list[str]) -> int:
 
 
 USAGE = f"""usage: {PROG} N [meshpar train arguments...]
+       {PROG} N serve [meshpar serve arguments...]     (process 0 serves HTTP)
        {PROG} --print-slurm [--nodes N] [--gpus-per-node G] [...] [train arguments...]   (--print-slurm --help)
        {PROG} --relay COMMAND...     (the SLURM script's output filter)"""
 

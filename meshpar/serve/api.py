@@ -61,10 +61,10 @@ def _field(body: dict, key: str, kinds: tuple, default: Any = None, check=None, 
 class Server:
     """The routes' state: the scheduler (running on its own thread), the tokenizer, the served name."""
 
-    def __init__(self, engine, serve_cfg, tokenizer, name: str, eos: list[int]):
+    def __init__(self, engine, serve_cfg, tokenizer, name: str, eos: list[int], replicas=None):
         self.engine, self.tok, self.name, self.eos = engine, tokenizer, name, eos
         self.default_tokens = serve_cfg.max_new_tokens
-        self.scheduler = Scheduler.for_config(engine, serve_cfg, bounded=True)
+        self.scheduler = Scheduler.for_config(engine, serve_cfg, bounded=True, replicas=replicas)
         self.created = int(time.time())
 
     # -- a request body -> Request -------------------------------------------------------------------

@@ -224,9 +224,11 @@ class Engine(Placement):
         return self.weights if params is None else params
 
     def _samplings(self, samplings, rows: int) -> dict:
+        """Per row its sampling settings as host arrays (the same on every process of a multi-process
+        server: host values, never one process's device arrays)."""
         arrays = [s.arrays(self.vocab) for s in samplings]
         arrays += [arrays[0]] * (rows - len(arrays))
-        return {k: jnp.stack([a[k] for a in arrays]) for k in arrays[0]}
+        return {k: np.stack([np.asarray(a[k]) for a in arrays]) for k in arrays[0]}
 
     def prefill_batch(self, prompts: list, samplings: list | None = None, params=None):
         """n prompts (lists of ids) prefilled in one call -> (entry of rows padded to a power of two,
@@ -240,7 +242,7 @@ class Engine(Placement):
         for r in range(rows):
             t = prompts[r if r < len(prompts) else 0]
             tokens[r, :len(t)], lengths[r] = t, len(t)
-        entry, tok, last = self._prefill(self._weights(params), jnp.asarray(tokens), jnp.asarray(lengths),
+        entry, tok, last = self._prefill(self._weights(params), tokens, lengths,
                                          self._samplings(samplings, rows))
         return entry, tok[:len(prompts)], last[:len(prompts)]
 
@@ -254,7 +256,7 @@ class Engine(Placement):
         self.check(request)
         padded = np.zeros((1, self.bucket(max(n, len(tokens)))), np.int32)
         padded[0, :n] = tokens[:n]
-        entry, tok, last = self._prefill(self._weights(params), jnp.asarray(padded), jnp.asarray([n], np.int32),
+        entry, tok, last = self._prefill(self._weights(params), padded, np.asarray([n], np.int32),
                                          self._samplings([request.sampling], 1))
         return entry, tok[0], last[0]
 
@@ -274,13 +276,13 @@ class Engine(Placement):
             raise ConfigError(f"cannot extend a prompt of {len(tokens)} tokens from position {start}")
         tail = np.zeros((1, self.bucket(len(tokens) - start)), np.int32)
         tail[0, :len(tokens) - start] = tokens[start:]
-        entry, tok, last = self._extend(self._weights(params), cache, jnp.asarray(tail), jnp.int32(start),
-                                        jnp.int32(len(tokens)), self._samplings([request.sampling], 1))
+        entry, tok, last = self._extend(self._weights(params), cache, tail, np.int32(start),
+                                        np.int32(len(tokens)), self._samplings([request.sampling], 1))
         return entry, tok[0], last[0]
 
     def full(self, entry, row: int = 0):
         """Row `row` of an entry's cache as a whole-length cache [.., 1, S, ..] (for `extend`)."""
-        return self._full(entry["cache"], jnp.int32(row))
+        return self._full(entry["cache"], np.int32(row))
 
     def insert(self, entry, state, slot):
         """-> `state` with entry row r in slot `slot[r]` (an int: row 0; -1 drops a row); `state` is
@@ -288,7 +290,7 @@ class Engine(Placement):
         slots = np.atleast_1d(np.asarray(slot, np.int32))
         rows = jax.tree.leaves(entry["length"])[0].shape[0]
         slots = np.concatenate([slots, np.full((rows - len(slots),), -1, np.int32)])
-        return self._insert(entry, state, jnp.asarray(slots))
+        return self._insert(entry, state, slots)
 
     def generate(self, state, params=None):
         """-> (state, next token per slot [B], logits [B, V]); `state` is donated."""

@@ -26,6 +26,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from meshpar.core import precision as precision_lib
@@ -176,7 +177,11 @@ class Placement:
         position = int(per_slot * (self.slots + self.cfg.serve.prefix_cache)) + 1
         weights = sum(bytes_per_device(s.shape, s.dtype, sh) for s, sh in zip(
             jax.tree.leaves(params), jax.tree.leaves(self.weight_shardings["params"])))
-        return cache_length(self.cfg, self.abstract, position, max(0, device_bytes() - weights))
+        n = cache_length(self.cfg, self.abstract, position, max(0, device_bytes() - weights))
+        if jax.process_count() > 1:        # every process of a server must agree (hosts may differ in memory)
+            from jax.experimental import multihost_utils
+            n = int(multihost_utils.broadcast_one_to_all(np.int32(n)))
+        return n
 
     def _vocab(self, abstract) -> int:
         """The logits' last dimension, from an abstract decode of one token (no memory, no compile)."""

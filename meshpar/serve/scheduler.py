@@ -2,7 +2,8 @@
 request list (`run_all`, what `meshpar generate` and `Engine.run` use) or a server that keeps
 taking requests from other threads (`Scheduler.serve`, `meshpar serve`):
 
-    tick:  drop cancelled requests (their slots free)
+    tick:  take what came since the last tick: new requests into the queue, cancellations
+           drop cancelled requests (their slots free)
            admit waiting requests into free slots: a cached prefix (`meshpar.serve.prefix`) -> extend
            its tail alone; the rest prefilled together, up to serve.prefill_batch per call and one
            call per length bucket; each first token emitted
@@ -11,11 +12,14 @@ taking requests from other threads (`Scheduler.serve`, `meshpar serve`):
 A request finishes at its end token (`eos`), its token budget (`max_tokens`), a full cache
 (`cache_full`) or when cancelled (`cancelled`: a client that went away, or a stop string its
 reader saw). Requests beyond `max_waiting` queued are refused with `QueueFull` (HTTP 429).
-Callbacks run on the scheduler's thread, in token order.
+Callbacks run on the scheduler's thread, in token order. Submissions and cancellations take
+effect only at the start of a tick, so that on several processes (`meshpar.serve.multihost`) process
+0 can hand every tick's intake to the others, whose schedulers then make the same calls.
 """
 from __future__ import annotations
 
 import collections
+import itertools
 import threading
 import time
 from dataclasses import dataclass, field
@@ -40,28 +44,36 @@ class Ticket:
     on_done: Callable[[Completion], None] | None = None
     submitted: float = field(default_factory=time.perf_counter)
     cancelled: bool = False
+    id: int = 0
 
 
 class Scheduler:
     """Requests -> an engine's slots (see the module docstring). `prefill_batch`: prompts per prefill
-    call; `prefix`: a PrefixCache or None; `max_waiting`: queue bound (None: unbounded)."""
+    call; `prefix`: a PrefixCache or None; `max_waiting`: queue bound (None: unbounded); `replicas`:
+    a `meshpar.serve.multihost.Replicas` that shares each tick's intake between processes."""
 
     def __init__(self, engine, *, prefill_batch: int = 1, prefix: PrefixCache | None = None,
-                 max_waiting: int | None = None):
+                 max_waiting: int | None = None, replicas=None):
         self.engine, self.prefill_batch, self.prefix, self.max_waiting = engine, prefill_batch, prefix, max_waiting
+        self.replicas = replicas
         self.waiting: collections.deque[Ticket] = collections.deque()
         self.active: dict[int, Ticket] = {}
         self.free = list(range(engine.slots))
+        self.inbox: list[Ticket] = []                # submitted since the last tick
+        self.cancels: set[int] = set()               # ids cancelled since the last tick
+        self.tickets: dict[int, Ticket] = {}         # id -> not yet finished
+        self.halted = False
+        self._ids = itertools.count()
         self.state = None
         self.cv = threading.Condition()
         self.decode_steps, self.decode_s, self.prefill_calls = 0, 0.0, 0
 
     @classmethod
-    def for_config(cls, engine, serve, bounded: bool = False) -> "Scheduler":
+    def for_config(cls, engine, serve, bounded: bool = False, replicas=None) -> "Scheduler":
         """From `cfg.serve`: prefill batch, prefix cache and (a server's) queue bound."""
         prefix = PrefixCache(serve.prefix_cache, serve.prefix_block) if serve.prefix_cache else None
         return cls(engine, prefill_batch=min(serve.prefill_batch, engine.slots), prefix=prefix,
-                   max_waiting=serve.max_waiting if bounded else None)
+                   max_waiting=serve.max_waiting if bounded else None, replicas=replicas)
 
     # -- from any thread ----------------------------------------------------------------------------
     def submit(self, request: Request, on_token=None, on_done=None) -> Ticket:
@@ -69,44 +81,75 @@ class Scheduler:
         self.engine.check(request)
         ticket = Ticket(request, Completion(list(request.tokens)), on_token, on_done)
         with self.cv:
-            if self.max_waiting is not None and len(self.waiting) >= self.max_waiting:
-                raise QueueFull(f"{len(self.waiting)} requests are waiting for {self.engine.slots} slots")
-            self.waiting.append(ticket)
+            queued = len(self.waiting) + len(self.inbox)
+            if self.max_waiting is not None and queued >= self.max_waiting + len(self.free):   # beyond the free slots
+                raise QueueFull(f"{queued} requests are waiting for {self.engine.slots} slots")
+            ticket.id = next(self._ids)
+            self.inbox.append(ticket)
             self.cv.notify()
         return ticket
 
     def cancel(self, ticket: Ticket) -> None:
         """Stop a request at the next tick (its slot frees); a finished one is left as it is."""
-        ticket.cancelled = True
         with self.cv:
-            self.cv.notify()
+            if not ticket.completion.finish:
+                self.cancels.add(ticket.id)
+                self.cv.notify()
 
     def busy(self) -> bool:
-        return bool(self.waiting or self.active)
+        return bool(self.waiting or self.active or self.inbox)
 
-    def serve(self, stop: threading.Event) -> None:
-        """Tick while there is work, wait while there is none; return once `stop` is set and every
-        request taken has finished (a server's graceful shutdown)."""
+    def serve(self, stop: threading.Event, heartbeat_s: float = 1.0) -> None:
+        """Tick while there is work, wait while there is none (with other processes: tick empty every
+        `heartbeat_s`, so they hear from process 0); once `stop` is set and every request taken has
+        finished, tick one last time telling the others to stop, and return."""
+        wait = heartbeat_s if self.replicas is not None else 0.05
         while True:
             with self.cv:
-                while not self.busy() and not stop.is_set():
-                    self.cv.wait(0.05)
-                if stop.is_set() and not self.busy():
-                    return
+                t0 = time.monotonic()
+                while not self.busy() and not self.cancels and not stop.is_set() and time.monotonic() - t0 < wait:
+                    self.cv.wait(min(0.05, wait))
+                halt = stop.is_set() and not self.busy()
+            self.step(halt=halt)
+            if halt:
+                return
+
+    def follow(self) -> None:
+        """A process > 0 of a multi-process server: tick on process 0's intake until it says stop."""
+        while not self.halted:
             self.step()
 
     # -- the tick (one thread) -------------------------------------------------------------------------
-    def step(self) -> bool:
-        """One tick (see the module docstring) -> whether work remains."""
+    def _intake(self, halt: bool) -> bool:
+        """What came since the last tick (shared by process 0 with the others) -> whether to halt."""
         with self.cv:
-            for t in [t for t in self.waiting if t.cancelled]:
-                self.waiting.remove(t)
-                self._finish(t, None, "cancelled")
-            for slot, t in list(self.active.items()):
-                if t.cancelled:
-                    self._finish(t, slot, "cancelled")
-            admitted = [self.waiting.popleft() for _ in range(min(len(self.waiting), len(self.free)))]
-            slots = [self.free.pop(0) for _ in admitted]
+            new, self.inbox = self.inbox, []
+            cancels, self.cancels = self.cancels, set()
+        if self.replicas is not None:
+            new, cancels, halt = self.replicas.share(new, cancels, halt)
+        for t in new:
+            self.tickets[t.id] = t
+            self.waiting.append(t)
+        for i in cancels:
+            if i in self.tickets:
+                self.tickets[i].cancelled = True
+        self.halted = halt
+        return halt
+
+    def step(self, halt: bool = False) -> bool:
+        """One tick (see the module docstring) -> whether work remains. `halt`: the last tick."""
+        if self._intake(halt):
+            return False
+        for t in [t for t in self.waiting if t.cancelled]:
+            self.waiting.remove(t)
+            self._finish(t, None, "cancelled")
+        for slot, t in list(self.active.items()):
+            if t.cancelled:
+                self._finish(t, slot, "cancelled")
+        admitted = [self.waiting.popleft() for _ in range(min(len(self.waiting), len(self.free)))]
+        slots = [self.free.pop(0) for _ in admitted]
+        if not admitted and not self.active:
+            return self.busy()
         if self.state is None:
             self.state = self.engine.new_state()
         if admitted:
@@ -173,6 +216,7 @@ class Scheduler:
 
     def _finish(self, t: Ticket, slot: int | None, why: str) -> None:
         t.completion.finish = t.completion.finish or why
+        self.tickets.pop(t.id, None)
         if slot is not None and self.active.get(slot) is t:
             del self.active[slot]
             self.free.append(slot)

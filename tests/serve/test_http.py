@@ -50,9 +50,20 @@ def served(tmp_path_factory):
     assert main(["train", "steps=30", "train.log_every=30", "data.kind=text", f"data.path={tmp / 'abc.txt'}",
                  "model.vocab=256", "batch.length=32", ck]) == 0
     common = [ck, f"data.tokenizer={char_tokenizer(tmp / 'tok')}", "--devices", "8"]
-    proc = subprocess.Popen([sys.executable, "-m", "meshpar.cli", "serve", "--port", "0", "--model-name", "abc",
-                             *common, "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=4", f"serve.slots={SLOTS}", f"serve.max_waiting={WAITING}", "serve.cache_length=256"],
-                            stderr=subprocess.PIPE, text=True)
+    proc, url, lines = start(["serve", *common, *SERVER])
+    yield url, proc, tmp, common, lines
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(30)
+
+
+SERVER = ["--port", "0", "--model-name", "abc", "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=4", f"serve.slots={SLOTS}",
+          f"serve.max_waiting={WAITING}", "serve.cache_length=256"]
+
+
+def start(argv):
+    """`python -m meshpar.cli ARGV` (a server) -> (process, its URL, its stderr lines so far and to come)."""
+    proc = subprocess.Popen([sys.executable, "-m", "meshpar.cli", *argv], stderr=subprocess.PIPE, text=True)
     lines, url, t0 = [], None, time.time()
     while url is None and time.time() - t0 < 240:
         line = proc.stderr.readline()
@@ -64,10 +75,7 @@ def served(tmp_path_factory):
     assert url, "".join(lines)
     drain = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)   # keep the pipe flowing
     drain.start()
-    yield url, proc, tmp, common, lines
-    if proc.poll() is None:
-        proc.kill()
-    proc.wait(30)
+    return proc, url, lines
 
 
 def client(url):
@@ -193,6 +201,35 @@ def test_a_client_that_goes_away_frees_its_slot(served):
             break
         time.sleep(0.1)
     assert health == {"status": "ok", "waiting": 0, "active": 0}
+
+
+def test_two_processes_of_four_devices_answer_as_one_of_eight(served):
+    """`meshpar launch 2 serve`: process 0 serves HTTP, both run the same ticks (meshpar/serve/multihost.py);
+    concurrent greedy and sampled requests get the same tokens as from the one-process server; SIGTERM
+    to the launcher drains and every process exits 0."""
+    import signal
+    url1, _, _, common, _ = served
+    proc, url2, lines = start(["launch", "2", "serve", *common, *SERVER])
+    try:
+        assert any("in 2 processes" in line for line in lines), "".join(lines)
+        bodies = [{"model": "abc", "prompt": p, "max_tokens": 12, "temperature": temp, "seed": seed}
+                  for p, temp, seed in [("abc", 0, 0), ("mnop", 0, 0), ("xyz", 0.9, 3), ("ghi", 1.5, 7)]]
+
+        def answers(url):
+            out = [None] * len(bodies)
+            threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, post(url, "/v1/completions", bodies[i])))
+                       for i in range(len(bodies))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+            assert all(o[0] == 200 for o in out), out
+            return [o[1]["choices"][0]["text"] for o in out]
+        two, one = answers(url2), answers(url1)
+        assert two == one and two[0] == "defghijklmno", (two, one)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(120) == 0, "".join(lines)
 
 
 def test_sigterm_finishes_the_requests_in_flight_and_exits_0(served):
