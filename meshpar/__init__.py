@@ -20,7 +20,8 @@ checks it; docs/architecture.md has one line per module):
   runtime/   distributed (jax.distributed, preemption, watchdog), launch (`meshpar launch`), slurm
   train/     optimizer, loss, state (shardings, sharded init), step (the jitted step), data, evaluate,
              metrics, profile, flops (MFU), loop (wires a run), plot
-  serve/     sampling, placement (serving layout, weights), engine (prefill/insert/generate), batching
+  serve/     sampling, placement (serving layout, weights), engine (prefill/extend/insert/generate), prefix cache,
+             scheduler (continuous batching), api (`meshpar serve`), multihost
   plan/      hardware, costmodel (memory), steptime (collectives, time), search (`meshpar plan`), inspect (compiled HLO), dryrun
   cli.py     `meshpar train|inspect|launch|plan|generate|export|plot|config`
 The reference models (`meshpar.models`, the repo's `models/`) use this API like any user model.
