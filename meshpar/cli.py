@@ -235,7 +235,7 @@ def _generate(cfg, args) -> None:
     if not prompts:
         raise MeshparError("no prompt: give --prompt TEXT or --prompt-ids 1,2,3")
     n = args.max_new_tokens if args.max_new_tokens is not None else cfg.serve.max_new_tokens
-    from meshpar.io.tokenizer import end_tokens
+    from meshpar.io.hf import end_tokens
     eos = end_tokens(hf_tok, cfg.model.init_from)      # the tokenizer's, else config.json's
     reqs = [Request(p, n, Sampling(args.temperature, args.top_k, args.top_p, args.seed + i), eos=eos)
             for i, p in enumerate(prompts)]
@@ -281,59 +281,9 @@ def _generate(cfg, args) -> None:
 
 
 def _serve(cfg, args) -> None:
-    """`meshpar serve`: the engine, its scheduler on a thread, uvicorn on the main one until SIGTERM or
-    Ctrl-C (then: no new connections, the requests in flight finish, exit 0)."""
-    import signal
-    import socket
-    import threading
-    from pathlib import Path
-    import uvicorn
-    from meshpar.io.tokenizer import ByteTokenizer, HFTokenizer, end_tokens
-    from meshpar.serve.api import Server, create_app
-    from meshpar.serve.engine import Engine
-    import jax
-    from meshpar.serve.multihost import Replicas
-    from meshpar.serve.scheduler import Scheduler
-    engine = Engine(cfg, info=lambda m: print(m, file=sys.stderr))
-    replicas = Replicas() if jax.process_count() > 1 else None
-    if replicas is not None and not replicas.leader:   # another process of the server: tick with process 0
-        signal.signal(signal.SIGTERM, lambda signum, frame: None)           # process 0 drains, then says stop
-        engine.warmup()
-        Scheduler.for_config(engine, cfg.serve, replicas=replicas).follow()
-        return
-    for note in engine.notes:
-        print(note, file=sys.stderr)
-    tok = HFTokenizer(cfg.data.tokenizer, engine.vocab) if cfg.data.tokenizer else ByteTokenizer(max(256, engine.vocab))
-    source = cfg.checkpoint.dir or (cfg.model.init_from or "")[3:]
-    name = args.model_name or (Path(source).name if source else cfg.model.name)
-    server = Server(engine, cfg.serve, tok, name, end_tokens(tok, cfg.model.init_from), replicas)
-    engine.warmup()
-    stop = threading.Event()
-    worker = threading.Thread(target=server.scheduler.serve, args=(stop,), name="meshpar-scheduler", daemon=True)
-    worker.start()
-    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((args.host, args.port))
-    except OSError as e:
-        raise MeshparError(f"--host {args.host} --port {args.port}: cannot listen there ({e.strerror}); "
-                           "choose another port (0: any free one)") from None
-    sock.listen(1024)
-    port = sock.getsockname()[1]
-    procs = f" in {jax.process_count()} processes" if replicas is not None else ""
-    print(f"serving {name} ({engine.source}) on http://{args.host}:{port} with {engine.mesh.devices.size} devices{procs} "
-          f"({cfg.serve.strategy}, {engine.slots} slots, cache {engine.length}, prefill batch "
-          f"{server.scheduler.prefill_batch}, prefix cache {cfg.serve.prefix_cache})", file=sys.stderr, flush=True)
-    config = uvicorn.Config(create_app(server), log_level="warning", timeout_graceful_shutdown=None)
-    # uvicorn drains on SIGTERM, then raises it again under the handler it found: make that one a no-op,
-    # so a drained server exits 0 (Ctrl-C still ends with 130, through interrupts_exit's handler)
-    signal.signal(signal.SIGTERM, lambda signum, frame: None)
-    uvicorn.Server(config).run(sockets=[sock])
-    stop.set()
-    worker.join()
-    p = server.scheduler.prefix
-    print(f"stopped: {server.scheduler.decode_steps} decode steps, {server.scheduler.prefill_calls} prefill calls"
-          + (f", prefix cache {p.hits} hits / {p.misses} misses" if p is not None else ""), file=sys.stderr)
+    """`meshpar serve`: the OpenAI-compatible API until SIGTERM or Ctrl-C (meshpar/serve/api.py)."""
+    from meshpar.serve.api import serve_http
+    serve_http(cfg, args.host, args.port, args.model_name)
 
 
 def _setup_devices(cfg, devices_flag: int | None, processes: int = 1, planning: bool = False) -> None:

@@ -179,12 +179,10 @@ class CheckpointConfig:
 
 @dataclass
 class ServeConfig:
-    """`meshpar generate` / `meshpar serve` / `meshpar.serve.engine.Engine`: the serving layout, the decode
-    batch, prefill batching, the prefix cache and the request queue."""
+    """`meshpar generate` / `serve`: serving layout, decode batch, prefill batching, prefix cache, request queue."""
     strategy: str = "serve_tp"        # serve_tp, or any training preset (FSDP ones gather weights per token)
     slots: int = 8                    # requests decoded together (continuous batching)
-    cache_length: int | None = None   # positions per slot (prompt + generated); None: the model's maximum
-                                      # positions (4096 if it states none), capped by device memory
+    cache_length: int | None = None   # positions per slot (prompt + generated); None: the model's, capped by memory
     min_bucket: int = 16              # prompts are padded to powers of two >= this, up to cache_length
     max_new_tokens: int = 32          # default budget of new tokens per prompt (generate; serve without max_tokens)
     prefill_batch: int = 8            # waiting prompts prefilled together in one call (1: one at a time)
@@ -465,11 +463,11 @@ def validate(cfg: Config) -> None:
     _choice("moe.second_expert_policy", cfg.moe.second_expert_policy, ("all", "random"))
     _choice("train.on_nan", cfg.train.on_nan, ("skip", "stop"))
     _choice("serve.strategy", cfg.serve.strategy, {**rules.SERVING, **rules.PRESETS})
-    if cfg.checkpoint.every < 0:
-        raise ConfigError(f"config key 'checkpoint.every' must be >= 0 (0: only at the end), got {cfg.checkpoint.every}")
-    if cfg.checkpoint.keep < 1:
-        raise ConfigError(f"config key 'checkpoint.keep' must be >= 1, got {cfg.checkpoint.keep}")
-    for key, v in [("steps", cfg.steps), ("devices", cfg.devices), ("batch.global_size", cfg.batch.global_size),
+    for key, v, zero in [("checkpoint.every", cfg.checkpoint.every, "only at the end"),
+                         ("eval.every", cfg.eval.every, "no evaluation"), ("serve.prefix_cache", cfg.serve.prefix_cache, "off")]:
+        if v < 0:
+            raise ConfigError(f"config key '{key}' must be >= 0 (0: {zero}), got {v}")
+    for key, v in [("checkpoint.keep", cfg.checkpoint.keep), ("steps", cfg.steps), ("devices", cfg.devices), ("batch.global_size", cfg.batch.global_size),
                    ("batch.length", cfg.batch.length), ("batch.microbatches", cfg.batch.microbatches),
                    ("train.log_every", cfg.train.log_every), ("pipeline.microbatches", cfg.pipeline.microbatches),
                    ("pipeline.virtual_stages", cfg.pipeline.virtual_stages), ("moe.num_experts", cfg.moe.num_experts),
@@ -477,11 +475,10 @@ def validate(cfg: Config) -> None:
                    ("serve.slots", cfg.serve.slots), ("serve.min_bucket", cfg.serve.min_bucket),
                    ("serve.max_new_tokens", cfg.serve.max_new_tokens), ("serve.cache_length", cfg.serve.cache_length or 1),
                    ("serve.prefill_batch", cfg.serve.prefill_batch), ("serve.prefix_block", cfg.serve.prefix_block),
-                   ("serve.max_waiting", cfg.serve.max_waiting)]:
+                   ("serve.max_waiting", cfg.serve.max_waiting), ("profile.start_step", cfg.profile.start_step),
+                   ("profile.steps", cfg.profile.steps), ("eval.batches", cfg.eval.batches)]:
         if v < 1:
             raise ConfigError(f"config key '{key}' must be >= 1, got {v}")
-    if cfg.serve.prefix_cache < 0:
-        raise ConfigError(f"config key 'serve.prefix_cache' must be >= 0 (0: off), got {cfg.serve.prefix_cache}")
     if cfg.train.lr <= 0:
         raise ConfigError(f"config key 'train.lr' must be > 0, got {cfg.train.lr}")
     if cfg.moe.capacity_factor is not None and cfg.moe.capacity_factor <= 0:
@@ -495,12 +492,6 @@ def validate(cfg: Config) -> None:
     for i, rule in enumerate(cfg.rules):
         if not (isinstance(rule, list) and len(rule) == 2 and isinstance(rule[0], str)):
             raise ConfigError(f"config key 'rules[{i}]' must be [logical_name, [mesh_axis, ...]], got {rule!r}")
-    for key, v in [("profile.start_step", cfg.profile.start_step), ("profile.steps", cfg.profile.steps),
-                   ("eval.batches", cfg.eval.batches)]:
-        if v < 1:
-            raise ConfigError(f"config key '{key}' must be >= 1, got {v}")
-    if cfg.eval.every < 0:
-        raise ConfigError(f"config key 'eval.every' must be >= 0 (0: no evaluation), got {cfg.eval.every}")
     if not 0.0 < cfg.eval.holdout < 1.0:
         raise ConfigError(f"config key 'eval.holdout' must be between 0 and 1 (a fraction of data.path), "
                           f"got {cfg.eval.holdout}")

@@ -343,6 +343,15 @@ def export(params: dict, model, out: str, dtype: str = "bf16", max_shard_size: s
     return {"files": files, "tensors": len(order), "bytes": total}
 
 
+def end_tokens(tokenizer, init_from: str | None) -> list[int]:
+    """The ids that end a completion: the tokenizer's EOS, else `init_from`'s config.json eos_token_id
+    (one id or a list)."""
+    eos = getattr(tokenizer, "eos_id", None)
+    if eos is None and init_from:
+        eos = read_config(init_from).get("eos_token_id")
+    return [e for e in (eos if isinstance(eos, list) else [eos]) if isinstance(e, int) and not isinstance(e, bool)]
+
+
 def provenance(init_from: str | None, tokenizer: str | None) -> tuple[dict, dict | None]:
     """What an export carries over besides weights: bos/eos/pad ids for config.json and a
     generation_config.json, from `init_from`'s directory (`model.init_from`), else from `tokenizer`

@@ -129,16 +129,6 @@ def render_chat(template: str, messages: list[dict], config: dict) -> str:
         raise ConfigError(f"data.tokenizer's chat_template failed: {e}") from None
 
 
-def end_tokens(tokenizer, init_from: str | None) -> list[int]:
-    """The ids that end a completion: the tokenizer's EOS, else `init_from`'s config.json eos_token_id
-    (one id or a list)."""
-    eos = getattr(tokenizer, "eos_id", None)
-    if eos is None and init_from:
-        from meshpar.io.hf import read_config
-        eos = read_config(init_from).get("eos_token_id")
-    return [e for e in (eos if isinstance(eos, list) else [eos]) if isinstance(e, int) and not isinstance(e, bool)]
-
-
 def load_tokenizer(data, model_vocab: int):
     """`data.tokenizer` (of `cfg.data`) if set, else the byte-level tokenizer."""
     if data.tokenizer:

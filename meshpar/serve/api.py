@@ -270,3 +270,62 @@ def create_app(server: Server):
         return await complete(http, chat=True)
 
     return app
+
+
+def serve_http(cfg, host: str, port: int, model_name: str | None = None) -> None:
+    """`meshpar serve`: the engine, its scheduler on a thread, uvicorn on the main one until SIGTERM or
+    Ctrl-C (then: no new connections, the requests in flight finish, return). A process > 0 of a
+    multi-process server ticks with process 0 instead (`meshpar.serve.multihost`)."""
+    import signal
+    import socket
+    import sys
+    import threading
+    from pathlib import Path
+
+    import jax
+    import uvicorn
+
+    from meshpar.io.hf import end_tokens
+    from meshpar.io.tokenizer import ByteTokenizer, HFTokenizer
+    from meshpar.serve.engine import Engine
+    from meshpar.serve.multihost import Replicas
+    engine = Engine(cfg, info=lambda m: print(m, file=sys.stderr))
+    replicas = Replicas() if jax.process_count() > 1 else None
+    if replicas is not None and not replicas.leader:   # another process of the server: tick with process 0
+        signal.signal(signal.SIGTERM, lambda signum, frame: None)           # process 0 drains, then says stop
+        engine.warmup()
+        Scheduler.for_config(engine, cfg.serve, replicas=replicas).follow()
+        return
+    for note in engine.notes:
+        print(note, file=sys.stderr)
+    tok = HFTokenizer(cfg.data.tokenizer, engine.vocab) if cfg.data.tokenizer else ByteTokenizer(max(256, engine.vocab))
+    source = cfg.checkpoint.dir or (cfg.model.init_from or "")[3:]
+    name = model_name or (Path(source).name if source else cfg.model.name)
+    server = Server(engine, cfg.serve, tok, name, end_tokens(tok, cfg.model.init_from), replicas)
+    engine.warmup()
+    stop = threading.Event()
+    worker = threading.Thread(target=server.scheduler.serve, args=(stop,), name="meshpar-scheduler", daemon=True)
+    worker.start()
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        raise ConfigError(f"--host {host} --port {port}: cannot listen there ({e.strerror}); "
+                           "choose another port (0: any free one)") from None
+    sock.listen(1024)
+    port = sock.getsockname()[1]
+    procs = f" in {jax.process_count()} processes" if replicas is not None else ""
+    print(f"serving {name} ({engine.source}) on http://{host}:{port} with {engine.mesh.devices.size} devices{procs} "
+          f"({cfg.serve.strategy}, {engine.slots} slots, cache {engine.length}, prefill batch "
+          f"{server.scheduler.prefill_batch}, prefix cache {cfg.serve.prefix_cache})", file=sys.stderr, flush=True)
+    config = uvicorn.Config(create_app(server), log_level="warning", timeout_graceful_shutdown=None)
+    # uvicorn drains on SIGTERM, then raises it again under the handler it found: make that one a no-op,
+    # so a drained server exits 0 (Ctrl-C still ends with 130, through interrupts_exit's handler)
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    uvicorn.Server(config).run(sockets=[sock])
+    stop.set()
+    worker.join()
+    p = server.scheduler.prefix
+    print(f"stopped: {server.scheduler.decode_steps} decode steps, {server.scheduler.prefill_calls} prefill calls"
+          + (f", prefix cache {p.hits} hits / {p.misses} misses" if p is not None else ""), file=sys.stderr)

@@ -69,12 +69,9 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-class Engine(Placement):
-    """Serve a model on a mesh: the weights placed (`Placement`), then prefill / extend / insert /
-    generate, each compiled once per shape, and `run`: continuous batching over them.
-
-    `model`, `weights`: as `Placement` (default: `cfg.model.name`; the newest checkpoint of
-    `cfg.checkpoint.dir`, else `model.init_from`, else a fresh init)."""
+class Compiled(Placement):
+    """The jitted bodies of prefill, extend, insert and generate over a placed model (`Engine` calls
+    them with host inputs); `traces` counts their compilations per name."""
 
     def __init__(self, cfg, *, model: Callable | None = None, devices=None, weights=None,
                  info: Callable[[str], None] = print):
@@ -116,7 +113,6 @@ class Engine(Placement):
                 self._specs[rows, length] = self.abstract.cache_spec(rows, length)
         return self._specs[rows, length]
 
-    # -- the compiled calls --------------------------------------------------------------------------
     def rows_layout(self, rows: int) -> Layout:
         """The layout of a prefill of `rows` prompts: split over the data axes as the decode slots are,
         when they divide the rows; else every row on every device (`_single`)."""
@@ -197,7 +193,15 @@ class Engine(Placement):
         nxt = sample(logits, state["temp"], state["top_k"], state["top_p"], keys)
         return {**state, "cache": cache, "token": nxt, "pos": state["pos"] + 1}, nxt, logits
 
-    # -- public calls ----------------------------------------------------------------------------
+
+
+class Engine(Compiled):
+    """Serve a model on a mesh: the weights placed (`Placement`), then prefill / extend / insert /
+    generate, each compiled once per shape (`Compiled`), and `run`: continuous batching over them.
+
+    `model`, `weights`: as `Placement` (default: `cfg.model.name`; the newest checkpoint of
+    `cfg.checkpoint.dir`, else `model.init_from`, else a fresh init)."""
+
     @staticmethod
     def precheck(cfg, requests) -> None:
         """The checks that need no model (run before loading one): prompt lengths and sampling ranges."""

@@ -47,10 +47,11 @@ class Ticket:
     id: int = 0
 
 
-class Scheduler:
-    """Requests -> an engine's slots (see the module docstring). `prefill_batch`: prompts per prefill
-    call; `prefix`: a PrefixCache or None; `max_waiting`: queue bound (None: unbounded); `replicas`:
-    a `meshpar.serve.multihost.Replicas` that shares each tick's intake between processes."""
+class Ticks:
+    """The tick of the module docstring, on one thread: queue, slots, admission, emission.
+    `prefill_batch`: prompts per prefill call; `prefix`: a PrefixCache or None; `max_waiting`: queue
+    bound (None: unbounded); `replicas`: a `meshpar.serve.multihost.Replicas` that shares each tick's
+    intake between processes."""
 
     def __init__(self, engine, *, prefill_batch: int = 1, prefix: PrefixCache | None = None,
                  max_waiting: int | None = None, replicas=None):
@@ -68,58 +69,9 @@ class Scheduler:
         self.cv = threading.Condition()
         self.decode_steps, self.decode_s, self.prefill_calls = 0, 0.0, 0
 
-    @classmethod
-    def for_config(cls, engine, serve, bounded: bool = False, replicas=None) -> "Scheduler":
-        """From `cfg.serve`: prefill batch, prefix cache and (a server's) queue bound."""
-        prefix = PrefixCache(serve.prefix_cache, serve.prefix_block) if serve.prefix_cache else None
-        return cls(engine, prefill_batch=min(serve.prefill_batch, engine.slots), prefix=prefix,
-                   max_waiting=serve.max_waiting if bounded else None, replicas=replicas)
-
-    # -- from any thread ----------------------------------------------------------------------------
-    def submit(self, request: Request, on_token=None, on_done=None) -> Ticket:
-        """Queue a request (checked first: ConfigError names what is wrong) -> its ticket."""
-        self.engine.check(request)
-        ticket = Ticket(request, Completion(list(request.tokens)), on_token, on_done)
-        with self.cv:
-            queued = len(self.waiting) + len(self.inbox)
-            if self.max_waiting is not None and queued >= self.max_waiting + len(self.free):   # beyond the free slots
-                raise QueueFull(f"{queued} requests are waiting for {self.engine.slots} slots")
-            ticket.id = next(self._ids)
-            self.inbox.append(ticket)
-            self.cv.notify()
-        return ticket
-
-    def cancel(self, ticket: Ticket) -> None:
-        """Stop a request at the next tick (its slot frees); a finished one is left as it is."""
-        with self.cv:
-            if not ticket.completion.finish:
-                self.cancels.add(ticket.id)
-                self.cv.notify()
-
     def busy(self) -> bool:
         return bool(self.waiting or self.active or self.inbox)
 
-    def serve(self, stop: threading.Event, heartbeat_s: float = 1.0) -> None:
-        """Tick while there is work, wait while there is none (with other processes: tick empty every
-        `heartbeat_s`, so they hear from process 0); once `stop` is set and every request taken has
-        finished, tick one last time telling the others to stop, and return."""
-        wait = heartbeat_s if self.replicas is not None else 0.05
-        while True:
-            with self.cv:
-                t0 = time.monotonic()
-                while not self.busy() and not self.cancels and not stop.is_set() and time.monotonic() - t0 < wait:
-                    self.cv.wait(min(0.05, wait))
-                halt = stop.is_set() and not self.busy()
-            self.step(halt=halt)
-            if halt:
-                return
-
-    def follow(self) -> None:
-        """A process > 0 of a multi-process server: tick on process 0's intake until it says stop."""
-        while not self.halted:
-            self.step()
-
-    # -- the tick (one thread) -------------------------------------------------------------------------
     def _intake(self, halt: bool) -> bool:
         """What came since the last tick (shared by process 0 with the others) -> whether to halt."""
         with self.cv:
@@ -222,6 +174,58 @@ class Scheduler:
             self.free.append(slot)
         if t.on_done:
             t.on_done(t.completion)
+
+
+class Scheduler(Ticks):
+    """Requests -> an engine's slots (see the module docstring): `Ticks` plus what other threads call
+    (submit, cancel) and the loops a server runs (`serve` on process 0, `follow` elsewhere)."""
+
+    @classmethod
+    def for_config(cls, engine, serve, bounded: bool = False, replicas=None) -> "Scheduler":
+        """From `cfg.serve`: prefill batch, prefix cache and (a server's) queue bound."""
+        prefix = PrefixCache(serve.prefix_cache, serve.prefix_block) if serve.prefix_cache else None
+        return cls(engine, prefill_batch=min(serve.prefill_batch, engine.slots), prefix=prefix,
+                   max_waiting=serve.max_waiting if bounded else None, replicas=replicas)
+
+    def submit(self, request: Request, on_token=None, on_done=None) -> Ticket:
+        """Queue a request (checked first: ConfigError names what is wrong) -> its ticket."""
+        self.engine.check(request)
+        ticket = Ticket(request, Completion(list(request.tokens)), on_token, on_done)
+        with self.cv:
+            queued = len(self.waiting) + len(self.inbox)
+            if self.max_waiting is not None and queued >= self.max_waiting + len(self.free):   # beyond the free slots
+                raise QueueFull(f"{queued} requests are waiting for {self.engine.slots} slots")
+            ticket.id = next(self._ids)
+            self.inbox.append(ticket)
+            self.cv.notify()
+        return ticket
+
+    def cancel(self, ticket: Ticket) -> None:
+        """Stop a request at the next tick (its slot frees); a finished one is left as it is."""
+        with self.cv:
+            if not ticket.completion.finish:
+                self.cancels.add(ticket.id)
+                self.cv.notify()
+
+    def serve(self, stop: threading.Event, heartbeat_s: float = 1.0) -> None:
+        """Tick while there is work, wait while there is none (with other processes: tick empty every
+        `heartbeat_s`, so they hear from process 0); once `stop` is set and every request taken has
+        finished, tick one last time telling the others to stop, and return."""
+        wait = heartbeat_s if self.replicas is not None else 0.05
+        while True:
+            with self.cv:
+                t0 = time.monotonic()
+                while not self.busy() and not self.cancels and not stop.is_set() and time.monotonic() - t0 < wait:
+                    self.cv.wait(min(0.05, wait))
+                halt = stop.is_set() and not self.busy()
+            self.step(halt=halt)
+            if halt:
+                return
+
+    def follow(self) -> None:
+        """A process > 0 of a multi-process server: tick on process 0's intake until it says stop."""
+        while not self.halted:
+            self.step()
 
 
 def run_all(engine, requests: list[Request], on_token: Callable[[int, int], None] | None = None) -> list[Completion]:
