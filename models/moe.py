@@ -15,6 +15,7 @@ of its group, so a request's output would change with the batch it is served in.
 """
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import dataclasses
 import math
@@ -129,9 +130,16 @@ class MoEDecoder(Decoder):
 
     def decode(self, tokens, positions, cache, dtype=None):
         """The decoder's `decode`, with the MoE layers routing dropless."""
+        with self.decoding():
+            return super().decode(tokens, positions, cache, dtype)
+
+    @contextlib.contextmanager
+    def decoding(self):
+        """While inside, the MoE layers route dropless and the selection bias stays (decoding: also
+        what a pipelined decode step wraps its stages in, `meshpar.parallel.pipeline_decode`)."""
         token = _DECODING.set(True)
         try:
-            return super().decode(tokens, positions, cache, dtype)
+            yield
         finally:
             _DECODING.reset(token)
 

@@ -45,7 +45,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from meshpar.core import precision as precision_lib
 from meshpar.core.batch import is_leaf
 from meshpar.core.errors import ConfigError
-from meshpar.core.rules import Layout, spec_axes, table, use_layout
+from meshpar.core.rules import for_rows, use_layout
 from meshpar.serve.batching import Completion, Request
 from meshpar.serve.placement import Placement, zeros
 from meshpar.serve.sampling import Sampling, position_key, sample
@@ -58,11 +58,6 @@ def _check_length(request: Request, length: int) -> None:
     if n > length:
         raise ConfigError(f"prompt of {n} tokens is longer than the KV cache (serve.cache_length={length}); "
                           "raise serve.cache_length or shorten the prompt")
-
-
-def _single(layout: Layout) -> Layout:
-    """Prefill (a few requests): its batch, cache-slot and group dimensions are not split."""
-    return dataclasses.replace(layout, user_rules=table(batch=None, cache_batch=None, group=None) + layout.user_rules)
 
 
 def _pow2(n: int) -> int:
@@ -113,19 +108,21 @@ class Compiled(Placement):
                 self._specs[rows, length] = self.abstract.cache_spec(rows, length)
         return self._specs[rows, length]
 
-    def rows_layout(self, rows: int) -> Layout:
-        """The layout of a prefill of `rows` prompts: split over the data axes as the decode slots are,
-        when they divide the rows; else every row on every device (`_single`)."""
-        import math
-        split = [math.prod(self.layout.shape[a] for a in spec_axes(self.layout.spec((name,))[:1]))
-                 for name in ("batch", "cache_batch")]
-        return self.layout if all(rows % d == 0 for d in split) else _single(self.layout)
+    def _decode(self, weights, tokens, positions, cache):
+        """The model's decode (under the active layout), or with `mesh.pipeline` > 1 the same through
+        the stages in `pipeline.microbatches` microbatches (`meshpar.parallel.pipeline_decode`)."""
+        if self.stages == 1:
+            return self._model(weights).decode(tokens, positions, cache)
+        from meshpar.core.rules import active_layout
+        from meshpar.parallel import pipeline_decode
+        return pipeline_decode.decode(self.spec, active_layout(), self.policy, weights, tokens, positions, cache,
+                                      self.cache_spec, self.cfg.pipeline.microbatches)
 
     def _first(self, weights, tokens, positions, cache, last_at, samp):
         """Decode `tokens` [n, T] at `positions` into `cache`; sample each row's token after index
         `last_at` [n] -> (entry, first tokens [n], their logits [n, V])."""
-        with use_layout(self.rows_layout(tokens.shape[0])), precision_lib.use_policy(self.policy):
-            logits, cache = self._model(weights).decode(tokens, positions, cache)
+        with use_layout(for_rows(self.layout, tokens.shape[0])), precision_lib.use_policy(self.policy):
+            logits, cache = self._decode(weights, tokens, positions, cache)
         last = jnp.take_along_axis(logits, last_at[:, None, None], axis=1)[:, 0].astype(jnp.float32)   # [n, V]
         at = jnp.take_along_axis(positions, last_at[:, None], axis=1)[:, 0]
         keys = jax.vmap(position_key)(samp["key"], at)
@@ -187,7 +184,7 @@ class Compiled(Placement):
         self.traces["generate"] += 1
         pos = jnp.minimum(state["pos"], self.length - 1)     # a full slot is never read back (run frees it)
         with use_layout(self.layout), precision_lib.use_policy(self.policy):
-            logits, cache = self._model(weights).decode(state["token"][:, None], pos[:, None], state["cache"])
+            logits, cache = self._decode(weights, state["token"][:, None], pos[:, None], state["cache"])
         logits = logits[:, 0].astype(jnp.float32)                                       # [B, V]
         keys = jax.vmap(position_key)(state["key"], pos)
         nxt = sample(logits, state["temp"], state["top_k"], state["top_p"], keys)

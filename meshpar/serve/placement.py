@@ -129,8 +129,7 @@ class Placement:
         from meshpar.core.registry import default_model
         self.cfg, self.info = cfg, info
         self.mesh = make_mesh(cfg.mesh, devices)
-        if dict(zip(self.mesh.axis_names, self.mesh.devices.shape)).get("pipeline", 1) > 1:
-            raise ConfigError("serving does not pipeline: set mesh.pipeline=1 (use mesh.tensor / mesh.data for the devices)")
+        self.stages = dict(zip(self.mesh.axis_names, self.mesh.devices.shape)).get("pipeline", 1)
         self.policy = precision_lib.get_policy(cfg.precision)
         self.dtype = self.policy.compute_dtype
         self.factory = model or default_model(cfg)
@@ -148,6 +147,9 @@ class Placement:
             if not is_leaf(leaf) or "cache_batch" not in leaf.axes or "cache_length" not in leaf.axes:
                 raise ConfigError(f"{name}.cache_spec: leaf {path_name(path) or 'cache'} must be a meshpar.Leaf "
                                   "with a 'cache_batch' and a 'cache_length' axis")
+        if self.stages > 1:             # decode steps cut into microbatches that follow each other through the stages
+            from meshpar.parallel import pipeline_decode
+            pipeline_decode.check(abstract, self.spec.var_shapes, one, self.slots, cfg.pipeline.microbatches, self.stages)
         self.vocab = self._vocab(abstract)
         self.layout, self.notes = serving_layout(self.mesh, cfg.serve.strategy, cfg.rules, one, self.slots)
         rep = NamedSharding(self.mesh, P())

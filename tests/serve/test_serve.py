@@ -22,7 +22,8 @@ MODELS = {
     "gpt2": ["model.name=examples.gpt2:gpt2", "batch.length=64"],   # a user's model (Flax built-ins, dropout)
 }
 MESHES = {"1": dict(data=1), "tensor4": dict(tensor=4), "data2_tensor4": dict(data=2, tensor=4),
-          "context2_tensor4": dict(context=2, tensor=4)}     # serving puts requests, not sequences, on context
+          "context2_tensor4": dict(context=2, tensor=4),     # serving puts requests, not sequences, on context
+          "pipeline2_tensor4": dict(pipeline=2, tensor=4)}   # a layer per stage, 4 microbatches of one slot
 SERVE = ["serve.slots=4", "serve.cache_length=64", "serve.min_bucket=16"]
 PROMPTS = [[5, 9, 2], list(range(10, 19)), list(range(30, 44))]       # one bucket (16)
 STEPS = 5
@@ -80,7 +81,8 @@ def full_forward(e: Engine, rows):
 
 
 @pytest.mark.parametrize("model,mesh", [(m, g) for m in MODELS for g in MESHES if (m != "gpt2" or g != "tensor4")
-                                        and (g != "context2_tensor4" or m == "gqa")])
+                                        and (g != "context2_tensor4" or m == "gqa")
+                                        and (g != "pipeline2_tensor4" or m in ("mha", "gqa"))])
 def test_incremental_decoding_equals_full_forward(model, mesh):
     e = engine(model, mesh)
     toks, logits = drive(e, PROMPTS, STEPS)
@@ -193,6 +195,32 @@ def test_decode_step_gathers_no_weights_and_holds_what_the_rules_say():
     ops = collectives(fsdp.compiled_generate().as_text())
     moved = sum(op["bytes"] * op["times"] for op in ops if op["kind"] in ("all-gather", "collective-permute"))
     assert moved > 0.5 * total
+
+
+def test_pipelined_decoding_cuts_the_layers_over_stages_and_changes_no_token():
+    """mesh.pipeline=2: each stage holds half the layers and half the cache layers, a decode step
+    passes activations between stages (collective-permute) and never gathers a weight; the MoE
+    decoder (4 layers, dropless at decode) continues prompts as on one device, with 1, 2 or 4
+    microbatches; a model without the LM cut (the GPT-2 example) is refused in one line."""
+    from meshpar.plan.inspect import collectives
+    e = engine("mha", "pipeline2_tensor4")
+    flat = engine("mha", "tensor4")
+    assert e.bytes_per_device()["cache"] * 2 == flat.bytes_per_device()["cache"]
+    assert abs(e.bytes_per_device()["weights"] * 2 - flat.bytes_per_device()["weights"]) < 0.3 * flat.bytes_per_device()["weights"]
+    ops = collectives(e.compiled_generate().as_text())
+    assert any(op["kind"] == "collective-permute" for op in ops)
+    assert not any(op["kind"] == "all-gather" and op["bytes"] >= 8 * 8 * 64 * 4 for op in ops), ops
+    moe = ["model.name=moe", "moe.capacity_factor=1.0", "moe.num_experts=4", "model.layers=4", *SERVE]
+    one = Engine(make_cfg(*moe, mesh=MESHES["1"]), devices=devices(1))
+    reqs = [Request(p, 5) for p in PROMPTS]
+    want = [c.tokens for c in one.run(reqs)]
+    w = jax.tree.map(np.asarray, one.weights)
+    for mb in (1, 2, 4):
+        piped = Engine(make_cfg(*moe, f"pipeline.microbatches={mb}", mesh=MESHES["pipeline2_tensor4"]),
+                       devices=devices(8), weights=w)
+        assert [c.tokens for c in piped.run(reqs)] == want, mb
+    with pytest.raises(ConfigError, match="cannot be pipelined: the built-in LM loss needs .embed"):
+        Engine(make_cfg(*MODELS["gpt2"], *SERVE, mesh=MESHES["pipeline2_tensor4"]), devices=devices(8))
 
 
 def test_bad_requests_get_one_line():
