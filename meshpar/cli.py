@@ -236,7 +236,7 @@ def _generate(cfg, args) -> None:
         raise MeshparError("no prompt: give --prompt TEXT or --prompt-ids 1,2,3")
     n = args.max_new_tokens if args.max_new_tokens is not None else cfg.serve.max_new_tokens
     from meshpar.io.hf import end_tokens
-    eos = end_tokens(hf_tok, cfg.model.init_from)      # the tokenizer's, else config.json's
+    eos = end_tokens(hf_tok, cfg.model.init_from)      # every end id the tokenizer and config.json name
     reqs = [Request(p, n, Sampling(args.temperature, args.top_k, args.top_p, args.seed + i), eos=eos)
             for i, p in enumerate(prompts)]
     Engine.precheck(cfg, reqs)                   # before loading anything: what needs no model

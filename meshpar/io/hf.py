@@ -344,12 +344,16 @@ def export(params: dict, model, out: str, dtype: str = "bf16", max_shard_size: s
 
 
 def end_tokens(tokenizer, init_from: str | None) -> list[int]:
-    """The ids that end a completion: the tokenizer's EOS, else `init_from`'s config.json eos_token_id
-    (one id or a list)."""
-    eos = getattr(tokenizer, "eos_id", None)
-    if eos is None and init_from:
-        eos = read_config(init_from).get("eos_token_id")
-    return [e for e in (eos if isinstance(eos, list) else [eos]) if isinstance(e, int) and not isinstance(e, bool)]
+    """The ids that end a completion: every EOS id the tokenizer's folder names, and those of
+    `init_from`'s config.json and generation_config.json (one id or a list: chat models list their
+    end-of-turn token there too)."""
+    ends = list(getattr(tokenizer, "eos_ids", None) or [])
+    if init_from:
+        for name in ("config.json", "generation_config.json"):
+            f = hf_path(init_from) / name
+            eos = read_json(f).get("eos_token_id") if f.is_file() else None
+            ends += [e for e in (eos if isinstance(eos, list) else [eos]) if isinstance(e, int) and not isinstance(e, bool)]
+    return list(dict.fromkeys(ends))
 
 
 def provenance(init_from: str | None, tokenizer: str | None) -> tuple[dict, dict | None]:

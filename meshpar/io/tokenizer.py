@@ -53,7 +53,7 @@ class HFTokenizer:
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
         if model_vocab is not None and self.vocab_size > model_vocab:
             raise ConfigError(f"data.tokenizer '{file}' has {self.vocab_size} tokens, more than model.vocab={model_vocab}")
-        meta = {}
+        meta, ends = {}, []
         self.config = {}                                    # tokenizer_config.json (BOS rule, chat template)
         for name in ("tokenizer_config.json", "config.json", "generation_config.json"):   # later files win
             f = file.parent / name
@@ -67,10 +67,13 @@ class HFTokenizer:
                     if isinstance(tok, str) and self.tok.token_to_id(tok) is not None:
                         meta[what] = self.tok.token_to_id(tok)
                     v = data.get(f"{what}_token_id")
+                    if what == "eos":      # every end id named (Llama 3 and Gemma 3 chat models list their turn ends)
+                        ends += [e for e in (v if isinstance(v, list) else [v]) if isinstance(e, int)]
                     v = v[0] if isinstance(v, list) and v else v
                     if isinstance(v, int):
                         meta[what] = v
         self.bos_id, self.eos_id = meta.get("bos"), meta.get("eos")
+        self.eos_ids = list(dict.fromkeys(([self.eos_id] if self.eos_id is not None else []) + ends))
         says = self.config.get("add_bos_token", self.config.get("bos_token", "") is not None)   # bos_token: null -> no
         self.add_bos = self.bos_id is not None and bool(says)
 

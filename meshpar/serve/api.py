@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import time
 import uuid
 from typing import Any
@@ -82,7 +83,7 @@ class Server:
         if body.get("echo") or body.get("logprobs") or body.get("best_of", 1) not in (1, None):
             raise APIError(400, "echo, logprobs and best_of are not supported", "logprobs")
         tokens = self._prompt(body, chat)
-        room = self.engine.length - len(tokens)
+        room = self.engine.length - len(tokens) + 1            # the last token is never written to the cache
         if room < 1:
             raise APIError(400, f"the prompt has {len(tokens)} tokens; this server's context (serve.cache_length) "
                                 f"holds {self.engine.length}", "messages" if chat else "prompt", "context_length_exceeded")
@@ -96,12 +97,15 @@ class Server:
         top_p = _field(body, "top_p", (int, float), 1.0, lambda v: 0 < v <= 1, "must be in (0, 1]")
         top_k = _field(body, "top_k", (int,), None, lambda v: v == -1 or 1 <= v <= self.engine.vocab,
                        f"must be -1 (off) or between 1 and the vocabulary {self.engine.vocab}")
-        seed = _field(body, "seed", (int,), 0)
+        seed = _field(body, "seed", (int,), None)
+        seed = secrets.randbits(31) if seed is None else seed      # unseeded: a fresh draw per request, as OpenAI
         stop = _field(body, "stop", (str, list), [])
         stop = [stop] if isinstance(stop, str) else stop
         if len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
             raise APIError(400, "'stop' must be a string or a list of up to 4 non-empty strings", "stop")
         stream = _field(body, "stream", (bool,), False)
+        if body.get("stream_options") is not None and not stream:
+            raise APIError(400, "'stream_options' is only allowed with 'stream': true", "stream_options")
         usage = bool((_field(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
         samp = Sampling(float(temp), None if top_k in (None, -1) else top_k, float(top_p), seed % (2 ** 31))
         req = Request(tokens, n or min(self.default_tokens, room), samp, eos=self.eos)
@@ -120,8 +124,8 @@ class Server:
                                     "tokenizer_config.json has one); use /v1/completions", "messages")
             try:
                 return self.tok.chat([{"role": m["role"], "content": m["content"]} for m in msgs])
-            except ConfigError as e:
-                raise APIError(400, str(e), "messages") from None
+            except Exception as e:  # noqa: BLE001 - a template's own error (ConfigError) or its Python's
+                raise APIError(400, str(e).splitlines()[0] if str(e) else type(e).__name__, "messages") from None
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]                                        # a batch of one
@@ -136,90 +140,152 @@ class Server:
 
     # -- running one request ------------------------------------------------------------------------
     async def events(self, req: Request, stop: list[str], disconnected):
-        """Submit `req`; yield ("text", delta) as text becomes final and one ("done", finish, tokens)."""
+        """Submit `req`; yield ("text", delta) as text becomes final and one ("done", finish, tokens)
+        (finish "error": the tick that ran it failed). Returns early when the client has gone."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
+
+        def post(item):          # from the scheduler's thread; a closed loop (shutting down) drops it
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(q.put_nowait, item)
         try:
-            ticket = self.scheduler.submit(req, lambda t: loop.call_soon_threadsafe(q.put_nowait, ("tok", t)),
-                                           lambda c: loop.call_soon_threadsafe(q.put_nowait, ("done", c)))
+            ticket = self.scheduler.submit(req, lambda t: post(("tok", t)), lambda c: post(("done", c)))
         except QueueFull as e:
             raise APIError(429, f"the server is busy ({e}); retry shortly", code="rate_limit_exceeded",
                            kind="rate_limit_error", headers={"Retry-After": "1"}) from None
         except ConfigError as e:
             raise APIError(400, str(e)) from None
-        tokens, sent, finish = [], "", None
+        text, checked = Detokenizer(self.tok, req.tokens, self.eos, stop), time.monotonic()
         try:
             while True:
                 try:
                     kind, value = await asyncio.wait_for(q.get(), 1.0)
                 except asyncio.TimeoutError:
+                    kind = None
+                if time.monotonic() - checked > 1.0:       # tokens may flow faster than the timeout: look anyway
+                    checked = time.monotonic()
                     if await disconnected():
                         return
-                    continue
                 if kind == "done":
-                    finish = finish or value.finish
+                    if value.finish == "error":
+                        yield "done", "error", value.error
+                        return
                     break
-                tokens.append(value)
-                text = self.tok.decode([t for t in tokens if t not in self.eos])
-                cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
-                if cut >= 0:
-                    text, finish = text[:cut], "stop"
-                    self.scheduler.cancel(ticket)
-                held = 0 if finish else max((len(s) - 1 for s in stop), default=0)   # a stop string may be starting
-                ready = text[:len(text) - held] if held else text
-                if ready.endswith("\ufffd") and not finish:                      # half a UTF-8 character
-                    ready = ready[:-1]
-                if len(ready) > len(sent) and ready.startswith(sent):
-                    yield "text", ready[len(sent):]
-                    sent = ready
-                if finish == "stop" and cut >= 0:
-                    break
-            text = self.tok.decode([t for t in tokens if t not in self.eos])
-            if finish == "stop" and cut >= 0:
-                text = text[:cut]
-            if len(text) > len(sent) and text.startswith(sent):
-                yield "text", text[len(sent):]
-            yield "done", FINISH.get(finish, "stop"), len(tokens)
+                if kind == "tok":
+                    delta, stopped = text.add(value)
+                    if delta:
+                        yield "text", delta
+                    if stopped:
+                        self.scheduler.cancel(ticket)
+                        break
+            delta = text.flush()
+            if delta:
+                yield "text", delta
+            yield "done", "stop" if text.stopped else FINISH.get(value.finish, "stop"), len(text.tokens)
         finally:
             self.scheduler.cancel(ticket)                      # a no-op once finished; frees a vanished client's slot
 
 
+class Detokenizer:
+    """A completion's text as its tokens come: decoded after the prompt's last few tokens (so a
+    leading space, or a character split over tokens, decodes as in the whole text), end tokens
+    left out, cut at the first stop string; text that a stop string or an unfinished character may
+    still change is held back until it cannot."""
+
+    def __init__(self, tok, prompt, eos, stop: list[str]):
+        self.tok, self.eos, self.stop = tok, set(eos), stop
+        self.context = [int(t) for t in prompt[-4:]]
+        self.base = tok.decode(self.context)
+        self.hold = max((len(x) - 1 for x in stop), default=0)
+        self.tokens, self.sent, self.stopped = [], "", False
+
+    def text(self) -> str:
+        mine = [t for t in self.tokens if t not in self.eos]
+        full = self.tok.decode(self.context + mine)
+        text = full[len(self.base):] if full.startswith(self.base) else self.tok.decode(mine)
+        cut = min((i for i in (text.find(x) for x in self.stop) if i >= 0), default=-1)
+        self.stopped = cut >= 0
+        return text[:cut] if self.stopped else text
+
+    def _delta(self, ready: str) -> str:
+        if len(ready) <= len(self.sent) or not ready.startswith(self.sent):
+            return ""
+        delta, self.sent = ready[len(self.sent):], ready
+        return delta
+
+    def add(self, token: int) -> tuple[str, bool]:
+        """-> (text now final, whether a stop string ended the completion)."""
+        self.tokens.append(int(token))
+        text = self.text()
+        if self.stopped:
+            return self._delta(text), True
+        text = text.rstrip("\ufffd")                 # an unfinished character: not yet text a stop string can see
+        return self._delta(text[:len(text) - self.hold]), False
+
+    def flush(self) -> str:
+        """The rest, once the completion has ended."""
+        return self._delta(self.text())
+
+
 def create_app(server: Server):
     """The FastAPI application of `server`."""
+    from fastapi.responses import Response
+    from starlette.exceptions import HTTPException
+
     app = FastAPI(title="meshpar", docs_url=None, redoc_url=None)
 
     @app.exception_handler(APIError)
     async def api_error(_, e: APIError):
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
-    @app.exception_handler(404)
-    async def not_found(request, _):
-        return JSONResponse(APIError(404, f"no route {request.method} {request.url.path}", code="not_found").body(),
-                            status_code=404)
+    @app.exception_handler(HTTPException)
+    async def http_error(request, e: HTTPException):      # no such route (404), method (405), ...
+        what = f"no route {request.method} {request.url.path}" if e.status_code in (404, 405) else str(e.detail)
+        return JSONResponse(APIError(e.status_code, what, code="not_found" if e.status_code == 404 else None).body(),
+                            status_code=e.status_code)
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "waiting": len(server.scheduler.waiting), "active": len(server.scheduler.active)}
+        sched = server.scheduler
+        return {"status": "ok", "waiting": len(sched.waiting) + len(sched.inbox), "active": len(sched.active),
+                "decode_steps": sched.decode_steps, "errors": sched.errors}
+
+    def card():
+        return {"id": server.name, "object": "model", "created": server.created, "owned_by": "meshpar"}
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": server.name, "object": "model", "created": server.created,
-                                            "owned_by": "meshpar"}]}
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):
+        if model != server.name:
+            raise APIError(404, f"the model '{model}' does not exist; this server serves '{server.name}'", "model",
+                           "model_not_found")
+        return card()
 
     async def body_of(http: HTTPRequest):
         raw = await http.body()
         try:
             return json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
             raise APIError(400, f"the request body is not valid JSON ({str(e).splitlines()[0]})") from None
+
+    def server_error(message: str) -> APIError:
+        return APIError(500, f"the step serving this request failed: {message}", kind="server_error")
 
     async def complete(http: HTTPRequest, chat: bool):
         req, opt = server.parse(await body_of(http), chat)
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}",
+                "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": int(time.time()), "model": server.name}
         events = server.events(req, opt["stop"], http.is_disconnected)
-        first = await events.__anext__()             # errors (429, 400) before any byte is sent
+        try:
+            first = await events.__anext__()             # errors (429, 400) before any byte is sent
+        except StopAsyncIteration:                       # the client went away while it waited
+            return Response(status_code=499)
+        if first[0] == "done" and first[1] == "error":
+            raise server_error(first[2])
         n_prompt = len(req.tokens)
 
         def usage(n):
@@ -237,22 +303,31 @@ def create_app(server: Server):
                 yield ev
 
         if opt["stream"]:
+            extra = {"usage": None} if opt["include_usage"] else {}
+
+            def chunk(body):
+                return f"data: {json.dumps(head | body)}\n\n"
+
             async def sse():
                 if chat:
-                    yield f"data: {json.dumps(head | {'choices': [choice('', role=True)]})}\n\n"
+                    yield chunk({"choices": [choice("", role=True)], **extra})
                 async for ev in all_events():
                     if ev[0] == "text":
-                        yield f"data: {json.dumps(head | {'choices': [choice(ev[1])]})}\n\n"
+                        yield chunk({"choices": [choice(ev[1])], **extra})
+                    elif ev[1] == "error":
+                        yield f"data: {json.dumps(server_error(ev[2]).body())}\n\n"
                     else:
-                        yield f"data: {json.dumps(head | {'choices': [choice(None if chat else '', ev[1])]})}\n\n"
+                        yield chunk({"choices": [choice(None if chat else "", ev[1])], **extra})
                         if opt["include_usage"]:
-                            yield f"data: {json.dumps(head | {'choices': [], 'usage': usage(ev[2])})}\n\n"
+                            yield chunk({"choices": [], "usage": usage(ev[2])})
                 yield "data: [DONE]\n\n"
-            return StreamingResponse(sse(), media_type="text/event-stream")
+            return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         text, finish, n = "", "stop", 0
         async for ev in all_events():
             if ev[0] == "text":
                 text += ev[1]
+            elif ev[1] == "error":
+                raise server_error(ev[2])
             else:
                 finish, n = ev[1], ev[2]
         if chat:
@@ -277,7 +352,6 @@ def serve_http(cfg, host: str, port: int, model_name: str | None = None) -> None
     Ctrl-C (then: no new connections, the requests in flight finish, return). A process > 0 of a
     multi-process server ticks with process 0 instead (`meshpar.serve.multihost`)."""
     import signal
-    import socket
     import sys
     import threading
     from pathlib import Path
@@ -289,16 +363,23 @@ def serve_http(cfg, host: str, port: int, model_name: str | None = None) -> None
     from meshpar.io.tokenizer import ByteTokenizer, HFTokenizer
     from meshpar.serve.engine import Engine
     from meshpar.serve.multihost import Replicas
+    leader = jax.process_index() == 0
+    if leader:               # what can fail fast fails before the engine loads (and before other processes wait)
+        tok = HFTokenizer(cfg.data.tokenizer) if cfg.data.tokenizer else None
+        sock = _listen(host, port)
     engine = Engine(cfg, info=lambda m: print(m, file=sys.stderr))
     replicas = Replicas() if jax.process_count() > 1 else None
-    if replicas is not None and not replicas.leader:   # another process of the server: tick with process 0
-        signal.signal(signal.SIGTERM, lambda signum, frame: None)           # process 0 drains, then says stop
+    if not leader:           # another process of the server: tick with process 0 until it says stop
+        for sig in (signal.SIGTERM, signal.SIGINT):                        # process 0 drains, then says stop
+            signal.signal(sig, lambda signum, frame: None)
         engine.warmup()
         Scheduler.for_config(engine, cfg.serve, replicas=replicas).follow()
         return
     for note in engine.notes:
         print(note, file=sys.stderr)
-    tok = HFTokenizer(cfg.data.tokenizer, engine.vocab) if cfg.data.tokenizer else ByteTokenizer(max(256, engine.vocab))
+    if tok is not None and tok.vocab_size > engine.vocab:
+        raise ConfigError(f"data.tokenizer has {tok.vocab_size} tokens, more than the model's vocabulary {engine.vocab}")
+    tok = tok or ByteTokenizer(max(256, engine.vocab))
     source = cfg.checkpoint.dir or (cfg.model.init_from or "")[3:]
     name = model_name or (Path(source).name if source else cfg.model.name)
     server = Server(engine, cfg.serve, tok, name, end_tokens(tok, cfg.model.init_from), replicas)
@@ -306,26 +387,33 @@ def serve_http(cfg, host: str, port: int, model_name: str | None = None) -> None
     stop = threading.Event()
     worker = threading.Thread(target=server.scheduler.serve, args=(stop,), name="meshpar-scheduler", daemon=True)
     worker.start()
+    procs = f" in {jax.process_count()} processes" if replicas is not None else ""
+    print(f"serving {name} ({engine.source}) on http://{host}:{sock.getsockname()[1]} with {engine.mesh.devices.size} "
+          f"devices{procs} ({cfg.serve.strategy}, {engine.slots} slots, cache {engine.length}, prefill batch "
+          f"{server.scheduler.prefill_batch}, prefix cache {cfg.serve.prefix_cache})", file=sys.stderr, flush=True)
+    config = uvicorn.Config(create_app(server), log_level="warning", timeout_graceful_shutdown=None)
+    # uvicorn drains on SIGTERM, then raises it again under the handler it found: make that one a no-op,
+    # so a drained server exits 0 (Ctrl-C still ends with 130, through interrupts_exit's handler)
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        stop.set()                       # the scheduler finishes what it took, then (other processes) says stop
+        worker.join()
+    p = server.scheduler.prefix
+    print(f"stopped: {server.scheduler.decode_steps} decode steps, {server.scheduler.prefill_calls} prefill calls"
+          + (f", prefix cache {p.hits} hits / {p.misses} misses" if p is not None else ""), file=sys.stderr)
+
+
+def _listen(host: str, port: int):
+    """A socket listening on host:port (0: any free port), or one line saying why not."""
+    import socket
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
     except OSError as e:
         raise ConfigError(f"--host {host} --port {port}: cannot listen there ({e.strerror}); "
-                           "choose another port (0: any free one)") from None
+                          "choose another port (0: any free one)") from None
     sock.listen(1024)
-    port = sock.getsockname()[1]
-    procs = f" in {jax.process_count()} processes" if replicas is not None else ""
-    print(f"serving {name} ({engine.source}) on http://{host}:{port} with {engine.mesh.devices.size} devices{procs} "
-          f"({cfg.serve.strategy}, {engine.slots} slots, cache {engine.length}, prefill batch "
-          f"{server.scheduler.prefill_batch}, prefix cache {cfg.serve.prefix_cache})", file=sys.stderr, flush=True)
-    config = uvicorn.Config(create_app(server), log_level="warning", timeout_graceful_shutdown=None)
-    # uvicorn drains on SIGTERM, then raises it again under the handler it found: make that one a no-op,
-    # so a drained server exits 0 (Ctrl-C still ends with 130, through interrupts_exit's handler)
-    signal.signal(signal.SIGTERM, lambda signum, frame: None)
-    uvicorn.Server(config).run(sockets=[sock])
-    stop.set()
-    worker.join()
-    p = server.scheduler.prefix
-    print(f"stopped: {server.scheduler.decode_steps} decode steps, {server.scheduler.prefill_calls} prefill calls"
-          + (f", prefix cache {p.hits} hits / {p.misses} misses" if p is not None else ""), file=sys.stderr)
+    return sock

@@ -20,5 +20,6 @@ class Request:
 class Completion:
     prompt: list
     tokens: list = field(default_factory=list)
-    finish: str = ""          # eos | max_tokens | cache_full | cancelled
+    finish: str = ""          # eos | max_tokens | cache_full | cancelled | error
+    error: str = ""           # what failed (finish: error)
     ttft_s: float = 0.0       # from submission to this request's first token (queueing included)

@@ -34,7 +34,6 @@ The model protocol (any nnx.Module can implement it; see `meshpar.models.decoder
 from __future__ import annotations
 
 import collections
-import dataclasses
 from typing import Callable
 
 import jax

@@ -41,18 +41,19 @@ class PrefixCache:
 
     def lookup(self, tokens):
         """-> (cache, prefix length) of the longest stored prefix of whole blocks shorter than
-        `tokens`, or None."""
+        `tokens`, or None (the caller says with `record` whether it used it)."""
         if self.capacity:
             names = block_names(tokens, self.block, (len(tokens) - 1) // self.block)
             for j in range(len(names) - 1, -1, -1):
                 found = self._names.get(names[j])
                 if found is not None and found[0] in self._entries:
                     self._entries.move_to_end(found[0])
-                    self.hits += 1
-                    self.reused += (j + 1) * self.block
                     return self._entries[found[0]], (j + 1) * self.block
-        self.misses += 1
         return None
+
+    def record(self, reused: int) -> None:
+        """Count a prompt: `reused` tokens taken from the cache (0: a miss)."""
+        self.hits, self.misses, self.reused = self.hits + bool(reused), self.misses + (not reused), self.reused + reused
 
     def wants(self, tokens) -> bool:
         """Whether a prompt has a whole block to keep."""

@@ -64,6 +64,8 @@ class Ticks:
         self.cancels: set[int] = set()               # ids cancelled since the last tick
         self.tickets: dict[int, Ticket] = {}         # id -> not yet finished
         self.halted = False
+        self.queued = 0                              # in the inbox or waiting (the queue bound counts these)
+        self.errors = 0                              # ticks that failed (their requests finished with an error)
         self._ids = itertools.count()
         self.state = None
         self.cv = threading.Condition()
@@ -92,14 +94,18 @@ class Ticks:
         """One tick (see the module docstring) -> whether work remains. `halt`: the last tick."""
         if self._intake(halt):
             return False
-        for t in [t for t in self.waiting if t.cancelled]:
-            self.waiting.remove(t)
+        with self.cv:
+            dropped = [t for t in self.waiting if t.cancelled]
+            for t in dropped:
+                self.waiting.remove(t)
+            admitted = [self.waiting.popleft() for _ in range(min(len(self.waiting), len(self.free)))]
+            slots = [self.free.pop(0) for _ in admitted]
+            self.queued -= len(dropped) + len(admitted)
+        for t in dropped:
             self._finish(t, None, "cancelled")
         for slot, t in list(self.active.items()):
             if t.cancelled:
                 self._finish(t, slot, "cancelled")
-        admitted = [self.waiting.popleft() for _ in range(min(len(self.waiting), len(self.free)))]
-        slots = [self.free.pop(0) for _ in admitted]
         if not admitted and not self.active:
             return self.busy()
         if self.state is None:
@@ -123,7 +129,10 @@ class Ticks:
         for t, slot in zip(tickets, slots):
             tokens = t.request.tokens
             hit = self.prefix.lookup(tokens) if self.prefix is not None else None
-            if hit is not None and e.can_extend(len(tokens), hit[1]):
+            use = hit is not None and e.can_extend(len(tokens), hit[1])
+            if self.prefix is not None:
+                self.prefix.record(hit[1] if use else 0)
+            if use:
                 entry, tok, _ = e.extend(hit[0], tokens, hit[1], t.request.sampling)
                 self.prefix.store(tokens, entry["cache"])
                 self._place(entry, [t], [slot], np.asarray(tok)[None])
@@ -157,7 +166,7 @@ class Ticks:
         r, c = t.request, t.completion
         c.tokens.append(tok)
         if t.on_token:
-            t.on_token(tok)
+            _call(t.on_token, tok)
         eos = r.eos if isinstance(r.eos, (list, tuple, set)) else () if r.eos is None else (r.eos,)
         if tok in eos:
             self._finish(t, slot, "eos")
@@ -173,7 +182,7 @@ class Ticks:
             del self.active[slot]
             self.free.append(slot)
         if t.on_done:
-            t.on_done(t.completion)
+            _call(t.on_done, t.completion)
 
 
 class Scheduler(Ticks):
@@ -187,15 +196,41 @@ class Scheduler(Ticks):
         return cls(engine, prefill_batch=min(serve.prefill_batch, engine.slots), prefix=prefix,
                    max_waiting=serve.max_waiting if bounded else None, replicas=replicas)
 
+    def _fail(self, error: BaseException) -> None:
+        """A tick raised: every request taken finishes with the error, the slots and the decode state
+        start afresh, and serving goes on (a shape that cannot compile fails its requests, not the server)."""
+        import traceback
+        traceback.print_exception(error)
+        self.errors += 1
+        message = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        with self.cv:
+            taken = list(self.waiting) + [t for t in self.active.values() if t not in self.waiting]
+            self.queued -= len(self.waiting)
+            self.waiting.clear()
+        for t in taken:
+            t.completion.error = message
+            self._finish(t, None, "error")
+        self.active.clear()
+        self.free = list(range(self.engine.slots))
+        self.state = None
+
+    def safe_step(self, halt: bool = False) -> bool:
+        """`step`, with a failing tick turned into failed requests (`_fail`)."""
+        try:
+            return self.step(halt)
+        except Exception as e:  # noqa: BLE001 - reported to each request, and on stderr
+            self._fail(e)
+            return self.busy()
+
     def submit(self, request: Request, on_token=None, on_done=None) -> Ticket:
         """Queue a request (checked first: ConfigError names what is wrong) -> its ticket."""
         self.engine.check(request)
         ticket = Ticket(request, Completion(list(request.tokens)), on_token, on_done)
         with self.cv:
-            queued = len(self.waiting) + len(self.inbox)
-            if self.max_waiting is not None and queued >= self.max_waiting + len(self.free):   # beyond the free slots
-                raise QueueFull(f"{queued} requests are waiting for {self.engine.slots} slots")
+            if self.max_waiting is not None and self.queued >= self.max_waiting + len(self.free):   # beyond the free slots
+                raise QueueFull(f"{self.queued} requests are waiting for {self.engine.slots} slots")
             ticket.id = next(self._ids)
+            self.queued += 1
             self.inbox.append(ticket)
             self.cv.notify()
         return ticket
@@ -218,14 +253,22 @@ class Scheduler(Ticks):
                 while not self.busy() and not self.cancels and not stop.is_set() and time.monotonic() - t0 < wait:
                     self.cv.wait(min(0.05, wait))
                 halt = stop.is_set() and not self.busy()
-            self.step(halt=halt)
+            self.safe_step(halt=halt)
             if halt:
                 return
 
     def follow(self) -> None:
         """A process > 0 of a multi-process server: tick on process 0's intake until it says stop."""
         while not self.halted:
-            self.step()
+            self.safe_step()
+
+
+def _call(fn, *args) -> None:
+    """A request's callback; one that raises (its reader gone, its event loop closed) never stops a tick."""
+    try:
+        fn(*args)
+    except Exception:  # noqa: BLE001
+        pass
 
 
 def run_all(engine, requests: list[Request], on_token: Callable[[int, int], None] | None = None) -> list[Completion]:

@@ -119,6 +119,7 @@ def test_chat_goes_through_the_template_as_generate_chat_does(served, capsys):
     capsys.readouterr()
     assert main(["generate", "--chat", "--prompt", "abc", "--json", "--max-new-tokens", "6", *common]) == 0
     want = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["text"][0]
+    assert want.strip()
     c = client(url)
     r = c.chat.completions.create(model="abc", messages=[{"role": "user", "content": "abc"}], max_tokens=6,
                                   temperature=0)
@@ -183,24 +184,40 @@ def test_a_full_queue_answers_429_and_no_accepted_request_is_lost(served):
         assert code == 200 and body["choices"][0]["text"] == want(p) and body["usage"]["completion_tokens"] == 40
 
 
-def test_a_client_that_goes_away_frees_its_slot(served):
+def health(url) -> dict:
+    with urllib.request.urlopen(url + "/health", timeout=10) as r:
+        return json.loads(r.read())
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_goes_away_frees_its_slot(served, stream):
+    """Streamed or not, a request whose client disconnects stops decoding within about a second: its
+    slot frees and the decode steps stop well short of its 240 tokens."""
     import http.client
     url = served[0]
     host, port = url.split("//")[1].split(":")
+    before = health(url)["decode_steps"]
     conn = http.client.HTTPConnection(host, int(port), timeout=30)
-    conn.request("POST", "/v1/completions", json.dumps({"model": "abc", "prompt": "abc", "max_tokens": 200,
-                                                        "temperature": 0, "stream": True}),
+    conn.request("POST", "/v1/completions", json.dumps({"model": "abc", "prompt": "abc", "max_tokens": 240,
+                                                        "temperature": 0, "stream": stream}),
                  {"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    assert resp.status == 200 and resp.readline().startswith(b"data: ")
-    conn.close()                                                 # gone after the first chunk
+    if stream:
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.readline().startswith(b"data: ")
+    else:
+        for _ in range(100):                                     # until it decodes
+            if health(url)["active"]:
+                break
+            time.sleep(0.02)
+    conn.sock.shutdown(2)
+    conn.close()                                                 # gone after the first chunk / mid-decode
     for _ in range(100):
-        with urllib.request.urlopen(url + "/health", timeout=10) as r:
-            health = json.loads(r.read())
-        if health["active"] == 0 and health["waiting"] == 0:
+        h = health(url)
+        if h["active"] == 0 and h["waiting"] == 0:
             break
-        time.sleep(0.1)
-    assert health == {"status": "ok", "waiting": 0, "active": 0}
+        time.sleep(0.05)
+    assert h["active"] == 0 and h["waiting"] == 0 and h["errors"] == 0, h
+    assert h["decode_steps"] - before < 200, (before, h)
 
 
 def test_two_processes_of_four_devices_answer_as_one_of_eight(served):
@@ -227,9 +244,19 @@ def test_two_processes_of_four_devices_answer_as_one_of_eight(served):
             return [o[1]["choices"][0]["text"] for o in out]
         two, one = answers(url2), answers(url1)
         assert two == one and two[0] == "defghijklmno", (two, one)
+        out = {}                                                 # SIGTERM with a request in flight: it completes
+        t = threading.Thread(target=lambda: out.update(r=post(url2, "/v1/completions", {
+            "model": "abc", "prompt": "abcd", "max_tokens": 150, "temperature": 0})))
+        t.start()
+        for _ in range(200):
+            if health(url2)["active"]:
+                break
+            time.sleep(0.02)
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(120) == 0, "".join(lines)
+    t.join(60)
+    assert out["r"][0] == 200 and out["r"][1]["usage"]["completion_tokens"] == 150
 
 
 def test_sigterm_finishes_the_requests_in_flight_and_exits_0(served):

@@ -147,11 +147,12 @@ def test_prefix_cache_computes_only_the_tail_and_changes_no_output():
         while sched.step():
             pass
         return [t.completion.tokens for t in tickets], sched
-    whole, _ = serve(None, [a, b, c])
+    whole, plain = serve(None, [a, b, c])
     before = e.traces["extend"]
     cached, sched = serve(PrefixCache(4, 16), [a, b, c])
     assert cached == whole
     assert (sched.prefix.hits, sched.prefix.reused, sched.prefix.misses) == (1, 32, 2)
+    assert (plain.prefill_calls, sched.prefill_calls) == (3, 2)    # b was extended, not prefilled
     assert e.traces["extend"] - before <= 1                          # one tail bucket (16)
     # logits of the first new token: extended from the cached prefix vs prefilled whole
     entry, _, _ = e.prefill(a)
@@ -195,6 +196,54 @@ def test_decode_step_gathers_no_weights_and_holds_what_the_rules_say():
     ops = collectives(fsdp.compiled_generate().as_text())
     moved = sum(op["bytes"] * op["times"] for op in ops if op["kind"] in ("all-gather", "collective-permute"))
     assert moved > 0.5 * total
+
+
+def test_a_failing_tick_fails_its_requests_and_serving_goes_on():
+    """A step that raises (a shape that cannot compile, a device out of memory) finishes the requests
+    it held with the error; the next requests are served as before."""
+    from meshpar.serve.scheduler import Scheduler
+    e = engine("mha", "1")
+    sched = Scheduler(e, prefill_batch=2)
+    real = e.generate
+    e.generate = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("RESOURCE_EXHAUSTED: out of memory"))
+    try:
+        bad = sched.submit(Request([5, 9, 2], 4))
+        sched.safe_step()
+    finally:
+        e.generate = real
+    assert bad.completion.finish == "error" and "RESOURCE_EXHAUSTED" in bad.completion.error and sched.errors == 1
+    good = sched.submit(Request([5, 9, 2], 4))
+    while sched.safe_step():
+        pass
+    assert good.completion.finish == "max_tokens" and good.completion.tokens == e.run([Request([5, 9, 2], 4)])[0].tokens
+
+
+def test_text_streams_whole_characters_and_stops_across_tokens():
+    """The API's detokenizer: a character split over byte tokens (UTF-8 as one replacement character,
+    a byte-fallback tokenizer as one per pending byte) is held back until whole, never sent broken;
+    a stop string split over tokens cuts the text; the streamed pieces add up to the whole text."""
+    from meshpar.io.tokenizer import ByteTokenizer
+    from meshpar.serve.api import Detokenizer
+
+    class Fallback(ByteTokenizer):
+        """Decodes as a byte-fallback (SentencePiece) tokenizer: a U+FFFD per byte of an unfinished character."""
+        def decode(self, ids):
+            data = bytes(ids)
+            for cut in range(len(data), max(-1, len(data) - 4), -1):
+                try:
+                    return data[:cut].decode("utf-8") + "\ufffd" * (len(data) - cut)
+                except UnicodeDecodeError:
+                    continue
+            return data.decode("utf-8", errors="replace")
+    text = "a😀b ü c"
+    for tok in (ByteTokenizer(256), Fallback(256)):
+        d = Detokenizer(tok, list(b"say: "), [], [])
+        pieces = [d.add(t)[0] for t in text.encode()] + [d.flush()]
+        assert "".join(pieces) == text and all("\ufffd" not in p for p in pieces), pieces
+        d = Detokenizer(tok, list(b"say: "), [], ["b ü"])
+        out = [d.add(t) for t in text.encode()]
+        stopped = [i for i, (_, s) in enumerate(out) if s]
+        assert "".join(p for p, _ in out[:stopped[0] + 1]) == "a😀" and d.flush() == ""
 
 
 def test_pipelined_decoding_cuts_the_layers_over_stages_and_changes_no_token():
