@@ -26,6 +26,7 @@ def main() -> None:
     p.add_argument("--stages", type=int, default=4)
     p.add_argument("--slots", type=int, default=16)
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--embed", type=int, default=256, help="model width (MLP 4x)")
     args = p.parse_args()
     if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
@@ -34,8 +35,8 @@ def main() -> None:
     from meshpar.core.config import load_config
     from meshpar.serve.engine import Engine
 
-    model = ["model.layers=8", "model.embed=256", "model.heads=8", "model.kv_heads=8", "model.head_dim=32",
-             "model.mlp=1024", "model.vocab=1024", "precision=fp32", f"serve.slots={args.slots}",
+    model = ["model.layers=8", f"model.embed={args.embed}", "model.heads=8", "model.kv_heads=8",
+             f"model.head_dim={args.embed // 8}", f"model.mlp={4 * args.embed}", "model.vocab=1024", "precision=fp32", f"serve.slots={args.slots}",
              "serve.cache_length=128", "mesh.data=1", "mesh.fsdp=1"]
     tensor = args.devices // args.stages
     runs = [("no pipeline", [f"mesh.tensor={args.devices}"], None)]

@@ -83,13 +83,14 @@ def decode(spec, layout, policy, weights, tokens, positions, cache, cache_spec, 
             valid = (t - s >= 0) & (t - s < m)
             tok, pos = rows_of(tokens, i, 0), rows_of(positions, i, 0)
             x = jnp.where(s == 0, module.embed(tok, dtype), recv)
-            mine = jax.tree.map(lambda c, d: rows_of(c, i, d), cache, batch_dims)
-            y, _, mine = scan_layers(module.layers, x, pos, "none", scan, cache=mine)
-            cache = jax.tree.map(lambda c, new, d: jnp.where(valid, lax.dynamic_update_slice_in_dim(
-                c, new.astype(c.dtype), i * rows, d), c), cache, mine, batch_dims)
+            old = jax.tree.map(lambda c, d: rows_of(c, i, d), cache, batch_dims)
+            y, _, new = scan_layers(module.layers, x, pos, "none", scan, cache=old)
+            # an idle tick writes its rows back unchanged: the select is on the rows, the update in place
+            cache = jax.tree.map(lambda c, n, o, d: lax.dynamic_update_slice_in_dim(
+                c, jnp.where(valid, n.astype(c.dtype), o), i * rows, d), cache, new, old, batch_dims)
             out = module.head(y, dtype).astype(jnp.float32)
-            keep = valid & (s == p - 1)
-            logits = jnp.where(keep, lax.dynamic_update_slice_in_dim(logits, out, i * rows, 0), logits)
+            mine = jnp.where(valid & (s == p - 1), out, rows_of(logits, i, 0))
+            logits = lax.dynamic_update_slice_in_dim(logits, mine, i * rows, 0)
             send = lax.ppermute(y, AXIS, [(k, k + 1) for k in range(p - 1)])
             return (vary(send), cache, logits), None
 
