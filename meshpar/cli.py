@@ -283,7 +283,7 @@ def _generate(cfg, args) -> None:
 def _serve(cfg, args) -> None:
     """`meshpar serve`: the OpenAI-compatible API until SIGTERM or Ctrl-C (meshpar/serve/api.py)."""
     from meshpar.serve.api import serve_http
-    serve_http(cfg, args.host, args.port, args.model_name)
+    serve_http(cfg, args.host, getattr(args, "socket", None), args.model_name)
 
 
 def _setup_devices(cfg, devices_flag: int | None, processes: int = 1, planning: bool = False) -> None:
@@ -359,6 +359,9 @@ def _run(args) -> int:
         from meshpar.runtime import distributed
         multi = distributed.resolve(getattr(args, "coordinator", None), getattr(args, "num_processes", None),
                                     getattr(args, "process_id", None))
+        if args.command == "serve" and (multi is None or not multi.process_id):
+            from meshpar.serve.api import listen     # before the processes meet: a port in use fails process 0 alone
+            args.socket = listen(args.host, args.port)
         _setup_devices(cfg, args.devices, (multi.num_processes or 1) if multi else 1, args.command == "plan")
         if multi:
             distributed.initialize(multi)

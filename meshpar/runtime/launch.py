@@ -13,7 +13,8 @@ Contract, the same as `launch/local.sh` (now a thin wrapper around this module):
 - SIGTERM/SIGINT to the launcher go to every process (a preemption: they agree on a step, save a
   checkpoint if checkpoint.dir is set and exit 128 + signal);
 - a process that dies is noticed by the others within MESHPAR_PEER_TIMEOUT seconds; they exit 3
-  naming it (meshpar/runtime/distributed.py);
+  naming it (meshpar/runtime/distributed.py); one still running 10 s after that (waiting for the
+  failed process to meet it) is killed;
 - the launcher returns the first non-zero exit status (0 when all succeed).
 Launch again with the same arguments to resume from checkpoint.dir.
 
@@ -107,7 +108,10 @@ def launch(n: int, train_args: list[str], env: dict | None = None, poll_s: float
                 p.send_signal(signum)
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
-    status, running = 0, dict(enumerate(procs))
+    status, running, failed_at = 0, dict(enumerate(procs)), None
+    # after a failure the others normally end by themselves (the peer watchdog: exit 3); one that cannot
+    # (still waiting for the failed process to meet it, e.g. in jax.distributed.initialize) is killed
+    grace = float(base.get("MESHPAR_PEER_TIMEOUT") or 10) + 10
     try:
         while running:
             for i, p in list(running.items()):
@@ -118,7 +122,13 @@ def launch(n: int, train_args: list[str], env: dict | None = None, poll_s: float
                 if rc != 0:
                     print(f"{PROG}: process {i} (pid {p.pid}) ended with {_why(rc)}", file=sys.stderr, flush=True)
                     if status == 0:
-                        status = rc if rc > 0 else 128 - rc
+                        status, failed_at = (rc if rc > 0 else 128 - rc), time.monotonic()
+            if running and failed_at is not None and time.monotonic() - failed_at > grace:
+                for i, p in running.items():
+                    print(f"{PROG}: process {i} (pid {p.pid}) still running {grace:.0f} s after a failure: killed",
+                          file=sys.stderr, flush=True)
+                    p.kill()
+                failed_at = None
             if running:
                 time.sleep(poll_s)
     finally:

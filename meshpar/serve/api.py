@@ -347,10 +347,10 @@ def create_app(server: Server):
     return app
 
 
-def serve_http(cfg, host: str, port: int, model_name: str | None = None) -> None:
-    """`meshpar serve`: the engine, its scheduler on a thread, uvicorn on the main one until SIGTERM or
-    Ctrl-C (then: no new connections, the requests in flight finish, return). A process > 0 of a
-    multi-process server ticks with process 0 instead (`meshpar.serve.multihost`)."""
+def serve_http(cfg, host: str, sock, model_name: str | None = None) -> None:
+    """`meshpar serve` on `sock` (`listen`): the engine, its scheduler on a thread, uvicorn on the main
+    one until SIGTERM or Ctrl-C (then: no new connections, the requests in flight finish, return). A
+    process > 0 of a multi-process server ticks with process 0 instead (`meshpar.serve.multihost`)."""
     import signal
     import sys
     import threading
@@ -363,10 +363,8 @@ def serve_http(cfg, host: str, port: int, model_name: str | None = None) -> None
     from meshpar.io.tokenizer import ByteTokenizer, HFTokenizer
     from meshpar.serve.engine import Engine
     from meshpar.serve.multihost import Replicas
-    leader = jax.process_index() == 0
-    if leader:               # what can fail fast fails before the engine loads (and before other processes wait)
-        tok = HFTokenizer(cfg.data.tokenizer) if cfg.data.tokenizer else None
-        sock = _listen(host, port)
+    leader = jax.process_index() == 0       # `sock`: process 0's listening socket (`listen`), None elsewhere
+    tok = HFTokenizer(cfg.data.tokenizer) if cfg.data.tokenizer else None    # on every process: fails alike
     engine = Engine(cfg, info=lambda m: print(m, file=sys.stderr))
     replicas = Replicas() if jax.process_count() > 1 else None
     if not leader:           # another process of the server: tick with process 0 until it says stop
@@ -405,7 +403,7 @@ def serve_http(cfg, host: str, port: int, model_name: str | None = None) -> None
           + (f", prefix cache {p.hits} hits / {p.misses} misses" if p is not None else ""), file=sys.stderr)
 
 
-def _listen(host: str, port: int):
+def listen(host: str, port: int):
     """A socket listening on host:port (0: any free port), or one line saying why not."""
     import socket
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)

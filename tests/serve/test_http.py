@@ -259,6 +259,25 @@ def test_two_processes_of_four_devices_answer_as_one_of_eight(served):
     assert out["r"][0] == 200 and out["r"][1]["usage"]["completion_tokens"] == 150
 
 
+def test_a_port_in_use_fails_the_server_in_one_line_and_ends_every_process(served, tmp_path):
+    """Process 0 of `meshpar launch 2 serve` cannot listen: it exits 2 naming the port, and process 1
+    (waiting to meet it) does not outlive it for long: the launcher ends it and exits 2."""
+    import os
+    import socket
+    _, _, _, common, _ = served
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        t0 = time.time()
+        r = subprocess.run([sys.executable, "-m", "meshpar.cli", "launch", "2", "serve", "--port", str(port), *common,
+                            *SERVER[2:]], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "MESHPAR_PEER_TIMEOUT": "1"})
+    assert r.returncode == 2, r.stderr
+    assert f"--port {port}: cannot listen there (Address already in use)" in r.stderr
+    assert time.time() - t0 < 90
+
+
 def test_sigterm_finishes_the_requests_in_flight_and_exits_0(served):
     """Last in this file: it stops the module's server."""
     import signal
