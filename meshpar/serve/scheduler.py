@@ -204,7 +204,7 @@ class Scheduler(Ticks):
         self.errors += 1
         message = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         with self.cv:
-            taken = list(self.waiting) + [t for t in self.active.values() if t not in self.waiting]
+            taken = list(self.tickets.values())        # waiting, active, and admitted this tick but not placed
             self.queued -= len(self.waiting)
             self.waiting.clear()
         for t in taken:
@@ -275,8 +275,6 @@ def run_all(engine, requests: list[Request], on_token: Callable[[int, int], None
     """Every request decoded to its end (`cfg.serve`'s prefill batch and prefix cache);
     `on_token(request index, token)` streams. Sets `engine.decode_steps` and `engine.decode_s`."""
     sched = Scheduler.for_config(engine, engine.cfg.serve)
-    for r in requests:
-        engine.check(r)
     tickets = [sched.submit(r, (lambda tok, i=i: on_token(i, tok)) if on_token else None)
                for i, r in enumerate(requests)]
     while sched.step():

@@ -212,6 +212,15 @@ def test_a_failing_tick_fails_its_requests_and_serving_goes_on():
     finally:
         e.generate = real
     assert bad.completion.finish == "error" and "RESOURCE_EXHAUSTED" in bad.completion.error and sched.errors == 1
+    real = e.prefill_batch                                   # a failing prefill: its requests were admitted, not placed
+    e.prefill_batch = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("UNIMPLEMENTED: no such kernel"))
+    try:
+        lost = [sched.submit(Request([5, 9, 2], 4)) for _ in range(2)]
+        sched.safe_step()
+    finally:
+        e.prefill_batch = real
+    assert [t.completion.finish for t in lost] == ["error"] * 2 and sched.errors == 2
+    assert sorted(sched.free) == list(range(e.slots)) and not sched.active
     good = sched.submit(Request([5, 9, 2], 4))
     while sched.safe_step():
         pass
