@@ -193,8 +193,7 @@ def gemma_options(hf: dict, where: str, family: str, window, glob: tuple, loc: t
     types = hf.get("layer_types") or ["full_attention" if (i + 1) % every == 0 else "sliding_attention"
                                       for i in range(layers)]
     p = types.index("full_attention") + 1 if "full_attention" in types else None
-    if len(types) != layers or types != [("full_attention" if p and (i + 1) % p == 0 else "sliding_attention")
-                                         for i in range(layers)]:
+    if types != layer_types(p, layers):
         raise ConfigError(f"{where}: key 'layer_types' must repeat (sliding_attention x p-1, full_attention), the "
                           "last group maybe cut short (Gemma 2: p = 2; Gemma 3: 6); other patterns are not implemented")
     if p is None:                               # every layer sliding: one kind of layer, the local one
@@ -208,11 +207,16 @@ def gemma_options(hf: dict, where: str, family: str, window, glob: tuple, loc: t
             "local_rope": loc if p and loc != glob else None}
 
 
+def layer_types(p: int | None, layers: int) -> list[str]:
+    """Gemma's `layer_types` of groups of p (p - 1 sliding, then full; the last group maybe cut
+    short); p None: every layer sliding."""
+    return ["full_attention" if p and (i + 1) % p == 0 else "sliding_attention" for i in range(layers)]
+
+
 def gemma_config(c, family: str) -> dict:
     """The Gemma-only keys of config.json (`gemma_options` read back)."""
     p = c.local_global
-    kinds = ["full_attention" if (p and (i + 1) % p == 0) or c.window is None else "sliding_attention"
-             for i in range(c.layers)]
+    kinds = layer_types(p, c.layers) if c.window is not None else ["full_attention"] * c.layers
     out = {"hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": c.query_scale or c.head_dim,
            "attn_logit_softcapping": c.softcap, "final_logit_softcapping": c.final_softcap,
            "sliding_window": c.window, "layer_types": kinds}

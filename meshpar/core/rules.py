@@ -293,7 +293,6 @@ def for_rows(layout: Layout, rows: int) -> Layout:
     """`layout` for a batch of `rows` rows (a prefill, a pipeline's microbatch of KV-cache slots): as it
     is when the mesh axes of `batch` and `cache_batch` divide the rows, else with those (and `group`)
     replicated: every row on every device."""
-    import math
     splits = [math.prod(layout.shape[a] for a in spec_axes(layout.spec((name,))[:1])) for name in ("batch", "cache_batch")]
     if all(rows % d == 0 for d in splits):
         return layout

@@ -32,7 +32,7 @@ from meshpar.serve.batching import Request
 from meshpar.serve.sampling import Sampling
 from meshpar.serve.scheduler import QueueFull, Scheduler
 
-FINISH = {"eos": "stop", "stop": "stop", "max_tokens": "length", "cache_full": "length", "cancelled": "stop"}
+FINISH = {"eos": "stop", "max_tokens": "length", "cache_full": "length", "cancelled": "stop"}
 
 
 class APIError(Exception):

@@ -202,7 +202,7 @@ class Engine(Compiled):
     def precheck(cfg, requests) -> None:
         """The checks that need no model (run before loading one): prompt lengths and sampling ranges."""
         from meshpar.serve.placement import cache_length
-        length = cfg.serve.cache_length or cache_length(cfg, None)
+        length = cache_length(cfg)
         for r in requests:
             _check_length(r, length)
             r.sampling.check(vocab=None)
@@ -230,14 +230,15 @@ class Engine(Compiled):
         arrays += [arrays[0]] * (rows - len(arrays))
         return {k: np.stack([np.asarray(a[k]) for a in arrays]) for k in arrays[0]}
 
-    def prefill_batch(self, prompts: list, samplings: list | None = None, params=None):
-        """n prompts (lists of ids) prefilled in one call -> (entry of rows padded to a power of two,
-        first tokens [n] (device), their logits [n, V]). Rows beyond n repeat the first prompt."""
+    def prefill_batch(self, prompts: list, samplings: list | None = None, params=None, length: int = 0):
+        """n prompts (lists of ids) prefilled in one call, padded to the bucket of the longest (or of
+        `length`) -> (entry of rows padded to a power of two, first tokens [n] (device), their logits
+        [n, V]). Rows beyond n repeat the first prompt."""
         samplings = samplings or [Sampling()] * len(prompts)
         for t, s in zip(prompts, samplings):
             self.check(Request(list(t), 1, s))
         rows = _pow2(len(prompts))
-        tokens = np.zeros((rows, self.bucket(max(map(len, prompts)))), np.int32)
+        tokens = np.zeros((rows, self.bucket(max(length, *map(len, prompts)))), np.int32)
         lengths = np.full((rows,), len(prompts[0]), np.int32)
         for r in range(rows):
             t = prompts[r if r < len(prompts) else 0]
@@ -252,12 +253,7 @@ class Engine(Compiled):
         `tokens`: the prompt's ids, or ids already padded with `true_length` the real count."""
         tokens = list(np.asarray(tokens).reshape(-1))
         n = len(tokens) if true_length is None else int(true_length)
-        request = Request(tokens[:n], 1, sampling or Sampling())
-        self.check(request)
-        padded = np.zeros((1, self.bucket(max(n, len(tokens)))), np.int32)
-        padded[0, :n] = tokens[:n]
-        entry, tok, last = self._prefill(self._weights(params), padded, np.asarray([n], np.int32),
-                                         self._samplings([request.sampling], 1))
+        entry, tok, last = self.prefill_batch([tokens[:n]], [sampling or Sampling()], params, length=len(tokens))
         return entry, tok[0], last[0]
 
     def can_extend(self, n: int, start: int) -> bool:
@@ -288,7 +284,7 @@ class Engine(Compiled):
         """-> `state` with entry row r in slot `slot[r]` (an int: row 0; -1 drops a row); `state` is
         donated (updated in place)."""
         slots = np.atleast_1d(np.asarray(slot, np.int32))
-        rows = jax.tree.leaves(entry["length"])[0].shape[0]
+        rows = entry["length"].shape[0]
         slots = np.concatenate([slots, np.full((rows - len(slots),), -1, np.int32)])
         return self._insert(entry, state, slots)
 
