@@ -3,6 +3,6 @@
 schedules  pipeline schedules as tick tables (GPipe, 1F1B, interleaved), bubble, activation stash
 residuals  1F1B's stash: a stage's VJP kept as arrays between its forward and backward tick
 pipeline   pipeline parallelism: `jax.shard_map` manual over `pipeline`, microbatches through the stages
-pipeline_decode  a decode step through the stages (serving on a pipeline mesh)
+pipeline_decode  decoding through the stages, the pipe kept full across calls (serving on a pipeline mesh)
 context    context parallelism: sequences split over `context`, attention across the shards (`meshpar.attention`)
 """

@@ -187,25 +187,40 @@ class Server:
 
 
 class Detokenizer:
-    """A completion's text as its tokens come: decoded after the prompt's last few tokens (so a
-    leading space, or a character split over tokens, decodes as in the whole text), end tokens
-    left out, cut at the first stop string; text that a stop string or an unfinished character may
-    still change is held back until it cannot."""
+    """A completion's text as its tokens come, in O(1) decoding work per token (vLLM's incremental
+    detokenizer): each new token is decoded with the few tokens before it (so a leading space, or a
+    character split over tokens, decodes as in the whole text), and text grows only once a character
+    is whole. End tokens are left out; the text is cut at the first stop string; text that a stop
+    string may still change is held back until it cannot."""
 
     def __init__(self, tok, prompt, eos, stop: list[str]):
         self.tok, self.eos, self.stop = tok, set(eos), stop
-        self.context = [int(t) for t in prompt[-4:]]
-        self.base = tok.decode(self.context)
+        self.window = [int(t) for t in prompt[-4:]]    # tokens decoded together: [start, read) already text
+        self.start, self.read = 0, len(self.window)
         self.hold = max((len(x) - 1 for x in stop), default=0)
-        self.tokens, self.sent, self.stopped = [], "", False
+        self.tokens, self.all, self.sent, self.searched, self.stopped = [], "", "", 0, False
 
-    def text(self) -> str:
-        mine = [t for t in self.tokens if t not in self.eos]
-        full = self.tok.decode(self.context + mine)
-        text = full[len(self.base):] if full.startswith(self.base) else self.tok.decode(mine)
-        cut = min((i for i in (text.find(x) for x in self.stop) if i >= 0), default=-1)
-        self.stopped = cut >= 0
-        return text[:cut] if self.stopped else text
+    def _grow(self, final: bool) -> None:
+        """Append the text of the tokens past `read` (a character still unfinished waits, unless final)."""
+        before = self.tok.decode(self.window[self.start:self.read])
+        now = self.tok.decode(self.window[self.start:])
+        if len(now) > len(before) and (final or not now.endswith("\ufffd")):
+            self.all += now[len(before):] if now.startswith(before) else self.tok.decode(self.window[self.read:])
+            self.start, self.read = max(self.start, self.read - 4), len(self.window)
+            self.window = self.window[self.start:]            # keep the window short
+            self.read -= self.start
+            self.start = 0
+
+    def _ready(self, final: bool) -> str:
+        """The text that can be sent: cut at a stop string (searched from where it could begin)."""
+        longest = max((len(x) for x in self.stop), default=0)
+        hits = [i for i in (self.all.find(x, max(0, self.searched - longest)) for x in self.stop) if i >= 0]
+        self.searched = len(self.all)
+        if hits:
+            self.stopped = True
+            self.all = self.all[:min(hits)]
+            return self.all
+        return self.all if final else self.all[:len(self.all) - self.hold]
 
     def _delta(self, ready: str) -> str:
         if len(ready) <= len(self.sent) or not ready.startswith(self.sent):
@@ -216,15 +231,17 @@ class Detokenizer:
     def add(self, token: int) -> tuple[str, bool]:
         """-> (text now final, whether a stop string ended the completion)."""
         self.tokens.append(int(token))
-        text = self.text()
-        if self.stopped:
-            return self._delta(text), True
-        text = text.rstrip("\ufffd")                 # an unfinished character: not yet text a stop string can see
-        return self._delta(text[:len(text) - self.hold]), False
+        if self.stopped or int(token) in self.eos:
+            return "", self.stopped
+        self.window.append(int(token))
+        self._grow(final=False)
+        return self._delta(self._ready(final=False)), self.stopped
 
     def flush(self) -> str:
         """The rest, once the completion has ended."""
-        return self._delta(self.text())
+        if not self.stopped:
+            self._grow(final=True)
+        return self._delta(self._ready(final=True))
 
 
 def create_app(server: Server):

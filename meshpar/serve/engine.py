@@ -8,7 +8,7 @@ The engine's compiled calls (the prefill/insert/generate split of JetStream and 
     prefill_batch(prompts, samplings) -> (entry: n prompts' caches [.., n, P, ..] + requests, first tokens [n])
     extend(cache, tokens, start, ...) -> (entry: one prompt whose first `start` positions are cached, first token)
     insert(entry, state, slots)       -> state with entry row r in slot slots[r]
-    generate(state)                   -> (state, next token per slot [B], logits [B, V])
+    generate(state)                   -> (state, next token per slot [B] (-1: none yet), logits [B, V])
 
 (each takes `params=` to serve other weights than the engine's own; `prefill` is `prefill_batch`
 of one prompt).
@@ -68,9 +68,19 @@ class Compiled(Placement):
     them with host inputs); `traces` counts their compilations per name."""
 
     def __init__(self, cfg, *, model: Callable | None = None, devices=None, weights=None,
-                 info: Callable[[str], None] = print):
+                 info: Callable[[str], None] = print, flush: bool = False, ticks: int | None = None):
         super().__init__(cfg, model=model, devices=devices, weights=weights, info=info)
         rep = NamedSharding(self.mesh, P())
+        # mesh.pipeline > 1: one group of slots per stage in flight across generate calls, `ticks` (1..P,
+        # default P) ticks per call; `flush`: each call fills and drains the pipe instead (for comparison)
+        # (`meshpar.parallel.pipeline_decode`)
+        self.in_flight = self.stages > 1 and not flush
+        self.ticks = ticks or self.stages
+        if not 1 <= self.ticks <= self.stages:
+            raise ConfigError(f"ticks={ticks}: a decode call runs 1 to mesh.pipeline={self.stages} ticks")
+        if self.in_flight:
+            pipe = NamedSharding(self.mesh, P("pipeline"))
+            self.state_shardings = {**self.state_shardings, "flight": pipe, "tick": rep, "born": rep}
         self.traces = collections.Counter()      # compilations: one trace per compiled shape
         self._empty = None
         self._specs = {}
@@ -83,12 +93,17 @@ class Compiled(Placement):
 
     def state_shapes(self) -> dict:
         """The decode state: the cache [.., B, S, ..] and per slot its position (where its last token
-        goes), last token and sampling settings."""
+        goes), last token and sampling settings; with a pipeline in flight also the activations in
+        flight, the tick count and per slot the tick it was filled at (`meshpar.parallel.pipeline_decode`)."""
         b, key = self.slots, jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
         sds = jax.ShapeDtypeStruct
         shapes = {"cache": jax.tree.map(lambda leaf: sds(leaf.shape, leaf.dtype), self.cache_spec, is_leaf=is_leaf),
                   "pos": sds((b,), jnp.int32), "token": sds((b,), jnp.int32), "temp": sds((b,), jnp.float32),
                   "top_k": sds((b,), jnp.int32), "top_p": sds((b,), jnp.float32), "key": sds((b, *key.shape), key.dtype)}
+        if self.in_flight:
+            from meshpar.parallel.pipeline_decode import flight_shape
+            shapes.update(flight=flight_shape(self._group_activation(), self.stages), tick=sds((), jnp.int32),
+                          born=sds((b,), jnp.int32))
         return jax.tree.map(lambda a, sh: sds(a.shape, a.dtype, sharding=sh), shapes, self.state_shardings)
 
     def new_state(self) -> dict:
@@ -176,11 +191,15 @@ class Compiled(Placement):
                "pos": take(entry["length"], state["pos"], 0)}
         for k in ("token", "temp", "top_k", "top_p", "key"):
             new[k] = take(entry[k], state[k], 0)
+        if self.in_flight:          # the slot's tokens still in the pipe are the old request's: stale from now on
+            new.update(flight=state["flight"], tick=state["tick"], born=jnp.where(has, state["tick"], state["born"]))
         return new
 
     def _generate_fn(self, weights, state):
         """One token for every slot: each slot's last token at its position -> the next one."""
         self.traces["generate"] += 1
+        if self.in_flight:
+            return self._tick_fn(weights, state)
         pos = jnp.minimum(state["pos"], self.length - 1)     # a full slot is never read back (run frees it)
         with use_layout(self.layout), precision_lib.use_policy(self.policy):
             logits, cache = self._decode(weights, state["token"][:, None], pos[:, None], state["cache"])
@@ -189,6 +208,40 @@ class Compiled(Placement):
         nxt = sample(logits, state["temp"], state["top_k"], state["top_p"], keys)
         return {**state, "cache": cache, "token": nxt, "pos": state["pos"] + 1}, nxt, logits
 
+    def _tick_fn(self, weights, state):
+        """A pipeline in flight: `ticks` ticks of `pipeline_decode.tick` (P: every group leaves the last
+        stage once, so every slot gets a token per call once the pipe is full); a group leaving
+        samples its next tokens; a slot whose token is still in the pipe (or stale) gets -1."""
+        from meshpar.parallel import pipeline_decode
+        b, p = self.slots, self.stages
+
+        def one(carry, _):
+            st, toks, lg = carry
+            pos = jnp.minimum(st["pos"], self.length - 1)
+            logits, cache, flight = pipeline_decode.tick(self.spec, self.layout, self.policy, weights, st["cache"],
+                                                         self.cache_spec, st["flight"], st["tick"], st["token"], pos)
+            out = jnp.arange(b // p) * p + (st["tick"] + 1) % p                       # the group leaving [R]
+            live = st["born"][out] <= st["tick"] - (p - 1)          # entered after its slot was filled
+            keys = jax.vmap(position_key)(st["key"][out], pos[out])
+            nxt = sample(logits, st["temp"][out], st["top_k"][out], st["top_p"][out], keys)
+            st = {**st, "cache": cache, "flight": flight, "tick": st["tick"] + 1,
+                  "token": st["token"].at[out].set(jnp.where(live, nxt, st["token"][out])),
+                  "pos": st["pos"].at[out].add(live.astype(jnp.int32))}
+            return (st, toks.at[out].set(jnp.where(live, nxt, toks[out])), lg.at[out].set(logits)), None
+
+        carry = (state, jnp.full((b,), -1, jnp.int32), jnp.zeros((b, self.vocab), jnp.float32))
+        with use_layout(self.layout), precision_lib.use_policy(self.policy):
+            carry, _ = jax.lax.scan(one, carry, None, length=self.ticks)
+        return carry
+
+    def _group_activation(self):
+        """What one stage passes the next for a group of slots [B/P, 1, E] (shape and dtype)."""
+        r = self.slots // self.stages
+
+        def embed(w):
+            with use_layout(for_rows(self.layout, r)), precision_lib.use_policy(self.policy):
+                return self._model(w).embed(jnp.zeros((r, 1), jnp.int32), self.dtype)
+        return jax.eval_shape(embed, self.weight_shapes)
 
 
 class Engine(Compiled):
@@ -289,7 +342,9 @@ class Engine(Compiled):
         return self._insert(entry, state, slots)
 
     def generate(self, state, params=None):
-        """-> (state, next token per slot [B], logits [B, V]); `state` is donated."""
+        """-> (state, next token per slot [B], logits [B, V]); `state` is donated. With a pipeline in
+        flight a slot whose token is still in the pipe gets -1: while the pipe fills, after a refill,
+        and (with fewer than P ticks per call) the groups that did not leave the last stage."""
         return self._generate(self._weights(params), state)
 
     def warmup(self, requests=()) -> None:

@@ -149,7 +149,7 @@ class Placement:
                                   "with a 'cache_batch' and a 'cache_length' axis")
         if self.stages > 1:             # decode steps cut into microbatches that follow each other through the stages
             from meshpar.parallel import pipeline_decode
-            pipeline_decode.check(abstract, self.spec.var_shapes, one, self.slots, cfg.pipeline.microbatches, self.stages)
+            pipeline_decode.check(abstract, self.spec.var_shapes, one, self.slots, self.stages)
         self.vocab = self._vocab(abstract)
         self.layout, self.notes = serving_layout(self.mesh, cfg.serve.strategy, cfg.rules, one, self.slots)
         rep = NamedSharding(self.mesh, P())

@@ -59,11 +59,8 @@ def position_key(key, position):
     return jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(key), position))
 
 
-def sample(logits, temperature, top_k, top_p, keys):
-    """logits [B, V]; temperature, top_p [B] f32; top_k [B] int (1..V); keys [B, 2] key data -> [B] int32."""
-    logits = logits.astype(jnp.float32)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    z = logits / jnp.maximum(temperature, 1e-6)[:, None]
+def _truncate(z, top_k, top_p):
+    """z [B, V] with the entries outside each row's top-k and top-p set to -inf (module docstring)."""
     desc = -jnp.sort(-z, axis=-1)                                                      # [B, V] largest first
     v = z.shape[-1]
     k = jnp.clip(top_k, 1, v)
@@ -74,6 +71,19 @@ def sample(logits, temperature, top_k, top_p, keys):
     keep = before < top_p[:, None]                                                       # entry 0 always kept
     last = jnp.sum(keep, axis=-1) - 1                                                    # index of the last kept
     pth = jnp.take_along_axis(desc, last[:, None], axis=-1)                             # [B, 1] top-p threshold
-    z = jnp.where(z >= jnp.maximum(kth, pth), z, -jnp.inf)
-    drawn = jax.vmap(lambda key, row: jax.random.categorical(jax.random.wrap_key_data(key), row))(keys, z)
-    return jnp.where(temperature > 0, drawn.astype(jnp.int32), greedy)
+    return jnp.where(z >= jnp.maximum(kth, pth), z, -jnp.inf)
+
+
+def sample(logits, temperature, top_k, top_p, keys):
+    """logits [B, V]; temperature, top_p [B] f32; top_k [B] int (1..V); keys [B, 2] key data -> [B] int32.
+    A batch with no sampled row skips the draw, and one with no top-k/top-p row the sort (`lax.cond`)."""
+    logits = logits.astype(jnp.float32)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    v = logits.shape[-1]
+
+    def draw(_):
+        z = logits / jnp.maximum(temperature, 1e-6)[:, None]
+        z = jax.lax.cond(jnp.any((top_k < v) | (top_p < 1.0)), lambda z: _truncate(z, top_k, top_p), lambda z: z, z)
+        drawn = jax.vmap(lambda key, row: jax.random.categorical(jax.random.wrap_key_data(key), row))(keys, z)
+        return jnp.where(temperature > 0, drawn.astype(jnp.int32), greedy)
+    return jax.lax.cond(jnp.any(temperature > 0), draw, lambda _: greedy, None)

@@ -53,12 +53,14 @@ def drive(e: Engine, prompts, steps: int):
         state = e.insert(entry, state, i)
         toks[i].append(int(tok))
         logits[i].append(np.asarray(last))
-    for _ in range(steps):
+    for _ in range((steps + 1) * e.stages - 1):    # a pipeline in flight: a slot's token every P calls, -1 between
         state, nxt, lg = e.generate(state)
         nxt, lg = np.asarray(nxt), np.asarray(lg)
         for i in range(len(prompts)):
-            toks[i].append(int(nxt[i]))
-            logits[i].append(lg[i])
+            if nxt[i] >= 0 and len(toks[i]) < len(prompts[i]) + 1 + steps:
+                toks[i].append(int(nxt[i]))
+                logits[i].append(lg[i])
+    assert all(len(t) == len(p) + 1 + steps for p, t in zip(prompts, toks))
     return toks, [np.stack(lg) for lg in logits]
 
 
@@ -230,7 +232,8 @@ def test_a_failing_tick_fails_its_requests_and_serving_goes_on():
 def test_text_streams_whole_characters_and_stops_across_tokens():
     """The API's detokenizer: a character split over byte tokens (UTF-8 as one replacement character,
     a byte-fallback tokenizer as one per pending byte) is held back until whole, never sent broken;
-    a stop string split over tokens cuts the text; the streamed pieces add up to the whole text."""
+    a stop string split over tokens cuts the text; the streamed pieces add up to the whole text; the
+    decoding work grows linearly with the completion."""
     from meshpar.io.tokenizer import ByteTokenizer
     from meshpar.serve.api import Detokenizer
 
@@ -254,12 +257,25 @@ def test_text_streams_whole_characters_and_stops_across_tokens():
         stopped = [i for i, (_, s) in enumerate(out) if s]
         assert "".join(p for p, _ in out[:stopped[0] + 1]) == "a😀" and d.flush() == ""
 
+    class Counting(ByteTokenizer):
+        decoded = 0
+
+        def decode(self, ids):
+            Counting.decoded += len(ids)
+            return super().decode(ids)
+    long = ("word ü😀 " * 400).encode()
+    d = Detokenizer(Counting(256), list(b"say: "), [], ["never"])
+    pieces = [d.add(t)[0] for t in long] + [d.flush()]
+    assert "".join(pieces) == long.decode() and Counting.decoded < 30 * len(long)    # linear, not quadratic
+
 
 def test_pipelined_decoding_cuts_the_layers_over_stages_and_changes_no_token():
     """mesh.pipeline=2: each stage holds half the layers and half the cache layers, a decode step
     passes activations between stages (collective-permute) and never gathers a weight; the MoE
-    decoder (4 layers, dropless at decode) continues prompts as on one device, with 1, 2 or 4
-    microbatches; a model without the LM cut (the GPT-2 example) is refused in one line."""
+    decoder (4 layers, dropless at decode) serves a stream of greedy and sampled requests, more than
+    the slots (so slots are refilled while their last token is still in the pipe), as on one device:
+    with the pipe kept full across calls, one tick per call (prefill in 2 microbatches), and filled
+    and drained per call (4 microbatches); the other tests' pipelined engine runs P ticks per call; a model without the LM cut (the GPT-2 example) is refused in one line."""
     from meshpar.plan.inspect import collectives
     e = engine("mha", "pipeline2_tensor4")
     flat = engine("mha", "tensor4")
@@ -270,13 +286,15 @@ def test_pipelined_decoding_cuts_the_layers_over_stages_and_changes_no_token():
     assert not any(op["kind"] == "all-gather" and op["bytes"] >= 8 * 8 * 64 * 4 for op in ops), ops
     moe = ["model.name=moe", "moe.capacity_factor=1.0", "moe.num_experts=4", "model.layers=4", *SERVE]
     one = Engine(make_cfg(*moe, mesh=MESHES["1"]), devices=devices(1))
-    reqs = [Request(p, 5) for p in PROMPTS]
+    reqs = [Request(p[i % 3:], 2 + i % 4, Sampling(temperature=0.8 * (i % 2), seed=i))
+            for i, p in enumerate(PROMPTS * 3)]
     want = [c.tokens for c in one.run(reqs)]
     w = jax.tree.map(np.asarray, one.weights)
-    for mb in (1, 2, 4):
+    for mb, kw in ((2, {"ticks": 1}), (4, {"flush": True})):
         piped = Engine(make_cfg(*moe, f"pipeline.microbatches={mb}", mesh=MESHES["pipeline2_tensor4"]),
-                       devices=devices(8), weights=w)
-        assert [c.tokens for c in piped.run(reqs)] == want, mb
+                       devices=devices(8), weights=w, **kw)
+        assert piped.in_flight != bool(kw.get("flush"))
+        assert [c.tokens for c in piped.run(reqs)] == want, kw
     with pytest.raises(ConfigError, match="cannot be pipelined: the built-in LM loss needs .embed"):
         Engine(make_cfg(*MODELS["gpt2"], *SERVE, mesh=MESHES["pipeline2_tensor4"]), devices=devices(8))
 
