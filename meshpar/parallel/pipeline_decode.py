@@ -40,6 +40,7 @@ the last stage's logits reach every stage by one psum over `pipeline`.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import jax
 import jax.numpy as jnp
@@ -69,6 +70,19 @@ def check(abstract, var_shapes, cache_spec, slots: int, stages: int) -> None:
                           f"of slots per stage in flight); use a multiple of {stages}")
 
 
+def take_rows(a, g, d: int, groups: int):
+    """Group g of `groups` strided groups of a's dimension d (rows g, g + groups, ...): [.., B, ..] ->
+    [.., B/groups, ..]. Strided, a group spreads over the shards of a dimension split in blocks."""
+    split = a.reshape(a.shape[:d] + (a.shape[d] // groups, groups) + a.shape[d + 1:])
+    return lax.dynamic_index_in_dim(split, g, d + 1, keepdims=False)
+
+
+def put_rows(a, part, g, d: int, groups: int):
+    """`a` with group g of dimension d (`take_rows`) replaced by `part`."""
+    split = a.reshape(a.shape[:d] + (a.shape[d] // groups, groups) + a.shape[d + 1:])
+    return lax.dynamic_update_index_in_dim(split, part, g, d + 1).reshape(a.shape)
+
+
 def decode(spec, layout, policy, weights, tokens, positions, cache, cache_spec, microbatches: int):
     """tokens, positions [B, T] -> (logits [B, T, V], cache) through the stages, filled and drained
     (module docstring; a prefill, or with `Engine(flush=True)` a decode step).
@@ -80,6 +94,8 @@ def decode(spec, layout, policy, weights, tokens, positions, cache, cache_spec, 
     b = tokens.shape[0]
     m = microbatches if b % microbatches == 0 else 1            # a prefill's rows may not divide
     rows = b // m
+    split = _batch_split(layout)
+    strided = m > 1 and split > 1 and rows % split == 0
     batch_dims = jax.tree.map(lambda leaf: leaf.axes.index("cache_batch"), cache_spec, is_leaf=is_leaf)
     params = weights["params"]
     outer = {k: v for k, v in params.items() if k != "layers"}
@@ -93,8 +109,11 @@ def decode(spec, layout, policy, weights, tokens, positions, cache, cache_spec, 
         remat, scan = layer_options(module)
         s = lax.axis_index(AXIS)
 
-        def rows_of(a, i, dim):
-            return lax.dynamic_slice_in_dim(a, i * rows, rows, dim)
+        def rows_of(a, i, dim):         # split over data: strided microbatches (a block would all-gather the cache)
+            return take_rows(a, i, dim, m) if strided else lax.dynamic_slice_in_dim(a, i * rows, rows, dim)
+
+        def put(a, part, i, dim):       # (a block of contiguous rows, where it can be, is updated in place)
+            return put_rows(a, part, i, dim, m) if strided else lax.dynamic_update_slice_in_dim(a, part, i * rows, dim)
 
         def tick(carry, t):
             recv, cache, logits = carry
@@ -105,11 +124,10 @@ def decode(spec, layout, policy, weights, tokens, positions, cache, cache_spec, 
             old = jax.tree.map(lambda c, d: rows_of(c, i, d), cache, batch_dims)
             y, _, new = scan_layers(module.layers, x, pos, "none", scan, cache=old)
             # an idle tick writes its rows back unchanged: the select is on the rows, the update in place
-            cache = jax.tree.map(lambda c, n, o, d: lax.dynamic_update_slice_in_dim(
-                c, jnp.where(valid, n.astype(c.dtype), o), i * rows, d), cache, new, old, batch_dims)
+            cache = jax.tree.map(lambda c, n, o, d: put(c, jnp.where(valid, n.astype(c.dtype), o), i, d),
+                                 cache, new, old, batch_dims)
             out = module.head(y, dtype).astype(jnp.float32)
-            mine = jnp.where(valid & (s == p - 1), out, rows_of(logits, i, 0))
-            logits = lax.dynamic_update_slice_in_dim(logits, mine, i * rows, 0)
+            logits = put(logits, jnp.where(valid & (s == p - 1), out, rows_of(logits, i, 0)), i, 0)
             send = lax.ppermute(y, AXIS, [(k, k + 1) for k in range(p - 1)])
             return (vary(send), cache, logits), None
 
@@ -125,6 +143,12 @@ def decode(spec, layout, policy, weights, tokens, positions, cache, cache_spec, 
     fn = jax.shard_map(body, mesh=layout.mesh, axis_names={AXIS},
                        in_specs=(P(), P(AXIS), P(), P(AXIS), P(), P()), out_specs=(P(), P(AXIS)))
     return fn(outer, params["layers"], vars_, cache, tokens, positions)
+
+
+def _batch_split(layout) -> int:
+    """Over how many devices the KV cache's slots (`cache_batch`) are split."""
+    from meshpar.core.rules import spec_axes
+    return math.prod(layout.shape[a] for a in spec_axes(layout.spec(("cache_batch",))[:1]))
 
 
 def flight_shape(x, stages: int):
@@ -154,14 +178,11 @@ def tick(spec, layout, policy, weights, cache, cache_spec, flight, t, tokens, po
         s = lax.axis_index(AXIS)
         g = (t - s) % p                                    # the group this stage works on
 
-        def split(a, d):                                   # [.., B, ..] -> [.., R, P, ..] (slot = row * P + group)
-            return a.reshape(a.shape[:d] + (r, p) + a.shape[d + 1:])
-
         def rows(a, d):
-            return lax.dynamic_index_in_dim(split(a, d), g, d + 1, keepdims=False)
+            return take_rows(a, g, d, p)
 
         def put(a, part, d):
-            return lax.dynamic_update_index_in_dim(split(a, d), part, g, d + 1).reshape(a.shape)
+            return put_rows(a, part, g, d, p)
 
         def work(cache):
             x = jnp.where(s == 0, module.embed(rows(tokens, 0)[:, None], dtype), fx[0])

@@ -274,8 +274,10 @@ def test_pipelined_decoding_cuts_the_layers_over_stages_and_changes_no_token():
     passes activations between stages (collective-permute) and never gathers a weight; the MoE
     decoder (4 layers, dropless at decode) serves a stream of greedy and sampled requests, more than
     the slots (so slots are refilled while their last token is still in the pipe), as on one device:
-    with the pipe kept full across calls, one tick per call (prefill in 2 microbatches), and filled
-    and drained per call (4 microbatches); the other tests' pipelined engine runs P ticks per call; a model without the LM cut (the GPT-2 example) is refused in one line."""
+    with the pipe kept full across ticks, one tick per call, on pipeline x data x tensor (where
+    neither a decode tick nor a prefill in 2 microbatches gathers the KV cache over data), and
+    filled and drained per call (4 microbatches); the other tests' pipelined engine runs P ticks per
+    call; a model without the LM cut (the GPT-2 example) is refused in one line."""
     from meshpar.plan.inspect import collectives
     e = engine("mha", "pipeline2_tensor4")
     flat = engine("mha", "tensor4")
@@ -290,11 +292,17 @@ def test_pipelined_decoding_cuts_the_layers_over_stages_and_changes_no_token():
             for i, p in enumerate(PROMPTS * 3)]
     want = [c.tokens for c in one.run(reqs)]
     w = jax.tree.map(np.asarray, one.weights)
-    for mb, kw in ((2, {"ticks": 1}), (4, {"flush": True})):
-        piped = Engine(make_cfg(*moe, f"pipeline.microbatches={mb}", mesh=MESHES["pipeline2_tensor4"]),
-                       devices=devices(8), weights=w, **kw)
+    for mb, mesh, kw in ((2, dict(pipeline=2, data=2, tensor=2), {"ticks": 1}), (4, MESHES["pipeline2_tensor4"], {"flush": True})):
+        piped = Engine(make_cfg(*moe, f"pipeline.microbatches={mb}", mesh=mesh), devices=devices(8), weights=w, **kw)
         assert piped.in_flight != bool(kw.get("flush"))
         assert [c.tokens for c in piped.run(reqs)] == want, kw
+        if "data" in mesh:       # slots split over data: a group (a microbatch) of them is strided, no cache gathered
+            shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), piped.weights)
+            prefill = piped._prefill.lower(shapes, np.zeros((4, 16), np.int32), np.full((4,), 3, np.int32),
+                                           piped._samplings([Sampling()] * 4, 4)).compile()
+            for compiled in (piped.compiled_generate(), prefill):
+                gathers = [op["bytes"] for op in collectives(compiled.as_text()) if op["kind"] == "all-gather"]
+                assert max(gathers, default=0) < piped.bytes_per_device()["cache"] / 4, gathers
     with pytest.raises(ConfigError, match="cannot be pipelined: the built-in LM loss needs .embed"):
         Engine(make_cfg(*MODELS["gpt2"], *SERVE, mesh=MESHES["pipeline2_tensor4"]), devices=devices(8))
 
