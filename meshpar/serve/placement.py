@@ -16,7 +16,8 @@ bandwidth: bytes/s per device = (weight bytes + cache bytes per device) / step t
 Cache length S (`serve.cache_length`, else `cache_length`): the positions the model was made for
 (`model.max_positions`, or `max_position_embeddings` of `model.init_from`'s config.json; 4096 for a
 model that states none), capped so that the slots' caches and the prefix cache's entries
-(`meshpar.serve.prefix`) take at most half of what a device has beside the weights.
+(`meshpar.serve.prefix`; an entry is one row, whole on every data shard) take at most half of what
+a device has beside the weights.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from meshpar.core import precision as precision_lib
 from meshpar.core.batch import is_leaf
 from meshpar.core.errors import ConfigError
 from meshpar.core.mesh import make_mesh
-from meshpar.core.rules import BATCH_AXES, Layout, get_strategy, parse_user_rules, spec_axes, table
+from meshpar.core.rules import BATCH_AXES, Layout, for_rows, get_strategy, parse_user_rules, spec_axes, table
 from meshpar.core.sharding import building, model_spec, param_shardings, path_name, var_shardings
 
 
@@ -173,10 +174,13 @@ class Placement:
         from meshpar.core.sharding import bytes_per_device
         if self.cfg.serve.cache_length:
             return self.cfg.serve.cache_length
-        leaves = jax.tree.leaves(one, is_leaf=is_leaf)
-        per_slot = sum(bytes_per_device(leaf.shape, leaf.dtype, self.layout.sharding(leaf.axes, leaf.shape, "KV cache"))
-                       for leaf in leaves) / self.slots
-        position = int(per_slot * (self.slots + self.cfg.serve.prefix_cache)) + 1
+        def position_bytes(spec, layout) -> float:
+            return sum(bytes_per_device(leaf.shape, leaf.dtype, layout.sharding(leaf.axes, leaf.shape, "KV cache"))
+                       for leaf in jax.tree.leaves(spec, is_leaf=is_leaf))
+        with precision_lib.use_policy(self.policy):
+            entry = self.abstract.cache_spec(1, 1)        # a prefix entry: one row, whole on every data shard
+        position = int(position_bytes(one, self.layout)
+                       + self.cfg.serve.prefix_cache * position_bytes(entry, for_rows(self.layout, 1))) + 1
         weights = sum(bytes_per_device(s.shape, s.dtype, sh) for s, sh in zip(
             jax.tree.leaves(params), jax.tree.leaves(self.weight_shardings["params"])))
         n = cache_length(self.cfg, self.abstract, position, max(0, device_bytes() - weights))

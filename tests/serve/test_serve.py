@@ -14,6 +14,7 @@ from meshpar.serve.sampling import Sampling, sample
 from meshpar.serve.batching import Request
 from meshpar.serve.engine import Engine
 from meshpar.serve.placement import buckets
+from meshpar.core.batch import is_leaf
 
 MODELS = {
     "mha": ["model.heads=8", "model.kv_heads=8"],
@@ -340,6 +341,19 @@ def test_buckets_are_powers_of_two_up_to_the_cache():
     assert buckets(64, 16) == [16, 32, 64]
     assert buckets(100, 16) == [16, 32, 64, 100]
     assert buckets(8, 16) == [8]
+
+
+def test_cache_length_fits_the_slots_and_whole_prefix_entries_in_half_the_free_memory(monkeypatch):
+    """Without serve.cache_length, S is capped so that the slots' caches (split over data) and the
+    prefix cache's entries (one row each: whole on every data shard) take at most half of a
+    device's memory beside the weights, and not much less."""
+    from meshpar.serve import placement
+    monkeypatch.setattr(placement, "device_bytes", lambda: 60_000_000)
+    e = Engine(make_cfg("serve.slots=8", "serve.prefix_cache=64", mesh=dict(data=8)), devices=devices(8), info=lambda m: None)
+    row = sum(np.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(e.entry_spec(1, e.length), is_leaf=is_leaf))
+    used = e.bytes_per_device()["cache"] + 64 * row
+    half = (60_000_000 - e.bytes_per_device()["weights"]) / 2
+    assert e.length < 4096 and 0.99 * half <= used <= half, (e.length, used, half)
 
 
 # -- sampling --------------------------------------------------------------------------------------
