@@ -45,6 +45,7 @@ from meshpar.core import precision as precision_lib
 from meshpar.core.batch import is_leaf
 from meshpar.core.errors import ConfigError
 from meshpar.core.rules import for_rows, use_layout
+from meshpar.serve import in_flight
 from meshpar.serve.batching import Completion, Request
 from meshpar.serve.placement import Placement, zeros
 from meshpar.serve.sampling import Sampling, position_key, sample
@@ -73,14 +74,13 @@ class Compiled(Placement):
         rep = NamedSharding(self.mesh, P())
         # mesh.pipeline > 1: one group of slots per stage in flight across generate calls, `ticks` (1..P,
         # default P) ticks per call; `flush`: each call fills and drains the pipe instead (for comparison)
-        # (`meshpar.parallel.pipeline_decode`)
+        # (`meshpar.serve.in_flight`)
         self.in_flight = self.stages > 1 and not flush
         self.ticks = ticks or self.stages
         if not 1 <= self.ticks <= self.stages:
             raise ConfigError(f"ticks={ticks}: a decode call runs 1 to mesh.pipeline={self.stages} ticks")
         if self.in_flight:
-            pipe = NamedSharding(self.mesh, P("pipeline"))
-            self.state_shardings = {**self.state_shardings, "flight": pipe, "tick": rep, "born": rep}
+            self.state_shardings = {**self.state_shardings, **in_flight.shardings(self.mesh)}
         self.traces = collections.Counter()      # compilations: one trace per compiled shape
         self._empty = None
         self._specs = {}
@@ -94,16 +94,14 @@ class Compiled(Placement):
     def state_shapes(self) -> dict:
         """The decode state: the cache [.., B, S, ..] and per slot its position (where its last token
         goes), last token and sampling settings; with a pipeline in flight also the activations in
-        flight, the tick count and per slot the tick it was filled at (`meshpar.parallel.pipeline_decode`)."""
+        flight, the tick count and per slot the tick it was filled at (`meshpar.serve.in_flight`)."""
         b, key = self.slots, jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
         sds = jax.ShapeDtypeStruct
         shapes = {"cache": jax.tree.map(lambda leaf: sds(leaf.shape, leaf.dtype), self.cache_spec, is_leaf=is_leaf),
                   "pos": sds((b,), jnp.int32), "token": sds((b,), jnp.int32), "temp": sds((b,), jnp.float32),
                   "top_k": sds((b,), jnp.int32), "top_p": sds((b,), jnp.float32), "key": sds((b, *key.shape), key.dtype)}
         if self.in_flight:
-            from meshpar.parallel.pipeline_decode import flight_shape
-            shapes.update(flight=flight_shape(self._group_activation(), self.stages), tick=sds((), jnp.int32),
-                          born=sds((b,), jnp.int32))
+            shapes.update(in_flight.state_shapes(self))
         return jax.tree.map(lambda a, sh: sds(a.shape, a.dtype, sharding=sh), shapes, self.state_shardings)
 
     def new_state(self) -> dict:
@@ -192,14 +190,14 @@ class Compiled(Placement):
         for k in ("token", "temp", "top_k", "top_p", "key"):
             new[k] = take(entry[k], state[k], 0)
         if self.in_flight:          # the slot's tokens still in the pipe are the old request's: stale from now on
-            new.update(flight=state["flight"], tick=state["tick"], born=jnp.where(has, state["tick"], state["born"]))
+            new.update(in_flight.inserted(state, has))
         return new
 
     def _generate_fn(self, weights, state):
         """One token for every slot: each slot's last token at its position -> the next one."""
         self.traces["generate"] += 1
         if self.in_flight:
-            return self._tick_fn(weights, state)
+            return in_flight.generate(self, weights, state)
         pos = jnp.minimum(state["pos"], self.length - 1)     # a full slot is never read back (run frees it)
         with use_layout(self.layout), precision_lib.use_policy(self.policy):
             logits, cache = self._decode(weights, state["token"][:, None], pos[:, None], state["cache"])
@@ -207,41 +205,6 @@ class Compiled(Placement):
         keys = jax.vmap(position_key)(state["key"], pos)
         nxt = sample(logits, state["temp"], state["top_k"], state["top_p"], keys)
         return {**state, "cache": cache, "token": nxt, "pos": state["pos"] + 1}, nxt, logits
-
-    def _tick_fn(self, weights, state):
-        """A pipeline in flight: `ticks` ticks of `pipeline_decode.tick` (P: every group leaves the last
-        stage once, so every slot gets a token per call once the pipe is full); a group leaving
-        samples its next tokens; a slot whose token is still in the pipe (or stale) gets -1."""
-        from meshpar.parallel import pipeline_decode
-        b, p = self.slots, self.stages
-
-        def one(carry, _):
-            st, toks, lg = carry
-            pos = jnp.minimum(st["pos"], self.length - 1)
-            logits, cache, flight = pipeline_decode.tick(self.spec, self.layout, self.policy, weights, st["cache"],
-                                                         self.cache_spec, st["flight"], st["tick"], st["token"], pos)
-            out = jnp.arange(b // p) * p + (st["tick"] + 1) % p                       # the group leaving [R]
-            live = st["born"][out] <= st["tick"] - (p - 1)          # entered after its slot was filled
-            keys = jax.vmap(position_key)(st["key"][out], pos[out])
-            nxt = sample(logits, st["temp"][out], st["top_k"][out], st["top_p"][out], keys)
-            st = {**st, "cache": cache, "flight": flight, "tick": st["tick"] + 1,
-                  "token": st["token"].at[out].set(jnp.where(live, nxt, st["token"][out])),
-                  "pos": st["pos"].at[out].add(live.astype(jnp.int32))}
-            return (st, toks.at[out].set(jnp.where(live, nxt, toks[out])), lg.at[out].set(logits)), None
-
-        carry = (state, jnp.full((b,), -1, jnp.int32), jnp.zeros((b, self.vocab), jnp.float32))
-        with use_layout(self.layout), precision_lib.use_policy(self.policy):
-            carry, _ = jax.lax.scan(one, carry, None, length=self.ticks)
-        return carry
-
-    def _group_activation(self):
-        """What one stage passes the next for a group of slots [B/P, 1, E] (shape and dtype)."""
-        r = self.slots // self.stages
-
-        def embed(w):
-            with use_layout(for_rows(self.layout, r)), precision_lib.use_policy(self.policy):
-                return self._model(w).embed(jnp.zeros((r, 1), jnp.int32), self.dtype)
-        return jax.eval_shape(embed, self.weight_shapes)
 
 
 class Engine(Compiled):

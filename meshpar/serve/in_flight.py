@@ -1,0 +1,71 @@
+"""Decoding on a pipeline mesh with the pipe kept full across ticks (`meshpar.parallel.pipeline_decode`
+draws the schedule): what it adds to an engine's decode state, and its decode call.
+
+    state["flight"]  [P, B/P, 1, E]  the activation each stage received at the last tick
+    state["tick"]    []              ticks run so far
+    state["born"]    [B]             per slot the tick it was last filled at (`Engine.insert`)
+
+A decode call runs `ticks` ticks (P: every group of slots leaves the last stage once, so every slot
+gets a token per call once the pipe is full). The group leaving samples its next tokens, exactly
+as a decode step without a pipeline samples them (same logits, same position keys). A token that
+entered before its slot was refilled is stale: it changes no state and comes out as -1, as does
+every slot whose token is still in the pipe.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from meshpar.core import precision as precision_lib
+from meshpar.core.rules import for_rows, use_layout
+from meshpar.parallel import pipeline_decode
+from meshpar.serve.sampling import position_key, sample
+
+
+def shardings(mesh) -> dict:
+    """The added state's shardings: the activations in flight split over `pipeline`, the rest replicated."""
+    return {"flight": NamedSharding(mesh, P("pipeline")), "tick": NamedSharding(mesh, P()),
+            "born": NamedSharding(mesh, P())}
+
+
+def state_shapes(engine) -> dict:
+    """The added state's shapes and dtypes (the activation's from an abstract embed of a group)."""
+    r = engine.slots // engine.stages
+
+    def embed(w):
+        with use_layout(for_rows(engine.layout, r)), precision_lib.use_policy(engine.policy):
+            return engine._model(w).embed(jnp.zeros((r, 1), jnp.int32), engine.dtype)
+    x = jax.eval_shape(embed, engine.weight_shapes)
+    return {"flight": pipeline_decode.flight_shape(x, engine.stages), "tick": jax.ShapeDtypeStruct((), jnp.int32),
+            "born": jax.ShapeDtypeStruct((engine.slots,), jnp.int32)}
+
+
+def inserted(state, filled) -> dict:
+    """The added state after `Engine.insert` filled the slots where `filled` [B] holds: stamped with the tick."""
+    return {"flight": state["flight"], "tick": state["tick"], "born": jnp.where(filled, state["tick"], state["born"])}
+
+
+def generate(engine, weights, state):
+    """One decode call (module docstring) -> (state, next token per slot [B] or -1, logits [B, V]
+    (zeros where no token came out))."""
+    b, p = engine.slots, engine.stages
+
+    def one(carry, _):
+        st, toks, lg = carry
+        pos = jnp.minimum(st["pos"], engine.length - 1)
+        logits, cache, flight = pipeline_decode.tick(engine.spec, engine.layout, engine.policy, weights, st["cache"],
+                                                     engine.cache_spec, st["flight"], st["tick"], st["token"], pos)
+        out = jnp.arange(b // p) * p + (st["tick"] + 1) % p                       # the group leaving [R]
+        live = st["born"][out] <= st["tick"] - (p - 1)          # it entered after its slot was filled
+        keys = jax.vmap(position_key)(st["key"][out], pos[out])
+        nxt = sample(logits, st["temp"][out], st["top_k"][out], st["top_p"][out], keys)
+        st = {**st, "cache": cache, "flight": flight, "tick": st["tick"] + 1,
+              "token": st["token"].at[out].set(jnp.where(live, nxt, st["token"][out])),
+              "pos": st["pos"].at[out].add(live.astype(jnp.int32))}
+        return (st, toks.at[out].set(jnp.where(live, nxt, toks[out])), lg.at[out].set(logits)), None
+
+    carry = (state, jnp.full((b,), -1, jnp.int32), jnp.zeros((b, engine.vocab), jnp.float32))
+    with use_layout(engine.layout), precision_lib.use_policy(engine.policy):
+        carry, _ = jax.lax.scan(one, carry, None, length=engine.ticks)     # one loop: faster than unrolled
+    return carry
