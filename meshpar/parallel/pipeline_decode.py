@@ -106,7 +106,7 @@ def decode(spec, layout, policy, weights, tokens, positions, cache, cache_spec, 
         module = spec.merge({**outer, "layers": layers}, vars_)
         if hasattr(module, "eval"):
             module.eval()
-        remat, scan = layer_options(module)
+        _, scan = layer_options(module)
         s = lax.axis_index(AXIS)
 
         def rows_of(a, i, dim):         # split over data: strided microbatches (a block would all-gather the cache)

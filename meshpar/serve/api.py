@@ -195,21 +195,21 @@ class Detokenizer:
 
     def __init__(self, tok, prompt, eos, stop: list[str]):
         self.tok, self.eos, self.stop = tok, set(eos), stop
-        self.window = [int(t) for t in prompt[-4:]]    # tokens decoded together: [start, read) already text
-        self.start, self.read = 0, len(self.window)
+        self.window = [int(t) for t in prompt[-4:]]    # tokens decoded together: [0, read) already text
+        self.read = len(self.window)
         self.hold = max((len(x) - 1 for x in stop), default=0)
         self.tokens, self.all, self.sent, self.searched, self.stopped = [], "", "", 0, False
 
     def _grow(self, final: bool) -> None:
-        """Append the text of the tokens past `read` (a character still unfinished waits, unless final)."""
-        before = self.tok.decode(self.window[self.start:self.read])
-        now = self.tok.decode(self.window[self.start:])
-        if len(now) > len(before) and (final or not now.endswith("\ufffd")):
+        """Append the text of the tokens past `read`, decoded after those before it; a character still
+        unfinished waits (unless final, or 16 tokens wait: far more than a character has bytes)."""
+        before = self.tok.decode(self.window[:self.read])
+        now = self.tok.decode(self.window)
+        if len(now) > len(before) and (final or not now.endswith("\ufffd") or len(self.window) - self.read > 16):
             self.all += now[len(before):] if now.startswith(before) else self.tok.decode(self.window[self.read:])
-            self.start, self.read = max(self.start, self.read - 4), len(self.window)
-            self.window = self.window[self.start:]            # keep the window short
-            self.read -= self.start
-            self.start = 0
+            # the tokens just read become the context: they end on a character boundary
+            self.window = self.window[self.read:]
+            self.read = len(self.window)
 
     def _ready(self, final: bool) -> str:
         """The text that can be sent: cut at a stop string (searched from where it could begin)."""
@@ -220,7 +220,7 @@ class Detokenizer:
             self.stopped = True
             self.all = self.all[:min(hits)]
             return self.all
-        return self.all if final else self.all[:len(self.all) - self.hold]
+        return self.all if final else self.all[:max(0, len(self.all) - self.hold)]
 
     def _delta(self, ready: str) -> str:
         if len(ready) <= len(self.sent) or not ready.startswith(self.sent):

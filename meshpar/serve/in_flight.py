@@ -63,7 +63,8 @@ def generate(engine, weights, state):
         st = {**st, "cache": cache, "flight": flight, "tick": st["tick"] + 1,
               "token": st["token"].at[out].set(jnp.where(live, nxt, st["token"][out])),
               "pos": st["pos"].at[out].add(live.astype(jnp.int32))}
-        return (st, toks.at[out].set(jnp.where(live, nxt, toks[out])), lg.at[out].set(logits)), None
+        return (st, toks.at[out].set(jnp.where(live, nxt, toks[out])),
+                lg.at[out].set(jnp.where(live[:, None], logits, lg[out]))), None
 
     carry = (state, jnp.full((b,), -1, jnp.int32), jnp.zeros((b, engine.vocab), jnp.float32))
     with use_layout(engine.layout), precision_lib.use_policy(engine.policy):

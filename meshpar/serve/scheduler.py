@@ -7,8 +7,9 @@ taking requests from other threads (`Scheduler.serve`, `meshpar serve`):
            admit waiting requests into free slots: a cached prefix (`meshpar.serve.prefix`) -> extend
            its tail alone; the rest prefilled together, up to serve.prefill_batch per call and one
            call per length bucket; each first token emitted
-           generate one token for every busy slot (with a pipeline in flight, for one group of
-           slots: `meshpar.parallel.pipeline_decode`); emit each; a finished request frees its slot
+           generate one token for every busy slot (with a pipeline in flight, none for a slot whose
+           token is still in the pipe: `meshpar.serve.in_flight`); emit each; a finished request
+           frees its slot
 
 A request finishes at its end token (`eos`), its token budget (`max_tokens`), a full cache
 (`cache_full`) or when cancelled (`cancelled`: a client that went away, or a stop string its
@@ -120,7 +121,7 @@ class Ticks:
             self.decode_s += time.perf_counter() - t0
             self.decode_steps += 1
             for slot, t in list(self.active.items()):
-                if toks[slot] >= 0:                  # a pipeline in flight: only one group's tokens come out
+                if toks[slot] >= 0:                  # -1: its token is still in a pipeline (meshpar.serve.in_flight)
                     self._emit(t, slot, int(toks[slot]))
         with self.cv:
             return self.busy()

@@ -248,8 +248,15 @@ def test_text_streams_whole_characters_and_stops_across_tokens():
                 except UnicodeDecodeError:
                     continue
             return data.decode("utf-8", errors="replace")
-    text = "a😀b ü c"
-    for tok in (ByteTokenizer(256), Fallback(256)):
+    class Run(ByteTokenizer):
+        """Decodes as Hugging Face's ByteFallback decoder a run of byte tokens: invalid UTF-8 -> a U+FFFD per byte."""
+        def decode(self, ids):
+            try:
+                return bytes(ids).decode("utf-8")
+            except UnicodeDecodeError:
+                return "\ufffd" * len(ids)
+    text = "a😀b ü c テキスト"
+    for tok in (ByteTokenizer(256), Fallback(256), Run(256)):
         d = Detokenizer(tok, list(b"say: "), [], [])
         pieces = [d.add(t)[0] for t in text.encode()] + [d.flush()]
         assert "".join(pieces) == text and all("\ufffd" not in p for p in pieces), pieces
@@ -257,6 +264,8 @@ def test_text_streams_whole_characters_and_stops_across_tokens():
         out = [d.add(t) for t in text.encode()]
         stopped = [i for i, (_, s) in enumerate(out) if s]
         assert "".join(p for p, _ in out[:stopped[0] + 1]) == "a😀" and d.flush() == ""
+        d = Detokenizer(tok, list(b"say: "), [], ["\u00fcber"])          # a stop string longer than the text so far
+        assert [d.add(t)[0] for t in "über".encode()] + [d.flush()] == [""] * 6 and d.stopped
 
     class Counting(ByteTokenizer):
         decoded = 0
