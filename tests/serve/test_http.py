@@ -222,11 +222,12 @@ def test_a_client_that_goes_away_frees_its_slot(served, stream):
 
 def test_two_processes_of_four_devices_answer_as_one_of_eight(served):
     """`meshpar launch 2 serve`: process 0 serves HTTP, both run the same ticks (meshpar/serve/multihost.py);
-    concurrent greedy and sampled requests get the same tokens as from the one-process server; SIGTERM
-    to the launcher drains and every process exits 0."""
+    with the model cut over `pipeline`, a stage per process (as a model too big for one host is
+    served), concurrent greedy and sampled requests get the same tokens as from the one-process
+    server (data x tensor); SIGTERM to the launcher drains and every process exits 0."""
     import signal
     url1, _, _, common, _ = served
-    proc, url2, lines = start(["launch", "2", "serve", *common, *SERVER])
+    proc, url2, lines = start(["launch", "2", "serve", *common, *SERVER, "mesh.pipeline=2", "mesh.tensor=2"])
     try:
         assert any("in 2 processes" in line for line in lines), "".join(lines)
         bodies = [{"model": "abc", "prompt": p, "max_tokens": 12, "temperature": temp, "seed": seed}
