@@ -7,9 +7,11 @@ stages, so stage s works on microbatch t - s at tick t; the pipe fills and drain
     s=0    m0   m1   m2   m3   .
     s=1    .    m0   m1   m2   m3
 
-M + P - 1 ticks, each stage busy M of them (GPipe's bubble, Huang et al. 2019).
+M + P - 1 ticks, each stage busy M of them (GPipe's bubble, Huang et al. 2019). Where the rows are
+split over data, microbatch i is rows i, i + M, ... (`take_rows`): a block of rows would sit on
+some data shards only, and slicing it would all-gather the cache over data at every tick.
 
-Decoding (`tick`, one tick per call) keeps the pipe full across ticks: the B KV-cache slots are P
+Decoding (`tick`: one tick) keeps the pipe full across ticks: the B KV-cache slots are P
 groups (slot b in group b mod P, so each group spreads over the data axes as the slots do), and at
 tick t stage s works on group (t - s) mod P:
 
