@@ -3,6 +3,7 @@ sends one request of a fixed size, every wait has a timeout).
 
     python bench/bench_serve_http.py                 # 8 fake CPU devices, a 4-layer 256-wide model
     python bench/bench_serve_http.py --clients 64 --tokens 32 --prompt 100
+    python bench/bench_serve_http.py --only load mesh.pipeline=4 mesh.tensor=2    # settings for every server
 
 Two measurements, each from one run of this script:
 1. Load: C concurrent streaming clients x N new tokens against a server with `serve.prefill_batch`
@@ -107,6 +108,7 @@ def main() -> None:
     p.add_argument("--prefix", type=int, default=1000, help="shared prefix length (bytes) of the prefix test")
     p.add_argument("--rounds", type=int, default=5, help="prefix-test rounds (median)")
     p.add_argument("--only", choices=["load", "prefix"], help="one measurement only")
+    p.add_argument("settings", nargs="*", help="KEY=VALUE for every server, e.g. mesh.pipeline=4 mesh.tensor=2")
     args = p.parse_args()
     rnd = random.Random(0)
     letters = "abcdefghijklmnopqrstuvwxyz "
@@ -114,8 +116,8 @@ def main() -> None:
     rows = []
     slots = f"serve.slots={args.clients}"
     for batch in (8, 1) if args.only != "prefix" else ():
-        proc, url = start([slots, f"serve.prefill_batch={batch}", "serve.prefix_cache=0", "serve.cache_length=256"],
-                          args.devices)
+        proc, url = start([slots, f"serve.prefill_batch={batch}", "serve.prefix_cache=0", "serve.cache_length=256",
+                           *args.settings], args.devices)
         try:
             rec = {"bench": "load", "prefill_batch": batch, "clients": args.clients, "tokens": args.tokens,
                    **asyncio.run(load(url, args.clients, args.tokens, prompts))}
@@ -128,7 +130,7 @@ def main() -> None:
     prefixes = ["".join(rnd.choice(letters) for _ in range(args.prefix)) for _ in range(2 * args.rounds + 1)]
     suffix = lambda i: f" question {i}: " + "".join(rnd.choice(letters) for _ in range(12))     # noqa: E731
     cache = ["serve.slots=8", "serve.cache_length=2048", "serve.prefill_batch=8"]
-    proc, url = start([*cache, "serve.prefix_cache=8"], args.devices)
+    proc, url = start([*cache, "serve.prefix_cache=8", *args.settings], args.devices)
     cached, uncached, texts = [], [], {}
     try:
         asyncio.run(ttft_alone(url, prefixes[-1] + suffix(0)))            # compiles prefill and extend
@@ -142,7 +144,7 @@ def main() -> None:
             uncached.append(asyncio.run(ttft_alone(url, b + suffix(4)))[0])   # prefix b: never seen
     finally:
         stop(proc)
-    proc, url = start([*cache, "serve.prefix_cache=0"], args.devices)
+    proc, url = start([*cache, "serve.prefix_cache=0", *args.settings], args.devices)
     try:
         same = all(asyncio.run(ttft_alone(url, prompt))[1] == text for prompt, text in texts.items())
     finally:
