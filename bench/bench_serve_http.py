@@ -7,8 +7,10 @@ sends one request of a fixed size, every wait has a timeout).
 
 Two measurements, each from one run of this script:
 1. Load: C concurrent streaming clients x N new tokens against a server with `serve.prefill_batch`
-   = 8 (batched prefill) and one with 1 (one prompt per prefill call), everything else equal; per
-   server: requests completed / failed or garbled (a client checks its token count), p50/p99 time to
+   = 8 (batched prefill) and one with 1 (one prompt per prefill call), everything else equal. Rounds
+   of the C clients repeat until one compiles nothing new (the server's /health counts
+   compilations: a round's arrivals may batch prompts in a shape no earlier round met); per
+   server, for that round: requests completed / failed or garbled (a client checks its token count), p50/p99 time to
    first token and inter-token latency, total tokens/s.
 2. Prefix caching: prompts of a ~1k-token shared prefix + a short suffix. A first request stores the
    prefix; TTFT of a second request with the same prefix (cached) vs one with a fresh prefix
@@ -75,21 +77,32 @@ async def stream_one(client, prompt: str, tokens: int) -> dict:
             "ok": ok, "text": text}
 
 
-async def load(url: str, clients: int, tokens: int, prompts: list[str]) -> dict:
+def compilations(url: str) -> int:
+    import urllib.request
+    with urllib.request.urlopen(url + "/health", timeout=10) as r:
+        return json.loads(r.read())["compilations"]
+
+
+async def load(url: str, clients: int, tokens: int, prompts: list[str], rounds: int) -> dict:
+    """Rounds of C concurrent clients until one compiles nothing new (at most `rounds`): arrivals differ
+    per round, and a round that meets a new (rows, bucket) prefill shape pays its compilation."""
     import openai
     async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600) as client:
-        for _ in range(2):        # a warm-up round compiles every (rows, bucket) shape the load meets
-            t0 = time.perf_counter()
+        for r in range(rounds):
+            before, t0 = compilations(url), time.perf_counter()
             out = await asyncio.gather(*(stream_one(client, prompts[i % len(prompts)], tokens) for i in range(clients)),
                                        return_exceptions=True)
             wall = time.perf_counter() - t0
+            compiled = compilations(url) - before
+            if r and not compiled:
+                break
     good = [o for o in out if isinstance(o, dict) and o["ok"]]
     ttft = [o["ttft"] for o in good]
     gaps = [g for o in good for g in o["gaps"]]
     return {"completed": len(good), "failed": clients - len(good), "ttft_min_s": min(ttft, default=float("nan")),
             "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
             "itl_p50_s": pct(gaps, 50), "itl_p99_s": pct(gaps, 99), "tokens_per_s": len(good) * tokens / wall,
-            "wall_s": wall}
+            "wall_s": wall, "round": r + 1, "compiled_in_round": compiled}
 
 
 async def ttft_alone(url: str, prompt: str) -> tuple[float, str]:
@@ -108,6 +121,8 @@ def main() -> None:
     p.add_argument("--prefix", type=int, default=1000, help="shared prefix length (bytes) of the prefix test")
     p.add_argument("--rounds", type=int, default=5, help="prefix-test rounds (median)")
     p.add_argument("--only", choices=["load", "prefix"], help="one measurement only")
+    p.add_argument("--load-rounds", type=int, default=8, help="load rounds at most: the first that compiles nothing "
+                   "new (after the first) is measured")
     p.add_argument("settings", nargs="*", help="KEY=VALUE for every server, e.g. mesh.pipeline=4 mesh.tensor=2")
     args = p.parse_args()
     rnd = random.Random(0)
@@ -120,7 +135,7 @@ def main() -> None:
                            *args.settings], args.devices)
         try:
             rec = {"bench": "load", "prefill_batch": batch, "clients": args.clients, "tokens": args.tokens,
-                   **asyncio.run(load(url, args.clients, args.tokens, prompts))}
+                   **asyncio.run(load(url, args.clients, args.tokens, prompts, args.load_rounds))}
         finally:
             stop(proc)
         print(json.dumps(rec), flush=True)

@@ -159,10 +159,10 @@ class Server:
         try:
             while True:
                 try:
-                    kind, value = await asyncio.wait_for(q.get(), 1.0)
+                    kind, value = await asyncio.wait_for(q.get(), 0.25)
                 except asyncio.TimeoutError:
                     kind = None
-                if time.monotonic() - checked > 1.0:       # tokens may flow faster than the timeout: look anyway
+                if time.monotonic() - checked > 0.25:      # tokens may flow faster than the timeout: look anyway
                     checked = time.monotonic()
                     if await disconnected():
                         return
@@ -265,7 +265,8 @@ def create_app(server: Server):
     async def health():
         sched = server.scheduler
         return {"status": "ok", "waiting": len(sched.waiting) + len(sched.inbox), "active": len(sched.active),
-                "decode_steps": sched.decode_steps, "errors": sched.errors}
+                "decode_steps": sched.decode_steps, "errors": sched.errors,
+                "compilations": sum(server.engine.traces.values())}     # a new (rows, bucket) shape compiles once
 
     def card():
         return {"id": server.name, "object": "model", "created": server.created, "owned_by": "meshpar"}

@@ -191,7 +191,7 @@ def health(url) -> dict:
 
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_client_that_goes_away_frees_its_slot(served, stream):
-    """Streamed or not, a request whose client disconnects stops decoding within about a second: its
+    """Streamed or not, a request whose client disconnects stops decoding within about 0.25 s: its
     slot frees and the decode steps stop well short of its 240 tokens."""
     import http.client
     url = served[0]
