@@ -288,13 +288,16 @@ class Layout:
     def hiding(self, axes) -> "Layout":
         return dataclasses.replace(self, hidden=self.hidden | frozenset(axes))
 
+    def ways(self, name: str) -> int:
+        """Over how many devices a dimension with the logical name `name` is split."""
+        return math.prod(self.shape[a] for a in spec_axes(self.spec((name,))[:1]))
+
 
 def for_rows(layout: Layout, rows: int) -> Layout:
     """`layout` for a batch of `rows` rows (a prefill, a pipeline's microbatch of KV-cache slots): as it
     is when the mesh axes of `batch` and `cache_batch` divide the rows, else with those (and `group`)
     replicated: every row on every device."""
-    splits = [math.prod(layout.shape[a] for a in spec_axes(layout.spec((name,))[:1])) for name in ("batch", "cache_batch")]
-    if all(rows % d == 0 for d in splits):
+    if all(rows % layout.ways(name) == 0 for name in ("batch", "cache_batch")):
         return layout
     return dataclasses.replace(layout, user_rules=table(batch=None, cache_batch=None, group=None) + layout.user_rules)
 

@@ -47,7 +47,6 @@ per-device switch, on every stage, with a zero cotangent except on stage 0.
 """
 from __future__ import annotations
 
-import math
 from functools import partial
 
 import jax
@@ -105,7 +104,7 @@ def check(pc, batch, layout, shapes: dict, model_layers: int, loss: str | None =
     if rows % m:
         raise ConfigError(f"{what} does not split into pipeline.microbatches={m} microbatches; "
                           f"use a multiple of {m * batch.microbatches} for batch.global_size")
-    dp = math.prod(layout.shape[a] for a in spec_axes(layout.spec(("batch",))[:1]))
+    dp = layout.ways("batch")
     if (rows // m) % dp:
         raise ShardingError(f"the pipeline microbatch of {rows // m} sequences ({what} / pipeline.microbatches={m})"
                             f" is not divisible by the data-parallel size {dp}; use a multiple of "

@@ -42,7 +42,6 @@ the last stage's logits reach every stage by one psum over `pipeline`.
 from __future__ import annotations
 
 import contextlib
-import math
 
 import jax
 import jax.numpy as jnp
@@ -96,7 +95,7 @@ def decode(spec, layout, policy, weights, tokens, positions, cache, cache_spec, 
     b = tokens.shape[0]
     m = microbatches if b % microbatches == 0 else 1            # a prefill's rows may not divide
     rows = b // m
-    split = _batch_split(layout)
+    split = layout.ways("cache_batch")
     strided = m > 1 and split > 1 and rows % split == 0
     batch_dims = jax.tree.map(lambda leaf: leaf.axes.index("cache_batch"), cache_spec, is_leaf=is_leaf)
     params = weights["params"]
@@ -145,12 +144,6 @@ def decode(spec, layout, policy, weights, tokens, positions, cache, cache_spec, 
     fn = jax.shard_map(body, mesh=layout.mesh, axis_names={AXIS},
                        in_specs=(P(), P(AXIS), P(), P(AXIS), P(), P()), out_specs=(P(), P(AXIS)))
     return fn(outer, params["layers"], vars_, cache, tokens, positions)
-
-
-def _batch_split(layout) -> int:
-    """Over how many devices the KV cache's slots (`cache_batch`) are split."""
-    from meshpar.core.rules import spec_axes
-    return math.prod(layout.shape[a] for a in spec_axes(layout.spec(("cache_batch",))[:1]))
 
 
 def flight_shape(x, stages: int):
