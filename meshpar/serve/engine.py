@@ -185,7 +185,7 @@ class Compiled(Placement):
             pad[ld] = (0, c.shape[ld] - e.shape[ld])
             return take(jnp.pad(e, pad), c, bd)
 
-        new = {"cache": jax.tree.map(put, self.cache_spec, entry["cache"], state["cache"], is_leaf=is_leaf),
+        new = {**state, "cache": jax.tree.map(put, self.cache_spec, entry["cache"], state["cache"], is_leaf=is_leaf),
                "pos": take(entry["length"], state["pos"], 0)}
         for k in ("token", "temp", "top_k", "top_p", "key"):
             new[k] = take(entry[k], state[k], 0)

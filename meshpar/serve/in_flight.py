@@ -42,8 +42,9 @@ def state_shapes(engine) -> dict:
 
 
 def inserted(state, filled) -> dict:
-    """The added state after `Engine.insert` filled the slots where `filled` [B] holds: stamped with the tick."""
-    return {"flight": state["flight"], "tick": state["tick"], "born": jnp.where(filled, state["tick"], state["born"])}
+    """What `Engine.insert` changes in the added state: the slots where `filled` [B] holds are stamped
+    with the tick (the activations in flight and the tick stay)."""
+    return {"born": jnp.where(filled, state["tick"], state["born"])}
 
 
 def generate(engine, weights, state):
