@@ -213,8 +213,7 @@ class Detokenizer:
 
     def _ready(self, final: bool) -> str:
         """The text that can be sent: cut at a stop string (searched from where it could begin)."""
-        longest = max((len(x) for x in self.stop), default=0)
-        hits = [i for i in (self.all.find(x, max(0, self.searched - longest)) for x in self.stop) if i >= 0]
+        hits = [i for i in (self.all.find(x, max(0, self.searched - self.hold - 1)) for x in self.stop) if i >= 0]
         self.searched = len(self.all)
         if hits:
             self.stopped = True
