@@ -12,7 +12,9 @@ Compiling is most of the suite's time (bench/RESULTS.md, "Suite time"), so:
   once. `MESHPAR_TEST_XLA_CACHE=0` turns it off.
 - `-n auto` runs one worker per core (capped below), each test file on one worker (`--dist
   loadfile`) so that a module fixture compiles once; the summary prints each file's seconds and
-  programs, and a file over its budget fails the run.
+  programs, and the files over their budget (a report; `MESHPAR_STRICT_SUITE_TIME=1` fails the run).
+- a worker that dies (an abort in XLA, say) fails the run at once (`--max-worker-restart=0`), and
+  its fatal-error stacks, all threads, are kept in a file the summary names and prints.
 """
 import os
 import shutil
@@ -64,6 +66,8 @@ if XLA_CACHE:
         os.environ[option.upper()] = str(value)      # subprocesses and xdist's workers read the same settings
 
 from meshpar.core.config import load_config  # noqa: E402
+
+pytest_plugins = ("tests.suite_watch",)      # each file's time and programs; a dead worker's stacks
 
 # Small, fast settings shared by the tests: fp32 for exactness, 2 layers, short sequences.
 FAST = ["precision=fp32", "model.layers=2", "batch.global_size=16", "batch.length=16", "steps=4",
@@ -134,58 +138,6 @@ def checkpoint_steps(d: Path) -> list[int]:
     return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.exists() else []
 
 
-# -- suite time: each test file within a budget, checked by the suite itself ---------------------
-# Next to each file's seconds the summary prints what they went on: the XLA programs it compiled
-# (JAX's monitoring events: backend compiles, compiles answered by the cache, tracing + lowering to
-# StableHLO), so a slow file shows whether it compiles too many programs or runs too many steps.
-# Each test report carries its phase's counts (user_properties), so they reach the summary from
-# pytest-xdist's workers too.
-
-# seconds a test file may take, as measured beside the other worker (which slows it ~1.2-1.3x; the
-# largest files take 75-100 s so measured on this machine)
-FILE_BUDGET_S = float(os.environ.get("MESHPAR_TEST_FILE_BUDGET_S", 150))
-_XLA_KEY = "xla_programs"              # (compiled, compile s, trace + lower s, cache hits) of one report
-_BACKEND = "/jax/core/compile/backend_compile_duration"
-_FRONT = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration")
-_HIT = "/jax/compilation_cache/cache_hits"
-_phase = [0, 0.0, 0.0, 0]              # counts since the last report, in this process
-_file_seconds: dict[str, float] = {}
-_file_xla: dict[str, list] = {}
-
-
-def _on_duration(event: str, seconds: float, **_):
-    if event == _BACKEND:
-        _phase[0] += 1
-        _phase[1] += seconds
-    elif event in _FRONT:
-        _phase[2] += seconds
-
-
-def _on_event(event: str, **_):
-    if event == _HIT:
-        _phase[3] += 1
-
-
-jax.monitoring.register_event_duration_secs_listener(_on_duration)
-jax.monitoring.register_event_listener(_on_event)
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    report = (yield).get_result()
-    report.user_properties.append((_XLA_KEY, list(_phase)))
-    _phase[:] = [0, 0.0, 0.0, 0]
-
-
-def pytest_runtest_logreport(report):
-    path = report.nodeid.split("::")[0]
-    _file_seconds[path] = _file_seconds.get(path, 0.0) + report.duration
-    row = _file_xla.setdefault(path, [0, 0.0, 0.0, 0])
-    for key, value in report.user_properties:
-        if key == _XLA_KEY:
-            row[:] = [x + y for x, y in zip(row, value)]
-
-
 def pytest_xdist_auto_num_workers(config):
     """`-n auto`: one worker per core this process may use, at most one per 4 GiB of memory (a worker
     holds 8 fake devices' programs and buffers) and at most 8."""
@@ -197,30 +149,6 @@ def pytest_xdist_auto_num_workers(config):
     return max(1, min(cores, int(memory_gib // 4), 8))
 
 
-def over_budget() -> dict[str, float]:
-    return {f: t for f, t in _file_seconds.items() if t > FILE_BUDGET_S}
-
-
 def pytest_sessionfinish(session, exitstatus):
     if _OWN_CACHE:
         shutil.rmtree(XLA_CACHE, ignore_errors=True)
-    if over_budget() and session.exitstatus == 0:
-        session.exitstatus = 1          # the suite fails: a file grew past its budget
-
-
-def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    if not _file_seconds:
-        return
-    tr = terminalreporter
-    tr.write_sep("=", f"seconds per test file (budget {FILE_BUDGET_S:g} s each)")
-    tr.write_line(f"{'seconds':>8}  {'compiled':>8}  {'cached':>6}  {'compile':>8}  {'trace':>8}  file   "
-                  "(in-process programs: compiled, taken from the session's cache; seconds compiling, tracing + lowering)")
-    total = [0, 0.0, 0.0, 0]
-    for path, seconds in sorted(_file_seconds.items(), key=lambda kv: -kv[1]):
-        row = _file_xla.get(path, (0, 0.0, 0.0, 0))
-        total = [a + b for a, b in zip(total, row)]
-        tr.write_line(f"{seconds:8.1f}  {row[0]:8d}  {row[3]:6d}  {row[1]:8.1f}  {row[2]:8.1f}  {path}")
-    tr.write_line(f"{sum(_file_seconds.values()):8.1f}  {total[0]:8d}  {total[3]:6d}  {total[1]:8.1f}  {total[2]:8.1f}  total")
-    for path, seconds in over_budget().items():
-        tr.write_line(f"FAILED suite time: {path} took {seconds:.0f} s alone, over the {FILE_BUDGET_S:g} s a test "
-                      "file may take; share its compiled steps (module fixtures) or split it", red=True)
