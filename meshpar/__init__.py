@@ -12,8 +12,9 @@ checks it; docs/architecture.md has one line per module):
   core/      errors, config (schema, YAML, overrides), annotate (`meshpar config`), registry (config names ->
              code), mesh, rules (logical names -> mesh axes, strategy presets, `constrain`), precision, batch
              (`Leaf`), sharding
-  nn/        layers (`param`, `stacked`, `scan_layers`), attention (the mask, xla/cudnn), flash (blockwise
-             attention, O(S) memory), moe (routing, dispatch/combine), stages (the stage protocol)
+  nn/        layers (`param`, `stacked`, `scan_layers`), dropout (the stacked layers' keys), attention (the mask,
+             xla/cudnn), flash (blockwise attention, O(S) memory), moe (routing, dispatch/combine), stages (the
+             stage protocol)
   parallel/  schedules (tick tables), residuals (1F1B's stash), pipeline (shard_map over `pipeline`),
              context (sequences split over `context`; `meshpar.attention`)
   io/        checkpoint (Orbax), hf (Hugging Face safetensors), tokenizer

@@ -19,6 +19,7 @@ from flax import nnx
 from meshpar.core.precision import param_dtype
 from meshpar.core.rules import constrain
 from meshpar.core.sharding import logical_axes
+from meshpar.nn import dropout
 
 
 def param(rngs: nnx.Rngs, shape, logical, std: float | None = None, init: str = "normal") -> nnx.Param:
@@ -34,14 +35,20 @@ def param(rngs: nnx.Rngs, shape, logical, std: float | None = None, init: str = 
 
 
 def stacked(make, n: int, rngs: nnx.Rngs):
-    """n copies of the module `make(rngs)` stacked on a leading `layers` axis (nnx.vmap)."""
+    """n copies of the module `make(rngs)` stacked on a leading `layers` axis (nnx.vmap).
+
+    `rngs` has a `params` stream and any other (`dropout`, ...); a stream the block keeps
+    (nnx.Dropout's) becomes a stateless `meshpar.nn.dropout.LayerStream`, whose keys are derived from
+    the step, the microbatch and the layer when `scan_layers` runs the stack."""
     keys = jax.random.split(rngs.params(), n)
 
     @nnx.vmap(in_axes=0, out_axes=0)
     def create(key):
-        return make(nnx.Rngs(params=key))
+        spare = jax.random.fold_in(key, 1)
+        return make(nnx.Rngs(spare, params=key, dropout=spare))
 
     mod = create(keys)
+    dropout.detach(mod, type(mod).__name__)
     for _, var in nnx.iter_graph(mod):   # meshpar's names or Flax's (`out_sharding`) gain `layers`
         if isinstance(var, nnx.Variable):
             meta = var.get_metadata()
@@ -81,13 +88,15 @@ def scan_layers(layers_mod, x, positions, remat: str = "full", scan: bool = True
         names = logical_axes(v)
         return v.replace(constrain(v.get_value(), names[1:], what="parameter")) if names else v
 
-    def body(carry, layer_state):
+    def body(carry, xs):
+        layer_state, i = xs if draws else (xs, 0)
         layer_state = jax.tree.map(pin, layer_state, is_leaf=lambda v: isinstance(v, nnx.Variable))
         layer = nnx.merge(graphdef, layer_state)
-        if segment_ids is not None:
-            out = layer(carry, positions, segment_ids=segment_ids)
-        else:
-            out = layer(carry) if positions is None else layer(carry, positions)
+        with dropout.layer(i):            # the layer's dropout keys (meshpar.nn.dropout)
+            if segment_ids is not None:
+                out = layer(carry, positions, segment_ids=segment_ids)
+            else:
+                out = layer(carry) if positions is None else layer(carry, positions)
         return out if isinstance(out, tuple) else (out, {})
 
     def decode_body(carry, xs):
@@ -102,13 +111,14 @@ def scan_layers(layers_mod, x, positions, remat: str = "full", scan: bool = True
         return (y, cache), aux
 
     n = jax.tree.leaves(state)[0].shape[0]
+    draws = dropout.draws(graphdef)          # its blocks draw dropout keys: the scan passes the layer index
     loop = jax.lax.scan if scan else functools.partial(_unrolled, n=n)
     if cache is not None:                    # decoding: no backward pass, so no remat
         (x, cache), aux = loop(decode_body, (x, cache), (state, jnp.arange(n)))
         return x, aux, cache
     if REMAT_POLICIES[remat] is not None:
         body = jax.checkpoint(body, policy=REMAT_POLICIES[remat](), prevent_cse=not scan)
-    return loop(body, x, state)
+    return loop(body, x, (state, jnp.arange(n)) if draws else state)
 
 
 def _unrolled(f, carry, xs, n: int):

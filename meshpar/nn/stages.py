@@ -15,7 +15,8 @@ value under the key `loss` (already weighted, MoE load balancing say) is added t
 rest are metrics stacked [layers]. Non-Param state (BatchNorm statistics, dropout RNG streams) may
 live in `pre` and `post`: each runs on one stage, once per microbatch in order, as gradient
 accumulation over `pipeline.microbatches` runs them on one device. The stacked layers hold
-parameters only (a layer's state would have to travel between stages with every microbatch).
+parameters only (a layer's state would have to travel between stages with every microbatch); their
+dropout carries no state (`meshpar.nn.dropout`: keys derived from step, microbatch and layer).
 
 The reference LM is the same cut: `embed` (the inputs [b, T] -> [b, T, E]), `layers` (called with
 positions, and segment ids for packed documents), `head` + next-token cross-entropy against the
@@ -103,8 +104,9 @@ def check_state(spec) -> None:
         paths = [".".join(str(getattr(p, "key", p)) for p in path) for path, _ in
                  jax.tree_util.tree_leaves_with_path(spec.var_shapes["layers"])]
         raise ConfigError(f"pipelining: the stacked layers hold non-Param state (layers.{paths[0]}, ...: a dropout RNG "
-                          "stream or statistics would have to travel between stages); keep such state in pre/post "
-                          "(meshpar.nn.stages), drop it from the layers, or set mesh.pipeline=1")
+                          "stream or statistics would have to travel between stages); build the stack with "
+                          "meshpar.stacked (its dropout holds no state), keep other state in pre/post "
+                          "(meshpar.nn.stages), or set mesh.pipeline=1")
 
 
 def manual_axes() -> tuple[str, ...]:

@@ -57,7 +57,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshpar.core.errors import ConfigError, ShardingError
 from meshpar.core.rules import spec_axes
-from meshpar.nn import moe
+from meshpar.nn import dropout, moe
 from meshpar.parallel import context
 from meshpar.parallel.residuals import Residuals
 from meshpar.parallel.schedules import BRANCH_SHARE, branch_shares, one_f_one_b_branches, one_f_one_b_program
@@ -163,9 +163,10 @@ def _circular_loss(model: StageModel, p: int, m: int, v: int, outer, layers, var
     # Per-stage remat: only (r, x) are saved per tick; the chunk is picked inside, so the local
     # layers stay one loop-invariant residual instead of a per-tick copy of the chunk's weights.
     @partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable)
-    def run_stage(lay, r, x, mb):
+    def run_stage(lay, r, x, mb, micro):
         chunk = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, r, 0, keepdims=False), lay)
-        return model.stage(outer, chunk, x, mb)
+        with dropout.at(micro, r * p + s, chunk):    # chunk r * P + s's dropout keys (meshpar.nn.dropout)
+            return model.stage(outer, chunk, x, mb)
 
     # Remat around the `cond`, not inside it: the checkpoint's residuals are then its inputs, and the
     # loop-invariant outer parameters stay one residual, where a checkpoint inside the branch made
@@ -192,7 +193,7 @@ def _circular_loss(model: StageModel, p: int, m: int, v: int, outer, layers, var
         mb = _micro(mbs, micro)
         first = (s == 0) & (r == 0) & valid           # pre runs once per microbatch: it may update state
         x, vs = lax.cond(first, lambda: _vary_tree(model.pre(outer_e, chunk0, vs, mb)), lambda: (recv, vs))
-        y, a_loss, met = run_stage(layers, r, x, mb)
+        y, a_loss, met = run_stage(layers, r, x, mb, micro)
         last = (s == p - 1) & (r == v - 1) & valid
         ce, lm, vs = post_or_zero(outer if model.lm else outer_e, vs, y, mb, last)
         w = valid.astype(jnp.float32)
@@ -252,8 +253,10 @@ def _one_f_one_b_grads(model: StageModel, p: int, m: int, outer, layers, vars, m
         y, a_loss, met = model.stage(outer, lp, x, mb)
         return (y, a_loss), met
 
-    # the microbatch's rows are residuals too; typed as in the loop (picked by a stage-dependent index)
-    residuals = Residuals(partial(stage_only, mb=_vary_tree(mb0)), layers, x_spec)
+    # the microbatch's rows are residuals too; typed as in the loop (picked by a stage-dependent index),
+    # and so are the dropout keys' microbatch and first layer (meshpar.nn.dropout)
+    with dropout.at(f_micro[0, s], s, layers):
+        residuals = Residuals(partial(stage_only, mb=_vary_tree(mb0)), layers, x_spec)
     n_res = len(residuals.shapes)
 
     # The branches read and write one slot of the stash (`ins["res"]`, `res_new`), never the stash
@@ -306,7 +309,7 @@ def _one_f_one_b_grads(model: StageModel, p: int, m: int, outer, layers, vars, m
         """Branch i: a position's ops ("F", "B", "FB", "" idle), scoped by tick share (`inspect`) and name."""
         def run(c, ins, mf, mb):
             what = f"{('first', 'middle', 'last')[position]}_{ops or 'idle'}"
-            with jax.named_scope(f"{BRANCH_SHARE}{shares[i]:.6g}"), jax.named_scope(what):
+            with jax.named_scope(f"{BRANCH_SHARE}{shares[i]:.6g}"), jax.named_scope(what), dropout.at(mf, s, layers):
                 c = {**c, "send_f": _vary(zero_x), "send_b": _vary(zero_x)}
                 if position == 2 and ops:
                     c = last(c, ins, mf)
@@ -453,7 +456,7 @@ def _manual_batch_axes(spec, layout) -> tuple:
     dropout masks of `pre`/`post` must see the whole microbatch), else (): see the module docstring."""
     batch = layout.spec(("batch",))
     if layout.shape.get("data", 1) <= 1 or not len(batch) or spec_axes(batch[:1])[:1] != ("data",) or \
-            spec.var_treedef is not None:
+            spec.var_treedef is not None or dropout.draws(spec.graphdef):
         return ()
     specs = jax.tree.leaves(jax.tree.map(lambda sh, names: layout.spec(names, sh.shape), spec.shapes, spec.logical,
                                          is_leaf=lambda x: isinstance(x, tuple)), is_leaf=lambda x: isinstance(x, P))

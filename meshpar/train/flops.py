@@ -96,12 +96,13 @@ def loss_forward_flops(trainer) -> float:
     """Matmul FLOPs of `trainer.loss` on the whole global batch, forward only (traced, not compiled)."""
     from meshpar.core.batch import is_leaf
     from meshpar.core.precision import use_policy
+    from meshpar.nn import dropout
     spec = trainer.spec
     batch = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(tuple(leaf.shape), leaf.dtype), trainer.batch_spec,
                          is_leaf=is_leaf)
 
-    def forward(params, vars, b):
-        with use_policy(trainer.policy):
+    def forward(params, vars, b):   # traced as the train step traces it (dropout of stacked layers drawn)
+        with use_policy(trainer.policy), dropout.training(trainer.cfg.train.seed, 0):
             return trainer.loss(spec.merge(params, vars), b)[0]
     return matmul_flops(jax.make_jaxpr(forward)(spec.shapes, spec.var_shapes or {}, batch))
 

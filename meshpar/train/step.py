@@ -22,7 +22,8 @@ gradients are reduced is the strategy (ZeRO, Rajbhandari et al. 2020):
 * zero1 under accumulation: each data-parallel replica accumulates its *own* gradients (a `vmap`
   over replicas whose mapped axis sits on the batch mesh axes, so nothing is communicated inside the
   loop) and they are reduce-scattered once per optimizer step. A model with non-Param state (dropout
-  RNG streams, say) reduces per microbatch instead, so its masks stay independent of the mesh.
+  RNG streams, say) or dropout in its stacked layers (`meshpar.nn.dropout`: keys per step,
+  microbatch and layer) reduces per microbatch instead, so its masks stay independent of the mesh.
 * zero2 under accumulation: each microbatch's gradients are reduce-scattered on arrival, so the
   accumulator holds 1/N per device (M x Psi bytes moved, 1/N of the memory).
 """
@@ -41,6 +42,7 @@ from meshpar.core.batch import is_leaf
 from meshpar.core.registry import import_object
 from meshpar.core.rules import use_layout
 from meshpar.core.sharding import split_microbatches
+from meshpar.nn import dropout
 from meshpar.train.loss import check_loss
 from meshpar.train.optimizer import applied_count, lr_schedule
 from meshpar.train.state import TrainSetup, batch_axes_of
@@ -87,7 +89,7 @@ class Trainer(TrainSetup):
         # replica would draw the same dropout masks (and keep its own counters), so such a model
         # takes the general path (gradients reduced per microbatch), which matches any mesh
         local = (strategy.opt_state is not None and not strategy.shard_grads and replicas and not self.pipelined
-                 and not jax.tree.leaves(vars))
+                 and not jax.tree.leaves(vars) and not dropout.draws(self.spec.graphdef))
         if local:   # ZeRO-1: per-replica gradients [R, ...], reduced once after the loop
             r = math.prod(self.layout.shape[a] for a in replicas)
             inner = self.layout.hiding(replicas)
@@ -104,9 +106,10 @@ class Trainer(TrainSetup):
             def pin(g):   # ZeRO-2: reduce-scatter each microbatch's grads, accumulate 1/N shards
                 return jax.lax.with_sharding_constraint(g, self.grad_shardings) if strategy.shard_grads else g
 
-        def acc(carry, mb):
-            total, v = carry
-            (l, a), g = grads_fn(params, mb, v)
+        def acc(carry, xs):
+            (total, v), (mb, k) = carry, xs
+            with dropout.accumulating(k, m):      # microbatch k's dropout keys (meshpar.nn.dropout)
+                (l, a), g = grads_fn(params, mb, v)
             v = a.pop("vars")
             return (jax.tree.map(jnp.add, total, (l, a, pin(g))), v), None
 
@@ -116,7 +119,7 @@ class Trainer(TrainSetup):
         a0.pop("vars")
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (l0, a0, g0))
         zeros = (zeros[0], zeros[1], pin(zeros[2]))
-        ((loss, aux, grads), vars), _ = jax.lax.scan(acc, (zeros, vars), mbs)
+        ((loss, aux, grads), vars), _ = jax.lax.scan(acc, (zeros, vars), (mbs, jnp.arange(m)))
         if local:   # sum the replicas' partial sums: one reduce(-scatter) per optimizer step
             loss, aux, grads = jax.tree.map(lambda x: jnp.sum(x, axis=0) / r, (loss, aux, grads))
         return jax.tree.map(lambda x: x / m, (loss, aux, grads)), vars
@@ -124,11 +127,12 @@ class Trainer(TrainSetup):
     def _step_fn(self, state, batch):
         params = state["params"]
         scale = state["numerics"]["loss_scale"] if self.policy.loss_scaling else None
-        if self.cfg.batch.microbatches == 1:
-            (loss, aux), grads = self._grads(params, batch, scale, state["vars"])
-            vars = aux.pop("vars")
-        else:
-            (loss, aux, grads), vars = self._accumulate(params, batch, scale, state["vars"])
+        with dropout.training(self.cfg.train.seed, state["step"]):   # keys of stacked layers' dropout
+            if self.cfg.batch.microbatches == 1:
+                (loss, aux), grads = self._grads(params, batch, scale, state["vars"])
+                vars = aux.pop("vars")
+            else:
+                (loss, aux, grads), vars = self._accumulate(params, batch, scale, state["vars"])
         grads = jax.lax.with_sharding_constraint(precision_lib.LossScale.unscale(grads, scale), self.grad_shardings)
         # a non-finite loss or gradient (or an fp16 overflow) skips the update: params, optimizer
         # state and the model's other state stay bitwise as they were; `numerics` counts it and
