@@ -84,7 +84,7 @@ def _parser() -> argparse.ArgumentParser:
     sv = sub.add_parser("serve", parents=[common], help="an OpenAI-compatible HTTP server (/v1/completions, "
                         "/v1/chat/completions, /v1/models, /health) over the serving engine; SIGTERM drains it")
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    sv.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free one, printed)")
+    sv.add_argument("--port", type=int, default=8000, help="port, 1..65535 (default 8000; 0: any free one, printed)")
     sv.add_argument("--model-name", help="the model id clients name (default: the checkpoint's or init_from's folder)")
     pl = sub.add_parser("plan", parents=[common], help="choose mesh, strategy, microbatches and remat for N devices "
                         "of some hardware (cost model), write the winner as a config; --verify compiles the top K")

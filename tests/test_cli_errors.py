@@ -85,3 +85,9 @@ def test_keys_the_run_will_not_read_get_one_warning_line():
     assert lines[1].startswith("warning: rules[0] (patch) name no parameter, variable or batch leaf")
     assert make_cfg("model.name=moe", "moe.num_experts=4", mesh={"data": 4, "pipeline": 2},
                     ).ignored == []
+
+
+@pytest.mark.parametrize("port", ["99999", "-1"])
+def test_a_port_out_of_range_is_one_line(capsys, port):
+    code, err = run_cli(capsys, "serve", "--port", port)
+    assert code == 2 and err == f"meshpar: error: --port {port} is out of range: use 1..65535 (0: any free one)\n"
