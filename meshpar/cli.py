@@ -286,6 +286,17 @@ def _serve(cfg, args) -> None:
     serve_http(cfg, args.host, getattr(args, "socket", None), args.model_name)
 
 
+def _check_outputs(args) -> None:
+    """The files and folders this command will write can be written (one line naming the flag if not)."""
+    from meshpar.core.paths import check_output_dir, check_output_file
+    if getattr(args, "metrics_out", None):
+        check_output_file("--metrics-out", args.metrics_out)
+    if args.command == "plan" and args.out != "-":
+        check_output_file("--out", args.out)
+    if args.command == "export":
+        check_output_dir("--out", args.out)
+
+
 def _setup_devices(cfg, devices_flag: int | None, processes: int = 1, planning: bool = False) -> None:
     """Fake host devices before JAX initialises (only CPU-only hosts are affected). `devices` counts
     all processes together; each of `processes` fakes its share. One device (not for `plan`, which
@@ -359,6 +370,8 @@ def _run(args) -> int:
         from meshpar.runtime import distributed
         multi = distributed.resolve(getattr(args, "coordinator", None), getattr(args, "num_processes", None),
                                     getattr(args, "process_id", None))
+        if multi is None or not multi.process_id:   # process 0 writes the files: their folders, before any work
+            _check_outputs(args)
         if args.command == "serve" and (multi is None or not multi.process_id):
             from meshpar.serve.api import listen     # before the processes meet: a port in use fails process 0 alone
             args.socket = listen(args.host, args.port)

@@ -91,3 +91,26 @@ def test_keys_the_run_will_not_read_get_one_warning_line():
 def test_a_port_out_of_range_is_one_line(capsys, port):
     code, err = run_cli(capsys, "serve", "--port", port)
     assert code == 2 and err == f"meshpar: error: --port {port} is out of range: use 1..65535 (0: any free one)\n"
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["train", "--metrics-out", "{missing}/m.jsonl"], "--metrics-out"),
+    (["plan", "--devices", "8", "--out", "{missing}/plan.yaml"], "--out"),
+    (["plot", "{run}", "-o", "{missing}/run.png"], "-o"),
+])
+def test_an_output_file_in_a_missing_folder_is_one_line(capsys, tmp_path, argv, flag):
+    """Said before any work (no compile, no plan): the flag, the path and the folder at fault."""
+    missing = tmp_path / "no" / "dir"
+    (tmp_path / "run.jsonl").write_text("")
+    argv = [a.format(missing=missing, run=tmp_path / "run.jsonl") for a in argv]
+    code, err = run_cli(capsys, *argv)
+    path = next(a for a in argv if a.startswith(str(missing)))
+    assert code == 2 and err == (f"meshpar: error: {flag} {path}: the folder {missing} does not exist; "
+                                 "create it or choose another path\n")
+
+
+def test_an_export_folder_under_a_file_is_one_line(capsys, tmp_path):
+    (tmp_path / "f").write_text("")
+    code, err = run_cli(capsys, "export", "--out", str(tmp_path / "f" / "out"))
+    assert code == 2 and err == (f"meshpar: error: --out {tmp_path / 'f' / 'out'}: {tmp_path / 'f'} is a file, "
+                                 "not a folder; choose another path\n")
