@@ -14,7 +14,7 @@ def run_cli(capsys, *args):
     (["mesh.data=3", "mesh.fsdp=1", "mesh.tensor=1"],
      "mesh axes multiply to 3 (data=3) but there are 8 devices; set one axis to -1 to fill, or run with --devices 3"),
     (["mesh.data=-1", "mesh.fsdp=-1"], "only one mesh axis may be -1 (fill), got mesh.data, mesh.fsdp"),
-    (["mesh.tensr=2"], "unknown config key 'mesh.tensr' (did you mean 'tensor'?)"),
+    (["mesh.tensr=2"], "unknown config key 'mesh.tensr' (did you mean 'mesh.tensor'?)"),
     (["strategy=fsd"], "config key 'strategy' has unknown value 'fsd' (did you mean 'fsdp'?)"),
     (["rules=[[embd, [tensor]]]"], "rules[0]: unknown logical axis 'embd' (did you mean 'embed'?)"),
     (["rules=[[embed, [tensr]]]"], "rules[0] (embed): unknown mesh axis 'tensr' (did you mean 'tensor'?)"),

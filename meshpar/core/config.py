@@ -277,7 +277,7 @@ def _build(cls, data: dict, prefix: str = ""):
     types_ = _field_types(cls)
     for k in data:
         if k not in types_:
-            raise ConfigError(f"unknown config key '{prefix}{k}'" + suggest(k, types_))
+            raise ConfigError(f"unknown config key '{prefix}{k}'" + suggest(k, types_, prefix))
     kwargs = {k: _coerce(v, types_[k], prefix + k) for k, v in data.items()}
     return cls(**kwargs)
 

@@ -16,7 +16,7 @@ def test_overrides_are_typed_and_dotted():
 
 
 @pytest.mark.parametrize("override, message", [
-    (["mesh.tensr=2"], "unknown config key 'mesh.tensr' (did you mean 'tensor'?)"),
+    (["mesh.tensr=2"], "unknown config key 'mesh.tensr' (did you mean 'mesh.tensor'?)"),
     (["stesp=3"], "unknown config key 'stesp' (did you mean 'steps'?)"),
     (["strategy=fsdpp"], "config key 'strategy' has unknown value 'fsdpp' (did you mean 'fsdp'?)"),
     (["precision=fp8"], "config key 'precision' has unknown value 'fp8'"),
@@ -44,7 +44,7 @@ def test_fill_axis_and_size_checks():
         resolve_axis_sizes({"data": 3, "tensor": 4}, 8)
     with pytest.raises(ConfigError, match="only one mesh axis may be -1 .*mesh.data, mesh.tensor"):
         resolve_axis_sizes({"data": -1, "tensor": -1}, 8)
-    with pytest.raises(ConfigError, match="unknown mesh axis 'mesh.tensr' .did you mean 'tensor'"):
+    with pytest.raises(ConfigError, match="unknown mesh axis 'mesh.tensr' .did you mean 'mesh.tensor'"):
         resolve_axis_sizes({"tensr": 2}, 8)
     with pytest.raises(ConfigError, match="cannot fill mesh.data=-1: the other axes multiply to 3"):
         resolve_axis_sizes({"data": -1, "tensor": 3}, 8)

@@ -252,7 +252,7 @@ def test_plot_writes_a_png_of_the_requested_size(observed, tmp_path):
     ("profile.steps=0", "'profile.steps' must be >= 1"),
     ("eval.every=-1", "'eval.every' must be >= 0"),
     ("eval.path=x.bin", "'eval.path' is read for data.kind=tokens or text"),
-    ("metrics.tensorbord=d", "did you mean 'tensorboard'"),
+    ("metrics.tensorbord=d", "did you mean 'metrics.tensorboard'"),
 ])
 def test_bad_settings_are_one_line(override, match):
     with pytest.raises(ConfigError, match=match):
