@@ -335,46 +335,28 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
-def from_dict(data: dict) -> Config:
-    """Build and validate; `cfg.ignored` lists the keys given that this run will not read."""
+def from_dict(data: dict, given: list[str] | None = None) -> Config:
+    """Build and validate; `given`: the dotted keys the user set (default: those of `data` that
+    differ from the defaults, `meshpar.core.notices`); `cfg.ignored` lists those the run will not read."""
+    from meshpar.core.notices import given_keys, ignored_keys
     cfg = _build(Config, data)
+    given = given_keys(data, [], Config()) if given is None else given
     validate(cfg)
-    cfg.ignored = ignored_keys(data, cfg)
+    cfg.ignored = ignored_keys(given, cfg)
     return cfg
-
-
-def ignored_keys(data: dict, cfg: Config) -> list[str]:
-    """Keys set (in the file or as overrides) that the run will not read: `moe.*` unless the model is
-    the reference MoE LM (or a user factory, which may read them), `pipeline.*` when mesh.pipeline is 1."""
-    out = []
-    if cfg.model.name in ("decoder",) and data.get("moe"):
-        out += [f"moe.{k}" for k in data["moe"]]
-    if cfg.mesh.pipeline == 1 and data.get("pipeline"):
-        out += [f"pipeline.{k}" for k in data["pipeline"]]
-    return out
-
-
-def ignored_warning(cfg: Config) -> str | None:
-    """One line naming the ignored keys, or None."""
-    keys = getattr(cfg, "ignored", [])
-    if not keys:
-        return None
-    why = []
-    if any(k.startswith("moe.") for k in keys):
-        why.append(f"moe.* needs model.name=moe (model.name={cfg.model.name})")
-    if any(k.startswith("pipeline.") for k in keys):
-        why.append("pipeline.* needs mesh.pipeline > 1")
-    return f"warning: ignoring {', '.join(keys)}: {'; '.join(why)}"
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None, under: dict | None = None) -> Config:
     """The YAML file (default: the embedded configs/tiny.yaml) + KEY=VALUE overrides, validated.
     `under`: settings laid under them (a checkpoint's saved model settings, for `generate`): a given
     file and the overrides win over them, and they win over the embedded default."""
+    from meshpar.core.notices import given_keys
     data = _read_yaml(Path(path) if path else DEFAULT_CONFIG)
     if under:
         data = _merge(under, data) if path else _merge(data, under)
-    return from_dict(apply_overrides(data, overrides or []))
+    overrides = overrides or []
+    given = given_keys(data, [parse_override(o) for o in overrides], Config())
+    return from_dict(apply_overrides(data, overrides), given)
 
 
 def to_dict(cfg: Config) -> dict:

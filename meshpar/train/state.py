@@ -135,11 +135,12 @@ class TrainSetup:
                        loss=None if self.is_lm else self.loss_name)
 
     def warnings(self) -> list[str]:
-        """One line each for what this run will ignore: config keys it does not read, user rules
+        """One line each for what this run will ignore: config keys it does not read (and a warmup
+        longer than the run, `meshpar.core.notices`), user rules
         that name no parameter, variable or batch leaf (they can only reach activations); and the
         padded exchange dropless expert parallelism falls back to."""
-        from meshpar.core.config import ignored_warning
-        out = [w for w in [ignored_warning(self.cfg)] if w]
+        from meshpar.core.notices import config_warnings
+        out = config_warnings(self.cfg)
         if self.idle_rules:
             out.append(f"warning: {', '.join(self.idle_rules)} name no parameter, variable or batch leaf of this "
                        "model: they apply only to activations constrained with those names")
