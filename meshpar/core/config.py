@@ -336,11 +336,14 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 
 
 def from_dict(data: dict, given: list[str] | None = None) -> Config:
-    """Build and validate; `given`: the dotted keys the user set (default: those of `data` that
-    differ from the defaults, `meshpar.core.notices`); `cfg.ignored` lists those the run will not read."""
+    """Build, complete from `model.init_from` (`meshpar.core.pretrained`) and validate; `given`: the
+    dotted keys the user set (default: those of `data` that differ from the defaults,
+    `meshpar.core.notices`); `cfg.ignored` lists those the run will not read."""
     from meshpar.core.notices import given_keys, ignored_keys
+    from meshpar.core.pretrained import resolve
     cfg = _build(Config, data)
     given = given_keys(data, [], Config()) if given is None else given
+    resolve(cfg, given, top_k)          # what a Mixtral / Qwen3-MoE model.init_from implies (model.name, moe.*)
     validate(cfg)
     cfg.ignored = ignored_keys(given, cfg)
     return cfg
