@@ -31,6 +31,9 @@ def run_cli(capsys, *args):
     (["model.attention=splash"], "model.attention=splash needs a TPU (this backend is cpu"),
     (["mesh.context=4", "mesh.fsdp=1", "mesh.tensor=1", "batch.length=20"],
      "batch.length=20 is not divisible by 2 x mesh.context = 8"),
+    (["mesh.context=3", "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1"],      # the mesh first, not batch.length=64
+     "mesh axes multiply to 3 (context=3) but there are 8 devices"),
+    (["mesh.context=3"], "mesh axes multiply to 24 (data=2 x fsdp=2 x context=3 x tensor=2) but there are 8 devices"),
     (["model.window=0"], "config key 'model.window' must be a positive number of tokens"),
     (["model.attention=flsh"], "config key 'model.attention' has unknown value 'flsh' (did you mean 'flash'?)"),
     (["mesh.context=2", "mesh.pipeline=2", "mesh.fsdp=1", "mesh.tensor=1", "model.name=moe"],

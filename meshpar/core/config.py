@@ -9,6 +9,7 @@ Every key is a dataclass field below; an unknown key, a wrong type or an impossi
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -411,7 +412,9 @@ def _check_attention(cfg: Config) -> None:
     if m.softcap is not None and m.softcap <= 0:
         raise ConfigError(f"config key 'model.softcap' must be > 0 (scores become c*tanh(s/c)) or null, got {m.softcap}")
     cp = _axis_total(cfg, "context")
-    if cp > 1 and cfg.batch.length % (2 * cp):
+    sizes = [_axis_total(cfg, f.name) for f in dataclasses.fields(MeshConfig) if f.name != "dcn"]
+    # a mesh that cannot be the devices' (mesh.context=3 on 8) is the fault to name first: the mesh says so when built
+    if cp > 1 and cfg.batch.length % (2 * cp) and (-1 in sizes or math.prod(sizes) == cfg.devices):
         raise ConfigError(f"batch.length={cfg.batch.length} is not divisible by 2 x mesh.context = {2 * cp} (context "
                           f"parallelism cuts each sequence into 2 x context chunks for a balanced causal load); use "
                           f"a multiple of {2 * cp}")

@@ -24,6 +24,7 @@ from meshpar.core.registry import default_model, loss_function
 from meshpar.core.rules import Layout, check_rule_names, get_strategy, parse_user_rules
 from meshpar.core.sharding import (batch_shardings, building, model_spec, opt_state_shardings, param_shardings,
                                    sharding_table, state_shardings, unruled_batch_axes, var_shardings)
+from meshpar.parallel.context import check_length
 from meshpar.train.data import packs_documents
 from meshpar.train.loss import lm_loss
 from meshpar.train.optimizer import make_optimizer
@@ -83,6 +84,8 @@ class TrainSetup:
     def __post_init__(self):
         cfg = self.cfg
         self.mesh = make_mesh(cfg.mesh, self.devices)
+        if mesh_shape(self.mesh)["context"] > 1:     # (config.validate says it first where the mesh is the devices')
+            check_length(cfg.batch.length, mesh_shape(self.mesh)["context"])
         self.layout = Layout(self.mesh, get_strategy(cfg.strategy), parse_user_rules(cfg.rules))
         self.policy = precision_lib.get_policy(cfg.precision)
         check_platform(cfg.model)
