@@ -297,10 +297,10 @@ def _check_outputs(args) -> None:
         check_output_dir("--out", args.out)
 
 
-def _setup_devices(cfg, devices_flag: int | None, processes: int = 1, planning: bool = False) -> None:
+def _setup_devices(cfg, devices_flag: int | None, processes: int = 1, planning: bool = False) -> list[str]:
     """Fake host devices before JAX initialises (only CPU-only hosts are affected). `devices` counts
     all processes together; each of `processes` fakes its share. One device (not for `plan`, which
-    searches meshes of `devices` itself) collapses the configured mesh."""
+    searches meshes of `devices` itself) collapses the configured mesh. -> the warnings to show."""
     from meshpar.core.mesh import fake_cpu_devices
     n = devices_flag if devices_flag is not None else cfg.devices
     if n < 1:
@@ -308,13 +308,13 @@ def _setup_devices(cfg, devices_flag: int | None, processes: int = 1, planning: 
     if n % processes:
         raise MeshparError(f"--devices {n} (all processes) is not divisible by the {processes} processes")
     cfg.devices = n
-    if n == 1 and not planning:
-        _one_device(cfg)
+    notes = [_one_device(cfg)] if n == 1 and not planning else []
     if os.environ.get("JAX_PLATFORMS", "cpu") in ("cpu", "") or not _has_accelerator():
         fake_cpu_devices(n // processes)
+    return [line for line in notes if line]
 
 
-def _one_device(cfg) -> None:
+def _one_device(cfg) -> str | None:
     """On one device every mesh axis is 1, whatever the config asked for (said in one line)."""
     from meshpar.core.mesh import MESH_AXES
     asked = [f"{a}={getattr(cfg.mesh, a)}" for a in MESH_AXES if getattr(cfg.mesh, a) != 1]
@@ -323,8 +323,9 @@ def _one_device(cfg) -> None:
         setattr(cfg.mesh, a, 1)
     cfg.mesh.dcn = {}
     if asked:
-        print(f"warning: one device: the mesh ({' '.join(asked)}) collapses to a single device; "
-              f"{cfg.strategy} runs unsharded", file=sys.stderr)
+        return (f"warning: one device: the mesh ({' '.join(asked)}) collapses to a single device; "
+                f"{cfg.strategy} runs unsharded")
+    return None
 
 
 def _has_accelerator() -> bool:
@@ -375,7 +376,10 @@ def _run(args) -> int:
         if args.command == "serve" and (multi is None or not multi.process_id):
             from meshpar.serve.api import listen     # before the processes meet: a port in use fails process 0 alone
             args.socket = listen(args.host, args.port)
-        _setup_devices(cfg, args.devices, (multi.num_processes or 1) if multi else 1, args.command == "plan")
+        notes = _setup_devices(cfg, args.devices, (multi.num_processes or 1) if multi else 1, args.command == "plan")
+        if args.command != "inspect":            # inspect reports them among its warnings (--json: in its list)
+            for line in notes:
+                print(line, file=sys.stderr)
         if multi:
             distributed.initialize(multi)
         if args.command in ("generate", "serve", "export") and cfg.checkpoint.dir:
@@ -404,6 +408,7 @@ def _run(args) -> int:
         else:
             from meshpar.plan.inspect import render_report, report
             rep = report(cfg)
+            rep["warnings"] = notes + rep["warnings"]
             rep["plan_estimate"] = _plan_estimate(cfg)
             if args.json:
                 json.dump(rep, sys.stdout, default=str)
