@@ -66,7 +66,7 @@ def _parser() -> argparse.ArgumentParser:
     mp.add_argument("--process-id", type=int, metavar="I", help="this process, 0..N-1 (env MESHPAR_PROCESS_ID)")
     i = sub.add_parser("inspect", parents=[common],
                        help="compile one train step without running it: shardings, collectives, memory, FLOPs")
-    i.add_argument("--json", action="store_true", help="print one JSON object (mesh, params, collectives, memory, flops)")
+    i.add_argument("--json", action="store_true", help="print one JSON object (mesh, warnings, params, collectives, memory, flops)")
     g = sub.add_parser("generate", parents=[common],
                        help="continue prompts with a trained model (checkpoint.dir=D) on the serving layout (serve.*)")
     g.add_argument("--prompt", action="append", default=[], metavar="TEXT",
@@ -239,13 +239,12 @@ def _generate(cfg, args) -> None:
     eos = end_tokens(hf_tok, cfg.model.init_from)      # every end id the tokenizer and config.json name
     reqs = [Request(p, n, Sampling(args.temperature, args.top_k, args.top_p, args.seed + i), eos=eos)
             for i, p in enumerate(prompts)]
-    Engine.precheck(cfg, reqs)                   # before loading anything: what needs no model
+    vocab = Engine.precheck(cfg, reqs)           # before loading anything: what needs no weights
+    _check_tokenizer(hf_tok, vocab)
     engine = Engine(cfg, info=lambda m: print(m, file=sys.stderr))
     for note in engine.notes:
         print(note, file=sys.stderr)
-    if hf_tok and hf_tok.vocab_size > engine.vocab:
-        raise MeshparError(f"data.tokenizer has {hf_tok.vocab_size} tokens, more than the model's vocabulary "
-                           f"{engine.vocab}")
+    _check_tokenizer(hf_tok, engine.vocab)
     tok = (hf_tok or ByteTokenizer(engine.vocab)) if texts else None
     for r in reqs:
         engine.check(r)
@@ -278,6 +277,11 @@ def _generate(cfg, args) -> None:
             print(f"note: prompt {i + 1} stopped after {len(c.tokens)} tokens: the KV cache holds "
                   f"{engine.length} positions (serve.cache_length); raise it for longer output", file=sys.stderr)
     print(f"first token {out[0].ttft_s:.3f} s, decode {rate:.1f} tokens/s", file=sys.stderr)
+
+
+def _check_tokenizer(hf_tok, vocab: int | None) -> None:
+    if hf_tok and vocab and hf_tok.vocab_size > vocab:
+        raise MeshparError(f"data.tokenizer has {hf_tok.vocab_size} tokens, more than the model's vocabulary {vocab}")
 
 
 def _serve(cfg, args) -> None:

@@ -117,3 +117,15 @@ def test_an_export_folder_under_a_file_is_one_line(capsys, tmp_path):
     code, err = run_cli(capsys, "export", "--out", str(tmp_path / "f" / "out"))
     assert code == 2 and err == (f"meshpar: error: --out {tmp_path / 'f' / 'out'}: {tmp_path / 'f'} is a file, "
                                  "not a folder; choose another path\n")
+
+
+def test_an_out_of_vocabulary_prompt_id_is_refused_before_the_model_is_placed(capsys, monkeypatch):
+    """The vocabulary is the config's (model.vocab, the size preset, init_from's config.json): the id
+    is refused before any weight is built or loaded (it took ~17 s of set-up before)."""
+    from meshpar.serve.engine import Engine
+
+    def placed(*a, **k):
+        raise AssertionError("the engine was built before the prompt was checked")
+    monkeypatch.setattr(Engine, "__init__", placed)
+    code, err = run_cli(capsys, "generate", "--prompt-ids", "1,2,99999", "model.vocab=256")
+    assert code == 2 and err == "meshpar: error: prompt token id 99999 is outside the vocabulary 0..255\n"
