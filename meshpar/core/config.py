@@ -91,7 +91,7 @@ class TrainConfig:
     clip_norm: float = 1.0            # gradients clipped to this global norm
     seed: int = 0                     # initialisation seed
     log_every: int = 10               # log (console, --metrics-out, TensorBoard) every N steps, the first and the last
-    peak_tflops: float | None = None  # per device; None: from the device kind (a quick matmul probe on CPU)
+    peak_tflops: float | None = None  # per device; None: from the device kind (on CPU: the host's matmul rate, measured once per machine)
     flops_per_example: float | None = None  # model FLOPs of one example, forward + backward (MFU of a loss other than lm); None: counted
     on_nan: str = "stop"              # non-finite loss/gradients: skip (drop the update) | stop (error naming the step)
     loss: str = "lm"                  # lm (next-token cross-entropy) | stages (the model's pre/layers/post/loss) | PKG.MODULE:FN, FN(model, batch) -> (loss, metrics)
