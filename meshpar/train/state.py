@@ -84,8 +84,8 @@ class TrainSetup:
     def __post_init__(self):
         cfg = self.cfg
         self.mesh = make_mesh(cfg.mesh, self.devices)
-        if mesh_shape(self.mesh)["context"] > 1:     # (config.validate says it first where the mesh is the devices')
-            check_length(cfg.batch.length, mesh_shape(self.mesh)["context"])
+        if (cp := mesh_shape(self.mesh)["context"]) > 1:    # (validate said it if the mesh was cfg.devices')
+            check_length(cfg.batch.length, cp)
         self.layout = Layout(self.mesh, get_strategy(cfg.strategy), parse_user_rules(cfg.rules))
         self.policy = precision_lib.get_policy(cfg.precision)
         check_platform(cfg.model)
@@ -138,10 +138,9 @@ class TrainSetup:
                        loss=None if self.is_lm else self.loss_name)
 
     def warnings(self) -> list[str]:
-        """One line each for what this run will ignore: config keys it does not read (and a warmup
-        longer than the run, `meshpar.core.notices`), user rules
-        that name no parameter, variable or batch leaf (they can only reach activations); and the
-        padded exchange dropless expert parallelism falls back to."""
+        """One line each: the config's (`meshpar.core.notices`: keys it does not read, a warmup longer
+        than the run), user rules that name no parameter, variable or batch leaf (they can only reach
+        activations), and the padded exchange dropless expert parallelism falls back to."""
         from meshpar.core.notices import config_warnings
         out = config_warnings(self.cfg)
         if self.idle_rules:
