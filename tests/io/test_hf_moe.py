@@ -13,7 +13,6 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from meshpar.core.errors import ConfigError  # noqa: E402
 from meshpar.io import hf  # noqa: E402
 from tests.io.test_hf import FSDP_TP, generated, greedy, logits, measured_load, reference, tensors_of, trainer  # noqa: E402
 from tests.io.test_hf_families import exports_as, rewritten  # noqa: E402
