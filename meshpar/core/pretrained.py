@@ -55,23 +55,25 @@ def moe_settings(init_from: str) -> dict | None:
     arch = next((a for a in archs if a in MOE_ARCHITECTURES), None)
     if arch is None:
         return None
+    where = hf_path(init_from) / "config.json"
+
+    def need(key, default=None):                       # a positive integer of config.json, with its key
+        v = hf.get(key, default)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ConfigError(f"{where}: key '{key}' must be a positive integer, got {v!r}")
+        return v, key
     fixed = lambda v: (v, arch)                        # noqa: E731 - what the family always does
+    common = {"score": fixed("softmax"), "capacity_factor": fixed(None), "shared_experts": fixed(0)}
     if MOE_ARCHITECTURES[arch] == "mixtral":
-        return {"num_experts": (hf.get("num_local_experts", 8), "num_local_experts"),
-                "top_k": (hf.get("num_experts_per_tok", 2), "num_experts_per_tok"),
-                "expert_mlp": (hf.get("intermediate_size"), "intermediate_size"), "every": fixed(1),
-                "norm_topk": fixed(True), "score": fixed("softmax"), "capacity_factor": fixed(None),
-                "shared_experts": fixed(0)}
+        return {"num_experts": need("num_local_experts", 8), "top_k": need("num_experts_per_tok", 2),
+                "expert_mlp": need("intermediate_size"), "every": fixed(1), "norm_topk": fixed(True), **common}
     if hf.get("mlp_only_layers"):
-        raise ConfigError(f"{hf_path(init_from) / 'config.json'}: key 'mlp_only_layers' is {hf['mlp_only_layers']}; "
-                          "dense layers at chosen depths are not implemented (decoder_sparse_step is: an MoE layer "
-                          "every k-th)")
+        raise ConfigError(f"{where}: key 'mlp_only_layers' is {hf['mlp_only_layers']}; dense layers at chosen depths "
+                          "are not implemented (decoder_sparse_step is: an MoE layer every k-th)")
     experts = "num_experts" if "num_experts" in hf else "num_local_experts"   # the hub's key; transformers 5 writes the other
-    return {"num_experts": (hf.get(experts), experts), "top_k": (hf.get("num_experts_per_tok", 8), "num_experts_per_tok"),
-            "expert_mlp": (hf.get("moe_intermediate_size"), "moe_intermediate_size"),
-            "every": (hf.get("decoder_sparse_step", 1), "decoder_sparse_step"),
-            "norm_topk": (bool(hf.get("norm_topk_prob", False)), "norm_topk_prob"), "score": fixed("softmax"),
-            "capacity_factor": fixed(None), "shared_experts": fixed(0)}
+    return {"num_experts": need(experts), "top_k": need("num_experts_per_tok", 8),
+            "expert_mlp": need("moe_intermediate_size"), "every": need("decoder_sparse_step", 1),
+            "norm_topk": (bool(hf.get("norm_topk_prob", False)), "norm_topk_prob"), **common}
 
 
 def _text(v) -> str:
@@ -84,7 +86,10 @@ def _given(cfg, key: str, given: list[str], want: dict, top_k):
     moe.routing, when moe.top_k is not given, says top_k."""
     moe = cfg.moe
     if key == "top_k" and "moe.top_k" not in given and "moe.routing" in given:
-        return "moe.routing", moe.routing, top_k(moe)
+        try:
+            return "moe.routing", moe.routing, top_k(moe)
+        except KeyError:                                  # an unknown moe.routing: validate names it
+            return None
     if f"moe.{key}" not in given:
         return None
     v = getattr(moe, key)
