@@ -66,7 +66,7 @@ def _parser() -> argparse.ArgumentParser:
     mp.add_argument("--process-id", type=int, metavar="I", help="this process, 0..N-1 (env MESHPAR_PROCESS_ID)")
     i = sub.add_parser("inspect", parents=[common],
                        help="compile one train step without running it: shardings, collectives, memory, FLOPs")
-    i.add_argument("--json", action="store_true", help="print one JSON object (mesh, params, collectives, memory, flops)")
+    i.add_argument("--json", action="store_true", help="print one JSON object (mesh, warnings, params, collectives, memory, flops)")
     g = sub.add_parser("generate", parents=[common],
                        help="continue prompts with a trained model (checkpoint.dir=D) on the serving layout (serve.*)")
     g.add_argument("--prompt", action="append", default=[], metavar="TEXT",
@@ -84,7 +84,7 @@ def _parser() -> argparse.ArgumentParser:
     sv = sub.add_parser("serve", parents=[common], help="an OpenAI-compatible HTTP server (/v1/completions, "
                         "/v1/chat/completions, /v1/models, /health) over the serving engine; SIGTERM drains it")
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    sv.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free one, printed)")
+    sv.add_argument("--port", type=int, default=8000, help="port, 1..65535 (default 8000; 0: any free one, printed)")
     sv.add_argument("--model-name", help="the model id clients name (default: the checkpoint's or init_from's folder)")
     pl = sub.add_parser("plan", parents=[common], help="choose mesh, strategy, microbatches and remat for N devices "
                         "of some hardware (cost model), write the winner as a config; --verify compiles the top K")
@@ -239,13 +239,12 @@ def _generate(cfg, args) -> None:
     eos = end_tokens(hf_tok, cfg.model.init_from)      # every end id the tokenizer and config.json name
     reqs = [Request(p, n, Sampling(args.temperature, args.top_k, args.top_p, args.seed + i), eos=eos)
             for i, p in enumerate(prompts)]
-    Engine.precheck(cfg, reqs)                   # before loading anything: what needs no model
+    vocab = Engine.precheck(cfg, reqs)           # before loading anything: what needs no weights
+    _check_tokenizer(hf_tok, vocab)
     engine = Engine(cfg, info=lambda m: print(m, file=sys.stderr))
     for note in engine.notes:
         print(note, file=sys.stderr)
-    if hf_tok and hf_tok.vocab_size > engine.vocab:
-        raise MeshparError(f"data.tokenizer has {hf_tok.vocab_size} tokens, more than the model's vocabulary "
-                           f"{engine.vocab}")
+    _check_tokenizer(hf_tok, engine.vocab)
     tok = (hf_tok or ByteTokenizer(engine.vocab)) if texts else None
     for r in reqs:
         engine.check(r)
@@ -280,16 +279,32 @@ def _generate(cfg, args) -> None:
     print(f"first token {out[0].ttft_s:.3f} s, decode {rate:.1f} tokens/s", file=sys.stderr)
 
 
+def _check_tokenizer(hf_tok, vocab: int | None) -> None:
+    if hf_tok and vocab and hf_tok.vocab_size > vocab:
+        raise MeshparError(f"data.tokenizer has {hf_tok.vocab_size} tokens, more than the model's vocabulary {vocab}")
+
+
 def _serve(cfg, args) -> None:
     """`meshpar serve`: the OpenAI-compatible API until SIGTERM or Ctrl-C (meshpar/serve/api.py)."""
     from meshpar.serve.api import serve_http
     serve_http(cfg, args.host, getattr(args, "socket", None), args.model_name)
 
 
-def _setup_devices(cfg, devices_flag: int | None, processes: int = 1, planning: bool = False) -> None:
+def _check_outputs(args) -> None:
+    """The files and folders this command will write can be written (one line naming the flag if not)."""
+    from meshpar.core.paths import check_output_dir, check_output_file
+    if getattr(args, "metrics_out", None):
+        check_output_file("--metrics-out", args.metrics_out)
+    if args.command == "plan" and args.out != "-":
+        check_output_file("--out", args.out)
+    if args.command == "export":
+        check_output_dir("--out", args.out)
+
+
+def _setup_devices(cfg, devices_flag: int | None, processes: int = 1, planning: bool = False) -> list[str]:
     """Fake host devices before JAX initialises (only CPU-only hosts are affected). `devices` counts
     all processes together; each of `processes` fakes its share. One device (not for `plan`, which
-    searches meshes of `devices` itself) collapses the configured mesh."""
+    searches meshes of `devices` itself) collapses the configured mesh. -> the warnings to show."""
     from meshpar.core.mesh import fake_cpu_devices
     n = devices_flag if devices_flag is not None else cfg.devices
     if n < 1:
@@ -297,13 +312,13 @@ def _setup_devices(cfg, devices_flag: int | None, processes: int = 1, planning: 
     if n % processes:
         raise MeshparError(f"--devices {n} (all processes) is not divisible by the {processes} processes")
     cfg.devices = n
-    if n == 1 and not planning:
-        _one_device(cfg)
+    notes = [_one_device(cfg)] if n == 1 and not planning else []
     if os.environ.get("JAX_PLATFORMS", "cpu") in ("cpu", "") or not _has_accelerator():
         fake_cpu_devices(n // processes)
+    return [line for line in notes if line]
 
 
-def _one_device(cfg) -> None:
+def _one_device(cfg) -> str | None:
     """On one device every mesh axis is 1, whatever the config asked for (said in one line)."""
     from meshpar.core.mesh import MESH_AXES
     asked = [f"{a}={getattr(cfg.mesh, a)}" for a in MESH_AXES if getattr(cfg.mesh, a) != 1]
@@ -312,8 +327,9 @@ def _one_device(cfg) -> None:
         setattr(cfg.mesh, a, 1)
     cfg.mesh.dcn = {}
     if asked:
-        print(f"warning: one device: the mesh ({' '.join(asked)}) collapses to a single device; "
-              f"{cfg.strategy} runs unsharded", file=sys.stderr)
+        return (f"warning: one device: the mesh ({' '.join(asked)}) collapses to a single device; "
+                f"{cfg.strategy} runs unsharded")
+    return None
 
 
 def _has_accelerator() -> bool:
@@ -359,10 +375,15 @@ def _run(args) -> int:
         from meshpar.runtime import distributed
         multi = distributed.resolve(getattr(args, "coordinator", None), getattr(args, "num_processes", None),
                                     getattr(args, "process_id", None))
+        if multi is None or not multi.process_id:   # process 0 writes the files: their folders, before any work
+            _check_outputs(args)
         if args.command == "serve" and (multi is None or not multi.process_id):
             from meshpar.serve.api import listen     # before the processes meet: a port in use fails process 0 alone
             args.socket = listen(args.host, args.port)
-        _setup_devices(cfg, args.devices, (multi.num_processes or 1) if multi else 1, args.command == "plan")
+        notes = _setup_devices(cfg, args.devices, (multi.num_processes or 1) if multi else 1, args.command == "plan")
+        if args.command != "inspect":            # inspect reports them among its warnings (--json: in its list)
+            for line in notes:
+                print(line, file=sys.stderr)
         if multi:
             distributed.initialize(multi)
         if args.command in ("generate", "serve", "export") and cfg.checkpoint.dir:
@@ -391,6 +412,7 @@ def _run(args) -> int:
         else:
             from meshpar.plan.inspect import render_report, report
             rep = report(cfg)
+            rep["warnings"] = notes + rep["warnings"]
             rep["plan_estimate"] = _plan_estimate(cfg)
             if args.json:
                 json.dump(rep, sys.stdout, default=str)

@@ -138,8 +138,8 @@ def decoder_config(m):
                 "the decoder is causal" if key == "use_bidirectional_attention" else
                 "the decoder has no biases" + (" but Qwen2's q/k/v biases" if family == "qwen2" else "")))
     if family in MOE and getattr(m, "name", "moe") != "moe":
-        raise ConfigError(f"{where}: key 'architectures' is {archs}, a mixture of experts: add model.name=moe "
-                          "(and the moe.* keys it asks for)")
+        raise ConfigError(f"{where}: key 'architectures' is {archs}, a mixture of experts: model.name=moe reads it "
+                          "(leave model.name unset: load_config sets it and the moe.* keys from config.json)")
     if family in ("qwen2", "qwen3", "qwen3_moe") and hf.get("use_sliding_window"):
         raise ConfigError(f"{where}: key 'use_sliding_window' is true; a window on some layers only (Qwen's "
                           "max_window_layers) is not implemented: set it false to read the model without windows")

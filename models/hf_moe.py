@@ -15,46 +15,37 @@ Both route every token (no capacity): `moe.capacity_factor=null`. Qwen3-MoE's `d
 k (an MoE feed-forward in every k-th layer, the others dense of `intermediate_size`) is `moe.every`;
 meshpar stacks k - 1 dense blocks then an MoE block, which are HF layers j*k .. j*k + k - 1.
 
-The run's `moe.*` keys must say what config.json says (the planner, FLOP counts and checks read
-them before any model exists); where they do not, one line lists the keys to set.
+The run's `moe.*` keys are config.json's: `load_config` sets them (`meshpar.core.pretrained`), so the
+planner, FLOP counts and checks read them before any model exists; a key the user gives must agree.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from meshpar.core.errors import ConfigError
-from meshpar.io.hf import hf_path, read_config
-from meshpar.models.hf_llama import FAMILIES, _r, grouped, hf_config as dense_config, layered, tensors
+from meshpar.core.pretrained import MOE_ARCHITECTURES, hf_path, moe_settings, read_config
+from meshpar.models.hf_llama import _r, grouped, hf_config as dense_config, layered, tensors
 
-MOE_FAMILIES = {"MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe"}
+MOE_FAMILIES = MOE_ARCHITECTURES
 # family -> (router tensor, expert prefix, (gate, up, down) names)
 NAMES = {"mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{}.", ("w1", "w3", "w2")),
          "qwen3_moe": ("mlp.gate.weight", "mlp.experts.{}.", ("gate_proj", "up_proj", "down_proj"))}
 
 
 def moe_keys(init_from: str) -> dict:
-    """The `moe.*` settings config.json implies, {key: value}."""
-    hf = read_config(init_from)
-    where = str(hf_path(init_from) / "config.json")
-    family = FAMILIES.get(next(iter(hf.get("architectures") or []), ""), "")
-    if family == "mixtral":
-        return {"num_experts": hf.get("num_local_experts", 8), "top_k": hf.get("num_experts_per_tok", 2),
-                "expert_mlp": hf["intermediate_size"], "every": 1, "norm_topk": True, "score": "softmax",
-                "capacity_factor": None, "shared_experts": 0}
-    if hf.get("mlp_only_layers"):
-        raise ConfigError(f"{where}: key 'mlp_only_layers' is {hf['mlp_only_layers']}; dense layers at chosen "
-                          "depths are not implemented (decoder_sparse_step is: an MoE layer every k-th)")
-    experts = hf.get("num_experts", hf.get("num_local_experts"))      # the hub's key; transformers 5 writes the other
-    return {"num_experts": experts, "top_k": hf.get("num_experts_per_tok", 8),
-            "expert_mlp": hf["moe_intermediate_size"], "every": hf.get("decoder_sparse_step", 1),
-            "norm_topk": bool(hf.get("norm_topk_prob", False)), "score": "softmax", "capacity_factor": None,
-            "shared_experts": 0}
+    """The `moe.*` settings config.json implies, {key: value} (`meshpar.core.pretrained.moe_settings`)."""
+    return {k: v for k, (v, _) in (moe_settings(init_from) or {}).items()}
 
 
 def check_settings(cfg) -> None:
-    """One line if the run's moe.* disagree with config.json's, listing every key to set."""
+    """One line if the run's moe.* disagree with config.json's, listing every key to set. A config
+    loaded by `load_config` already has them (`meshpar.core.pretrained.resolve`); this catches one
+    changed in Python afterwards."""
     from meshpar.core.config import top_k
     want = moe_keys(cfg.model.init_from)
+    if not want:
+        raise ConfigError(f"{hf_path(cfg.model.init_from) / 'config.json'}: not a Mixtral or Qwen3-MoE checkpoint; "
+                          "model.name=moe reads those")
     got = {k: getattr(cfg.moe, k) for k in want}
     got["top_k"] = top_k(cfg.moe)
     got["norm_topk"] = got["top_k"] > 1 if cfg.moe.norm_topk is None else cfg.moe.norm_topk

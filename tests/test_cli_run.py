@@ -65,6 +65,18 @@ def test_inspect_json_has_the_contracted_keys(capsys):
     assert rep["flops"]["xla_per_device"] > 0 and rep["flops"]["model_per_step"] > 0
 
 
+def test_inspect_json_lists_the_warnings_of_its_set_up():
+    """`inspect --json --devices 1`: the mesh-collapse warning is in the JSON's warnings (it was on
+    stderr only, beside `"warnings": []`). A process of its own: one device, a one-layer step."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run([sys.executable, "-m", "meshpar.cli", "inspect", "--json", "--devices", "1", "model.layers=1",
+                           "batch.global_size=2", "batch.length=8", "precision=fp32", "model.remat=none"],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    warning = "warning: one device: the mesh (data=2 fsdp=2 tensor=2) collapses to a single device; fsdp_tp runs unsharded"
+    assert json.loads(proc.stdout)["warnings"] == [warning] and warning not in proc.stderr
+
+
 def _sigint_while_compiling(tmp_path, delay: float) -> tuple[int, str]:
     """`meshpar train` on a terminal (a pty: rich's progress bar thread runs, as for a user), SIGINT
     `delay` s after the sharding table (compilation follows it) -> (exit status, output)."""

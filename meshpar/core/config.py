@@ -9,6 +9,7 @@ Every key is a dataclass field below; an unknown key, a wrong type or an impossi
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -90,7 +91,7 @@ class TrainConfig:
     clip_norm: float = 1.0            # gradients clipped to this global norm
     seed: int = 0                     # initialisation seed
     log_every: int = 10               # log (console, --metrics-out, TensorBoard) every N steps, the first and the last
-    peak_tflops: float | None = None  # per device; None: from the device kind (a quick matmul probe on CPU)
+    peak_tflops: float | None = None  # per device; None: from the device kind (on CPU: the host's matmul rate, measured once per machine)
     flops_per_example: float | None = None  # model FLOPs of one example, forward + backward (MFU of a loss other than lm); None: counted
     on_nan: str = "stop"              # non-finite loss/gradients: skip (drop the update) | stop (error naming the step)
     loss: str = "lm"                  # lm (next-token cross-entropy) | stages (the model's pre/layers/post/loss) | PKG.MODULE:FN, FN(model, batch) -> (loss, metrics)
@@ -277,7 +278,7 @@ def _build(cls, data: dict, prefix: str = ""):
     types_ = _field_types(cls)
     for k in data:
         if k not in types_:
-            raise ConfigError(f"unknown config key '{prefix}{k}'" + suggest(k, types_))
+            raise ConfigError(f"unknown config key '{prefix}{k}'" + suggest(k, types_, prefix))
     kwargs = {k: _coerce(v, types_[k], prefix + k) for k, v in data.items()}
     return cls(**kwargs)
 
@@ -335,46 +336,31 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
-def from_dict(data: dict) -> Config:
-    """Build and validate; `cfg.ignored` lists the keys given that this run will not read."""
+def from_dict(data: dict, given: list[str] | None = None) -> Config:
+    """Build, complete from `model.init_from` (`meshpar.core.pretrained`) and validate; `given`: the
+    dotted keys the user set (default: those of `data` that differ from the defaults,
+    `meshpar.core.notices`); `cfg.ignored` lists those the run will not read."""
+    from meshpar.core.notices import given_keys, ignored_keys
+    from meshpar.core.pretrained import resolve
     cfg = _build(Config, data)
+    given = given_keys(data, [], Config()) if given is None else given
+    resolve(cfg, given, top_k)          # what a Mixtral / Qwen3-MoE model.init_from implies (model.name, moe.*)
     validate(cfg)
-    cfg.ignored = ignored_keys(data, cfg)
+    cfg.ignored = ignored_keys(given, cfg)
     return cfg
-
-
-def ignored_keys(data: dict, cfg: Config) -> list[str]:
-    """Keys set (in the file or as overrides) that the run will not read: `moe.*` unless the model is
-    the reference MoE LM (or a user factory, which may read them), `pipeline.*` when mesh.pipeline is 1."""
-    out = []
-    if cfg.model.name in ("decoder",) and data.get("moe"):
-        out += [f"moe.{k}" for k in data["moe"]]
-    if cfg.mesh.pipeline == 1 and data.get("pipeline"):
-        out += [f"pipeline.{k}" for k in data["pipeline"]]
-    return out
-
-
-def ignored_warning(cfg: Config) -> str | None:
-    """One line naming the ignored keys, or None."""
-    keys = getattr(cfg, "ignored", [])
-    if not keys:
-        return None
-    why = []
-    if any(k.startswith("moe.") for k in keys):
-        why.append(f"moe.* needs model.name=moe (model.name={cfg.model.name})")
-    if any(k.startswith("pipeline.") for k in keys):
-        why.append("pipeline.* needs mesh.pipeline > 1")
-    return f"warning: ignoring {', '.join(keys)}: {'; '.join(why)}"
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None, under: dict | None = None) -> Config:
     """The YAML file (default: the embedded configs/tiny.yaml) + KEY=VALUE overrides, validated.
     `under`: settings laid under them (a checkpoint's saved model settings, for `generate`): a given
     file and the overrides win over them, and they win over the embedded default."""
+    from meshpar.core.notices import given_keys
     data = _read_yaml(Path(path) if path else DEFAULT_CONFIG)
     if under:
         data = _merge(under, data) if path else _merge(data, under)
-    return from_dict(apply_overrides(data, overrides or []))
+    overrides = overrides or []
+    given = given_keys(data, [parse_override(o) for o in overrides], Config())
+    return from_dict(apply_overrides(data, overrides), given)
 
 
 def to_dict(cfg: Config) -> dict:
@@ -426,7 +412,9 @@ def _check_attention(cfg: Config) -> None:
     if m.softcap is not None and m.softcap <= 0:
         raise ConfigError(f"config key 'model.softcap' must be > 0 (scores become c*tanh(s/c)) or null, got {m.softcap}")
     cp = _axis_total(cfg, "context")
-    if cp > 1 and cfg.batch.length % (2 * cp):
+    sizes = [_axis_total(cfg, f.name) for f in dataclasses.fields(MeshConfig) if f.name != "dcn"]
+    # a mesh that cannot be the devices' (mesh.context=3 on 8) is the fault to name first: the mesh says so when built
+    if cp > 1 and cfg.batch.length % (2 * cp) and (-1 in sizes or math.prod(sizes) == cfg.devices):
         raise ConfigError(f"batch.length={cfg.batch.length} is not divisible by 2 x mesh.context = {2 * cp} (context "
                           f"parallelism cuts each sequence into 2 x context chunks for a balanced causal load); use "
                           f"a multiple of {2 * cp}")

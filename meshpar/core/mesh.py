@@ -33,7 +33,7 @@ def resolve_axis_sizes(sizes: dict[str, int], n_devices: int, what: str = "mesh"
     """Fill a single -1 size so that the product equals `n_devices`; check everything else."""
     for name in sizes:
         if name not in MESH_AXES:
-            raise ConfigError(f"unknown mesh axis '{what}.{name}'" + suggest(name, MESH_AXES))
+            raise ConfigError(f"unknown mesh axis '{what}.{name}'" + suggest(name, MESH_AXES, f"{what}."))
     sizes = {a: int(sizes.get(a, 1)) for a in MESH_AXES}
     fill = [a for a, s in sizes.items() if s == -1]
     if len(fill) > 1:

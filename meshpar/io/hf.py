@@ -45,6 +45,7 @@ import ml_dtypes
 import numpy as np
 
 from meshpar.core.errors import ConfigError
+from meshpar.core.pretrained import hf_path, read_config, read_json  # noqa: F401 - config.json, read before any model
 
 DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16), "BF16": np.dtype(ml_dtypes.bfloat16)}
 NAMES = {v: k for k, v in DTYPES.items()}
@@ -66,28 +67,6 @@ class Source:
     tensors: dict
     read: Callable
     write: Callable
-
-
-def hf_path(spec: str) -> Path:
-    """`hf:DIR` (the `model.init_from` form) or DIR -> Path."""
-    return Path(spec[3:] if spec.startswith("hf:") else spec).expanduser()
-
-
-def read_json(path: Path, what: str = "") -> dict:
-    if not path.is_file():
-        raise ConfigError(f"{path}: no such file{what}")
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{path}: not readable JSON ({str(e).splitlines()[0]})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: must hold a JSON object")
-    return data
-
-
-def read_config(spec: str) -> dict:
-    """DIR/config.json of an `hf:DIR` checkpoint."""
-    return read_json(hf_path(spec) / "config.json", " (model.init_from needs a Hugging Face model directory)")
 
 
 class Checkpoint:

@@ -423,6 +423,8 @@ def serve_http(cfg, host: str, sock, model_name: str | None = None) -> None:
 def listen(host: str, port: int):
     """A socket listening on host:port (0: any free port), or one line saying why not."""
     import socket
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"--port {port} is out of range: use 1..65535 (0: any free one)")
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:

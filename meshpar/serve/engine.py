@@ -60,6 +60,12 @@ def _check_length(request: Request, length: int) -> None:
                           "raise serve.cache_length or shorten the prompt")
 
 
+def _check_ids(request: Request, vocab: int) -> None:
+    bad = [t for t in request.tokens if not 0 <= int(t) < vocab]
+    if bad:
+        raise ConfigError(f"prompt token id {bad[0]} is outside the vocabulary 0..{vocab - 1}")
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -215,20 +221,28 @@ class Engine(Compiled):
     `cfg.checkpoint.dir`, else `model.init_from`, else a fresh init)."""
 
     @staticmethod
-    def precheck(cfg, requests) -> None:
-        """The checks that need no model (run before loading one): prompt lengths and sampling ranges."""
+    def precheck(cfg, requests, model: Callable | None = None) -> int | None:
+        """The checks that need no weights (run before loading any): prompt lengths, sampling ranges,
+        and token ids against the vocabulary the model's config declares (`cfg.vocab` of the abstract
+        model: `model.vocab`, the size preset, init_from's config.json). -> that vocabulary (None: the
+        model keeps no `cfg.vocab`; `check` has the logits' own once the model is placed)."""
+        from meshpar.core.registry import default_model
+        from meshpar.core.sharding import model_spec
         from meshpar.serve.placement import cache_length
         length = cache_length(cfg)
+        vocab = getattr(model_spec(model or default_model(cfg), precision_lib.get_policy(cfg.precision)).cfg, "vocab", None)
+        vocab = vocab if isinstance(vocab, int) and vocab > 0 else None
         for r in requests:
             _check_length(r, length)
+            if vocab:
+                _check_ids(r, vocab)
             r.sampling.check(vocab=None)
+        return vocab
 
     def check(self, request: Request) -> None:
         """One line naming what is wrong with a request."""
         _check_length(request, self.length)
-        bad = [t for t in request.tokens if not 0 <= int(t) < self.vocab]
-        if bad:
-            raise ConfigError(f"prompt token id {bad[0]} is outside the vocabulary 0..{self.vocab - 1}")
+        _check_ids(request, self.vocab)
         if request.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
         request.sampling.check(self.vocab)

@@ -7,10 +7,8 @@ model's `cfg` (the reference decoders have them); without them it is 6N per toke
 from __future__ import annotations
 
 import math
-import time
 
 import jax
-import jax.numpy as jnp
 
 from meshpar.core import config as config_lib
 from meshpar.core.sharding import ModelSpec
@@ -47,24 +45,19 @@ _PEAK_BF16 = [("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("B200", 225
 
 
 def peak_flops_per_device(peak_tflops: float | None = None) -> tuple[float, str]:
-    """Dense bf16 peak per device: `train.peak_tflops`, then a table of device kinds, else a measured
-    CPU matmul rate."""
+    """Dense bf16 peak per device and where it came from: `train.peak_tflops`, then a table of device
+    kinds, else the host's matmul rate (`meshpar.train.hostpeak`: measured once per machine) shared
+    by the fake devices."""
     if peak_tflops:
         return peak_tflops * 1e12, "train.peak_tflops"
     dev = jax.local_devices()[0]      # this process's own (jax.devices()[0] may be another process's)
     for key, peak in _PEAK_BF16:
         if key in dev.device_kind:
             return peak, f"{dev.device_kind} datasheet"
-    n = 512
-    a = jax.device_put(jnp.ones((n, n), jnp.float32), dev)
-    f = jax.jit(lambda x: x @ x)
-    f(a).block_until_ready()
-    reps, t0 = 20, time.perf_counter()
-    for _ in range(reps):
-        r = f(a)
-    r.block_until_ready()
-    host = 2 * n ** 3 * reps / (time.perf_counter() - t0)
-    return host / jax.local_device_count(), "measured host matmul / fake devices"
+    from meshpar.train.hostpeak import host_flops
+    host, where = host_flops()
+    n = jax.local_device_count()
+    return host / n, f"host matmul {host / 1e12:.3g} TFLOP/s / {n} fake devices, {where}"
 
 
 def matmul_flops(jaxpr) -> float:

@@ -108,8 +108,9 @@ def run(cfg, metrics_out: str | None = None, console=None, trainer: Trainer | No
         found = ckpt.restore_latest() if ckpt else None
         resumed = {} if found is None else {"resumed_from": found.step, "resumed_path": found.path,
                                             "damaged_checkpoints": found.damaged}
+        peak, peak_src = peak_flops_per_device(cfg.train.peak_tflops)     # what MFU divides by (before compiling)
         log.start({**facts, "processes": jax.process_count(), "scheduler": scheduler_job(), "entropy_floor": floor,
-                   **resumed, "config": cfg},
+                   "peak_flops_per_device": peak, "peak_source": peak_src, **resumed, "config": cfg},
                   trainer)
         for line in trainer.warnings():
             log.info(line)
@@ -134,7 +135,6 @@ def run(cfg, metrics_out: str | None = None, console=None, trainer: Trainer | No
         if cfg.eval.every:
             evaluate = make_evaluator(cfg, trainer, source)
         profiler = ProfileWindow(cfg.profile, info=log.info)
-        peak, peak_src = peak_flops_per_device(cfg.train.peak_tflops)
         step_flops, _ = model_flops_per_step(trainer)     # model FLOPs of one step (meshpar.train.flops)
         log.info(f"compiled train step in {compile_s:.1f}s; MFU against {peak / 1e12:.3g} TFLOP/s/device ({peak_src})")
 

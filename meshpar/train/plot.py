@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from meshpar.core.errors import MeshparError
+from meshpar.core.paths import check_output_file
 
 
 def read_run(path: str) -> dict:
@@ -130,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", default="1200x800", help="WIDTHxHEIGHT in pixels (default 1200x800)")
     args = p.parse_args(argv)
     try:
+        check_output_file("-o", args.out)
         path = plot(args.runs, args.out, parse_size(args.size))
     except MeshparError as e:
         print(f"meshpar: error: {e}", file=sys.stderr)

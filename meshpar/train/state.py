@@ -24,6 +24,7 @@ from meshpar.core.registry import default_model, loss_function
 from meshpar.core.rules import Layout, check_rule_names, get_strategy, parse_user_rules
 from meshpar.core.sharding import (batch_shardings, building, model_spec, opt_state_shardings, param_shardings,
                                    sharding_table, state_shardings, unruled_batch_axes, var_shardings)
+from meshpar.parallel.context import check_length
 from meshpar.train.data import packs_documents
 from meshpar.train.loss import lm_loss
 from meshpar.train.optimizer import make_optimizer
@@ -83,6 +84,8 @@ class TrainSetup:
     def __post_init__(self):
         cfg = self.cfg
         self.mesh = make_mesh(cfg.mesh, self.devices)
+        if (cp := mesh_shape(self.mesh)["context"]) > 1:    # (validate said it if the mesh was cfg.devices')
+            check_length(cfg.batch.length, cp)
         self.layout = Layout(self.mesh, get_strategy(cfg.strategy), parse_user_rules(cfg.rules))
         self.policy = precision_lib.get_policy(cfg.precision)
         check_platform(cfg.model)
@@ -135,11 +138,11 @@ class TrainSetup:
                        loss=None if self.is_lm else self.loss_name)
 
     def warnings(self) -> list[str]:
-        """One line each for what this run will ignore: config keys it does not read, user rules
-        that name no parameter, variable or batch leaf (they can only reach activations); and the
-        padded exchange dropless expert parallelism falls back to."""
-        from meshpar.core.config import ignored_warning
-        out = [w for w in [ignored_warning(self.cfg)] if w]
+        """One line each: the config's (`meshpar.core.notices`: keys it does not read, a warmup longer
+        than the run), user rules that name no parameter, variable or batch leaf (they can only reach
+        activations), and the padded exchange dropless expert parallelism falls back to."""
+        from meshpar.core.notices import config_warnings
+        out = config_warnings(self.cfg)
         if self.idle_rules:
             out.append(f"warning: {', '.join(self.idle_rules)} name no parameter, variable or batch leaf of this "
                        "model: they apply only to activations constrained with those names")

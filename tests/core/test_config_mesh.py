@@ -16,7 +16,7 @@ def test_overrides_are_typed_and_dotted():
 
 
 @pytest.mark.parametrize("override, message", [
-    (["mesh.tensr=2"], "unknown config key 'mesh.tensr' (did you mean 'tensor'?)"),
+    (["mesh.tensr=2"], "unknown config key 'mesh.tensr' (did you mean 'mesh.tensor'?)"),
     (["stesp=3"], "unknown config key 'stesp' (did you mean 'steps'?)"),
     (["strategy=fsdpp"], "config key 'strategy' has unknown value 'fsdpp' (did you mean 'fsdp'?)"),
     (["precision=fp8"], "config key 'precision' has unknown value 'fp8'"),
@@ -44,7 +44,7 @@ def test_fill_axis_and_size_checks():
         resolve_axis_sizes({"data": 3, "tensor": 4}, 8)
     with pytest.raises(ConfigError, match="only one mesh axis may be -1 .*mesh.data, mesh.tensor"):
         resolve_axis_sizes({"data": -1, "tensor": -1}, 8)
-    with pytest.raises(ConfigError, match="unknown mesh axis 'mesh.tensr' .did you mean 'tensor'"):
+    with pytest.raises(ConfigError, match="unknown mesh axis 'mesh.tensr' .did you mean 'mesh.tensor'"):
         resolve_axis_sizes({"tensr": 2}, 8)
     with pytest.raises(ConfigError, match="cannot fill mesh.data=-1: the other axes multiply to 3"):
         resolve_axis_sizes({"data": -1, "tensor": 3}, 8)
@@ -88,6 +88,34 @@ def test_meshpar_config_prints_every_key_with_its_meaning_as_yaml_train_reads(ca
     assert main(["config", "stepz=3"]) == 2
     err = capsys.readouterr().err
     assert err == "meshpar: error: unknown config key 'stepz' (did you mean 'steps'?)\n"
+
+
+def test_a_file_meshpar_config_wrote_reads_back_without_warnings(capsys, tmp_path):
+    """`meshpar config > my.yaml` then `--config my.yaml`: every moe.* and pipeline.* key is in the
+    file at its default, and none of them warns; one the user changes (in the file or as an
+    override) still does, on a dense model."""
+    from meshpar.cli import main
+    from meshpar.core.notices import config_warnings
+    assert main(["config"]) == 0
+    path = tmp_path / "my.yaml"
+    path.write_text(capsys.readouterr().out)
+    assert "  num_experts: 4" in path.read_text() and "  schedule: gpipe" in path.read_text()
+    cfg = load_config(path)
+    assert cfg.ignored == [] and config_warnings(cfg) == []
+    assert load_config(path, ["moe.num_experts=4"]).ignored == ["moe.num_experts"]      # typed: given, even at its default
+    path.write_text(path.read_text().replace("  num_experts: 4", "  num_experts: 8"))
+    assert config_warnings(load_config(path)) == [
+        "warning: ignoring moe.num_experts: moe.* needs model.name=moe (model.name=decoder)"]
+
+
+def test_a_warmup_longer_than_the_run_warns_in_one_line():
+    """The README's 5-step runs under the default warmup of 10: lr never reaches its peak, said once
+    among the run's warnings (train and inspect print them)."""
+    from meshpar.train.step import Trainer
+    lines = Trainer(make_cfg("steps=5", "train.warmup_steps=10", "train.lr=0.01"), devices=devices(8)).warnings()
+    assert lines == ["warning: train.warmup_steps=10 is more than steps=5: the learning rate rises to only 50% of "
+                     "train.lr=0.01; set train.warmup_steps <= 5"]
+    assert Trainer(make_cfg("steps=5", "train.warmup_steps=5"), devices=devices(8)).warnings() == []
 
 
 def test_meshpar_version_and_help_point_to_the_keys(capsys):

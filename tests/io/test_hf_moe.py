@@ -1,7 +1,8 @@
 """Mixtral and Qwen3-MoE in and out of Hugging Face format (meshpar.models.hf_moe), proven against
 transformers itself on tiny random models saved here: logits on 1 device, under expert parallelism
 and under tensor parallelism; an expert-order permutation caught; export round trips bitwise and
-loads in transformers; the run's moe.* keys must agree with config.json, in one line.
+loads in transformers; the run's model.name and moe.* keys come from config.json, and one the user
+gives must agree, in one line.
 """
 import json
 
@@ -12,7 +13,6 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from meshpar.core.errors import ConfigError  # noqa: E402
 from meshpar.io import hf  # noqa: E402
 from tests.io.test_hf import FSDP_TP, generated, greedy, logits, measured_load, reference, tensors_of, trainer  # noqa: E402
 from tests.io.test_hf_families import exports_as, rewritten  # noqa: E402
@@ -85,15 +85,49 @@ def test_export_loads_in_transformers_and_round_trips_bitwise(tmp_path, family):
     exports_as(m, tr, tmp_path / "src", tmp_path / "out", FAMILIES[family][1], family, PROMPT[:1])
 
 
-def test_moe_keys_must_agree_with_config_json(tmp_path):
-    save_moe(tmp_path, "qwen3_moe")
-    with pytest.raises(ConfigError, match=r"config.json's experts disagree with moe.expert_mlp=96, moe.every=1; "
-                                          r"set moe.num_experts=4 moe.top_k=2 moe.expert_mlp=32 moe.every=2 "
-                                          r"moe.norm_topk=false"):
-        trainer(tmp_path, 1, None, "model.name=moe", "moe.num_experts=4", "moe.top_k=2", "moe.every=1",
-                "moe.capacity_factor=null", "moe.norm_topk=false").init()
-    with pytest.raises(ConfigError, match=r"a mixture of experts: add model.name=moe"):
-        trainer(tmp_path, 1).init()
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_init_from_alone_reads_the_experts_from_config_json(tmp_path, capsys, family):
+    """`model.init_from=hf:DIR` alone is the run that model.name=moe and the moe.* keys make, and the
+    planner (hence FLOP counts and plans) sees its experts; the file `meshpar config` writes from it
+    reads back as the same run, without a warning."""
+    import dataclasses
+
+    from meshpar.cli import main
+    from meshpar.core.config import load_config
+    from meshpar.core.notices import config_warnings
+    from meshpar.plan.costmodel import ModelFacts
+    from tests.conftest import make_cfg
+    save_moe(tmp_path, family)
+    alone = make_cfg(f"model.init_from=hf:{tmp_path}", "model.layers=null")
+    explicit = make_cfg(f"model.init_from=hf:{tmp_path}", "model.layers=null", "model.name=moe", *FAMILIES[family][3])
+    assert alone.model.name == "moe" and dataclasses.asdict(alone) == dataclasses.asdict(explicit)
+    every, width = {"mixtral": (1, 96), "qwen3_moe": (2, 32)}[family]
+    assert ModelFacts.from_config(alone).moe == {"num_experts": 4, "every": every, "top_k": 2, "capacity_factor": None,
+                                                 "expert_mlp": width, "shared_experts": 0}
+    capsys.readouterr()
+    assert main(["config", f"model.init_from=hf:{tmp_path}"]) == 0
+    (tmp_path / "my.yaml").write_text(capsys.readouterr().out)
+    again = load_config(tmp_path / "my.yaml")
+    assert dataclasses.asdict(again) == dataclasses.asdict(load_config(None, [f"model.init_from=hf:{tmp_path}"]))
+    assert config_warnings(again) == []
+
+
+@pytest.mark.parametrize("family, override, message", [
+    ("mixtral", "moe.num_experts=8", "moe.num_experts=8 disagrees with {cfg} (num_local_experts: 4)"),
+    ("mixtral", "moe.routing=top1", "moe.routing=top1 disagrees with {cfg} (num_experts_per_tok: 2)"),
+    ("mixtral", "moe.capacity_factor=1.25", "moe.capacity_factor=1.25 disagrees with {cfg} (MixtralForCausalLM: null)"),
+    ("qwen3_moe", "moe.every=1", "moe.every=1 disagrees with {cfg} (decoder_sparse_step: 2)"),
+    ("qwen3_moe", "moe.expert_mlp=null", "moe.expert_mlp=null disagrees with {cfg} (moe_intermediate_size: 32)"),
+    ("qwen3_moe", "model.name=decoder", "model.name=decoder disagrees with {cfg} (a mixture of experts: moe)"),
+])
+def test_a_moe_key_that_disagrees_with_config_json_is_one_line(tmp_path, capsys, family, override, message):
+    """Said when the config loads (`meshpar config` compiles nothing): the key, its value and config.json's."""
+    from meshpar.cli import main
+    save_moe(tmp_path, family)
+    capsys.readouterr()
+    assert main(["config", f"model.init_from=hf:{tmp_path}", override]) == 2
+    err = capsys.readouterr().err
+    assert err == f"meshpar: error: {message.format(cfg=tmp_path / 'config.json')}; drop it: model.init_from sets it\n"
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -106,8 +140,8 @@ def test_generate_matches_transformers_greedy_under_expert_parallelism(tmp_path,
     want = greedy(m, HFTokenizer(str(tok_dir)).prompt(prompt), 8)
     out = generated(capsys, "--prompt", prompt, "--max-new-tokens", "8", "--devices", "8",
                     f"model.init_from=hf:{tmp_path / 'hf'}", f"data.tokenizer={tok_dir}", "precision=fp32",
-                    "serve.cache_length=64", "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=1", "mesh.expert=4",
-                    "model.name=moe", *FAMILIES[family][3])
+                    "serve.cache_length=64", "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=1", "mesh.expert=4")
+    # (model.init_from alone: model.name=moe and the moe.* keys come from config.json)
     assert len(out["tokens"][0]) >= 4 and out["tokens"][0] == want[:len(out["tokens"][0])]   # may stop at EOS
 
 

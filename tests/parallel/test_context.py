@@ -93,8 +93,12 @@ def test_keys_and_values_are_gathered_over_context(setup):
 
 
 def test_length_not_divisible_by_twice_context_is_one_line():
+    from meshpar.train.step import Trainer
     with pytest.raises(ConfigError, match=r"batch.length=20 is not divisible by 2 x mesh.context = 8"):
         make_cfg("batch.length=20", mesh={"context": 4, "data": 2})
+    # a mesh that is not the config's `devices` (mesh.context=4 of devices=8): said when the mesh is built on 4
+    with pytest.raises(ConfigError, match=r"batch.length=20 is not divisible by 2 x mesh.context = 8"):
+        Trainer(make_cfg("batch.length=20", mesh={"context": 4}), devices=devices(4))
     with pytest.raises(ConfigError, match="cudnn cannot attend across mesh.context"):
         make_cfg("model.attention=cudnn", "batch.length=16", mesh={"context": 4, "data": 2})
 

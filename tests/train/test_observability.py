@@ -72,6 +72,35 @@ def test_device_values_are_read_only_at_logging_and_eval_steps(observed):
     assert [r["step"] for r in observed["records"] if r["event"] == "step"] == sorted(logged)
 
 
+def test_the_start_record_holds_the_peak_mfu_divides_by(observed):
+    """On CPU: the host's matmul rate (measured once per machine) over the fake devices, said in the
+    start record and used by every step's MFU."""
+    from meshpar.train.flops import model_flops_per_step
+    start = observed["records"][0]
+    peak = start["peak_flops_per_device"]
+    assert peak > 0 and start["peak_source"].startswith("host matmul ") and "8 fake devices" in start["peak_source"]
+    flops = model_flops_per_step(observed["trainer"])[0]
+    for rec in [r for r in observed["records"] if r["event"] == "step"]:
+        assert rec["mfu"] == pytest.approx(flops / rec["step_time_s"] / (peak * 8), rel=1e-9)
+
+
+def test_the_host_peak_is_measured_once_per_machine(monkeypatch, tmp_path):
+    """Two runs on one machine divide by the same peak: the measurement is kept under the user's
+    cache folder, keyed by CPU model, cores and jax version (one measured 19% and 59% MFU before)."""
+    from meshpar.train import hostpeak
+    from meshpar.train.flops import peak_flops_per_device
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    rates = iter([8e11, 1e11])
+    monkeypatch.setattr(hostpeak, "measure", lambda *a, **k: next(rates))
+    first, second = peak_flops_per_device(), peak_flops_per_device()
+    n = jax.local_device_count()
+    path = tmp_path / "meshpar" / "host_peak.json"
+    assert first == (8e11 / n, f"host matmul 0.8 TFLOP/s / {n} fake devices, measured now, kept in {path}")
+    assert second == (8e11 / n, f"host matmul 0.8 TFLOP/s / {n} fake devices, measured once on this machine, {path}")
+    assert json.loads(path.read_text())[hostpeak.machine_key()]["flops"] == 8e11
+    assert peak_flops_per_device(2.0) == (2e12, "train.peak_tflops")
+
+
 def test_on_nan_stop_still_names_the_first_bad_step(monkeypatch, tmp_path):
     """lr 1e30: step 2 is the first non-finite step. Read only at logging steps (1 and 5), the run
     still stops naming step 2 (after logging step 5); with on_nan=skip it finishes, counting the
@@ -252,7 +281,7 @@ def test_plot_writes_a_png_of_the_requested_size(observed, tmp_path):
     ("profile.steps=0", "'profile.steps' must be >= 1"),
     ("eval.every=-1", "'eval.every' must be >= 0"),
     ("eval.path=x.bin", "'eval.path' is read for data.kind=tokens or text"),
-    ("metrics.tensorbord=d", "did you mean 'tensorboard'"),
+    ("metrics.tensorbord=d", "did you mean 'metrics.tensorboard'"),
 ])
 def test_bad_settings_are_one_line(override, match):
     with pytest.raises(ConfigError, match=match):
