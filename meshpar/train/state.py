@@ -22,8 +22,8 @@ from meshpar.core.errors import ConfigError, ShardingError
 from meshpar.core.mesh import describe, make_mesh, mesh_shape
 from meshpar.core.registry import default_model, loss_function
 from meshpar.core.rules import Layout, check_rule_names, get_strategy, parse_user_rules
-from meshpar.core.sharding import (batch_shardings, building, model_spec, opt_state_shardings, param_shardings,
-                                   sharding_table, state_shardings, unruled_batch_axes, var_shardings)
+from meshpar.core.sharding import (batch_shardings, building, context_unsplit, model_spec, opt_state_shardings,
+                                   param_shardings, sharding_table, state_shardings, unruled_batch_axes, var_shardings)
 from meshpar.train.data import packs_documents
 from meshpar.train.loss import lm_loss
 from meshpar.train.optimizer import make_optimizer
@@ -98,6 +98,7 @@ class TrainSetup:
         self.batch_warnings = unruled_batch_axes(self.batch_spec, self.layout)
         if self.batch_warnings and cfg.train.require_annotations:
             raise ShardingError(f"{self.batch_warnings[0]} (train.require_annotations=true)")
+        self.batch_warnings += [] if self.is_lm else context_unsplit(self.batch_spec, self.layout)   # LM: rows split
         self.idle_rules = check_rule_names(self.layout.user_rules, self._names_used())
         self.pipelined = self.layout.shape.get("pipeline", 1) > 1
         if self.pipelined:
@@ -136,8 +137,9 @@ class TrainSetup:
 
     def warnings(self) -> list[str]:
         """One line each for what this run will ignore: config keys it does not read, user rules
-        that name no parameter, variable or batch leaf (they can only reach activations); and the
-        padded exchange dropless expert parallelism falls back to."""
+        that name no parameter, variable or batch leaf (they can only reach activations), batch axes no
+        rule maps, a `context` axis that splits no batch leaf of a user's loss; and the padded exchange
+        dropless expert parallelism falls back to."""
         from meshpar.core.config import ignored_warning
         out = [w for w in [ignored_warning(self.cfg)] if w]
         if self.idle_rules:
