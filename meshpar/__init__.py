@@ -70,7 +70,8 @@ __all__ = sorted(_API)
 def _models_beside_the_package() -> None:
     """A source checkout keeps the reference models in `models/` beside this package (an install
     puts them in `meshpar/models`). From the repository root the checkout shadows any install
-    (`python -m meshpar.cli`, `meshpar launch`'s processes), so map `meshpar.models` to that folder;
+    (`python -m meshpar.cli`, `meshpar launch`'s processes), so map `meshpar.models` to that folder,
+    ahead of every other finder (an editable install of another checkout maps it to its own);
     nothing is imported until a config names a reference model."""
     import importlib.abc
     import importlib.util
@@ -87,7 +88,7 @@ def _models_beside_the_package() -> None:
                 return None
             return importlib.util.spec_from_file_location(name, os.path.join(beside, "__init__.py"),
                                                           submodule_search_locations=[beside])
-    sys.meta_path.append(BesideFinder())
+    sys.meta_path.insert(0, BesideFinder())
 
 
 _models_beside_the_package()

@@ -97,9 +97,11 @@ class MoEDecoder(Decoder):
         x = self.embed(tokens, dtype)
         key = None
         if self.moe_settings.second_expert_policy == "random":
-            # a fresh stream per batch; an integer hash, so identical under every sharding
-            salt = jnp.sum(tokens.astype(jnp.int32) * (jnp.arange(tokens.size, dtype=jnp.int32) % 65521 + 1)
-                           .reshape(tokens.shape))
+            # a fresh stream per batch; an integer hash of (token, row, position), so identical under every
+            # sharding and in any order the rows are stored in (context parallelism's balanced order)
+            b, t = tokens.shape
+            where = jnp.arange(b, dtype=jnp.int32)[:, None] * t + jnp.broadcast_to(positions, tokens.shape)
+            salt = jnp.sum(tokens.astype(jnp.int32) * (where.astype(jnp.int32) % 65521 + 1))
             key = jax.random.fold_in(jax.random.key(self.seed), salt)
         with moe_lib.routing_key(key):
             x, aux = scan_layers(self.layers, x, positions, self.cfg.remat, self.cfg.scan_layers,

@@ -90,3 +90,15 @@ def test_every_entry_point_runs_from_the_repository_root_and_elsewhere(installed
     # a user script from elsewhere
     run = _run(installed, [python, str(REPO / "examples" / "vision.py"), "steps=2", "train.log_every=1"], tmp_path)
     assert run.returncode == 0 and "loss" in run.stdout.splitlines()[-1], run.stderr[-2000:]
+
+
+def test_the_checkout_s_reference_models_win_over_an_editable_install_of_another():
+    """From a checkout, `meshpar.models` is that checkout's `models/`, even when the environment holds an
+    editable install of another checkout (whose finder maps `meshpar.models` to its own folder): the
+    checkout's models are the ones its tests and its `python -m meshpar.cli` run."""
+    code = "import meshpar.models, sys; sys.stdout.write(meshpar.models.__file__)"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120,
+                         env={**env, "PYTHONPATH": str(REPO)})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert Path(run.stdout) == REPO / "models" / "__init__.py", run.stdout

@@ -163,6 +163,38 @@ def test_a_batch_axis_no_rule_covers_is_a_note_a_warning_with_a_suggestion_or_an
                         batch_spec=spec)
 
 
+def test_context_parallelism_that_splits_no_batch_leaf_is_one_warning():
+    """mesh.context=2 with a user's batch that names no `length`: nothing is split over `context` and
+    both context devices do the same work; one warning line names the leaves and the rules. A batch
+    naming `length`, and the built-in LM loss (which splits its token rows itself), do not warn."""
+    from flax import nnx
+
+    from tests.conftest import devices, make_cfg
+
+    class Regressor(nnx.Module):
+        def __init__(self, rngs):
+            self.proj = meshpar.param(rngs, (4, 4), ("embed", "mlp"), 0.1)
+
+        def __call__(self, x):
+            return x @ self.proj[...]
+
+    def loss(model, batch):
+        return ((model(batch["x"]) - batch["y"]) ** 2).mean(), {}
+
+    cfg = make_cfg(mesh={"data": 4, "context": 2})
+    leaves = lambda axes: {k: meshpar.Leaf((8, 16, 4), np.float32, axes) for k in ("x", "y")}   # noqa: E731
+    trainer = lambda axes: meshpar.Trainer(cfg, devices=devices(8), model=Regressor, loss=loss,   # noqa: E731
+                                           batch_spec=leaves(axes))
+    warning = ("warning: mesh.context=2 splits no batch leaf: 'x' ('batch', None, None), 'y' ('batch', None, None) "
+               "name no axis the rules put on `context` (length -> context, seq -> context), so the 2 context devices "
+               "repeat the same work; name the sequence dimension 'length' (meshpar.Leaf(shape, dtype, ('batch', "
+               "'length', ...))) or set mesh.context=1")
+    lines = trainer(("batch", None, None)).warnings()
+    assert warning in lines and sum("mesh.context" in w for w in lines) == 1, lines
+    assert not [w for w in trainer(("batch", "length", None)).warnings() if "mesh.context" in w]
+    assert not [w for w in meshpar.Trainer(cfg, devices=devices(8)).warnings() if "mesh.context" in w]
+
+
 def test_export_of_a_model_without_the_hugging_face_protocol_says_what_it_lacks(capsys, tmp_path):
     code = main(["export", "--out", str(tmp_path / "hf"), "--config", str(REPO / "examples" / "vision.yaml")])
     err = capsys.readouterr().err

@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 
 from meshpar.core.errors import ConfigError, ShardingError
-from meshpar.core.rules import LOGICAL_AXES, Layout, uncovered
+from meshpar.core.rules import LOGICAL_AXES, Layout, spec_axes, uncovered
 
 
 def _is_var(x) -> bool:
@@ -229,6 +229,23 @@ def unruled_batch_axes(batch_spec, layout: Layout) -> list[str]:
             out.append(f"batch leaf '{path_name(path) or 'batch'}' names axis '{name}', which no rule maps{hint}: "
                        "that dimension is not split; fix the name or add a rule")
     return out
+
+
+def context_unsplit(batch_spec, layout: Layout) -> list[str]:
+    """One line (else none) when the `context` mesh axis (size > 1) splits no dimension of any batch leaf: a batch
+    whose sequence dimension is not named `length` (nor another name a rule puts on `context`) is
+    repeated whole on every context device. Names the leaves and the rules that would split them."""
+    from meshpar.core.batch import is_leaf
+    cp = layout.shape.get("context", 1)
+    leaves = jax.tree_util.tree_leaves_with_path(batch_spec, is_leaf=is_leaf)
+    if cp == 1 or any("context" in spec_axes(layout.spec(leaf.axes)) for _, leaf in leaves):
+        return []
+    names = ", ".join(f"'{path_name(path) or 'batch'}' {tuple(leaf.axes)}" for path, leaf in leaves)
+    rules = sorted({n for n, cands in layout.rules() for c in cands if "context" in ((c,) if isinstance(c, str) else c)})
+    return [f"mesh.context={cp} splits no batch leaf: {names} name{'s' if len(leaves) == 1 else ''} no axis the "
+            f"rules put on `context` "
+            f"({', '.join(f'{n} -> context' for n in rules)}), so the {cp} context devices repeat the same work; name "
+            f"the sequence dimension 'length' (meshpar.Leaf(shape, dtype, ('batch', 'length', ...))) or set mesh.context=1"]
 
 
 def sharding_table(spec: ModelSpec, layout: Layout, batch_spec=None, activations: dict | None = None) -> list[dict]:

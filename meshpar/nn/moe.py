@@ -10,7 +10,7 @@ weighs them, moved against the load error after each forward (`updated_bias`, De
 auxiliary-loss-free balancing). Shared experts (DeepSeekMoE) are a dense SwiGLU the model adds
 (models/moe.py).
 
-    x [B, T, M] -> regroup [G, S, M] -> router logits [G, S, E] (fp32) -> route
+    x [B, T, M] (in sequence order, `_stored_order`) -> regroup [G, S, M] -> router logits [G, S, E] (fp32) -> route
     capacity mode (`capacity_factor` a number), GShard's einsums (the reference, `DISPATCH="einsum"`):
         combine  [G, S, E, C] = gate of each kept (token, expert, slot), 0 elsewhere
         dispatch [G, S, E, C] = combine != 0 (as a 0/1 mask)
@@ -41,6 +41,13 @@ data/fsdp and all-gathered over those axes for compute, as every FSDP weight is 
 over `expert`. Random routing draws U(0, 1) from a key folded with integer hashes of the tokens and
 of the layer's router, so it is identical under every sharding.
 
+Order. Capacity (which tokens come first in an expert's buffer) and random routing (which draw a
+token gets) depend on the order of S. Context parallelism stores each row in its balanced (zig-zag)
+order (`meshpar.core.sequence`); `moe_ffn` then gathers the tokens back into sequence order before
+routing, locally (G's layout never splits S over `context`), and its output into storage order
+after, so a run with `mesh.context > 1` drops the tokens one device drops. Inside a pipeline stage
+manual over `context` a layer would see only its share of each sequence: refused in one line.
+
 Routing (scores, top-K, capacity slots, the auxiliary losses, the balancing bias) is
 `meshpar.nn.routing`.
 """
@@ -54,11 +61,13 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from meshpar.core.config import top_k
 from meshpar.core.errors import ConfigError
 from meshpar.core.rules import active_layout, constrain
+from meshpar.core import sequence
 from meshpar.nn.gmm import grouped_matmul
 from meshpar.nn.routing import Routing, capacity, route
 
@@ -372,6 +381,9 @@ def moe_ffn(x, router, w_gate, w_up, w_down, settings: MoESettings, bias=None):
     `load_min`, `load_max`, and with a bias `expert_load` [E] (for `updated_bias`)."""
     b, t, m = x.shape
     dt = x.dtype
+    stored = _stored_order(t, settings)
+    if stored is not None:          # route in the sequence's own order, as one device does
+        x = sequence.permute(constrain(x, ("batch", None, "embed"), "moe tokens BTM"), np.argsort(stored))
     xg = constrain(regroup(x, settings.group_size), TOKENS, "moe tokens GSM")
     logits = jnp.einsum("gsm,me->gse", xg.astype(jnp.float32), router.astype(jnp.float32))
     logits = constrain(logits, ROUTING, "router logits GSE")
@@ -401,5 +413,20 @@ def moe_ffn(x, router, w_gate, w_up, w_down, settings: MoESettings, bias=None):
            "load_min": jnp.min(r.load), "load_max": jnp.max(r.load)}
     if bias is not None:
         aux["expert_load"] = r.load
-    return y.reshape(b, t, m), aux
+    y = y.reshape(b, t, m)
+    return (y if stored is None else sequence.permute(y, stored)), aux
+
+
+def _stored_order(t: int, settings: MoESettings):
+    """The storage order [T] of the tokens when it is not the sequence's and routing depends on it
+    (capacity: a token's slot is its rank in the sequence; random routing: its draw), else None.
+    Context parallelism stores rows in its balanced order (`meshpar.core.sequence`); the layer then
+    puts the tokens back in sequence order (a local gather: G's layout does not split S) and the
+    output in storage order again, so which tokens are dropped is what one device drops."""
+    if sequence.manual():
+        raise ConfigError("an MoE layer inside a pipeline stage split over mesh.context would route only the stage's "
+                          "share of each sequence (capacity and load balancing change); set mesh.context=1 or "
+                          "mesh.pipeline=1")
+    random = settings.second_expert_policy == "random" and settings.top_k > 1
+    return sequence.stored_order(t) if settings.capacity_factor is not None or random else None
 

@@ -75,7 +75,9 @@ def route(logits: jax.Array, top_k: int, capacity_factor: float | None, second_p
       the probability itself, so the router gets a gradient.
     - capacity C = ceil(K * S * capacity_factor / E); a token's slot in an expert is its rank by
       cumulative sum over S, first choices of the whole group before second choices; assignments at
-      slot >= C are dropped (the token then only passes through the residual connection).
+      slot >= C are dropped (the token then only passes through the residual connection). S is
+      taken as given: `meshpar.nn.moe.moe_ffn` passes it in the sequence's own order (it undoes
+      context parallelism's balanced storage order first), so the same tokens are dropped on any mesh.
     - capacity_factor None: dropless, every routed assignment is kept.
     - `with_masks=False`: skip the [G, S, E, C] combine/dispatch tensors (None); the fast path needs only
       index, gates, kept and position.

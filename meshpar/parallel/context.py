@@ -15,7 +15,8 @@ are summed over `context` as over `data`). Two orders of the tokens on the devic
 
 The built-in LM loss stores its rows balanced (`balance` permutes tokens, targets, positions and
 segment ids alike, under `balanced()`); every other caller's activations are in natural order:
-correct, unbalanced.
+correct, unbalanced. The orders, the `balanced()` flag and `context_size` live in
+`meshpar.core.sequence` (re-exported here), where layers below this one (MoE capacity) read them.
 
 Attention across shards, inside `jax.shard_map` manual over `context` and the batch axes (and the
 heads' axes; or inside the pipeline's shard_map, which is manual over `context` when sequences are
@@ -35,8 +36,6 @@ split: `meshpar.parallel.pipeline`), one custom VJP (`model.context_strategy`):
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 from dataclasses import dataclass
 
 import jax
@@ -48,47 +47,9 @@ from jax.sharding import PartitionSpec as P
 from meshpar.core.errors import ConfigError, suggest
 from meshpar.core.precision import gather_dtype
 from meshpar.core.rules import active_layout, spec_axes
+from meshpar.core.sequence import AXIS, balanced, context_size, is_balanced, manual, order  # noqa: F401 (this module's API)
 from meshpar.nn import attention as attn_lib
 from meshpar.nn import flash as flash_lib
-
-AXIS = "context"
-
-_BALANCED: contextvars.ContextVar[bool] = contextvars.ContextVar("meshpar_context_balanced", default=False)
-
-
-@contextlib.contextmanager
-def balanced(on: bool = True):
-    """Declare that [B, T, ...] activations traced inside are stored in the balanced order."""
-    token = _BALANCED.set(on)
-    try:
-        yield
-    finally:
-        _BALANCED.reset(token)
-
-
-def manual() -> bool:
-    """Inside a shard_map manual over `context` (a pipeline stage): activations are local in length."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return any(a == AXIS and t == jax.sharding.AxisType.Manual for a, t in zip(mesh.axis_names, mesh.axis_types))
-
-
-def context_size() -> int:
-    """cp: the size of the `context` axis when the active rules split sequence positions over it (or a
-    shard_map is manual over it), else 1."""
-    if manual():
-        return jax.sharding.get_abstract_mesh().shape[AXIS]
-    layout = active_layout()
-    if layout is None or layout.shape.get(AXIS, 1) == 1:
-        return 1
-    spec = layout.spec(("batch", "seq"))
-    return layout.shape[AXIS] if len(spec) > 1 and spec[1] == AXIS else 1
-
-
-def order(t: int, cp: int) -> np.ndarray:
-    """The balanced order: storage position p holds sequence index order[p] ([T], chunks 0, 2cp-1, 1, 2cp-2, ...)."""
-    c = t // (2 * cp)
-    chunks = [i for d in range(cp) for i in (d, 2 * cp - 1 - d)]
-    return np.concatenate([np.arange(i * c, (i + 1) * c) for i in chunks])
 
 
 def check_length(t: int, cp: int, what: str = "batch.length") -> None:
@@ -271,9 +232,9 @@ def _across(q, k, v, mask, q_seg, k_seg, implementation, block, cp, strategy):
     split and balanced) the strategy's functions run as they are, no shard_map nested."""
     inside = manual()                                   # already local in length: [B, T/cp, ...]
     t, s = (q.shape[1] * cp, k.shape[1] * cp) if inside else (q.shape[1], k.shape[1])
-    is_balanced = _BALANCED.get()
+    in_balanced = is_balanced()
     for n, what in ((t, "the queries' length"), (s, "the keys' length")):
-        if is_balanced:
+        if in_balanced:
             check_length(n, cp, what)
         elif n % cp:
             raise ConfigError(f"{what} {n} is not divisible by mesh.context={cp}")
@@ -285,11 +246,11 @@ def _across(q, k, v, mask, q_seg, k_seg, implementation, block, cp, strategy):
         impl = "flash"              # what auto means across shards: cudnn and splash cannot, the ring merges lse
     if impl in ("cudnn", "splash"):
         raise ConfigError(f"model.attention={impl} cannot attend across mesh.context shards; use flash (or xla)")
-    unit_q = t // (2 * cp) if is_balanced else t // cp
-    unit_k = s // (2 * cp) if is_balanced else s // cp
+    unit_q = t // (2 * cp) if in_balanced else t // cp
+    unit_k = s // (2 * cp) if in_balanced else s // cp
     kern = flash_lib.Kernel(mask.causal, mask.window, mask.softcap, 1.0 / float(np.sqrt(q.shape[-1])),
                             flash_lib.block_size(unit_q, block), flash_lib.block_size(unit_k, block))
-    call = _Call(cp, impl, mask, kern, _indices(t, cp, is_balanced), _indices(s, cp, is_balanced))
+    call = _Call(cp, impl, mask, kern, _indices(t, cp, in_balanced), _indices(s, cp, in_balanced))
     fwd_local, bwd_local, consts, const_specs = STRATEGIES[strategy](call)
 
     if inside:    # each device's rows of the per-device operands, picked by its index on `context`

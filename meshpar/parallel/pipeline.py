@@ -69,11 +69,12 @@ AXIS = "pipeline"
 # ----------------------------------------------------------------------------------------------
 # Config checks (one line each, naming the key and a fix).
 
-def check(pc, batch, layout, shapes: dict, model_layers: int, loss: str | None = None) -> None:
+def check(pc, batch, layout, shapes: dict, stack: str, loss: str | None = None) -> None:
     """Raise ConfigError/ShardingError for a pipelined run that cannot run: `pc` its `cfg.pipeline`,
     `batch` its `cfg.batch`, shapes the model's parameter shapes (pure dict, `ModelSpec.shapes`),
-    `model_layers` its `model.layers`, `loss` the name of a loss other than the built-in LM's (None:
-    the LM's)."""
+    `stack` what sets the number of stacked blocks, as the user wrote it (`model.layers=4`,
+    `model.size=tiny`, a user model's `MyModel.layers`), `loss` the name of a loss other than the
+    built-in LM's (None: the LM's)."""
     p = layout.shape.get(AXIS, 1)
     m, v = pc.microbatches, pc.virtual_stages
     if p <= 1:
@@ -89,8 +90,7 @@ def check(pc, batch, layout, shapes: dict, model_layers: int, loss: str | None =
         raise ConfigError(f"pipeline.virtual_stages={v} needs pipeline.schedule=interleaved "
                           f"(got {pc.schedule}); set pipeline.virtual_stages=1 or the interleaved schedule")
     if num_layers % (p * v):
-        what = (f"model.layers={num_layers}" if num_layers == model_layers else
-                f"model.layers={model_layers} stacks {num_layers} blocks, which")
+        what = stack if stack == f"model.layers={num_layers}" else f"{stack} stacks {num_layers} blocks, which"
         raise ConfigError(f"{what} is not divisible by mesh.pipeline={p} x pipeline.virtual_stages={v} "
                           f"(= {p * v} chunks); use a multiple of {p * v} stacked layers")
     if pc.schedule == "interleaved" and v > 1 and m % p:

@@ -22,8 +22,8 @@ from meshpar.core.errors import ConfigError, ShardingError
 from meshpar.core.mesh import describe, make_mesh, mesh_shape
 from meshpar.core.registry import default_model, loss_function
 from meshpar.core.rules import Layout, check_rule_names, get_strategy, parse_user_rules
-from meshpar.core.sharding import (batch_shardings, building, model_spec, opt_state_shardings, param_shardings,
-                                   sharding_table, state_shardings, unruled_batch_axes, var_shardings)
+from meshpar.core.sharding import (batch_shardings, building, context_unsplit, model_spec, opt_state_shardings,
+                                   param_shardings, sharding_table, state_shardings, unruled_batch_axes, var_shardings)
 from meshpar.parallel.context import check_length
 from meshpar.train.data import packs_documents
 from meshpar.train.loss import lm_loss
@@ -101,10 +101,11 @@ class TrainSetup:
         self.batch_warnings = unruled_batch_axes(self.batch_spec, self.layout)
         if self.batch_warnings and cfg.train.require_annotations:
             raise ShardingError(f"{self.batch_warnings[0]} (train.require_annotations=true)")
+        self.batch_warnings += [] if self.is_lm else context_unsplit(self.batch_spec, self.layout)   # LM: rows split
         self.idle_rules = check_rule_names(self.layout.user_rules, self._names_used())
         self.pipelined = self.layout.shape.get("pipeline", 1) > 1
         if self.pipelined:
-            self._check_pipeline()
+            _check_pipeline(self)
         self.tx = make_optimizer(cfg.train, cfg.steps, self.spec)
         replicated = NamedSharding(self.mesh, P())
         self.param_shardings = param_shardings(self.spec, self.layout)
@@ -118,29 +119,11 @@ class TrainSetup:
         self.batch_sharding = batch_shardings(self.batch_spec, self.layout)
         self._init = jax.jit(self._init_fn, out_shardings=self.state_shardings)
 
-    def _check_pipeline(self) -> None:
-        """A pipeline cuts the loss into stages (meshpar.nn.stages): the built-in LM loss of a model
-        with embed/layers/head, or `stage_loss` of one with pre/layers/post/loss."""
-        from flax import nnx
-
-        from meshpar.parallel import pipeline
-        from meshpar.nn.stages import check_protocol, check_state, stage_loss
-        if self.loss not in (lm_loss, stage_loss):
-            raise ConfigError(f"pipelining (mesh.pipeline > 1) cuts the loss into stages: train.loss=lm (a model with "
-                              f"embed/layers/head) or train.loss=stages (a model with pre/layers/post/loss, see "
-                              f"meshpar.nn.stages); {self.loss_name} is neither. Set mesh.pipeline=1, or give the model "
-                              "those parts and train it with train.loss=stages")
-        with building(self.policy):
-            check_protocol(nnx.eval_shape(lambda: self.factory(nnx.Rngs(0))), lm=self.is_lm)
-        check_state(self.spec)
-        cfg = self.cfg
-        pipeline.check(cfg.pipeline, cfg.batch, self.layout, self.spec.shapes, cfg.model.layers,
-                       loss=None if self.is_lm else self.loss_name)
-
     def warnings(self) -> list[str]:
         """One line each: the config's (`meshpar.core.notices`: keys it does not read, a warmup longer
         than the run), user rules that name no parameter, variable or batch leaf (they can only reach
-        activations), and the padded exchange dropless expert parallelism falls back to."""
+        activations), batch axes no rule maps, a `context` axis that splits no batch leaf of a user's
+        loss, and the padded exchange dropless expert parallelism falls back to."""
         from meshpar.core.notices import config_warnings
         out = config_warnings(self.cfg)
         if self.idle_rules:
@@ -216,6 +199,31 @@ class TrainSetup:
                 "precision": self.cfg.precision, "devices": self.mesh.devices.size,
                 "params": self.spec.num_params, "examples_per_step": rows,
                 "tokens_per_step": rows * self.cfg.batch.length if self.is_lm else None}
+
+
+def _check_pipeline(setup: TrainSetup) -> None:
+    """A pipeline cuts the loss into stages (meshpar.nn.stages): the built-in LM loss of a model
+    with embed/layers/head, or `stage_loss` of one with pre/layers/post/loss. Errors name the stack
+    as its user wrote it: `model.layers=4`, `model.size=tiny`, or a user model's `MyModel.layers`."""
+    from flax import nnx
+
+    from meshpar.parallel import pipeline
+    from meshpar.nn.stages import check_protocol, check_state, stage_loss
+    if setup.loss not in (lm_loss, stage_loss):
+        raise ConfigError(f"pipelining (mesh.pipeline > 1) cuts the loss into stages: train.loss=lm (a model with "
+                          f"embed/layers/head) or train.loss=stages (a model with pre/layers/post/loss, see "
+                          f"meshpar.nn.stages); {setup.loss_name} is neither. Set mesh.pipeline=1, or give the model "
+                          "those parts and train it with train.loss=stages")
+    with building(setup.policy):
+        abstract = nnx.eval_shape(lambda: setup.factory(nnx.Rngs(0)))
+        check_protocol(abstract, lm=setup.is_lm)
+    check_state(setup.spec)
+    cfg, m = setup.cfg, setup.cfg.model
+    reference = setup.model is None and ":" not in m.name        # a meshpar.models model, sized by model.*
+    stack = (f"{type(abstract).__name__}.layers" if not reference else
+             f"model.layers={m.layers}" if m.layers else f"model.size={m.size}")
+    pipeline.check(cfg.pipeline, cfg.batch, setup.layout, setup.spec.shapes, stack,
+                   loss=None if setup.is_lm else setup.loss_name)
 
 
 def _lm_activations(setup) -> dict:

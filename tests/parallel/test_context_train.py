@@ -1,6 +1,7 @@
 """Context parallelism in training: 3 steps of the tiny decoder (flash attention, fp32) with
 sequences split over `context` alone and combined with data, fsdp x tensor, pipeline (GPipe, 1F1B,
-interleaved: the stages manual over `context`), expert parallelism, accumulation, packed documents
+interleaved: the stages manual over `context`), expert parallelism (dropless, and with capacity,
+where the balanced order must not change which tokens are dropped), accumulation, packed documents
 and the ring give the losses of the 1-device run (relative difference <= 1e-5). A pipeline averages
 its microbatches' losses as gradient accumulation does, so packed documents (whose microbatches
 weigh different numbers of targets) are compared with a 1-device run accumulating as many."""
@@ -14,6 +15,7 @@ from tests.conftest import devices, make_cfg, train_steps
 
 COMMON = ["model.attention=flash", "batch.length=32", "batch.global_size=8", "model.layers=2"]
 MOE = ["model.name=moe", "moe.num_experts=4", "moe.capacity_factor=null"]
+CAPACITY_MOE = ["model.name=moe", "moe.num_experts=4", "moe.capacity_factor=1.25"]   # drops tokens: order matters
 
 
 def packed_source(vocab: int):
@@ -52,6 +54,8 @@ CASES = {   # name: (config, mesh, packed documents?, what the 1-device referenc
                                                           "batch.microbatches=2"], {"context": 2, "tensor": 2, "data": 2},
                                                          False, []),
     "moe: context=2 x expert=2 x data=2": (MOE, {"context": 2, "expert": 2, "data": 2}, False, []),
+    "capacity moe: context=2 x data=4": (CAPACITY_MOE, {"context": 2, "data": 4}, False, []),
+    "capacity moe: context=4 x expert=2": (CAPACITY_MOE, {"context": 4, "expert": 2}, False, []),
     "packed documents: context=4 x data=2": ([], {"context": 4, "data": 2}, True, []),
     "ring: context=4 x data=2": (["model.context_strategy=ring"], {"context": 4, "data": 2}, False, []),
     "gpipe: context=2 x pipeline=2 x data=2": (PIPE, {"context": 2, "pipeline": 2, "data": 2}, False, []),
@@ -95,6 +99,19 @@ def test_context_with_pipeline_needs_the_lm_loss():
     with pytest.raises(ConfigError, match="mesh.context=2 with mesh.pipeline > 1 needs the built-in LM loss"):
         Trainer(cfg, devices=devices(8), model=Stages, loss=meshpar.stage_loss,
                 batch_spec=Leaf((8, 32, 4), np.float32, ("batch", "length", None)))
+
+
+def test_a_user_moe_model_in_a_pipeline_split_over_context_is_refused():
+    """`model.name=moe` with pipeline x context is refused by the config check; a user's factory of the
+    same layers is refused in one line when traced: a stage would route only its share of each sequence."""
+    from meshpar.core.errors import ConfigError
+    from meshpar.models import REGISTRY
+
+    cfg = make_cfg(*COMMON, *PIPE, *CAPACITY_MOE[1:], "model.layers=4", mesh={"pipeline": 2, "context": 2, "data": 2})
+    tr = Trainer(cfg, devices=devices(8), model=lambda rngs: REGISTRY["moe"](cfg, rngs))
+    with pytest.raises(ConfigError, match="an MoE layer inside a pipeline stage split over mesh.context would route "
+                                          "only the stage's share of each sequence"):
+        tr.lower()
 
 
 def test_the_sharding_table_shows_length_over_context():

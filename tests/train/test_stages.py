@@ -81,3 +81,24 @@ def test_pipelining_refuses_what_the_stage_protocol_cannot_express_in_one_line()
             return outputs.mean(), {}
     with pytest.raises(ConfigError, match=r"the stacked layers hold non-Param state \(layers\.(mean|var)"):
         Trainer(cfg, devices=devices(2), model=lambda rngs: Counting(rngs), loss=stage_loss)
+
+    class Three(nnx.Module):                     # its own depth: the message names its stack, not model.layers
+        def __init__(self, rngs):
+            self.layers = meshpar.stacked(lambda r: nnx.Linear(4, 4, rngs=r), 3, rngs)
+
+        def pre(self, batch):
+            return batch
+
+        def post(self, x):
+            return x
+
+        def loss(self, outputs, batch):
+            return outputs.mean(), {}
+    with pytest.raises(ConfigError, match=r"^Three\.layers stacks 3 blocks, which is not divisible by mesh\.pipeline=2 "
+                                          r"x pipeline\.virtual_stages=1 \(= 2 chunks\); use a multiple of 2 stacked "
+                                          r"layers$"):
+        Trainer(cfg, devices=devices(2), model=lambda rngs: Three(rngs), loss=stage_loss)
+    # a reference model sized by model.size (model.layers unset) names model.size
+    with pytest.raises(ConfigError, match=r"^model\.size=tiny stacks 2 blocks, which is not divisible by "
+                                          r"mesh\.pipeline=4"):
+        Trainer(make_cfg(*TINY, mesh={"pipeline": 4}, fast=False), devices=devices(4))
