@@ -88,10 +88,12 @@ def _sigint_while_compiling(tmp_path, delay: float) -> tuple[int, str]:
            if k != "XLA_FLAGS" and not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))}   # cannot skip
     argv = [sys.executable, "-m", "meshpar.cli", "train", "steps=50", f"checkpoint.dir={tmp_path / 'ck'}",
             "--metrics-out", str(tmp_path / "m.jsonl")]
-    pid, fd = pty.fork()
-    if pid == 0:
-        os.chdir(tmp_path)
-        os.execve(sys.executable, argv, env)
+    # Popen, not pty.fork(): this process runs XLA's threads, and a forked copy of it that runs Python
+    # before its exec can deadlock or die on a lock another thread held at the fork
+    fd, tty = pty.openpty()
+    child = subprocess.Popen(argv, stdin=tty, stdout=tty, stderr=tty, cwd=tmp_path, env=env, start_new_session=True)
+    os.close(tty)
+    pid = child.pid
     out, sent, t0 = b"", False, time.monotonic()
     while time.monotonic() - t0 < 120:
         if select.select([fd], [], [], 0.05)[0]:
@@ -106,8 +108,9 @@ def _sigint_while_compiling(tmp_path, delay: float) -> tuple[int, str]:
             time.sleep(delay)
             os.kill(pid, signal.SIGINT)
             sent = True
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status), out.decode(errors="replace")
+    code = child.wait(timeout=60)
+    os.close(fd)
+    return code, out.decode(errors="replace")
 
 
 @pytest.mark.slow
