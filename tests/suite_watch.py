@@ -167,7 +167,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if not _file_seconds:
         return
     scaled = f", x{_slowdown[0]:.2f} for this machine's speed" if _slowdown[0] > 1 else ""
-    tr.write_sep("=", f"seconds per test file (budget {budget_s():g} s each{scaled})")
+    tr.write_sep("=", f"seconds per test file (budget {budget_s():.0f} s each{scaled})")
     tr.write_line(f"{'seconds':>8}  {'compiled':>8}  {'cached':>6}  {'compile':>8}  {'trace':>8}  file   "
                   "(in-process programs: compiled, taken from the session's cache; seconds compiling, tracing + lowering)")
     total = [0, 0.0, 0.0, 0]
@@ -178,8 +178,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     tr.write_line(f"{sum(_file_seconds.values()):8.1f}  {total[0]:8d}  {total[3]:6d}  {total[1]:8.1f}  {total[2]:8.1f}  total")
     for path, seconds in over_budget().items():
         if STRICT:
-            tr.write_line(f"FAILED suite time: {path} took {seconds:.0f} s, over the {budget_s():g} s a test file may "
+            tr.write_line(f"FAILED suite time: {path} took {seconds:.0f} s, over the {budget_s():.0f} s a test file may "
                           "take; share its compiled steps (module fixtures) or split it", red=True)
         else:
-            tr.write_line(f"suite time: {path} took {seconds:.0f} s, over the {budget_s():g} s budget (a report: "
+            tr.write_line(f"suite time: {path} took {seconds:.0f} s, over the {budget_s():.0f} s budget (a report: "
                           "MESHPAR_STRICT_SUITE_TIME=1 fails the run on it)", yellow=True)
