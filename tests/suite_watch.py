@@ -67,6 +67,10 @@ def budget_s() -> float:
     return FILE_BUDGET_S * _slowdown[0]
 
 
+def _seconds(x: float) -> str:
+    return f"{x:.0f}" if x >= 10 else f"{x:g}"
+
+
 def _on_duration(event: str, seconds: float, **_):
     if event == _BACKEND:
         _phase[0] += 1
@@ -167,7 +171,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if not _file_seconds:
         return
     scaled = f", x{_slowdown[0]:.2f} for this machine's speed" if _slowdown[0] > 1 else ""
-    tr.write_sep("=", f"seconds per test file (budget {budget_s():.0f} s each{scaled})")
+    tr.write_sep("=", f"seconds per test file (budget {_seconds(budget_s())} s each{scaled})")
     tr.write_line(f"{'seconds':>8}  {'compiled':>8}  {'cached':>6}  {'compile':>8}  {'trace':>8}  file   "
                   "(in-process programs: compiled, taken from the session's cache; seconds compiling, tracing + lowering)")
     total = [0, 0.0, 0.0, 0]
@@ -178,8 +182,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     tr.write_line(f"{sum(_file_seconds.values()):8.1f}  {total[0]:8d}  {total[3]:6d}  {total[1]:8.1f}  {total[2]:8.1f}  total")
     for path, seconds in over_budget().items():
         if STRICT:
-            tr.write_line(f"FAILED suite time: {path} took {seconds:.0f} s, over the {budget_s():.0f} s a test file may "
+            tr.write_line(f"FAILED suite time: {path} took {seconds:.0f} s, over the {_seconds(budget_s())} s a test file may "
                           "take; share its compiled steps (module fixtures) or split it", red=True)
         else:
-            tr.write_line(f"suite time: {path} took {seconds:.0f} s, over the {budget_s():.0f} s budget (a report: "
+            tr.write_line(f"suite time: {path} took {seconds:.0f} s, over the {_seconds(budget_s())} s budget (a report: "
                           "MESHPAR_STRICT_SUITE_TIME=1 fails the run on it)", yellow=True)
