@@ -20,30 +20,19 @@ import os
 import shutil
 import tempfile
 
-
-def _xla_knows(flag: str) -> bool:
-    """Whether this jaxlib's XLA defines `flag` (XLA aborts on an unknown flag in XLA_FLAGS)."""
-    import glob
-    import importlib.util
-    import mmap
-    spec = importlib.util.find_spec("jaxlib")
-    for lib in glob.glob(os.path.join(os.path.dirname(spec.origin), "**", "*.so"), recursive=True):
-        if os.path.getsize(lib) > 50_000_000:                # the library that holds XLA
-            with open(lib, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-                if m.find(flag.encode()) >= 0:
-                    return True
-    return False
+from meshpar.core.mesh import fake_cpu_flags, xla_knows
 
 
 # How XLA:CPU generates machine code, not what it partitions: fewer LLVM passes and its classic
 # fusion emitter compile in about half the time (bench/RESULTS.md, "Suite time").
 FAST_CODEGEN = [f"--{name}={value}" for name, value in (("xla_backend_optimization_level", 0),
                                                          ("xla_llvm_disable_expensive_passes", "true"),
-                                                         ("xla_cpu_use_fusion_emitters", "false")) if _xla_knows(name)]
-os.environ["XLA_FLAGS"] = " ".join(
+                                                         ("xla_cpu_use_fusion_emitters", "false")) if xla_knows(name)]
+# 8 fake devices whose collectives wait out a busy machine (meshpar.core.mesh.fake_cpu_flags: XLA's
+# own 60 s limit aborted a worker, issue 46)
+os.environ["XLA_FLAGS"] = fake_cpu_flags(8, " ".join(
     [f for f in os.environ.get("XLA_FLAGS", "").split()
-     if "host_platform_device_count" not in f and not any(f.split("=")[0] == g.split("=")[0] for g in FAST_CODEGEN)]
-    + ["--xla_force_host_platform_device_count=8", *FAST_CODEGEN])
+     if not any(f.split("=")[0] == g.split("=")[0] for g in FAST_CODEGEN)] + FAST_CODEGEN))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import json  # noqa: E402

@@ -17,11 +17,43 @@ from meshpar.core.errors import ConfigError, suggest
 MESH_AXES = ("pipeline", "data", "fsdp", "context", "expert", "tensor")
 
 
+# XLA:CPU ends the whole process (SIGABRT, rendezvous.cc "Termination timeout ... Exiting to ensure a
+# consistent program state") when the fake devices of one collective arrive more than its timeout
+# apart (20 s of warnings, then 40 s): on a busy laptop or CI machine a correct program can be that
+# slow. Fake devices wait this long instead; a real deadlock still ends, with XLA's message.
+COLLECTIVE_WAIT_S = 600
+_COLLECTIVE_WAIT_FLAG = "xla_cpu_collective_call_terminate_timeout_seconds"
+
+
+def xla_knows(flag: str) -> bool:
+    """Whether this jaxlib's XLA defines `flag` (XLA aborts on an unknown flag in XLA_FLAGS)."""
+    import glob
+    import importlib.util
+    import mmap
+    spec = importlib.util.find_spec("jaxlib")
+    if spec is None or spec.origin is None:
+        return False
+    for lib in glob.glob(os.path.join(os.path.dirname(spec.origin), "**", "*.so"), recursive=True):
+        if os.path.getsize(lib) > 50_000_000:                # the library that holds XLA
+            with open(lib, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                if m.find(flag.encode()) >= 0:
+                    return True
+    return False
+
+
+def fake_cpu_flags(n: int, flags: str = "", wait_s: int = COLLECTIVE_WAIT_S) -> str:
+    """XLA_FLAGS `flags` with `n` host devices, and their collectives' patience (`wait_s` seconds past
+    XLA's 20 s warning) unless the flags set it or this XLA does not know it."""
+    out = [f for f in flags.split() if "xla_force_host_platform_device_count" not in f]
+    out.append(f"--xla_force_host_platform_device_count={n}")
+    if not any(f.lstrip("-").startswith(_COLLECTIVE_WAIT_FLAG) for f in out) and xla_knows(_COLLECTIVE_WAIT_FLAG):
+        out.append(f"--{_COLLECTIVE_WAIT_FLAG}={wait_s}")
+    return " ".join(out)
+
+
 def fake_cpu_devices(n: int) -> None:
     """Ask XLA for `n` host (CPU) devices. Must run before JAX initialises its backends."""
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
-    flags.append(f"--xla_force_host_platform_device_count={n}")
-    os.environ["XLA_FLAGS"] = " ".join(flags)
+    os.environ["XLA_FLAGS"] = fake_cpu_flags(n, os.environ.get("XLA_FLAGS", ""))
     try:  # jax may be imported already (but not initialised): the config option wins then
         import jax
         jax.config.update("jax_num_cpu_devices", n)

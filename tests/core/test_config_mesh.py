@@ -127,3 +127,51 @@ def test_meshpar_version_and_help_point_to_the_keys(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     assert "`meshpar config` prints every key" in capsys.readouterr().out
+
+
+LATE_DEVICE = """
+import os, sys, time
+os.environ["XLA_FLAGS"] = __import__("meshpar.core.mesh", fromlist=["x"]).fake_cpu_flags(4, sys.argv[1], int(sys.argv[2]))
+import numpy as np, jax, jax.numpy as jnp
+from jax.sharding import AxisType, PartitionSpec as P
+
+def late(i):            # device 1 reaches the all-reduce 3 s after the others (a busy machine's thread)
+    if int(i) == 1:
+        time.sleep(3)
+    return np.float32(1)
+
+def f(x):
+    w = jax.pure_callback(late, jax.ShapeDtypeStruct((), jnp.float32), jax.lax.axis_index("x"))
+    return jax.lax.psum(x * w, "x")
+
+mesh = jax.make_mesh((4,), ("x",), axis_types=(AxisType.Auto,))
+print("sum", float(jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("x"), out_specs=P()))(jnp.ones(4)).sum()))
+"""
+
+
+def test_fake_devices_wait_out_a_late_collective_where_xla_would_abort_the_process(tmp_path):
+    """XLA:CPU ends the process (SIGABRT) when one collective's fake devices arrive more than its
+    rendezvous timeout apart (20 s + 40 s by default): the worker abort of issue 46, on a busy machine.
+    Scaled down (a 1 s warning): a device 3 s late aborts the process when fake_cpu_flags' wait is 1 s
+    and is waited for at 30 s, so the flag it writes is the one XLA obeys; by default it waits
+    COLLECTIVE_WAIT_S, and a timeout the user set is left alone."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from meshpar.core.mesh import COLLECTIVE_WAIT_S, fake_cpu_flags
+    name = "--xla_cpu_collective_call_terminate_timeout_seconds"
+    assert f"{name}={COLLECTIVE_WAIT_S}" in fake_cpu_flags(8).split() and COLLECTIVE_WAIT_S >= 300
+    assert fake_cpu_flags(8, f"{name}=7").split().count(f"{name}=7") == 1 and f"{name}={COLLECTIVE_WAIT_S}" not in \
+        fake_cpu_flags(8, f"{name}=7")
+    (tmp_path / "late.py").write_text(LATE_DEVICE)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+
+    def run(wait_s: int):
+        return subprocess.run([sys.executable, "late.py", "--xla_cpu_collective_call_warn_stuck_timeout_seconds=1",
+                               str(wait_s)], cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
+    short = run(1)
+    assert short.returncode == -6 and "Termination timeout" in short.stderr, (short.returncode, short.stderr[-1500:])
+    patient = run(30)
+    assert patient.returncode == 0 and "sum 4.0" in patient.stdout, patient.stderr[-1500:]
