@@ -17,8 +17,6 @@ rest are metrics stacked [layers]. Non-Param state (BatchNorm statistics, dropou
 live in `pre` and `post`: each runs on one stage, once per microbatch in order, as gradient
 accumulation over `pipeline.microbatches` runs them on one device. The stacked layers hold
 parameters only (a layer's state would have to travel between stages with every microbatch).
-x keeps its structure, shapes and dtypes through the layers; each leaf travels between stages.
-`check_loss`, `check_activation` and `meshpar.nn.layers` put a part that breaks the protocol in one line.
 
 The reference LM is the same cut: `embed` (the inputs [b, T] -> [b, T, E]), `layers` (called with
 positions, and segment ids for packed documents), `head` + next-token cross-entropy against the
@@ -28,6 +26,8 @@ A model whose body is more than that cut (say layers after the stack) declares s
 `model.pipeline_refusal() -> str | None` (the reason, one clause), and is refused in one line.
 `StageModel` is what the pipeline executors call: one part at a time, on pure dicts of
 parameters and state, returning the state a part changed.
+x keeps its structure, shapes and dtypes through the layers; each leaf travels between stages.
+`check_loss`, `check_activation` and `meshpar.nn.layers` put a part that breaks the protocol in one line.
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from meshpar.core import precision as precision_lib
 from meshpar.core.errors import ConfigError
-from meshpar.nn.stages import lm_rows
+from meshpar.nn.stages import check_loss, lm_rows  # noqa: F401  (check_loss: the contract, which stage_loss keeps too)
 from meshpar.parallel import context
 
 

@@ -41,7 +41,7 @@ from meshpar.core.batch import is_leaf
 from meshpar.core.registry import import_object
 from meshpar.core.rules import use_layout
 from meshpar.core.sharding import split_microbatches
-from meshpar.nn.stages import check_loss
+from meshpar.train.loss import check_loss
 from meshpar.train.optimizer import applied_count, lr_schedule
 from meshpar.train.state import TrainSetup, batch_axes_of
 
