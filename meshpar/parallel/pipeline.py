@@ -274,8 +274,7 @@ def _one_f_one_b_grads(model: StageModel, p: int, m: int, outer, layers, vars, m
 
     def bwd(position, c, ins, mi):
         """Stages before the last: microbatch mi's backward from its stashed residuals."""
-        d_lp, dx = residuals.join(ins["res"][:n_res], layers)((pulled(ins["dy"]), seed_m))
-        dx = carried(dx, zero_x)
+        d_lp, dx = carried(residuals.join(ins["res"][:n_res], layers)((pulled(ins["dy"]), seed_m)), (layers, zero_x))
         # stage 0's dx is the embedding's cotangent: its backward runs after the switch (see tick)
         out = {**c, "dx0": dx} if position == 0 else {**c, "send_b": _vary(dx)}
         return {**out, "d_layers": jax.tree.map(jnp.add, c["d_layers"], d_lp)}
