@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from meshpar.core.errors import ConfigError
 from meshpar.core.precision import param_dtype
 from meshpar.core.rules import constrain
 from meshpar.core.sharding import logical_axes
@@ -68,12 +69,13 @@ REMAT_POLICIES = {
 
 
 def scan_layers(layers_mod, x, positions, remat: str = "full", scan: bool = True, cache=None, segment_ids=None):
-    """Apply a stacked module [layers, ...] to x [B, T, E] layer by layer.
+    """Apply a stacked module [layers, ...] to x [B, T, E] (or any pytree of arrays: an encoder-decoder's
+    {"y": [B, T, E], "enc": [B, S, E]}, say) layer by layer.
 
     `lax.scan` keeps one copy of the layer program (compile time independent of depth); the remat
     policy decides what the backward pass recomputes. Each layer is called `layer(x, positions)`, or
     `layer(x)` when `positions` is None (`layer(x, positions, segment_ids=...)` for packed documents,
-    segment_ids [B, T]), and returns x or (x, aux). Returns (x, aux) with aux
+    segment_ids [B, T]), and returns x (its structure, shapes and dtypes) or (x, aux). Returns (x, aux) with aux
     stacked [layers] ({} when the layers return none).
     With `cache` (a KV cache stacked [layers, ...], decoding) each layer is called as
     `layer(x, positions, cache=its slice) -> (x, aux, new slice)` and (x, aux, cache) is returned.
@@ -116,9 +118,49 @@ def scan_layers(layers_mod, x, positions, remat: str = "full", scan: bool = True
     if cache is not None:                    # decoding: no backward pass, so no remat
         (x, cache), aux = loop(decode_body, (x, cache), (state, jnp.arange(n)))
         return x, aux, cache
+    body = _activation_and_aux(body, type(layers_mod).__name__, scan)
     if REMAT_POLICIES[remat] is not None:
         body = jax.checkpoint(body, policy=REMAT_POLICIES[remat](), prevent_cse=not scan)
     return loop(body, x, (state, jnp.arange(n)) if draws else state)
+
+
+def _activation_and_aux(body, name: str, scan: bool):
+    """`body` (which hands a layer's tuple on as it is, anything else as (it, {})) -> (x, aux): the
+    layer returned its activation (the carry's pytree structure: an array, a dict, a tuple, ...) or
+    (activation, aux). One line naming the layer when it returns another structure, or, under
+    `lax.scan` (which carries x from layer to layer), other shapes or dtypes."""
+    def run(carry, xs):
+        out = body(carry, xs)
+        if jax.tree.structure(out) == jax.tree.structure(carry):    # a tuple activation, no aux
+            out = (out, {})
+        elif jax.tree.structure(out[0]) != jax.tree.structure(carry):
+            got = out[0] if isinstance(out[1], dict) and not out[1] else out
+            raise ConfigError(f"meshpar.stacked layer {name} returned {describe(got)} for the activation "
+                              f"{describe(carry)}; a stacked layer returns its input's structure, or (it, aux dict)")
+        if scan:
+            check_keeps(carry, out[0], f"meshpar.stacked layer {name}")
+        return out
+    return run
+
+
+def check_keeps(x, y, what: str) -> None:
+    """One line unless the activation y (any pytree) has x's shapes and dtypes: `what` maps x to y."""
+    same = jax.tree.map(lambda a, b: jnp.shape(a) == jnp.shape(b) and jnp.result_type(a) == jnp.result_type(b), x, y)
+    if not all(jax.tree.leaves(same)):
+        raise ConfigError(f"{what} maps the activation {describe(x)} to {describe(y)}; the stacked layers must keep "
+                          "their input's shapes and dtypes (change widths in pre or post, or out of the stack)")
+
+
+def describe(tree) -> str:
+    """An activation pytree in one line: 'float32[2,8,16]', or "{['enc']: float32[2,6,16], ['y']: ...}"."""
+    def one(a):
+        if not hasattr(a, "dtype"):
+            return type(a).__name__
+        return f"{jnp.dtype(a.dtype).name}[{','.join(map(str, jnp.shape(a)))}]"
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    if len(leaves) == 1 and not leaves[0][0]:
+        return one(leaves[0][1])
+    return "{" + ", ".join(f"{jax.tree_util.keystr(k)}: {one(a)}" for k, a in leaves) + "}"
 
 
 def _unrolled(f, carry, xs, n: int):

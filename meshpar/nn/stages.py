@@ -4,6 +4,7 @@ A model you want to pipeline names three parts and a loss, each taking one micro
 pytree (leaves [b, ...]):
 
     model.pre(batch) -> x                          # first stage: inputs -> activations x [b, ...]
+                                                   #   (or any pytree of arrays: (y [b, T, E], enc [b, S, E]))
     model.layers                                   # a meshpar.stacked stack: layer(x) -> x or (x, aux)
     model.post(x) -> outputs                       # last stage
     model.loss(outputs, batch) -> (loss, metrics)  # last stage: a scalar and a dict of scalars
@@ -26,6 +27,8 @@ A model whose body is more than that cut (say layers after the stack) declares s
 `model.pipeline_refusal() -> str | None` (the reason, one clause), and is refused in one line.
 `StageModel` is what the pipeline executors call: one part at a time, on pure dicts of
 parameters and state, returning the state a part changed.
+x keeps its structure, shapes and dtypes through the layers; each leaf travels between stages.
+`check_loss`, `check_activation` and `meshpar.nn.layers` put a part that breaks the protocol in one line.
 """
 from __future__ import annotations
 
@@ -33,10 +36,12 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from meshpar.core.errors import ConfigError
-from meshpar.nn.layers import scan_layers
+from meshpar.core.rules import active_layout, constrain, use_layout
+from meshpar.nn.layers import check_keeps, scan_layers
 
 PROTOCOL = ("pre", "post", "loss")
 SEQUENCE_AXES = ("context",)     # mesh axes a pipeline splits the LM's rows [b, T] over (manually)
@@ -75,8 +80,8 @@ def lm_rows(batch) -> dict:
 def stage_loss(model, batch):
     """`train.loss=stages`: model.loss(model.post(layers(model.pre(batch))), batch), plus the layers'
     aux loss. The loss a pipeline computes stage by stage, computed in one piece."""
-    x, extra, aux = apply_layers(model, model.pre(batch))
-    loss, metrics = model.loss(model.post(x), batch)
+    x, extra, aux = apply_layers(model, check_activation(model.pre(batch), f"{type(model).__name__}.pre"))
+    loss, metrics = check_loss(model.loss(model.post(x), batch), f"{type(model).__name__}.loss")
     return loss + extra, {**dict(metrics), **aux}
 
 
@@ -109,6 +114,27 @@ def check_state(spec) -> None:
                           "(meshpar.nn.stages), or set mesh.pipeline=1")
 
 
+def check_loss(out, name: str):
+    """A loss's output -> (loss, metrics): one line unless it is (a scalar, a dict of metrics)."""
+    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict)):
+        got = (f"a bare array of shape {tuple(jnp.shape(out))}" if hasattr(out, "shape") else
+               f"a {type(out).__name__}" + (f" of {len(out)}" if isinstance(out, tuple) else ""))
+        raise ConfigError(f"loss function {name} must return (loss, metrics_dict), got {got}; return (loss, {{}}) "
+                          "for a loss without metrics")
+    loss, metrics = out
+    if jnp.shape(loss) != ():
+        raise ConfigError(f"loss function {name} returned a loss of shape {tuple(jnp.shape(loss))}; it must be a "
+                          "scalar (reduce it, e.g. with .mean())")
+    return loss, metrics
+
+
+def whole(tree):
+    """Each leaf replicated over the automatic mesh axes (those of the active layout): what the last
+    stage's loss reads inside a pipeline (see `StageModel.post_loss`)."""
+    layout = active_layout()
+    return tree if layout is None else jax.tree.map(lambda a: constrain(a, (None,) * jnp.ndim(a)), tree)
+
+
 def manual_axes() -> tuple[str, ...]:
     """The mesh axes the enclosing shard_map is manual over (`pipeline`, maybe `data`)."""
     mesh = jax.sharding.get_abstract_mesh()
@@ -116,10 +142,30 @@ def manual_axes() -> tuple[str, ...]:
 
 
 def vary(x):
-    """Mark a value as varying over the manual axes (`pipeline`, and `data` when the pipeline is
-    manual over it): loop carries and branch outputs must agree."""
-    missing = tuple(a for a in manual_axes() if a not in jax.typeof(x).mat.varying)
-    return lax.pcast(x, missing, to="varying") if missing else x
+    """Mark a value (each leaf of a pytree) as varying over the manual axes (`pipeline`, and `data`
+    when the pipeline is manual over it): loop carries and branch outputs must agree."""
+    def one(a):
+        missing = tuple(n for n in manual_axes() if n not in jax.typeof(a).mat.varying)
+        return lax.pcast(a, missing, to="varying") if missing else a
+    return jax.tree.map(one, x)
+
+
+def zeros(spec):
+    """Zeros of a pytree of shapes (`jax.eval_shape`'s ShapeDtypeStructs)."""
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), spec)
+
+
+def check_activation(x, what: str):
+    """`pre`'s output: any pytree of arrays (one line naming the leaf otherwise) -> x."""
+    leaves = jax.tree_util.tree_leaves_with_path(x)
+    bad = [(k, a) for k, a in leaves if not isinstance(a, (jax.Array, np.ndarray))]
+    if not leaves or bad:
+        where = f" at {jax.tree_util.keystr(bad[0][0]) or 'the top'}: {type(bad[0][1]).__name__}" if bad else \
+            ": no array"
+        raise ConfigError(f"{what} returned a non-array{where}; it must return the activation the stacked layers "
+                          "take, an array or any pytree (dict, tuple, list) of arrays, constrained with their "
+                          "logical axes")
+    return x
 
 
 @dataclass(frozen=True)
@@ -148,9 +194,10 @@ class StageModel:
         return self.spec.merge({**outer, "layers": layers}, vars)
 
     def pre(self, outer, layers, vars, mb):
-        """First stage: mb -> (x [b, ...] in the compute dtype, vars after `pre`)."""
+        """First stage: mb -> (x [b, ...] in the compute dtype, or the user's pytree; vars after `pre`)."""
         m = self.module(outer, layers, vars)
-        x = m.embed(mb["inputs"], self.policy.compute_dtype) if self.lm else m.pre(mb)
+        x = m.embed(mb["inputs"], self.policy.compute_dtype) if self.lm else \
+            check_activation(m.pre(mb), f"{type(m).__name__}.pre")
         return x, self.spec.vars_of(m)
 
     def stage(self, outer, layers, x, mb):
@@ -159,10 +206,23 @@ class StageModel:
         m = self.module(outer, layers)
         pos, seg = (mb["positions"], mb.get("segment_ids")) if self.lm else (None, None)
         y, loss, aux = apply_layers(m, vary(x), pos, seg)     # vary: the scan's carry
+        check_keeps(x, y, f"a pipeline stage of {type(m.layers).__name__} layers")   # the ring's buffers are x's
         return y, vary(loss), aux                             # varies over stages
 
     def post_loss(self, outer, layers, vars, y, mb):
-        """Last stage: y -> (the microbatch's loss (fp32 scalar), its metrics, vars after `post`)."""
+        """Last stage: y -> (the microbatch's loss (fp32 scalar), its metrics, vars after `post`).
+
+        A user's loss runs whole on every device of the last stage (of its replica, when the pipeline
+        is manual over `data`): post's outputs, the microbatch and the parameters the loss reads are
+        gathered over the automatic mesh axes first, and `constrain` splits nothing inside it. Inside
+        the pipeline's partly manual shard_map XLA's SPMD partitioner (JAX 0.10) aborts the process
+        on a gather along a dimension split over one automatic axis while the other operand is split
+        over another (`take_along_axis` of logits split on `vocab` over `tensor` with targets split
+        over `data`), and a loss mixing rows split over `data` (`jnp.roll`, `h @ h.T`) compiled to a
+        collective-permute over all devices inside this stage's branch, which the other stages never
+        join (a hang). A loss on whole arrays partitions nothing: the same loss as on one device.
+        `post` keeps its layout (a head split over `tensor` stays so) unless it gathers (pooling a
+        token with `take_along_axis`, say): then it runs whole too."""
         from meshpar.core.precision import cross_entropy
         m = self.module(outer, layers, vars)
         if self.lm:   # a sequence split over a manual `context`: sums over its shards
@@ -170,12 +230,30 @@ class StageModel:
             loss = cross_entropy(m.head(y, self.policy.compute_dtype), mb["targets"], mb.get("weights"), over)
             metrics = {}
         else:
-            loss, metrics = m.loss(m.post(y), mb)
-        if jnp.shape(loss) != ():
-            raise ConfigError(f"{type(m).__name__}.loss returned a loss of shape {tuple(jnp.shape(loss))}; it must be "
-                              "a scalar (reduce it, e.g. with .mean())")
+            return self._post_loss(outer, layers, vars, y, mb)
         return loss.astype(jnp.float32), {k: jnp.asarray(v, jnp.float32) for k, v in dict(metrics).items()}, \
             self.spec.vars_of(m)
+
+    def _post_loss(self, outer, layers, vars, y, mb):
+        """`post_loss` of a user's model: post (whole if it gathers), then its loss whole."""
+        layout = active_layout()
+        nothing_split = layout and layout.hiding(layout.shape)      # `constrain` inside splits nothing
+        gathers = _gathers(jax.make_jaxpr(lambda o, lay, vs, x: self.module(o, lay, vs).post(x))(
+            outer, layers, vars, y).jaxpr)
+        m = self.module(whole(outer), layers, vars) if gathers else self.module(outer, layers, vars)
+        with use_layout(nothing_split if gathers else layout):
+            outputs = whole(m.post(whole(y) if gathers else y))
+        m = self.module(whole(outer), layers, self.spec.vars_of(m))
+        with use_layout(nothing_split):
+            loss, metrics = check_loss(m.loss(outputs, whole(mb)), f"{type(m).__name__}.loss")
+        return loss.astype(jnp.float32), {k: jnp.asarray(v, jnp.float32) for k, v in dict(metrics).items()}, \
+            self.spec.vars_of(m)
+
+
+def _gathers(jaxpr) -> bool:
+    """Whether a jaxpr (or one inside it: a jit, a scan, a custom derivative) gathers."""
+    from jax.extend.core import subjaxprs
+    return any(e.primitive.name == "gather" for e in jaxpr.eqns) or any(map(_gathers, subjaxprs(jaxpr)))
 
 
 def merge_stage_vars(vars_in, vars_out, stages: int, axis: str):

@@ -11,7 +11,8 @@ every tick. With sequences split over `context` (the built-in LM loss), it is ma
 as well: the LM's rows [B, T] (`meshpar.nn.stages.lm_rows`) are put in the balanced order before it,
 each device's stage sees [b, T/cp, E], attention gathers K/V over `context` inside the stage
 (`meshpar.parallel.context`) and the loss sums its tokens over `context`.
-Activations [b, T, E] (b = B/M) move between neighbouring stages with `lax.ppermute`.
+Activations [b, T, E] (b = B/M; or any pytree of arrays `pre` returns, an encoder-decoder's decoder
+stream and encoder output, say) move between neighbouring stages with `lax.ppermute`.
 The model's parts (meshpar.nn.stages: the LM's embed / head + cross-entropy, or a user model's pre /
 post + loss) sit outside the pipelined stack: the first stage runs `pre`, the last `post` and the
 loss, microbatch by microbatch, so no tensor with a full-batch or full-stack dimension crosses the
@@ -39,11 +40,12 @@ interleaved schedule needs chunks {r P + s}; the step moves them there with one 
 `batch.microbatches` (gradient accumulation, outside) and `pipeline.microbatches` (M, inside one
 pipelined forward/backward) are independent: each accumulation step is pipelined into M microbatches.
 
-Two workarounds for XLA's SPMD partitioner (JAX 0.10, CPU): inside a partially manual shard_map it
+Workarounds for XLA's SPMD partitioner (JAX 0.10, CPU): inside a partially manual shard_map it
 crashes on the embedding's gather/scatter when the table is split on E over the batch axes (FSDP), so
 the first stage reads the outer parameters gathered over data/fsdp/expert (`StageModel.for_embed`, what
 FSDP does at a weight's use anyway) and 1F1B runs the embedding's scatter-add backward after its
-per-device switch, on every stage, with a zero cotangent except on stage 0.
+per-device switch, on every stage, with a zero cotangent except on stage 0. A user's loss reads its
+inputs whole (`StageModel.post_loss`: a gather over a vocab split over `tensor` aborted, a hang).
 """
 from __future__ import annotations
 
@@ -59,9 +61,9 @@ from meshpar.core.errors import ConfigError, ShardingError
 from meshpar.core.rules import spec_axes
 from meshpar.nn import dropout, moe
 from meshpar.parallel import context
-from meshpar.parallel.residuals import Residuals
+from meshpar.parallel.residuals import Residuals, carried, pulled
 from meshpar.parallel.schedules import BRANCH_SHARE, branch_shares, one_f_one_b_branches, one_f_one_b_program
-from meshpar.nn.stages import StageModel, lm_rows, manual_axes as _manual_axes, merge_stage_vars, vary as _vary
+from meshpar.nn.stages import StageModel, lm_rows, manual_axes as _manual_axes, merge_stage_vars, vary as _vary, zeros
 
 AXIS = "pipeline"
 
@@ -156,7 +158,7 @@ def _circular_loss(model: StageModel, p: int, m: int, v: int, outer, layers, var
     chunk0 = jax.tree.map(lambda a: a[0], layers)
     mb0 = _micro(mbs, 0)
     x_spec = jax.eval_shape(lambda: model.pre(outer_e, chunk0, vars, mb0)[0])
-    zero_x = jnp.zeros(x_spec.shape, x_spec.dtype)
+    zero_x = zeros(x_spec)
     _, _, met_spec = jax.eval_shape(model.stage, outer, chunk0, zero_x, mb0)
     _, lmet_spec, _ = jax.eval_shape(lambda: model.post_loss(outer, chunk0, vars, zero_x, mb0))
 
@@ -242,7 +244,7 @@ def _one_f_one_b_grads(model: StageModel, p: int, m: int, outer, layers, vars, m
     vars_in = vars
     mb0 = _micro(mbs, 0)
     x_spec = jax.eval_shape(lambda: model.pre(outer_e, layers, vars, mb0)[0])
-    zero_x = jnp.zeros(x_spec.shape, x_spec.dtype)
+    zero_x = zeros(x_spec)
     _, _, met_spec = jax.eval_shape(model.stage, outer, layers, zero_x, mb0)
     _, lmet_spec, _ = jax.eval_shape(lambda: model.post_loss(outer, layers, vars, zero_x, mb0))
     fwd_perm = [(i, i + 1) for i in range(p - 1)]
@@ -275,7 +277,7 @@ def _one_f_one_b_grads(model: StageModel, p: int, m: int, outer, layers, vars, m
 
     def bwd(position, c, ins, mi):
         """Stages before the last: microbatch mi's backward from its stashed residuals."""
-        d_lp, dx = residuals.join(ins["res"][:n_res], layers)((ins["dy"], seed_m))
+        d_lp, dx = carried(residuals.join(ins["res"][:n_res], layers)((pulled(ins["dy"]), seed_m)), (layers, zero_x))
         # stage 0's dx is the embedding's cotangent: its backward runs after the switch (see tick)
         out = {**c, "dx0": dx} if position == 0 else {**c, "send_b": _vary(dx)}
         return {**out, "d_layers": jax.tree.map(jnp.add, c["d_layers"], d_lp)}
@@ -300,7 +302,7 @@ def _one_f_one_b_grads(model: StageModel, p: int, m: int, outer, layers, vars, m
             _, vjp, (ce, a_loss, met, lm, vars_, y) = jax.vjp(lambda lp, x_: f(lp, o, x_), layers, ins["x"],
                                                               has_aux=True)
             d_lp, send_b = vjp(seed)
-        return {**c, "send_b": _vary(send_b), "y_last": _vary(y), "vars": vars_,
+        return {**c, "send_b": _vary(carried(send_b, zero_x)), "y_last": _vary(y), "vars": vars_,
                 "d_layers": jax.tree.map(jnp.add, c["d_layers"], d_lp), "ce": c["ce"] + ce,
                 "aux_loss": c["aux_loss"] + a_loss, "metrics": jax.tree.map(jnp.add, c["metrics"], met),
                 "lmet": jax.tree.map(jnp.add, c["lmet"], lm)}
@@ -344,7 +346,7 @@ def _one_f_one_b_grads(model: StageModel, p: int, m: int, outer, layers, vars, m
         mb_b = _micro(mbs, jnp.maximum(mb, 0))
         read = jax.tree.unflatten(var_tree, ins["res"][n_res:])
         _, embed_vjp = jax.vjp(lambda o: model.pre(model.for_embed(o), layers, read, mb_b)[0], outer_e)
-        (d_e,) = embed_vjp(c["dx0"])
+        (d_e,) = embed_vjp(pulled(c["dx0"]))
         d_embed = jax.tree.map(jnp.add, c["d_embed"], d_e)
         if not model.lm:   # 4. post's weight gradient, the same way: nonzero on the last stage after its forward
             mb_f = _micro(mbs, jnp.maximum(mf, 0))

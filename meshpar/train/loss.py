@@ -1,5 +1,5 @@
 """Losses a step can take: `lm_loss`, next-token cross-entropy (the default), and the contract every
-loss keeps: `(model, batch) -> (scalar loss, metrics dict)`."""
+loss keeps: `(model, batch) -> (scalar loss, metrics dict)`, checked by `meshpar.nn.stages.check_loss`."""
 from __future__ import annotations
 
 import inspect
@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from meshpar.core import precision as precision_lib
 from meshpar.core.errors import ConfigError
-from meshpar.nn.stages import lm_rows
+from meshpar.nn.stages import check_loss, lm_rows  # noqa: F401  (check_loss: the contract, which stage_loss keeps too)
 from meshpar.parallel import context
 
 
@@ -52,13 +52,3 @@ def _check_accepts(model, kwargs: dict, cp: int) -> None:
         raise ConfigError(f"model {type(model).__name__} takes no {', '.join(m + '=' for m in missing)} argument, and "
                           f"{why}; add `{'=None, '.join(missing)}=None` to its __call__ (see meshpar.models.decoder), "
                           "or set data.documents=false")
-
-
-def check_loss(out, name: str):
-    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict)):
-        raise ConfigError(f"loss function {name} must return (loss, metrics_dict), got {type(out).__name__}")
-    loss, metrics = out
-    if jnp.shape(loss) != ():
-        raise ConfigError(f"loss function {name} returned a loss of shape {tuple(jnp.shape(loss))}; it must be a "
-                          "scalar (reduce it, e.g. with .mean())")
-    return loss, metrics

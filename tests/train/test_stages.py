@@ -1,11 +1,14 @@
 """The stage protocol (meshpar/nn/stages.py): a user's model with its own loss and non-Param state
 (examples/vit.py: BatchNorm stem, dropout) pipelined with GPipe and 1F1B equals one device
-accumulating the same microbatches; what the protocol cannot express is refused in one line.
+accumulating the same microbatches; what the protocol cannot express is refused in one line, and so
+is a part that breaks it, pipelined or not. (Pytree activations and gathering losses, pipelined:
+tests/parallel/test_pipeline_user_stages.py.)
 """
 import jax
 import numpy as np
 import pytest
 
+from meshpar.cli import main
 from meshpar.core.errors import ConfigError
 from meshpar.train.step import Trainer
 from tests.conftest import devices, make_cfg, rel, tiered, train_steps
@@ -102,3 +105,70 @@ def test_pipelining_refuses_what_the_stage_protocol_cannot_express_in_one_line()
     with pytest.raises(ConfigError, match=r"^model\.size=tiny stacks 2 blocks, which is not divisible by "
                                           r"mesh\.pipeline=4"):
         Trainer(make_cfg(*TINY, mesh={"pipeline": 4}, fast=False), devices=devices(4))
+
+STAGE_MODULE = '''
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+import meshpar
+
+class Block(nnx.Module):
+    def __init__(self, rngs, out):
+        self.w = meshpar.param(rngs, (8, out), ("embed", "mlp"), 0.1)
+    def __call__(self, x):
+        return jnp.tanh((x["x"] if isinstance(x, dict) else x) @ self.w[...])
+
+class Staged(nnx.Module):
+    def __init__(self, rngs, width=8, bare=False, pre=lambda x: x):
+        self.layers = meshpar.stacked(lambda r: Block(r, width), 2, rngs)
+        self.bare, self.wrap = bare, pre
+    def pre(self, batch):
+        return self.wrap(batch["x"])
+    def post(self, x):
+        return x
+    def loss(self, out, batch):
+        mse = ((out - batch["y"]) ** 2).mean()
+        return mse if self.bare else (mse, {})
+
+def widening(cfg, rngs): return Staged(rngs, width=16)
+def bare_loss(cfg, rngs): return Staged(rngs, bare=True)
+def text_pre(cfg, rngs): return Staged(rngs, pre=lambda x: {"x": x, "name": "x"})
+def dict_pre(cfg, rngs): return Staged(rngs, pre=lambda x: {"x": x})
+
+class Source:
+    def batch_spec(self, global_size, length):
+        leaf = meshpar.Leaf((global_size, 4, 8), np.float32, ("batch", None, None))
+        return {"x": leaf, "y": leaf}
+    def rows(self, seed, step, rows, length):
+        return {k: np.zeros((len(rows), 4, 8), np.float32) for k in ("x", "y")}
+
+def source(cfg): return Source()
+'''
+
+MISUSE = {
+    "bare_loss": "loss function Staged.loss must return (loss, metrics_dict), got a bare array of shape (); "
+                 "return (loss, {}) for a loss without metrics",
+    "widening": "meshpar.stacked layer Block maps the activation float32[{b},4,8] to float32[{b},4,16]; the "
+                "stacked layers must keep their input's shapes and dtypes",
+    "text_pre": "Staged.pre returned a non-array at ['name']: str; it must return the activation the stacked "
+                "layers take, an array or any pytree",
+    "dict_pre": "meshpar.stacked layer Block returned float32[{b},4,8] for the activation "
+                "{['x']: float32[{b},4,8]}; a stacked layer returns its input's structure, or (it, aux dict)",
+}
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["one-piece", "pipelined"])
+@pytest.mark.parametrize("factory", list(MISUSE))
+def test_a_part_that_breaks_the_stage_protocol_is_one_line(capsys, monkeypatch, tmp_path, factory, pipelined):
+    """A bare scalar loss, a layer that widens the activation, a non-array in pre's output, a layer
+    that returns another structure: exit 2 and one line (a ConfigError) before compiling, where they
+    were a TypeError, a scan carry mismatch and an AttributeError deep in the pipeline."""
+    (tmp_path / "stagemod.py").write_text(STAGE_MODULE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    mesh = ["mesh.pipeline=2", "mesh.fsdp=1", "pipeline.microbatches=4"] if pipelined else []
+    code = main(["inspect", f"model.name=stagemod:{factory}", "train.loss=stages", "data.kind=stagemod:source",
+                 "batch.global_size=16", "model.layers=2", *mesh])
+    err = capsys.readouterr().err
+    message = MISUSE[factory].replace("{b}", "4" if pipelined else "16")
+    assert code == 2 and err.startswith(f"meshpar: error: {message}") and err.count("\n") == 1, err[-3000:]
