@@ -1,8 +1,12 @@
-"""Pipeline stages never wait in different collectives (meshpar/parallel/lockstep.py): a program that
-would deadlock (a user's layer mixing rows split over `data`, under 1F1B) is refused in one line
-before it runs; the HLO reader's groups and branches. The runs are subprocesses with XLA:CPU's
-collective timeout at 60 s: a deadlock fails a test instead of killing the worker.
+"""Pipeline stages never wait in different collectives (meshpar/parallel/lockstep.py): FSDP beside an
+axis that splits nothing (strategy=fsdp on pipeline=2 x data=2 x tensor=2) pipelines like one device
+under GPipe and 1F1B, where XLA resharded weights inside a stage's branch with a collective-permute
+over all 8 devices and XLA:CPU aborted the process; a program that would still deadlock (a user's
+layer mixing rows split over `data`, under 1F1B) is refused in one line before it runs; the HLO
+reader's groups and branches. The runs are subprocesses with XLA:CPU's collective timeout at 60 s:
+a deadlock fails a test instead of killing the worker.
 """
+import json
 import os
 import subprocess
 import sys
@@ -21,6 +25,19 @@ def _env(**extra) -> dict:
     """This process's environment with XLA:CPU's collective wait cut to 60 s (a deadlock aborts soon)."""
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(WAIT)]
     return {**os.environ, "XLA_FLAGS": " ".join(flags + [f"{WAIT}=60"]), **extra}
+
+
+def test_fsdp_beside_an_idle_tensor_axis_pipelines_like_one_device():
+    """strategy=fsdp splits nothing over `tensor`: XLA reached the weights it gathers at use (the
+    stacked layers' in 1F1B's branches, the LM head's in GPipe's and 1F1B's last-stage branch) through
+    a collective-permute over all devices, which the other stage never joined."""
+    run = subprocess.run([sys.executable, "-m", "tests.parallel.lockstep_run", "fsdp", "gpipe", "1f1b"], cwd=REPO,
+                         env=_env(), capture_output=True, text=True, timeout=400)
+    assert run.returncode == 0, f"exit {run.returncode}: {run.stderr[-3000:]}"
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    for schedule, got in out.items():
+        assert got["strays"] == [], (schedule, got["strays"][:3])
+        assert got["loss"] <= 1e-5 and got["ce"] <= 1e-5 and got["grads"] <= 1e-5, (schedule, got)
 
 
 ROLLING = '''
