@@ -264,11 +264,14 @@ class Layout:
 
     `hidden` mesh axes count as size 1 during resolution: inside a `vmap` whose mapped dimension
     already takes them (ZeRO-1's per-replica gradients, `meshpar.train.step`) nothing else may use them.
+    `gathered` mesh axes are those a weight is gathered over at its use (`at_use`; 1F1B's per-device
+    branches, `meshpar.parallel.pipeline`).
     """
     mesh: object
     strategy: Strategy
     user_rules: RuleTable = ()
     hidden: frozenset = frozenset()
+    gathered: frozenset = frozenset()
 
     @property
     def shape(self) -> dict[str, int]:
@@ -287,6 +290,9 @@ class Layout:
 
     def hiding(self, axes) -> "Layout":
         return dataclasses.replace(self, hidden=self.hidden | frozenset(axes))
+
+    def gathering(self, axes) -> "Layout":
+        return dataclasses.replace(self, gathered=self.gathered | frozenset(axes))
 
     def ways(self, name: str) -> int:
         """Over how many devices a dimension with the logical name `name` is split."""
@@ -329,6 +335,36 @@ def constrain(x, logical: Sequence[str | None], what: str = "activation"):
         return x
     import jax
     return jax.lax.with_sharding_constraint(x, _sharding_for(layout, layout.spec(logical, x.shape, what)))
+
+
+def at_use(w, logical: Sequence[str | None], what: str = "parameter"):
+    """Pin a weight `w` (one layer's slice inside a layer loop) to its at-rest layout; where the active
+    layout gathers weights at use (`Layout.gathering`), then to that layout without those axes: the
+    gather FSDP makes at a weight's use, made explicit (its transpose reduce-scatters the gradient).
+
+    Left implicit inside a per-device branch (1F1B's `lax.switch` on the stage), XLA's partitioner
+    reached the gathered weight over a mesh axis that splits nothing (`tensor` under strategy=fsdp)
+    by a collective-permute over all devices, which XLA:CPU's devices of the other stages never join:
+    a deadlock, then a process abort. No-op outside a layout."""
+    layout = _ACTIVE.get()
+    if layout is None:
+        return w
+    import jax
+    spec = layout.spec(logical, w.shape, what)
+    w = jax.lax.with_sharding_constraint(w, _sharding_for(layout, spec))
+    if layout.gathered & set(spec_axes(spec)):
+        w = jax.lax.with_sharding_constraint(w, _sharding_for(layout, without(spec, layout.gathered)))
+    return w
+
+
+def without(spec, axes):
+    """A PartitionSpec with the mesh axes `axes` dropped (those dimensions split over the rest, or whole)."""
+    from jax.sharding import PartitionSpec
+
+    def drop(part):
+        kept = tuple(a for a in spec_axes((part,)) if a not in axes)
+        return None if not kept else kept[0] if len(kept) == 1 else kept
+    return PartitionSpec(*(drop(part) for part in spec))
 
 
 def _sharding_for(layout: Layout, spec):

@@ -18,7 +18,7 @@ from flax import nnx
 
 from meshpar.core.errors import ConfigError
 from meshpar.core.precision import param_dtype
-from meshpar.core.rules import constrain
+from meshpar.core.rules import at_use
 from meshpar.core.sharding import logical_axes
 from meshpar.nn import dropout
 
@@ -84,11 +84,12 @@ def scan_layers(layers_mod, x, positions, remat: str = "full", scan: bool = True
 
     def pin(v):
         """One layer's weight slice, pinned to its at-rest layout (its logical axes minus `layers`).
-        Under FSDP the weight stays sharded until use (an all-gather per layer) and, by
-        transposition, its gradient is reduce-scattered per layer inside the backward loop instead
-        of all-reduced whole and sliced after the loop."""
+        Under FSDP the weight stays sharded until use (an all-gather per layer; explicit where the
+        layout says so, `meshpar.core.rules.at_use`) and, by transposition, its gradient is
+        reduce-scattered per layer inside the backward loop instead of all-reduced whole and sliced
+        after the loop."""
         names = logical_axes(v)
-        return v.replace(constrain(v.get_value(), names[1:], what="parameter")) if names else v
+        return v.replace(at_use(v.get_value(), names[1:])) if names else v
 
     def body(carry, xs):
         layer_state, i = xs if draws else (xs, 0)

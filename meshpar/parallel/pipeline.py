@@ -58,7 +58,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from meshpar.core.errors import ConfigError, ShardingError
-from meshpar.core.rules import spec_axes
+from meshpar.core.rules import BATCH_AXES, spec_axes, without
 from meshpar.nn import dropout, moe
 from meshpar.parallel import context
 from meshpar.parallel.residuals import Residuals, carried, pulled
@@ -66,6 +66,10 @@ from meshpar.parallel.schedules import BRANCH_SHARE, branch_shares, one_f_one_b_
 from meshpar.nn.stages import StageModel, lm_rows, manual_axes as _manual_axes, merge_stage_vars, vary as _vary, zeros
 
 AXIS = "pipeline"
+# the axes FSDP splits weights over; 1F1B's stages gather a layer's weights over them at use, before
+# the layer, explicitly (`meshpar.core.rules.at_use`): the reshards XLA chose inside a stage's branch
+# joined the other stages' devices (a deadlock). Expert weights stay split over `expert`.
+FSDP_AXES = ("data", "fsdp")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -172,15 +176,17 @@ def _circular_loss(model: StageModel, p: int, m: int, v: int, outer, layers, var
 
     # Remat around the `cond`, not inside it: the checkpoint's residuals are then its inputs, and the
     # loop-invariant outer parameters stay one residual, where a checkpoint inside the branch made
-    # the branch's inputs (the LM head's weights) a per-tick residual: [ticks, embed, vocab]. The
-    # protocol's post reads the outer parameters gathered over the batch axes, as pre does: a
-    # resharding inside this branch (XLA:CPU emitted a collective-permute over all 8 devices for a
-    # head split on `embed` over `data` under data x tensor) is a collective the other stages'
+    # the branch's inputs (the LM head's weights) a per-tick residual: [ticks, embed, vocab]. Post
+    # reads the outer parameters gathered over the batch axes, as pre does (the protocol's gathered
+    # before the loop, the LM head in the branch, explicitly): a resharding XLA chose inside this
+    # branch (a collective-permute over all 8 devices for a head split on `embed` over `data` under
+    # data x tensor, or beside an idle `tensor` under fsdp) is a collective the other stages'
     # devices never join, a deadlock.
     @jax.checkpoint
     def post_or_zero(o, vs, y, mb, last):
         zero = (jnp.zeros((), jnp.float32), _zeros_like_varying(lmet_spec), vs)
-        return lax.cond(last, lambda: _vary_tree(model.post_loss(o, chunk0, vs, y, mb)), lambda: _vary_tree(zero))
+        return lax.cond(last, lambda: _vary_tree(model.post_loss(model.for_embed(o), chunk0, vs, y, mb)),
+                        lambda: _vary_tree(zero))
 
     def tick(carry, t):
         recv, vs, loss, aux_loss, metrics, lmet = carry
@@ -283,16 +289,16 @@ def _one_f_one_b_grads(model: StageModel, p: int, m: int, outer, layers, vars, m
         return {**out, "d_layers": jax.tree.map(jnp.add, c["d_layers"], d_lp)}
 
     def last(c, ins, mi):
-        """The last stage: microbatch mi's forward, post, loss and backward in one go. The protocol's
-        post reads the outer parameters gathered over the batch axes, as pre does, and its weight
-        gradient is taken after the switch (see tick): XLA resharded it inside this branch with a
-        collective-permute over all devices, which the other stages' devices never join."""
+        """The last stage: microbatch mi's forward, post, loss and backward in one go. Post reads the
+        outer parameters gathered over the batch axes, as pre does (the LM head explicitly, here), and
+        the protocol's post's weight gradient is taken after the switch (see tick): XLA resharded them
+        in this branch with a collective-permute over all devices, which the other stages never join."""
         mb = _micro(mbs, mi)
         o = outer if model.lm else outer_e
 
         def f(lp, o_, x_):
             y_, a_, met_ = model.stage(o_, lp, x_, mb)
-            ce_, lm_, vars_ = model.post_loss(o_, lp, c["vars"], y_, mb)
+            ce_, lm_, vars_ = model.post_loss(model.for_embed(o_), lp, c["vars"], y_, mb)
             return (ce_ + a_) * inv_m, (ce_, a_, met_, lm_, vars_, y_)
         if model.lm:
             _, vjp, (ce, a_loss, met, lm, vars_, y) = jax.vjp(f, layers, o, ins["x"], has_aux=True)
@@ -408,9 +414,11 @@ def value_and_grad(spec, params: dict, batch, pc, layout, policy, loss_scale=Non
 
     def in_body(f):
         """Trace `f` with the manual batch (and sequence) axes hidden from `constrain`; under 1F1B
-        the stages run in per-device branches (dropless MoE layers then route replicated)."""
+        the stages run in per-device branches (weights gathered at use, see FSDP_AXES; dropless MoE
+        layers route replicated)."""
         def run(*args):
-            with use_layout(layout.hiding(data + seq)), context.balanced(bool(seq)), \
+            inner = layout.hiding(data + seq).gathering(FSDP_AXES if pc.schedule == "1f1b" else ())
+            with use_layout(inner), context.balanced(bool(seq)), \
                     moe.in_device_branches(pc.schedule == "1f1b"):
                 return f(*args)
         return run
@@ -467,14 +475,8 @@ def _manual_batch_axes(spec, layout) -> tuple:
 
 def _embed_specs(spec, layout):
     """At-rest PartitionSpecs of the outer (non-`layers`) parameters without the batch mesh axes."""
-    from meshpar.core.rules import BATCH_AXES
-
-    def drop(part):
-        axes = tuple(a for a in spec_axes((part,)) if a not in BATCH_AXES)
-        return None if not axes else axes[0] if len(axes) == 1 else axes
-
     def one(shape, names):
-        return P(*(drop(x) for x in layout.spec(names, shape.shape)))
+        return without(layout.spec(names, shape.shape), BATCH_AXES)
     shapes, logical = _split_params(spec.shapes)[0], _split_params(spec.logical)[0]
     return jax.tree.map(one, shapes, logical, is_leaf=lambda x: isinstance(x, tuple))
 

@@ -158,9 +158,17 @@ class Trainer(TrainSetup):
         return self._step.lower(self.abstract_state(), self.abstract_batch())
 
     def compile(self):
-        """Compile the step ahead of time (once); `step` then never retraces."""
+        """Compile the step ahead of time (once); `step` then never retraces. A pipelined step whose
+        stages would wait in different collectives is refused in one line (`meshpar.parallel.lockstep`)."""
         if self._compiled is None:
-            self._compiled = self.lower().compile()
+            compiled = self.lower().compile()
+            if self.pipelined:
+                from meshpar.core.mesh import describe
+                from meshpar.parallel import lockstep
+                lockstep.check(compiled.as_text(), self.mesh, f"pipeline.schedule={self.cfg.pipeline.schedule} on "
+                               f"mesh {describe(self.mesh)} with strategy={self.cfg.strategy}",
+                               self.mesh.devices.flat[0].platform, self.cfg.pipeline.schedule)
+            self._compiled = compiled
         return self._compiled
 
     def step(self, state, batch):
