@@ -102,6 +102,28 @@ def train_steps(trainer, source, cfg, steps: int):
     return state, losses
 
 
+def stacked_stages(make, depth: int, name: str = "Stages"):
+    """A user model class of the stage protocol and nothing more: `depth` stacked `make(rngs)` blocks
+    between an identity `pre` and `post`, and the mean as its loss; named `name` (messages name it)."""
+    import meshpar
+    from flax import nnx
+
+    class Stages(nnx.Module):
+        def __init__(self, rngs):
+            self.layers = meshpar.stacked(make, depth, rngs)
+
+        def pre(self, batch):
+            return batch
+
+        def post(self, x):
+            return x
+
+        def loss(self, outputs, batch):
+            return outputs.mean(), {}
+    Stages.__name__ = Stages.__qualname__ = name
+    return Stages
+
+
 def rel(a, b) -> float:
     """Norm-wise relative error ||a - b|| / ||b|| over all leaves of two pytrees (in float64)."""
     num = sum(float(np.sum((np.asarray(x, np.float64) - np.asarray(y, np.float64)) ** 2))

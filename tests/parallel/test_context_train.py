@@ -11,7 +11,7 @@ import pytest
 from meshpar.core.batch import lm_batch_spec
 from meshpar.train.data import MarkovLanguage, Span
 from meshpar.train.step import Trainer
-from tests.conftest import devices, make_cfg, train_steps
+from tests.conftest import devices, make_cfg, stacked_stages, train_steps
 
 COMMON = ["model.attention=flash", "batch.length=32", "batch.global_size=8", "model.layers=2"]
 MOE = ["model.name=moe", "moe.num_experts=4", "moe.capacity_factor=null"]
@@ -83,18 +83,7 @@ def test_context_with_pipeline_needs_the_lm_loss():
     from meshpar.core.batch import Leaf
     from meshpar.core.errors import ConfigError
 
-    class Stages(nnx.Module):
-        def __init__(self, rngs):
-            self.layers = meshpar.stacked(lambda r: nnx.Linear(4, 4, rngs=r), 2, rngs)
-
-        def pre(self, batch):
-            return batch
-
-        def post(self, x):
-            return x
-
-        def loss(self, outputs, batch):
-            return outputs.mean(), {}
+    Stages = stacked_stages(lambda r: nnx.Linear(4, 4, rngs=r), 2)
     cfg = make_cfg(*COMMON, mesh={"pipeline": 2, "context": 2, "data": 2})
     with pytest.raises(ConfigError, match="mesh.context=2 with mesh.pipeline > 1 needs the built-in LM loss"):
         Trainer(cfg, devices=devices(8), model=Stages, loss=meshpar.stage_loss,

@@ -11,7 +11,7 @@ import pytest
 from meshpar.cli import main
 from meshpar.core.errors import ConfigError
 from meshpar.train.step import Trainer
-from tests.conftest import devices, make_cfg, rel, tiered, train_steps
+from tests.conftest import devices, make_cfg, rel, stacked_stages, tiered, train_steps
 from tests.parallel.pipelines import TINY
 
 
@@ -67,36 +67,15 @@ def test_pipelining_refuses_what_the_stage_protocol_cannot_express_in_one_line()
                                           r"\.pre, \.post, \.loss"):
         Trainer(cfg, devices=devices(2), loss=stage_loss)
 
-    import meshpar
     from flax import nnx
 
-    class Counting(nnx.Module):                  # BatchNorm inside the repeated layers: state that would travel
-        def __init__(self, rngs):
-            self.layers = meshpar.stacked(lambda r: nnx.BatchNorm(4, rngs=r), 2, rngs)
-
-        def pre(self, batch):
-            return batch
-
-        def post(self, x):
-            return x
-
-        def loss(self, outputs, batch):
-            return outputs.mean(), {}
+    # BatchNorm inside the repeated layers: state that would travel
+    Counting = stacked_stages(lambda r: nnx.BatchNorm(4, rngs=r), 2, "Counting")
     with pytest.raises(ConfigError, match=r"the stacked layers hold non-Param state \(layers\.(mean|var)"):
         Trainer(cfg, devices=devices(2), model=lambda rngs: Counting(rngs), loss=stage_loss)
 
-    class Three(nnx.Module):                     # its own depth: the message names its stack, not model.layers
-        def __init__(self, rngs):
-            self.layers = meshpar.stacked(lambda r: nnx.Linear(4, 4, rngs=r), 3, rngs)
-
-        def pre(self, batch):
-            return batch
-
-        def post(self, x):
-            return x
-
-        def loss(self, outputs, batch):
-            return outputs.mean(), {}
+    # its own depth: the message names its stack, not model.layers
+    Three = stacked_stages(lambda r: nnx.Linear(4, 4, rngs=r), 3, "Three")
     with pytest.raises(ConfigError, match=r"^Three\.layers stacks 3 blocks, which is not divisible by mesh\.pipeline=2 "
                                           r"x pipeline\.virtual_stages=1 \(= 2 chunks\); use a multiple of 2 stacked "
                                           r"layers$"):
