@@ -48,6 +48,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"meshpar {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("launch", add_help=False, help="N training processes on this machine: meshpar launch N [train args]; --print-slurm: a SLURM batch script")
+    sub.add_parser("compilers", add_help=False, help="the GPU/TPU compilers --target uses: where they are; --install "
+                   "downloads them (about 1.1 GB)")
     sub.add_parser("plot", add_help=False, help="loss, eval loss, tokens/s and MFU of --metrics-out files: "
                    "meshpar plot RUN.jsonl [...] -o out.png")
     common = argparse.ArgumentParser(add_help=False)
@@ -67,6 +69,7 @@ def _parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", parents=[common],
                        help="compile one train step without running it: shardings, collectives, memory, FLOPs")
     i.add_argument("--json", action="store_true", help="print one JSON object (mesh, warnings, params, collectives, memory, flops)")
+    _target_flags(i)
     g = sub.add_parser("generate", parents=[common],
                        help="continue prompts with a trained model (checkpoint.dir=D) on the serving layout (serve.*)")
     g.add_argument("--prompt", action="append", default=[], metavar="TEXT",
@@ -98,6 +101,7 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--out", default="plan.yaml", help="where to write the winner's config (default plan.yaml; '-': none)")
     pl.add_argument("--verify", type=int, default=0, metavar="K", help="compile the top K plans on N (fake) devices "
                     "and print predicted vs compiled memory and collective bytes")
+    _target_flags(pl)
     ex = sub.add_parser("export", parents=[common], help="write checkpoint.dir's newest weights (or model.init_from's) "
                         "in another ecosystem's format: --format hf, a Hugging Face directory")
     ex.add_argument("--format", default="hf", choices=["hf"], help="hf: config.json + safetensors (+ index)")
@@ -105,6 +109,16 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="tensor dtype (default bf16)")
     ex.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB; 500MB, 2GiB ...)")
     return p
+
+
+def _target_flags(p) -> None:
+    t = p.add_argument_group("deviceless target (compile for GPUs/TPUs this host does not have; "
+                             "`meshpar compilers --install` once)")
+    t.add_argument("--target", metavar="HW", help="compile for --devices N of this hardware with its own compiler: "
+                   "h100, h200, a100-80g, tpu-v4, tpu-v5e, tpu-v5p, tpu-v6e or a YAML (see meshpar/plan/hardware.py)")
+    t.add_argument("--topology", help="the target's shape: GPU SLICESxHOSTSxGPUS (1x8x8), TPU slice 4x4x4 "
+                   "(default: nodes of 8 GPUs; the most cubic TPU slice)")
+    t.add_argument("--slices", type=int, help="TPU slices joined over DCN (default: as many as --devices needs)")
 
 
 SAVED_SETTINGS = ("model", "data", "precision", "rules", "batch.length")
@@ -158,19 +172,20 @@ def _export(cfg, args) -> None:
           f"{len(out['files'])} file(s) ({args.dtype})", file=sys.stderr)
 
 
-def _plan(cfg, args) -> None:
+def _plan(cfg, args, target=None) -> None:
     """`meshpar plan`: cost model search (meshpar/plan/search.py), table or JSON, --verify, then the YAML of
-    the best plan: with --verify the best one that fits once compiled."""
+    the best plan: with --verify the best one that fits once compiled (with --target: by the target's own
+    compiler, on its devices; the plan is then made for the target's hardware)."""
     from meshpar.plan.hardware import load_hardware
     from meshpar.plan.search import parse_bytes_per_param, plan, render, winner_yaml
-    hw = load_hardware(args.hardware)
+    hw = target.hardware if target else load_hardware(args.hardware)
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()] if args.strategies else None
     result = plan(cfg, cfg.devices, hw, strategies, parse_bytes_per_param(args.bytes_per_param, cfg) if
                   args.bytes_per_param else None, keep_all=args.all, top=max(args.top, args.verify))
     best, why = next((c for c in result["candidates"] if c["fits"]), None), ""
     if args.verify:
         from meshpar.plan.dryrun import verify
-        result["verify"] = verify(result, args.config, args.overrides, args.verify)
+        result["verify"] = verify(result, args.config, args.overrides, args.verify, target)
         ok = [r["rank"] for r in result["verify"] if r["fits_compiled"]]
         best = result["candidates"][ok[0] - 1] if ok else None
         lost = "" if not ok or ok[0] == 1 else "; #1 does not" if ok[0] == 2 else f"; #1..#{ok[0] - 1} do not"
@@ -194,12 +209,12 @@ def _plan(cfg, args) -> None:
         print(f"wrote the best plan{why} to {args.out} (meshpar train --config {args.out})", file=sys.stderr)
 
 
-def _plan_estimate(cfg) -> str:
+def _plan_estimate(cfg, target=None) -> str:
     """`train`/`inspect`: the planner's per-device estimate for this config, warning when it exceeds
-    the device's memory (known on GPU/TPU; fake CPU devices have no limit)."""
+    the device's memory (known on GPU/TPU and for a --target; fake CPU devices have no limit)."""
     import jax
     from meshpar.plan.search import estimate
-    ev = estimate(cfg)
+    ev = estimate(cfg, target.hardware if target else None)
     if ev is None:                       # a tensor that does not divide its axes: the run itself will say so
         return "planner estimate: none (a tensor does not divide its mesh axes)"
     m = ev["memory"]
@@ -207,7 +222,7 @@ def _plan_estimate(cfg) -> str:
             f"{m['grads'] / 2**30:.3f}, optimizer {m['optimizer'] / 2**30:.3f}, activations {m['activations'] / 2**30:.3f}, "
             f"workspace {m['workspace'] / 2**30:.3f})")
     stats = getattr(jax.local_devices()[0], "memory_stats", lambda: None)() or {}
-    limit = stats.get("bytes_limit")
+    limit = target.hardware.memory_bytes if target else stats.get("bytes_limit")
     if limit and m["total"] > limit:
         line += f"\nwarning: the estimate exceeds this device's {limit / 2**30:.1f} GiB; see `meshpar plan`"
     return line
@@ -353,6 +368,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["launch"]:
         from meshpar.runtime.launch import main as launch_main
         return launch_main(argv[1:])
+    if argv[:1] == ["compilers"]:                # no devices, no config: the target compilers' folder
+        from meshpar.runtime.compilers import main as compilers_main
+        return compilers_main(argv[1:])
     if argv[:1] == ["plot"]:                     # no devices, no config: files in, a PNG out
         from meshpar.train.plot import main as plot_main
         return plot_main(argv[1:])
@@ -380,7 +398,15 @@ def _run(args) -> int:
         if args.command == "serve" and (multi is None or not multi.process_id):
             from meshpar.serve.api import listen     # before the processes meet: a port in use fails process 0 alone
             args.socket = listen(args.host, args.port)
-        notes = _setup_devices(cfg, args.devices, (multi.num_processes or 1) if multi else 1, args.command == "plan")
+        target = None
+        if getattr(args, "target", None):
+            from meshpar.plan.target import resolve
+            cfg.devices = args.devices if args.devices is not None else cfg.devices
+            target = resolve(args.target, cfg.devices, args.topology, args.slices)
+        elif getattr(args, "topology", None) or getattr(args, "slices", None):
+            raise MeshparError("--topology and --slices describe a --target; add --target HW (h100, tpu-v5p, ...)")
+        notes = [] if target else _setup_devices(cfg, args.devices, (multi.num_processes or 1) if multi else 1,
+                                                 args.command == "plan")
         if args.command != "inspect":            # inspect reports them among its warnings (--json: in its list)
             for line in notes:
                 print(line, file=sys.stderr)
@@ -393,7 +419,7 @@ def _run(args) -> int:
             cfg.devices, cfg.mesh = devices, mesh             # the mesh is not a saved setting
         import jax
         planning = args.command == "plan" and not args.verify      # a plan without --verify uses no devices
-        if jax.device_count() < cfg.devices and jax.default_backend() == "cpu" and not planning:
+        if jax.device_count() < cfg.devices and jax.default_backend() == "cpu" and not planning and not target:
             raise MeshparError(f"asked for {cfg.devices} devices but JAX already initialised with {jax.device_count()}")
         if args.command == "train":
             from meshpar.train.loop import run
@@ -406,20 +432,26 @@ def _run(args) -> int:
         elif args.command == "serve":
             _serve(cfg, args)
         elif args.command == "plan":
-            _plan(cfg, args)
+            _plan(cfg, args, target)
         elif args.command == "export":
             _export(cfg, args)
         else:
             from meshpar.plan.inspect import render_report, report
-            rep = report(cfg)
+            from meshpar.plan import program
+            from meshpar.plan.target import compile_errors
+            with compile_errors(target, args.overrides):
+                rep = program.report(cfg, target) if target else report(cfg)
             rep["warnings"] = notes + rep["warnings"]
-            rep["plan_estimate"] = _plan_estimate(cfg)
+            rep["plan_estimate"] = _plan_estimate(cfg, target)
             if args.json:
                 json.dump(rep, sys.stdout, default=str)
                 sys.stdout.write("\n")
             else:
                 from meshpar.train.metrics import make_console
-                render_report(rep, make_console())
+                console = make_console()
+                render_report(rep, console)
+                if target:
+                    program.render_target(rep["target"], console)
                 print(rep["plan_estimate"])
     except MeshparError as e:
         from meshpar.runtime.distributed import Preempted

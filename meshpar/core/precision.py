@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from meshpar.core.platform import platform
+
 
 @dataclass(frozen=True)
 class Policy:
@@ -179,7 +181,7 @@ def gather_dtype(dtype) -> jnp.dtype:
     """Dtype to all-gather a 16-bit float in by hand (`lax.all_gather`): float32 on CPU, where the
     transpose (a bf16 reduce-scatter whose reducer ends in a copy) aborts XLA:CPU's all-reduce
     promotion pass (JAX 0.10); `dtype` elsewhere."""
-    if jnp.dtype(dtype).itemsize == 2 and jnp.issubdtype(dtype, jnp.floating) and jax.default_backend() == "cpu":
+    if jnp.dtype(dtype).itemsize == 2 and jnp.issubdtype(dtype, jnp.floating) and platform() == "cpu":
         return jnp.float32
     return dtype
 
@@ -187,6 +189,6 @@ def gather_dtype(dtype) -> jnp.dtype:
 def attention_dtype(dtype) -> jnp.dtype:
     """Input dtype for `jax.nn.dot_product_attention`: `dtype`, except float16 on CPU, which runs in
     float32 there (JAX's XLA attention asks for an F16 x F16 -> F32 dot that XLA:CPU does not have)."""
-    if jnp.dtype(dtype) == jnp.float16 and jax.default_backend() == "cpu":
+    if jnp.dtype(dtype) == jnp.float16 and platform() == "cpu":
         return jnp.float32
     return dtype

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshpar.core.errors import ConfigError, suggest
+from meshpar.core.platform import platform
 from meshpar.nn import flash as flash_lib
 from meshpar.nn import splash as splash_lib
 
@@ -90,10 +91,10 @@ def choose(implementation: str, q, k, mask: Mask, has_segments: bool, splash_ok:
     named kernel cannot do the requested masks on this backend. `splash_ok`: `splash.serves` said yes."""
     if implementation not in IMPLEMENTATIONS:
         raise ConfigError(f"unknown attention implementation '{implementation}'" + suggest(implementation, IMPLEMENTATIONS))
-    cudnn_ok = (jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[-1] % 8 == 0
+    cudnn_ok = (platform() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[-1] % 8 == 0
                 and q.shape[-1] <= 128 and not has_segments and mask.softcap is None)
     if implementation == "cudnn" and not cudnn_ok:
-        why = ("it runs on GPU only" if jax.default_backend() != "gpu" else
+        why = ("it runs on GPU only" if platform() != "gpu" else
                "it needs bf16/fp16 inputs, a head width that is a multiple of 8 and at most 128, no segment ids "
                "and no soft-cap")
         raise ConfigError(f"model.attention=cudnn cannot serve this call ({why}); use model.attention=flash or auto")
@@ -102,11 +103,20 @@ def choose(implementation: str, q, k, mask: Mask, has_segments: bool, splash_ok:
                           "jax, self-attention in natural order with one segment-id array, and a length that is a "
                           f"multiple of {splash_lib.LANE}); use model.attention=flash or auto")
     if implementation == "auto":
-        if splash_ok and jax.default_backend() == "tpu":
+        staged = in_stage()
+        if splash_ok and platform() == "tpu" and not staged:
             return "splash"
         long = k.shape[1] > AUTO_FLASH_FROM and flash_lib.block_size(k.shape[1], DEFAULT_BLOCK) >= MIN_AUTO_BLOCK
-        return "cudnn" if cudnn_ok else "flash" if long else "xla"
+        return "cudnn" if cudnn_ok and not staged else "flash" if long else "xla"
     return implementation
+
+
+def in_stage() -> bool:
+    """True inside a shard_map manual over some mesh axes (a pipeline stage). There `auto` takes flash
+    (xla for short sequences) over cuDNN and splash: their backward passes hand back cotangents that forget the axes the stage
+    varies over (JAX 0.10: "Expected cotangent type bf16[...]{V:pipeline}"), and the stage's autodiff
+    refuses them; flash keeps them (`meshpar.core.platform` says which backend that is)."""
+    return bool(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
 
 
 def reference(q, k, v, mask: Mask, q_index, k_index, q_seg=None, k_seg=None):

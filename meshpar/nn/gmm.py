@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from meshpar.core.platform import platform
 from meshpar.nn.flash import varying_like
 
 TILE = 128
@@ -35,7 +36,7 @@ def grouped_matmul(x, w, sizes, impl: str = "auto", tile: int = TILE):
     if impl not in IMPLS:
         raise ValueError(f"grouped matmul impl {impl!r}: choose one of {', '.join(IMPLS)}")
     if impl == "auto":
-        impl = "tiles" if jax.default_backend() == "cpu" else "ragged_dot"
+        impl = "tiles" if platform() == "cpu" else "ragged_dot"
     if impl == "ragged_dot":
         return lax.ragged_dot(x, w, sizes.astype(jnp.int32), preferred_element_type=x.dtype)
     n = x.shape[0]

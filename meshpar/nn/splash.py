@@ -23,6 +23,8 @@ import math
 import jax
 import numpy as np
 
+from meshpar.core.platform import platform
+
 LANE = 128
 
 
@@ -72,7 +74,7 @@ def splash_attention(q, k, v, causal: bool, window: int | None, softcap: float |
     b, t, n, h = q.shape
     nk, s = k.shape[2], k.shape[1]
     g = n // nk
-    kern = _kernel(t, s, g, causal, window, softcap, block, jax.default_backend() != "tpu")
+    kern = _kernel(t, s, g, causal, window, softcap, block, platform() != "tpu")
     qg = (q * (1.0 / math.sqrt(h))).astype(q.dtype).reshape(b, t, nk, g, h).transpose(0, 2, 3, 1, 4)   # [B, K, G, T, H]
     kt, vt = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)                                         # [B, K, S, H]
     if segment_ids is None:

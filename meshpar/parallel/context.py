@@ -100,21 +100,50 @@ def attention(q, k, v, *, causal: bool = True, segment_ids=None, kv_segment_ids=
     attn_lib.check_shapes(q, k, v, mask, segment_ids, kv_seg)
     cp = context_size()
     if cp == 1:
-        return attn_lib.local_attention(q, k, v, mask, q_seg=segment_ids, k_seg=kv_seg,
-                                        implementation=implementation, block=block)
+        def local(impl):
+            return lambda q, k, v, s, ks: attn_lib.local_attention(q, k, v, mask, q_seg=s, k_seg=ks,
+                                                                    implementation=impl, block=block)
+        if _kernel_unpartitionable(q, k, mask, segment_ids, kv_seg, implementation):   # chosen here, run per device
+            return _per_device(local("splash"), q, k, v, segment_ids, kv_seg)
+        return local(implementation)(q, k, v, segment_ids, kv_seg)
     return _across(q, k, v, mask, segment_ids, kv_seg, implementation, block, cp, context_strategy)
 
 
-def _specs(q, k):
+def _kernel_unpartitionable(q, k, mask, q_seg, k_seg, implementation) -> bool:
+    """True when the kernel serving this call is splash, a Mosaic kernel XLA's partitioner cannot
+    split (it must run inside a shard_map), on a mesh of more than one device."""
+    layout = active_layout()
+    if layout is None or layout.mesh.size == 1:
+        return False
+    from meshpar.nn import splash as splash_lib
+    natural_ok = splash_lib.serves(q, k, q_seg, k_seg, True)
+    return attn_lib.choose(implementation, q, k, mask, q_seg is not None, natural_ok) == "splash"
+
+
+def _per_device(local, q, k, v, q_seg, k_seg):
+    """`local` attention inside a shard_map manual over every mesh axis (a Mosaic kernel allows no
+    auto axis), q split over the batch and heads' axes (`_specs`, sequence whole), replicated over the
+    rest: each device attends its own rows and heads, as the kernel requires."""
+    qs, ks, ss, _ = _specs(q, k, seq=None)
+    mesh = jax.sharding.get_abstract_mesh()
+    mesh = mesh if mesh.axis_names else active_layout().mesh
+    axes = frozenset(mesh.axis_names) - frozenset(getattr(mesh, "manual_axes", ()))
+    segs = None if q_seg is None else ss
+    # check_vma off: jax's splash kernel declares its outputs without the varying-axes type
+    return jax.shard_map(local, mesh=mesh, in_specs=(qs, ks, ks, segs, segs), out_specs=qs,
+                         axis_names=axes, check_vma=False)(q, k, v, q_seg, k_seg)
+
+
+def _specs(q, k, seq=AXIS):
     """shard_map specs of q [B, T, N, H], k/v [B, S, K, H] and segment ids [B, T], and the manual
-    axes: the batch axes, `context`, and the heads' axes when query and key/value heads split alike
-    (a query head's key/value head then sits on its device). Attention is then local but for the
-    gathered keys; with the batch axes left auto, XLA gathered whole batches into each device.""" 
+    axes: the batch axes, `seq` (`context`), and the heads' axes when query and key/value heads split
+    alike (a query head's key/value head then sits on its device). Attention is then local but for the
+    gathered keys; with the batch axes left auto, XLA gathered whole batches into each device."""
     layout = active_layout()
     qspec = tuple(layout.spec(("batch", "seq", "heads", "kv"), q.shape)) + (None,) * 4
     kspec = tuple(layout.spec(("batch", "seq", "kv_heads", "kv"), k.shape)) + (None,) * 4
     batch, heads = qspec[0], (qspec[2] if qspec[2] == kspec[2] else None)
-    qs, ks, ss = P(batch, AXIS, heads), P(batch, AXIS, heads), P(batch, AXIS)
+    qs, ks, ss = P(batch, seq, heads), P(batch, seq, heads), P(batch, seq)
     return qs, ks, ss, frozenset(spec_axes(qs))
 
 

@@ -5,5 +5,7 @@ costmodel  a candidate layout and its memory formulas (state, activations, works
 steptime   its collectives and step time (ring formulas, overlap, bubble); `evaluate` joins the two
 search     `meshpar plan`: candidate layouts, ranking, the winner as YAML
 inspect    the compiled step: collectives by bytes and mesh axes, memory, FLOPs
-dryrun     compile the planned layout on fake devices and compare with the formulas
+dryrun     compile the planned layout on fake devices (or a --target) and compare with the formulas
+target     deviceless targets: H100 / TPU v5p ... devices from jax.experimental.topologies (`--target`)
+program    a target's compiled program: the kernels chosen, the collective bytes its schedule hides
 """

@@ -30,9 +30,15 @@ from meshpar.plan.search import estimate
 COMPILE_OPTIONS = {"xla_backend_optimization_level": 0}
 
 
-def compile_step(cfg):
-    """(trainer, compiled step) for `cfg` on the first cfg.devices devices."""
+def compile_step(cfg, target=None):
+    """(trainer, compiled step) for `cfg` on the first cfg.devices devices, or on a deviceless `target`'s
+    devices by its own compiler (`meshpar.plan.target`)."""
     from meshpar.train.step import trainer_for
+    if target is not None:
+        from meshpar.plan.target import compile_errors
+        with compile_errors(target, cfg):
+            trainer = trainer_for(cfg, devices=target.devices)
+            return trainer, trainer.lower().compile()
     if jax.device_count() < cfg.devices:
         raise MeshparError(f"--verify needs {cfg.devices} devices, JAX has {jax.device_count()}; on a CPU host "
                            f"run `meshpar plan --devices {cfg.devices} ...` (it fakes them before JAX starts)")
@@ -55,23 +61,25 @@ def compare(cfg, hardware=None) -> tuple[dict, dict]:
     return pred, compiled_numbers(trainer, compiled)
 
 
-def verify(result: dict, config_path: str | None, overrides: list[str], k: int) -> list[dict]:
+def verify(result: dict, config_path: str | None, overrides: list[str], k: int, target=None) -> list[dict]:
     """Compile the top `k` plans of `result` and report predicted vs compiled side by side. A plan
-    whose compiled peak exceeds the device's memory is marked as not fitting."""
+    whose compiled peak exceeds the device's memory is marked as not fitting. With a `target` each plan
+    is compiled for the target's devices by its compiler, whose peak is the verdict itself."""
     from meshpar.core.config import load_config
     rows = []
     mem_limit = result["hardware"]["memory_bytes"]
     for rank, cand in enumerate(result["candidates"][:k], 1):
         cfg = load_config(config_path, list(overrides) + cand["overrides"])
-        trainer, compiled = compile_step(cfg)
+        trainer, compiled = compile_step(cfg, target)
         got = compiled_numbers(trainer, compiled)
-        peak = target = got["memory"].get("peak_estimate", 0)
-        if _upcast_on_cpu(cfg):
+        peak = on_target = got["memory"].get("peak_estimate", 0)
+        if target is None and _upcast_on_cpu(cfg):
             f32 = estimate(load_config(config_path, list(overrides) + cand["overrides"] + ["precision=fp32"]))
-            target = peak * cand["memory"]["total"] / f32["memory"]["total"]
+            on_target = peak * cand["memory"]["total"] / f32["memory"]["total"]
         rows.append({"rank": rank, "mesh": cand["mesh"], "strategy": cand["strategy"], "overrides": cand["overrides"],
                      "predicted": {"memory": cand["memory"], "collectives": cand["collectives"]},
-                     "compiled": got, "target_peak": int(target), "fits_compiled": target <= mem_limit})
+                     "compiled": got, "target_peak": int(on_target), "fits_compiled": on_target <= mem_limit,
+                     "compiled_by": target.describe()["device_kind"] if target else "XLA:CPU"})
     return rows
 
 
@@ -88,7 +96,8 @@ def render(rows: list[dict], console) -> None:
     gib = 2 ** 30
     for r in rows:
         mesh = " ".join(f"{a}={v}" for a, v in r["mesh"].items() if v > 1)
-        t = Table(title=f"#{r['rank']} {r['strategy']} {mesh}: predicted vs compiled (per device, per step)"
+        t = Table(title=f"#{r['rank']} {r['strategy']} {mesh}: predicted vs compiled for {r['compiled_by']} "
+                        "(per device, per step)"
                         + ("" if r["fits_compiled"] else "  [bold red]compiled: does not fit[/]"))
         for col in ("quantity", "predicted", "compiled", "ratio"):
             t.add_column(col, justify="left" if col == "quantity" else "right")

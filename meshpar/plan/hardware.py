@@ -25,6 +25,7 @@ from pathlib import Path
 from meshpar.core.errors import ConfigError, suggest
 
 GB = 1e9
+KIB, MIB = 2 ** 10, 2 ** 20
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,10 @@ class Hardware:
     efficiency: float = 0.5    # achieved fraction of peak for the model's matmuls (an assumption, stated)
     kind: str = "gpu"          # gpu: any count <= domain or a multiple of it; tpu: slices are powers of two
     source: str = ""
+    # what a deviceless compile needs to describe the device (meshpar.plan.target): for a GPU its
+    # sm_count, compute_capability "9.0", clock_ghz, memory_bandwidth (B/s), l2_bytes,
+    # shared_memory_per_sm, device_kind; for a TPU its chip, libtpu's name ("v5p"), and dims (2 or 3)
+    target: dict | None = None
 
     def check_devices(self, n: int) -> None:
         """One line when `n` devices cannot be formed from this hardware's nodes or slices."""
@@ -58,28 +63,42 @@ class Hardware:
         return dataclasses.asdict(self)
 
 
+def _gpu(sm_count, capability, clock_ghz, bandwidth, l2_bytes, smem_per_sm, kind) -> dict:
+    """A GPU's facts for its compiler (NVIDIA datasheets and CUDA's occupancy tables)."""
+    return {"sm_count": sm_count, "compute_capability": capability, "clock_ghz": clock_ghz,
+            "memory_bandwidth": bandwidth, "l2_bytes": l2_bytes, "shared_memory_per_sm": smem_per_sm,
+            "device_kind": kind}
+
+
 _NVIDIA_H100 = ("NVIDIA H100 Tensor Core GPU datasheet (SXM5): 989 TFLOPS dense BF16, 80 GB HBM3, NVLink 900 GB/s "
                 "bidirectional; DGX H100: 8 GPUs per node, 8x ConnectX-7 400 Gb/s NDR InfiniBand (one per GPU)")
 PRESETS: dict[str, Hardware] = {h.name: h for h in [
-    Hardware("h100", 989e12, 80 * GB, 8, 450 * GB, 50 * GB, source=_NVIDIA_H100),
+    Hardware("h100", 989e12, 80 * GB, 8, 450 * GB, 50 * GB, source=_NVIDIA_H100, target=_gpu(
+        132, "9.0", 1.98, 3.35e12, 50 * MIB, 228 * KIB, "NVIDIA H100 80GB HBM3")),
     Hardware("h200", 989e12, 141 * GB, 8, 450 * GB, 50 * GB,
              source="NVIDIA H200 datasheet (SXM): 989 TFLOPS dense BF16, 141 GB HBM3e, NVLink 900 GB/s bidirectional; "
-                    "HGX H200 nodes of 8, 400 Gb/s NDR InfiniBand per GPU"),
+                    "HGX H200 nodes of 8, 400 Gb/s NDR InfiniBand per GPU",
+             target=_gpu(132, "9.0", 1.98, 4.8e12, 50 * MIB, 228 * KIB, "NVIDIA H200")),
     Hardware("a100-80g", 312e12, 80 * GB, 8, 300 * GB, 25 * GB,
              source="NVIDIA A100 datasheet (SXM 80GB): 312 TFLOPS dense BF16, NVLink 600 GB/s bidirectional; DGX A100: "
-                    "8 GPUs, 8x 200 Gb/s HDR InfiniBand"),
+                    "8 GPUs, 8x 200 Gb/s HDR InfiniBand",
+             target=_gpu(108, "8.0", 1.41, 2.039e12, 40 * MIB, 164 * KIB, "NVIDIA A100-SXM4-80GB")),
     Hardware("tpu-v4", 275e12, 32 * 2**30, 4096, 2 * 45 * GB, 6.25 * GB, kind="tpu",
              source="Cloud TPU v4 docs: 275 TFLOPS BF16, 32 GiB HBM2, 3D torus, pods of 4096 chips; ICI 45 GB/s one-way "
-                    "per link (JAX scaling book, TPU chapter); DCN taken as v5p's 50 Gb/s per chip (no v4 figure)"),
+                    "per link (JAX scaling book, TPU chapter); DCN taken as v5p's 50 Gb/s per chip (no v4 figure)",
+             target={"chip": "v4", "dims": 3}),
     Hardware("tpu-v5e", 197e12, 16 * GB, 256, 2 * 25 * GB, 25e9 / 8, kind="tpu",
              source="Cloud TPU v5e docs: 197 TFLOPS BF16, 16 GB HBM2e, ICI 1600 Gb/s per chip over 4 ports (2D torus), "
-                    "256-chip pods, DCN 6.4 Tb/s per pod (25 Gb/s per chip)"),
+                    "256-chip pods, DCN 6.4 Tb/s per pod (25 Gb/s per chip)",
+             target={"chip": "v5e", "dims": 2}),
     Hardware("tpu-v5p", 459e12, 95 * 2**30, 6144, 2 * 100 * GB, 50e9 / 8, kind="tpu",
              source="Cloud TPU v5p docs: 459 TFLOPS BF16, 95 GiB HBM2e, ICI 1200 GB/s bidirectional per chip over 6 "
-                    "links (3D torus), largest slice 6144 chips, DCN 50 Gb/s per chip"),
+                    "links (3D torus), largest slice 6144 chips, DCN 50 Gb/s per chip",
+             target={"chip": "v5p", "dims": 3}),
     Hardware("tpu-v6e", 918e12, 32 * GB, 256, 2 * 56 * GB, 100e9 / 8, kind="tpu",
              source="Cloud TPU v6e (Trillium) docs: 918 TFLOPS BF16, 32 GB HBM, ICI 3584 Gb/s per chip over 4 ports "
-                    "(2D torus), 256-chip pods, DCN 25.6 Tb/s per pod (100 Gb/s per chip)"),
+                    "(2D torus), 256-chip pods, DCN 25.6 Tb/s per pod (100 Gb/s per chip)",
+             target={"chip": "v6e", "dims": 2}),
 ]}
 
 _KEYS = {f.name for f in dataclasses.fields(Hardware)}
@@ -108,7 +127,7 @@ def load_hardware(name_or_path: str) -> Hardware:
         raise ConfigError(f"hardware file '{path}' lacks {', '.join(missing)}")
     data.setdefault("name", path.stem)
     try:
-        hw = Hardware(**{k: (v if k in ("name", "kind", "source") else float(v) if k != "domain" else int(v))
+        hw = Hardware(**{k: (v if k in ("name", "kind", "source", "target") else float(v) if k != "domain" else int(v))
                          for k, v in data.items()})
     except (TypeError, ValueError) as e:
         raise ConfigError(f"hardware file '{path}': {e}") from None

@@ -54,7 +54,9 @@ def _multipliers(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
             trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
             body = re.search(r"body=%?([\w.\-]+)", line)
             if body:
-                calls[name].append((body.group(1), int(trip.group(1)) if trip else 1))
+                cond = re.search(r"condition=%?([\w.\-]+)", line)
+                n = int(trip.group(1)) if trip else _trip_from_condition(comps.get(cond.group(1), []) if cond else [])
+                calls[name].append((body.group(1), n))
             for key in ("calls", "to_apply_unused", "true_computation", "false_computation"):
                 for m in re.finditer(key + r"=%?([\w.\-]+)", line):
                     calls[name].append((m.group(1), 1))
@@ -75,6 +77,15 @@ def _multipliers(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
     if entry:
         visit(entry, 1)
     return mult
+
+
+def _trip_from_condition(lines: list[str]) -> int:
+    """A scan's trip count from its loop condition `i < N` (libtpu's text carries no known_trip_count):
+    N when the ROOT compares against one integer constant with LT, else 1."""
+    consts = dict(re.findall(r"%?([\w.\-]+) = s32\[\]\S* constant\((\d+)\)", "\n".join(lines)))
+    root = next((ln for ln in lines if ln.lstrip().startswith("ROOT") and "direction=LT" in ln), "")
+    args = re.search(r"compare\(%?[\w.\-]+, %?([\w.\-]+)\)", root)
+    return int(consts[args.group(1)]) if args and args.group(1) in consts else 1
 
 
 def _groups(line: str) -> list[list[int]] | None:
@@ -256,7 +267,8 @@ def flops(compiled) -> float | None:
 
 
 def report(cfg, trainer=None) -> dict:
-    """Compile one train step of `cfg` (no run) and describe it: the `meshpar inspect` JSON."""
+    """Compile one train step of `cfg` (no run) and describe it: the `meshpar inspect` JSON (for a
+    deviceless target: `meshpar.plan.program.report`)."""
     from meshpar.train.flops import model_flops_per_step
     from meshpar.train.step import trainer_for
 
@@ -283,6 +295,7 @@ def render_report(rep: dict, console) -> None:
 
     from meshpar.core.sharding import render_sharding_table
     console.print(f"[bold]mesh[/] {rep['mesh']}  [bold]strategy[/] {rep['strategy']}  [bold]precision[/] {rep['precision']}")
+
     for line in rep.get("warnings", []):
         console.print(line, markup=False)
     console.print(render_sharding_table(rep["params"]))
@@ -309,3 +322,4 @@ def render_report(rep: dict, console) -> None:
                       f"peak temporary memory {pp['peak_temp_bytes'] or 0:,} bytes/device")
         for line in pp["lines"]:
             console.print(line, markup=False, highlight=False, soft_wrap=True)
+

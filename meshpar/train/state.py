@@ -20,6 +20,7 @@ from meshpar.core.batch import Leaf, check_batch_spec, is_leaf, lm_batch_spec
 from meshpar.core.config import BatchConfig, ModelConfig
 from meshpar.core.errors import ConfigError, ShardingError
 from meshpar.core.mesh import describe, make_mesh, mesh_shape
+from meshpar.core.platform import of_mesh
 from meshpar.core.registry import default_model, loss_function
 from meshpar.core.rules import Layout, check_rule_names, get_strategy, parse_user_rules
 from meshpar.core.sharding import (batch_shardings, building, context_unsplit, model_spec, opt_state_shardings,
@@ -54,9 +55,8 @@ def check_batch(batch: BatchConfig, layout: Layout) -> None:
                             f"use a multiple of {dp * m} for batch.global_size")
 
 
-def check_platform(model: ModelConfig) -> None:
-    """Options that only some backends have."""
-    backend = jax.default_backend()
+def check_platform(model: ModelConfig, backend: str) -> None:
+    """Options that only some platforms have (`backend`: the mesh's, `meshpar.core.platform`)."""
     if model.attention == "cudnn" and backend != "gpu":
         raise ShardingError(f"model.attention=cudnn needs an NVIDIA GPU (this backend is {backend}); "
                             "use model.attention=xla, or auto to let JAX choose")
@@ -88,7 +88,7 @@ class TrainSetup:
             check_length(cfg.batch.length, cp)
         self.layout = Layout(self.mesh, get_strategy(cfg.strategy), parse_user_rules(cfg.rules))
         self.policy = precision_lib.get_policy(cfg.precision)
-        check_platform(cfg.model)
+        check_platform(cfg.model, of_mesh(self.mesh))
         self.factory = self.model or default_model(cfg)
         if self.loss is None:
             self.loss = loss_function(cfg.train.loss)
@@ -129,7 +129,8 @@ class TrainSetup:
         if self.idle_rules:
             out.append(f"warning: {', '.join(self.idle_rules)} name no parameter, variable or batch leaf of this "
                        "model: they apply only to activations constrained with those names")
-        return out + _dropless_note(self.cfg, self.layout) + [f"warning: {w}" for w in self.batch_warnings]
+        return (out + _dropless_note(self.cfg, self.layout) + _staged_attention_note(self)
+                + [f"warning: {w}" for w in self.batch_warnings])
 
     def sharding_table(self) -> list[dict]:
         """The sharding table of this run: parameters, other state, batch leaves, and with the
@@ -230,6 +231,18 @@ def _lm_activations(setup) -> dict:
     """The built-in LM's token activations [batch, length], a row of the sharding table."""
     b = setup.cfg.batch
     return {"activations": Leaf((b.global_size, b.length), setup.policy.compute_dtype, ("batch", "length"))}
+
+
+def _staged_attention_note(setup) -> list[str]:
+    """A pipeline on GPU or TPU with model.attention=auto: its stages attend with flash (one line why)."""
+    from meshpar.nn.attention import AUTO_FLASH_FROM
+    where = of_mesh(setup.mesh)
+    if not setup.pipelined or where == "cpu" or setup.cfg.model.attention != "auto":
+        return []
+    kernel = "cuDNN" if where == "gpu" else "splash"
+    return [f"note: model.attention=auto inside pipeline stages uses flash (xla below {AUTO_FLASH_FROM} keys), not "
+            f"{kernel}: its backward loses the "
+            "stage's varying axes under shard_map (meshpar.nn.attention.in_stage)"]
 
 
 def _dropless_note(cfg, layout) -> list[str]:

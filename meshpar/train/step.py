@@ -39,6 +39,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from meshpar.core import precision as precision_lib
 from meshpar.core.batch import is_leaf
+from meshpar.core.platform import compiling_for, of_mesh
 from meshpar.core.registry import import_object
 from meshpar.core.rules import use_layout
 from meshpar.core.sharding import split_microbatches
@@ -155,7 +156,9 @@ class Trainer(TrainSetup):
                             self.batch_spec, self.batch_sharding, is_leaf=is_leaf)
 
     def lower(self):
-        return self._step.lower(self.abstract_state(), self.abstract_batch())
+        """The step traced for this mesh's platform (a deviceless target's GPU or TPU too)."""
+        with compiling_for(of_mesh(self.mesh)):
+            return self._step.lower(self.abstract_state(), self.abstract_batch())
 
     def compile(self):
         """Compile the step ahead of time (once); `step` then never retraces. A pipelined step whose

@@ -1,0 +1,148 @@
+"""What a target's compiled program holds beside its collectives: the kernels its compiler chose, and
+how much of each collective's transfer the scheduled compute hides.
+
+Read from the optimized, scheduled HLO text (`compiled.as_text()`); instruction order inside a
+computation is the schedule. Kernels, by name:
+
+    cudnn:<target>      a cuDNN custom call (`__cudnn$fmhaSoftmax`: fused attention)
+    cublas:<target>     a cuBLAS GEMM custom call
+    triton:<kind>       a fusion XLA:GPU emits through Triton (`__triton_nested_gemm_fusion`: a GEMM)
+    mosaic:<kernel>     a Pallas/Mosaic TPU kernel (`tpu_custom_call`), by its kernel name
+    ragged-all-to-all   XLA's ragged exchange (dropless expert parallelism)
+    custom:<target>     any other custom call
+
+Overlap (per step, while bodies times their trip counts): an async collective `X-start` ... `X-done`
+is hidden by the compute scheduled between its start and its done (fusions, dots, convolutions, custom
+calls); one with none between, or a synchronous collective, is exposed: its bytes wait on the wire.
+"""
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+from meshpar.plan import inspect
+
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_KIND = re.compile(r'"kind":"(__triton[\w]*)"')
+_NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")
+_COMPUTE = (" fusion(", " convolution(", " custom-call(", " dot(")
+_ASYNC = re.compile(r"\s(" + "|".join(inspect.COLLECTIVES) + r")-start\(")
+_DONE = re.compile(r"\s(" + "|".join(inspect.COLLECTIVES) + r")-done\(\s*%?([\w.\-]+)")
+_SYNC = re.compile(r"\s(" + "|".join(inspect.COLLECTIVES) + r")\(")
+
+
+def _base(name: str) -> str:
+    return re.sub(r"\.\d+$", "", name)
+
+
+def kernels(hlo: str) -> dict[str, int]:
+    """Kernel name -> instructions in the program (see the module docstring for the names)."""
+    found: Counter = Counter()
+    for line in hlo.splitlines():
+        target = _TARGET.search(line)
+        if target:
+            t = target.group(1)
+            name = _NAME.match(line)
+            if t == "tpu_custom_call":
+                found[f"mosaic:{_base(name.group(1)) if name else 'kernel'}"] += 1
+            elif t.startswith("__cudnn"):
+                found[f"cudnn:{t.removeprefix('__cudnn$')}"] += 1
+            elif t.startswith("__cublas"):
+                found[f"cublas:{t.removeprefix('__cublas$')}"] += 1
+            else:
+                found[f"custom:{t}"] += 1
+            continue
+        if " fusion(" in line:
+            kind = _KIND.search(line)
+            if kind:
+                found[f"triton:{kind.group(1).removeprefix('__')}"] += 1
+        if " ragged-all-to-all(" in line:
+            found["ragged-all-to-all"] += 1
+    return dict(sorted(found.items()))
+
+
+def has_kernel(found: dict[str, int], prefix: str) -> bool:
+    return any(k.startswith(prefix) for k in found)
+
+
+def overlap(hlo: str) -> dict:
+    """Collective bytes per step hidden behind compute and exposed, by kind, from the schedule."""
+    comps, entry = inspect._split_computations(hlo)
+    mult = inspect._multipliers(comps, entry)
+    out: dict[str, dict] = {}
+
+    def add(kind, nbytes, times, hidden):
+        d = out.setdefault(kind, {"ops": 0, "hidden_ops": 0, "hidden_bytes": 0, "exposed_bytes": 0})
+        d["hidden_bytes" if hidden else "exposed_bytes"] += int(nbytes * times)
+        d["ops"] += 1
+        d["hidden_ops"] += int(hidden)
+    for comp, lines in comps.items():
+        times = max(mult.get(comp, 1), 1)
+        starts: dict[str, tuple[str, int, int]] = {}
+        for i, line in enumerate(lines):
+            name = _NAME.match(line)
+            a = _ASYNC.search(line)
+            if a and name:
+                m = inspect._INSTR.match(line)
+                shapes = inspect._result_shapes(m.group(1)) if m else []
+                if a.group(1) != "all-reduce" and m and m.group(1).startswith("("):
+                    shapes = shapes[len(shapes) // 2:]
+                starts[name.group(1)] = (a.group(1), i, sum(shapes))
+                continue
+            d = _DONE.search(line)
+            if d and d.group(2) in starts:
+                kind, begin, nbytes = starts.pop(d.group(2))
+                computes = sum(any(op in ln for op in _COMPUTE) for ln in lines[begin + 1:i])
+                add(kind, nbytes, times, computes > 0)
+                continue
+            s = _SYNC.search(line)
+            if s and not _TARGET.search(line):
+                m = inspect._INSTR.match(line)
+                add(s.group(1), sum(inspect._result_shapes(m.group(1))) if m else 0, times, False)
+    total = {k: sum(d[k] for d in out.values()) for k in ("hidden_bytes", "exposed_bytes")}
+    return {"by_kind": out, **total}
+
+
+def report(cfg, target) -> dict:
+    """`meshpar inspect --target`: the step of `cfg` compiled for `target`'s devices by its own compiler,
+    described as `meshpar.plan.inspect.report` does, plus `target` (`target_report`)."""
+    import time
+
+    from meshpar.train.step import trainer_for
+    trainer = trainer_for(cfg, devices=target.devices)
+    start = time.perf_counter()
+    compiled = trainer.compile()
+    seconds = time.perf_counter() - start
+    rep = inspect.report(cfg, trainer)              # the same compiled step (Trainer.compile compiles once)
+    rep["target"] = target_report(target, compiled, compiled.as_text(), rep["memory"], seconds)
+    return rep
+
+
+def target_report(target, compiled, hlo: str, mem: dict, seconds: float) -> dict:
+    """The target's own view of its compiled program: the devices, whether the peak fits their memory
+    and by how much, the kernels chosen, the collective bytes the schedule hides or exposes
+    (`meshpar.plan.program`), XLA's cost analysis (None where the compiler gives none) and the
+    compile time."""
+    peak, hbm = mem.get("peak_estimate", 0), int(target.hardware.memory_bytes)
+    ca = compiled.cost_analysis()
+    ca = (ca[0] if ca else None) if isinstance(ca, (list, tuple)) else ca
+    return {**target.describe(), "compile_s": round(seconds, 2), "peak_bytes": peak, "fits": peak <= hbm,
+            "headroom_bytes": hbm - peak, "kernels": kernels(hlo), "overlap": overlap(hlo),
+            "cost": {"flops": ca.get("flops"), "bytes_accessed": ca.get("bytes accessed")} if ca else None}
+
+
+def render_target(t: dict, console) -> None:
+    gib = 2 ** 30
+    verdict = (f"fits, {t['headroom_bytes'] / gib:.2f} GiB to spare" if t["fits"] else
+               f"does NOT fit: {-t['headroom_bytes'] / gib:.2f} GiB over")
+    console.print(f"[bold]target[/] {t['devices']} x {t['device_kind']} ({t['name']}, {t['topology']}), compiled by its "
+                  f"own compiler in {t['compile_s']} s: peak {t['peak_bytes'] / gib:.3f} GiB of "
+                  f"{t['memory_bytes'] / gib:.1f} GiB per device, {verdict}", highlight=False)
+    console.print("kernels: " + (", ".join(f"{k} x{n}" for k, n in t["kernels"].items()) or "none beyond XLA's own"),
+                  markup=False, highlight=False)
+    ov = t["overlap"]
+    console.print(f"collectives behind compute: {ov['hidden_bytes']:,} bytes hidden, {ov['exposed_bytes']:,} exposed "
+                  "per step (scheduled HLO)", highlight=False)
+    if t["cost"]:
+        console.print(f"cost analysis: {t['cost']['flops'] or 0:.4g} FLOPs, {t['cost']['bytes_accessed'] or 0:.4g} "
+                      "bytes accessed per device", highlight=False)

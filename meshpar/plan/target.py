@@ -1,0 +1,153 @@
+"""Deviceless targets: the GPU or TPU devices a program is compiled for on a host that has none.
+
+    target = resolve("h100", 8)                 # 8 NVIDIA H100s: one node
+    target = resolve("tpu-v5p", 64)             # a v5p slice of 64 chips, 4x4x4
+    trainer = trainer_for(cfg, devices=target.devices)   # the same Trainer, on a Mesh of those devices
+    compiled = trainer.lower().compile()        # by the target's own compiler (XLA:GPU, libtpu)
+
+`jax.experimental.topologies` builds compile-only devices from a description: for a GPU a
+`GpuTargetConfigProto` (SM count, compute capability, clock, memory, shared memory, cuDNN version)
+and a shape `slices x hosts x devices per host`; for a TPU libtpu's topology name `v5p:4x4x4`, whose
+devices carry their torus coordinates (so `meshpar.core.mesh` lays axes on physical neighbours), and
+a number of slices joined over DCN. Nothing is allocated: state and batch are `ShapeDtypeStruct`s.
+
+What a deviceless compile proves: the program compiles for that chip, the memory XLA assigns per
+device, the collectives and kernels it chose and the order it scheduled them in. What it does not:
+speed, or how NCCL / ICI behave at run time.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+
+from meshpar.core.errors import ConfigError, MeshparError
+from meshpar.plan.hardware import Hardware, load_hardware
+from meshpar.runtime import compilers
+
+GPUS_PER_NODE = 8
+TPU_HOST = {2: (2, 2), 3: (2, 2, 1)}        # the smallest TPU topology libtpu describes: one host of 4 chips
+
+
+@dataclass
+class Target:
+    hardware: Hardware
+    devices: list = field(repr=False)
+    platform: str                               # "gpu" or "tpu"
+    topology: str                               # "1x1x8" (GPU: slices x hosts x devices) or "v5p:2x2x2"
+    slices: int = 1
+
+    def describe(self) -> dict:
+        d = self.devices[0]
+        return {"name": self.hardware.name, "platform": self.platform, "device_kind": d.device_kind,
+                "devices": len(self.devices), "topology": self.topology, "slices": self.slices,
+                "memory_bytes": int(self.hardware.memory_bytes)}
+
+
+def resolve(hw: str | Hardware, n: int, topology: str | None = None, slices: int | None = None) -> Target:
+    """The `n` devices of hardware `hw` (a preset name or YAML path, see `meshpar.plan.hardware`)."""
+    hardware = hw if isinstance(hw, Hardware) else load_hardware(hw)
+    if not hardware.target:
+        raise ConfigError(f"hardware '{hardware.name}' has no `target` description, so it cannot be compiled for: "
+                          "add target: {sm_count, compute_capability, clock_ghz, ...} (GPU) or {chip, dims} (TPU)")
+    hardware.check_devices(n)
+    kind = hardware.kind
+    compilers.load(kind)
+    return _tpu(hardware, n, topology, slices) if kind == "tpu" else _gpu(hardware, n, topology)
+
+
+def gpu_target_config(hw: Hardware) -> str:
+    """The GpuTargetConfigProto (text) that describes one `hw` GPU to XLA:GPU's compiler."""
+    t = hw.target
+    major, minor = (int(x) for x in str(t["compute_capability"]).split("."))
+    return "\n".join([
+        "gpu_device_info {",
+        "  threads_per_block_limit: 1024", "  threads_per_warp: 32", "  shared_memory_per_block: 49152",
+        f"  shared_memory_per_core: {int(t['shared_memory_per_sm'])}", "  threads_per_core_limit: 2048",
+        f"  core_count: {int(t['sm_count'])}", "  fpus_per_core: 128",
+        "  block_dim_limit_x: 2147483647", "  block_dim_limit_y: 65535", "  block_dim_limit_z: 65535",
+        f"  memory_bandwidth: {int(t['memory_bandwidth'])}", f"  l2_cache_size: {int(t['l2_bytes'])}",
+        f"  clock_rate_ghz: {float(t['clock_ghz'])}", f"  device_memory_size: {int(hw.memory_bytes)}",
+        f"  shared_memory_per_block_optin: {int(t['shared_memory_per_sm']) - 1024}",
+        f"  cuda_compute_capability {{ major: {major} minor: {minor} }}",
+        "  registers_per_core_limit: 65536", "  registers_per_block_limit: 65536",
+        "}", 'platform_name: "CUDA"', "dnn_version_info { major: 9 minor: 8 patch: 0 }",
+        f'device_description_str: "{t["device_kind"]}"', ""])
+
+
+def _gpu(hw: Hardware, n: int, topology: str | None) -> Target:
+    from jax.experimental import topologies
+    if topology is None:
+        per_node = min(n, GPUS_PER_NODE)
+        topology = f"1x{n // per_node}x{per_node}"
+    shape = _shape(topology, 3, "--topology for a GPU is SLICESxHOSTSxGPUS, e.g. 1x8x8")
+    if math.prod(shape) != n:
+        raise ConfigError(f"--topology {topology} holds {math.prod(shape)} GPUs, not --devices {n}")
+    desc = topologies.get_topology_desc(platform="cuda", target_config=gpu_target_config(hw), topology=topology)
+    return Target(hw, list(desc.devices), "gpu", topology, shape[0])
+
+
+def tpu_shape(chips: int, dims: int) -> tuple[int, ...]:
+    """The slice shape of `chips` chips (a power of two >= 4): one host, then doubling the shortest side."""
+    shape = list(TPU_HOST[dims])
+    while math.prod(shape) < chips:
+        i = min(range(dims), key=lambda k: (shape[k], -k))
+        shape[i] *= 2
+    return tuple(sorted(shape))
+
+
+def _tpu(hw: Hardware, n: int, topology: str | None, slices: int | None) -> Target:
+    from jax.experimental import topologies
+    chip, dims = hw.target["chip"], int(hw.target.get("dims", 3))
+    per_chip = len(topologies.get_topology_desc(platform="tpu", topology_name=_name(chip, TPU_HOST[dims])).devices) // 4
+    slices = slices or (1 if n <= hw.domain else n // hw.domain)
+    if n % (slices * per_chip):
+        raise ConfigError(f"--devices {n} cannot be split into {slices} {hw.name} slices of whole chips")
+    chips = n // slices // per_chip
+    if topology is not None:
+        shape = _shape(topology.split(":")[-1], dims, f"--topology for {hw.name} is {'x'.join('N' * dims)}, e.g. "
+                       f"{'x'.join(map(str, tpu_shape(8, dims)))}")
+        if math.prod(shape) != chips:
+            raise ConfigError(f"--topology {topology} holds {math.prod(shape)} chips, but --devices {n} over "
+                              f"{slices} slice(s) needs {chips} per slice")
+    else:
+        if chips < 4 or chips & (chips - 1):
+            raise ConfigError(f"--devices {n}: a deviceless {hw.name} slice holds a power of two chips, at least one "
+                              f"host of 4 (--devices {4 * per_chip * slices} or more)")
+        shape = tpu_shape(chips, dims)
+    name = _name(chip, shape)
+    desc = topologies.get_topology_desc(platform="tpu", topology_name=name, num_slices=slices)
+    return Target(hw, list(desc.devices), "tpu", name, slices)
+
+
+def _name(chip: str, shape) -> str:
+    return f"{chip}:{'x'.join(str(s) for s in shape)}"
+
+
+def _shape(text: str, dims: int, hint: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(x) for x in text.lower().split("x"))
+    except ValueError:
+        shape = ()
+    if len(shape) != dims or min(shape) < 1:
+        raise ConfigError(f"--topology {text!r} is not a shape: {hint}")
+    return shape
+
+
+@contextlib.contextmanager
+def compile_errors(target: Target | None, config):
+    """A target compiler's refusal as one line: its first line of error, and the config that caused it
+    (`config`: the overrides, or a config object whose mesh and strategy are named)."""
+    if target is None:
+        yield
+        return
+    try:
+        yield
+    except MeshparError:
+        raise
+    except Exception as e:  # noqa: BLE001 - XLA's errors (JaxRuntimeError, NotImplementedError...) are the point
+        first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+        what = (" ".join(config) or "the defaults") if isinstance(config, (list, tuple)) else \
+            f"strategy={config.strategy} mesh={config.mesh}"
+        raise MeshparError(f"the {target.hardware.name} compiler refused this step ({type(e).__name__}: {first}); "
+                           f"config: {what}") from None

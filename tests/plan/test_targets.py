@@ -1,0 +1,181 @@
+"""The target tier: tiny configs compiled for 8 NVIDIA H100s and 8 TPU v5p chips by their own compilers
+(XLA:GPU with cuDNN and Triton, libtpu), on this CPU-only host, and what their programs hold.
+
+The compilers are installed once into their own folder (`meshpar compilers --install`, ~1.1 GB from
+PyPI) if they are not there; only where that install fails does this file skip, with one line.
+Every program is compiled once (module fixtures) and asserted on many times.
+"""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from meshpar.core.config import load_config
+from meshpar.runtime import compilers
+
+TINY = ["precision=bf16", "batch.length=256", "batch.global_size=8"]
+PRESETS = ("dp", "zero1", "fsdp", "fsdp_tp", "tp_sp")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _compilers():
+    if not all(compilers.installed().values()):
+        try:
+            compilers.install(quiet=True)
+        except Exception as e:  # noqa: BLE001 - no PyPI here: the one place this tier may skip
+            pytest.skip(f"the target compilers could not be installed into {compilers.folder()}: {e}")
+
+
+def _target(name):
+    from meshpar.plan.target import resolve
+    return resolve(name, 8)
+
+
+def _report(target, *overrides):
+    from meshpar.plan.program import report
+    return report(load_config(None, TINY + list(overrides)), target)
+
+
+@pytest.fixture(scope="module")
+def h100():
+    return _target("h100")
+
+
+@pytest.fixture(scope="module")
+def v5p():
+    return _target("tpu-v5p")
+
+
+@pytest.fixture(scope="module")
+def gpu_presets(h100):
+    return {p: _report(h100, f"strategy={p}") for p in PRESETS}
+
+
+@pytest.fixture(scope="module")
+def tpu_presets(v5p):
+    return {p: _report(v5p, f"strategy={p}") for p in PRESETS}
+
+
+def test_the_targets_are_the_real_devices(h100, v5p):
+    assert len(h100.devices) == 8 and {d.device_kind for d in h100.devices} == {"NVIDIA H100 80GB HBM3"}
+    assert h100.topology == "1x1x8" and h100.platform == "gpu"
+    assert len(v5p.devices) == 8 and {d.device_kind for d in v5p.devices} == {"TPU v5"}
+    assert v5p.topology == "v5p:2x2x2"     # a 2x2x2 cube of chips, with their torus coordinates
+    assert sorted(tuple(d.coords) for d in v5p.devices) == [(x, y, z) for x in (0, 1) for y in (0, 1) for z in (0, 1)]
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_preset_compiles_for_h100_with_cudnn_attention(gpu_presets, preset):
+    rep = gpu_presets[preset]
+    t = rep["target"]
+    assert t["device_kind"] == "NVIDIA H100 80GB HBM3" and t["fits"] and 0 < t["peak_bytes"] < 80e9
+    assert {"cudnn:fmhaSoftmax", "cudnn:fmhaSoftmaxBackward"} <= set(t["kernels"])   # auto -> cuDNN fused attention
+    kinds = rep["collectives"]["summary"]
+    if preset in ("fsdp", "fsdp_tp", "zero1"):   # XLA:GPU emits a real reduce-scatter, not all-reduce + slice
+        rs = [op for op in rep["collectives"]["ops"] if op["kind"] == "reduce-scatter"]
+        assert rs and not any(op.get("lowered_as") for op in rs)
+    if preset in ("fsdp", "fsdp_tp"):
+        assert kinds["all-gather"]["bytes"] > 0
+    if preset == "dp":
+        assert "reduce-scatter" not in kinds and kinds["all-reduce"]["bytes"] > 0
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_preset_compiles_for_tpu_v5p_with_splash_attention(tpu_presets, preset):
+    t = tpu_presets[preset]["target"]
+    assert t["device_kind"] == "TPU v5" and t["fits"]
+    # auto -> splash (Mosaic kernels, forward and both backward passes), each device on its own rows and heads
+    assert {"mosaic:splash_mqa_fwd_residuals", "mosaic:splash_mqa_dq_no_residuals",
+            "mosaic:splash_mqa_dkv_no_residuals"} <= set(t["kernels"])
+    assert t["cost"]["flops"] > 0
+
+
+def test_the_target_memory_is_the_targets_own_not_the_cpu_upcast(gpu_presets, h100):
+    """bf16 compute stays bf16 on the target: its peak is below the same step compiled in fp32 for it."""
+    fp32 = _report(h100, "strategy=fsdp", "precision=fp32", "model.attention=flash")
+    assert gpu_presets["fsdp"]["target"]["peak_bytes"] < 0.8 * fp32["target"]["peak_bytes"]
+
+
+def test_the_schedule_shows_which_collectives_compute_hides(gpu_presets):
+    ov = gpu_presets["fsdp"]["target"]["overlap"]
+    assert ov["hidden_bytes"] > 0                                # XLA:GPU's latency-hiding scheduler at work
+    assert sum(d["ops"] for d in ov["by_kind"].values()) >= gpu_presets["fsdp"]["collectives"]["summary"]["all-gather"]["count"] / 4
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("name", ["h100", "tpu-v5p"])
+def test_pipelines_compile_for_both_targets(h100, v5p, name, schedule):
+    target = h100 if name == "h100" else v5p
+    rep = _report(target, "mesh.pipeline=2", "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=2", "strategy=fsdp_tp",
+                  f"pipeline.schedule={schedule}", "pipeline.microbatches=4", "batch.global_size=16")
+    assert rep["collectives"]["summary"]["collective-permute"]["bytes"] > 0     # activations between the stages
+    assert rep["target"]["fits"]
+    assert not any(k.startswith(("cudnn:", "mosaic:splash")) for k in rep["target"]["kernels"])   # xla/flash in stages
+    assert any("inside pipeline stages uses flash (xla below 1024 keys), not" in w for w in rep["warnings"])
+
+
+@pytest.mark.parametrize("strategy", ["all_gather", "ring"])
+@pytest.mark.parametrize("name", ["h100", "tpu-v5p"])
+def test_context_parallelism_compiles_for_both_targets(h100, v5p, name, strategy):
+    target = h100 if name == "h100" else v5p
+    rep = _report(target, "mesh.context=4", "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=1", "model.attention=flash",
+                  f"model.context_strategy={strategy}", "batch.length=512")
+    kinds = rep["collectives"]["summary"]
+    assert "context" in kinds["all-gather" if strategy == "all_gather" else "collective-permute"]["axes"]
+
+
+def test_dropless_moe_over_expert_compiles_for_h100_without_gathering_expert_weights(h100):
+    rep = _report(h100, "model.name=moe", "mesh.expert=8", "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1",
+                  "strategy=dp", "moe.num_experts=8", "moe.capacity_factor=null")
+    kinds = rep["collectives"]["summary"]
+    assert kinds["all-to-all"]["bytes"] > 0 and "expert" in kinds["all-to-all"]["axes"]   # tokens travel, weights stay
+    assert not any(op["kind"] == "all-gather" and "expert" in op["axes"] for op in rep["collectives"]["ops"])
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "meshpar.cli", *args], capture_output=True, text=True, timeout=600)
+
+
+def test_inspect_json_target_end_to_end():
+    """The issue's own command, at 1b and 4096 tokens: H100s, the peak under 80 GB, cuDNN attention."""
+    out = _cli("inspect", "--json", "--target", "h100", "--devices", "8", "model.size=1b", "batch.length=4096",
+               "batch.global_size=8", "strategy=fsdp")
+    assert out.returncode == 0, out.stderr[-2000:]
+    t = json.loads(out.stdout)["target"]
+    assert t["devices"] == 8 and t["device_kind"] == "NVIDIA H100 80GB HBM3" and t["peak_bytes"] < 80e9 and t["fits"]
+    assert any(k.startswith("cudnn:fmha") for k in t["kernels"]) and t["compile_s"] > 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--target", "h10"], "unknown hardware 'h10' (did you mean 'h100'?)"),
+    (["--target", "h100", "--devices", "12"], "--devices 12 cannot be formed from h100 nodes of 8"),
+    (["--target", "tpu-v5p", "--devices", "2"], "a deviceless tpu-v5p slice holds a power of two chips, at least one host of 4"),
+    (["--target", "tpu-v5p", "--topology", "2x2"], "--topology '2x2' is not a shape"),
+    (["--topology", "1x1x8"], "--topology and --slices describe a --target"),
+    (["--target", "h100", "model.attention=splash"], "model.attention=splash needs a TPU (this backend is gpu"),
+])
+def test_bad_target_input_is_one_line(capsys, args, message):
+    from meshpar.cli import main
+    code = main(["inspect", *args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err and message in err[-1], err
+
+
+def test_a_compiler_refusal_is_one_line_with_the_config(h100):
+    from meshpar.core.errors import MeshparError
+    from meshpar.plan.target import compile_errors
+    with pytest.raises(MeshparError) as e:
+        with compile_errors(h100, ["strategy=fsdp", "mesh.tensor=2"]):
+            raise RuntimeError("INTERNAL: RET_CHECK failure (xla/service/spmd.cc:1) bad\nstack frames ...")
+    assert str(e.value) == ("the h100 compiler refused this step (RuntimeError: INTERNAL: RET_CHECK failure "
+                            "(xla/service/spmd.cc:1) bad); config: strategy=fsdp mesh.tensor=2")
+
+
+def test_a_missing_compiler_names_the_command_that_installs_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("MESHPAR_COMPILERS", str(tmp_path))
+    out = _cli("inspect", "--target", "tpu-v5p")
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1].endswith(
+        f"the TPU compiler is not installed in {tmp_path}: run `meshpar compilers --install tpu` once "
+        "(it downloads about 0.2 GB from PyPI)")
