@@ -2,14 +2,15 @@
 
     meshpar train [--config FILE] [--devices N] [--metrics-out FILE] [KEY=VALUE ...]
     meshpar config [--config FILE] [KEY=VALUE ...]    # the resolved config, every key with its meaning
-    meshpar inspect [--config FILE] [--devices N] [--json] [KEY=VALUE ...]
+    meshpar inspect [--config FILE] [--devices N] [--json] [--target HW [--topology T] [--slices S]] [KEY=VALUE ...]
     meshpar launch N [train arguments...]        # N loopback processes (meshpar/runtime/launch.py)
     meshpar launch --print-slurm [--nodes N --gpus-per-node G ...] [train arguments...]   # meshpar/runtime/slurm.py
     meshpar plot RUN.jsonl [RUN2.jsonl ...] [-o out.png] [--size 1200x800]   # meshpar/train/plot.py
     meshpar generate [--config FILE] [--devices N] [--prompt TEXT [--chat] | --prompt-ids 1,2,3] [--json] [KEY=VALUE ...]
     meshpar serve [--host 127.0.0.1] [--port 8000] [--model-name NAME] [--config FILE] [KEY=VALUE ...]   # OpenAI API
     meshpar plan [--config FILE] --devices N --hardware h100 [--top K] [--strategies a,b] [--all] [--json]
-                 [--bytes-per-param W,G,O] [--out plan.yaml] [--verify K] [KEY=VALUE ...]
+                 [--bytes-per-param W,G,O] [--out plan.yaml] [--verify K [--target HW]] [KEY=VALUE ...]
+    meshpar compilers [--install [gpu|tpu|all]]     (the GPU/TPU compilers --target uses)
     meshpar export --format hf --out DIR [--dtype bf16|fp32] [--max-shard-size 5GB] [--config FILE] [KEY=VALUE ...]
 
 KEY=VALUE are dotted config overrides: steps=20 strategy=fsdp mesh.tensor=2 mesh.data=-1

@@ -26,7 +26,7 @@ auxiliary-loss-free balancing). Shared experts (DeepSeekMoE) are a dense SwiGLU 
     dropless mode (`capacity_factor: null`): top-K experts [G, S, K] -> every device sorts its tokens
         by expert, sends each expert shard its rows (all-to-all), runs grouped matmuls over its
         local experts (`meshpar.nn.gmm`: `ragged_dot`, or row tiles on CPU), sends the rows back
-        (all-to-all), weighted sum over K.
+        (the exchanges: `meshpar.nn.exchange`, ragged all-to-all on GPU/TPU), weighted sum over K.
 
 Sharding. Expert weights [E, M, H] carry the logical axis `expert` (-> mesh `expert`); tokens
 [G, S, M] carry `group` (-> the batch axes data/fsdp/expert jointly). The dispatch einsum runs in
@@ -68,6 +68,7 @@ from meshpar.core.config import top_k
 from meshpar.core.errors import ConfigError
 from meshpar.core.rules import active_layout, constrain
 from meshpar.core import sequence
+from meshpar.nn.exchange import exchange
 from meshpar.nn.gmm import grouped_matmul
 from meshpar.nn.routing import Routing, capacity, route
 
@@ -86,6 +87,8 @@ W_OUT = ("expert", "expert_mlp", "embed")                 # EHM
 DISPATCH = "gather"
 # dropless mode's grouped matmuls: "auto" (row tiles on CPU, `ragged_dot` elsewhere), "ragged_dot", "tiles"
 GMM = "auto"
+# dropless mode's token exchange: "auto" (padded all-to-all on CPU, ragged_all_to_all elsewhere), "ragged", "padded"
+EXCHANGE = "auto"
 
 
 @dataclass(frozen=True)
@@ -225,11 +228,12 @@ def _dropless_local(x, index, routed, gates, w_gate, w_up, w_down, ep_axes=(), e
     w_gate, w_up [E_l, M, H_l], w_down [E_l, H_l, M] -> [n, M].
 
     The n*K assignments are sorted by expert (unrouted ones last, never sent). The shard owning
-    experts [d*E_l, (d+1)*E_l) gets its rows in a fixed-size buffer [ep, n*K, M], valid rows first,
-    by all-to-all over `ep_axes` (static shapes: a shard may receive every row, so the buffer is ep
-    times the rows actually routed). The receiver orders all rows by local expert and runs SwiGLU
-    as grouped matmuls (`meshpar.nn.gmm`); partial sums over `h_axes` (H split by tensor parallelism) are
-    reduced; rows return by the inverse all-to-all and are weighted by their gates."""
+    experts [d*E_l, (d+1)*E_l) gets its rows by a ragged exchange over `ep_axes`
+    (`meshpar.nn.exchange`: `ragged_all_to_all` on GPU/TPU, padded on CPU), packed source after
+    source into a buffer [ep*n*K, M] (static: a shard may receive every row). The receiver orders its
+    rows by local expert and runs SwiGLU as grouped matmuls (`meshpar.nn.gmm`); partial sums over
+    `h_axes` (H split by tensor parallelism) are reduced; the rows return by the reverse exchange,
+    each to its sorted position, and are weighted by their gates."""
     n, k = index.shape
     e_local = w_gate.shape[0]
     e_total = e_local * ep
@@ -239,36 +243,34 @@ def _dropless_local(x, index, routed, gates, w_gate, w_up, w_down, ep_axes=(), e
     order = jnp.argsort(flat_e, stable=True)                        # assignments sorted by expert
     counts = jnp.bincount(flat_e, length=e_total + 1)[:e_total].astype(jnp.int32)   # [E]
     per_dest = counts.reshape(ep, e_local)                          # [ep, E_l] rows for each shard
-    dest_end = jnp.cumsum(jnp.sum(per_dest, axis=1))
-    dest_start = dest_end - jnp.sum(per_dest, axis=1)
-    src = jnp.minimum(dest_start[:, None] + j[None, :], nk - 1)     # [ep, nK] sorted position
-    valid = dest_start[:, None] + j[None, :] < dest_end[:, None]
-    send = jnp.where(valid[..., None], x[order[src] // k], 0)       # [ep, nK, M]
-    if ep_axes:
-        recv = jax.lax.all_to_all(send, ep_axes, 0, 0, tiled=True)  # [ep (source), nK, M]
-        recv_counts = jax.lax.all_to_all(per_dest, ep_axes, 0, 0, tiled=True)   # [ep (source), E_l]
-    else:
-        recv, recv_counts = send, per_dest
-    # local expert of every received row (E_l: padding), then all rows grouped by local expert
-    bounds = jnp.cumsum(recv_counts, axis=1)                        # [ep, E_l]
-    local = jnp.sum(bounds[:, None, :] <= j[None, :, None], axis=-1)   # [ep, nK] in 0..E_l (searchsorted)
-    order2 = jnp.argsort(local.reshape(ep * nk), stable=True)
-    rows = recv.reshape(ep * nk, -1)[order2]
-    sizes = jnp.sum(recv_counts, axis=0).astype(jnp.int32)          # [E_l] rows per local expert
+    send = jnp.sum(per_dest, axis=1)                                # [ep]
+    dest_start = jnp.cumsum(send) - send
+    swap = (lambda a: jax.lax.all_to_all(a, ep_axes, 0, 0, tiled=True)) if ep_axes else (lambda a: a)
+    recv_counts = swap(per_dest)                                    # [ep (source), E_l]
+    recv = jnp.sum(recv_counts, axis=1)                             # [ep] rows from each source
+    recv_end = jnp.cumsum(recv)
+    recv_start = recv_end - recv                                    # where each source's rows land here
     dt = x.dtype
+    buf = exchange(x[order // k], jnp.zeros((ep * nk, x.shape[1]), dt), dest_start, send, swap(recv_start),
+                   recv, ep_axes, EXCHANGE)                          # [ep*nK, M], source after source
+    # local expert of every received row (E_l: padding), then all rows grouped by local expert
+    jj = jnp.arange(ep * nk)
+    src = jnp.minimum(jnp.sum(recv_end[None, :] <= jj[:, None], axis=-1), ep - 1)
+    bounds = jnp.cumsum(recv_counts, axis=1)[src]                   # [ep*nK, E_l]
+    local = jnp.sum(bounds <= (jj - recv_start[src])[:, None], axis=-1)
+    local = jnp.where(jj < recv_end[-1], local, e_local)
+    order2 = jnp.argsort(local, stable=True)
+    rows = buf[order2]
+    sizes = jnp.sum(recv_counts, axis=0).astype(jnp.int32)          # [E_l] rows per local expert
     gate = grouped_matmul(rows, w_gate, sizes, GMM)
     up = grouped_matmul(rows, w_up, sizes, GMM)
     out = grouped_matmul(jax.nn.silu(gate) * up, w_down, sizes, GMM)                       # [ep*nK, M]
     if h_axes:
         out = jax.lax.psum(out, h_axes)
     inv2 = jnp.zeros_like(order2).at[order2].set(jnp.arange(ep * nk))
-    out = out[inv2].reshape(ep, nk, -1)
-    if ep_axes:
-        out = jax.lax.all_to_all(out, ep_axes, 0, 0, tiled=True)    # [ep (dest), nK, M]
-    # sorted position p came back from shard d at row p - dest_start[d]; unrouted ones get 0
-    dest = jnp.minimum(jnp.sum(dest_end[None, :] <= j[:, None], axis=-1), ep - 1)
-    per_sorted = out.reshape(ep * nk, -1)[dest * nk + j - dest_start[dest]]          # [nK, M]
-    per_sorted = jnp.where((j < dest_end[-1])[:, None], per_sorted, 0)
+    # each row back to its sender, at its sorted position there; unrouted positions stay 0
+    per_sorted = exchange(out[inv2], jnp.zeros((nk, x.shape[1]), out.dtype), recv_start, recv, swap(dest_start),
+                          send, ep_axes, EXCHANGE)                   # [nK, M]
     inv = jnp.zeros_like(order).at[order].set(j)
     per_assignment = per_sorted[inv].reshape(n, k, -1)
     return jnp.einsum("nkm,nk->nm", per_assignment, gates.astype(dt))

@@ -18,7 +18,8 @@ import numpy as np
 from meshpar.parallel.schedules import BRANCH_SHARE
 
 _SHARE = re.compile(re.escape(BRANCH_SHARE) + r"([\d.e+-]+)")   # a per-device branch's share of its loop
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+# ragged-all-to-all first: the alternation must not read its tail as an all-to-all
+COLLECTIVES = ("ragged-all-to-all", "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
                 "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1}
 _SHAPE = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\]")
@@ -138,6 +139,18 @@ def _result_shapes(result: str) -> list[int]:
     return [_DTYPE_BYTES[d] * math.prod(int(x) for x in dims.split(",") if x) for d, dims in _SHAPE.findall(result)]
 
 
+def start_shapes(result: str, kind: str, start: bool) -> list[int]:
+    """Bytes of each tensor a collective moves, from its result type. An async start's result is
+    (operands..., outputs...): the outputs. A ragged all-to-all's is its output buffer, the most it
+    can receive (what it sends depends on the data: an upper bound)."""
+    shapes = _result_shapes(result)
+    if kind == "ragged-all-to-all":
+        return shapes[-1:]
+    if start and result.startswith("(") and kind != "all-reduce":
+        return shapes[len(shapes) // 2:]
+    return shapes
+
+
 def _users(lines: list[str], name: str) -> list[str]:
     pat = re.compile(r"[(, ]%" + re.escape(name) + r"[,) ]")
     return [ln for ln in lines if pat.search(ln) and not ln.lstrip().startswith("%" + name + " ")]
@@ -203,9 +216,7 @@ def collectives(hlo: str, mesh_shape: dict[str, int] | None = None) -> list[dict
             if not m:
                 continue
             result, kind, start, _ = m.groups()
-            shapes = _result_shapes(result)
-            if start and result.startswith("(") and kind != "all-reduce":
-                shapes = shapes[len(shapes) // 2:]          # async start: (operands..., outputs...)
+            shapes = start_shapes(result, kind, bool(start))
             groups = _groups(line)
             group_size = len(groups[0]) if groups and kind != "collective-permute" else 1
             share = _SHARE.search(line)

@@ -8,7 +8,7 @@ computation is the schedule. Kernels, by name:
     cublas:<target>     a cuBLAS GEMM custom call
     triton:<kind>       a fusion XLA:GPU emits through Triton (`__triton_nested_gemm_fusion`: a GEMM)
     mosaic:<kernel>     a Pallas/Mosaic TPU kernel (`tpu_custom_call`), by its kernel name
-    ragged-all-to-all   XLA's ragged exchange (dropless expert parallelism)
+    ragged-all-to-all   XLA's ragged exchange (dropless expert parallelism; async start/done counted once)
     custom:<target>     any other custom call
 
 Overlap (per step, while bodies times their trip counts): an async collective `X-start` ... `X-done`
@@ -56,7 +56,7 @@ def kernels(hlo: str) -> dict[str, int]:
             kind = _KIND.search(line)
             if kind:
                 found[f"triton:{kind.group(1).removeprefix('__')}"] += 1
-        if " ragged-all-to-all(" in line:
+        if " ragged-all-to-all(" in line or " ragged-all-to-all-start(" in line:
             found["ragged-all-to-all"] += 1
     return dict(sorted(found.items()))
 
@@ -84,9 +84,7 @@ def overlap(hlo: str) -> dict:
             a = _ASYNC.search(line)
             if a and name:
                 m = inspect._INSTR.match(line)
-                shapes = inspect._result_shapes(m.group(1)) if m else []
-                if a.group(1) != "all-reduce" and m and m.group(1).startswith("("):
-                    shapes = shapes[len(shapes) // 2:]
+                shapes = inspect.start_shapes(m.group(1), a.group(1), True) if m else []
                 starts[name.group(1)] = (a.group(1), i, sum(shapes))
                 continue
             d = _DONE.search(line)
@@ -98,7 +96,7 @@ def overlap(hlo: str) -> dict:
             s = _SYNC.search(line)
             if s and not _TARGET.search(line):
                 m = inspect._INSTR.match(line)
-                add(s.group(1), sum(inspect._result_shapes(m.group(1))) if m else 0, times, False)
+                add(s.group(1), sum(inspect.start_shapes(m.group(1), s.group(1), False)) if m else 0, times, False)
     total = {k: sum(d[k] for d in out.values()) for k in ("hidden_bytes", "exposed_bytes")}
     return {"by_kind": out, **total}
 

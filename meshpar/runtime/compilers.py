@@ -115,6 +115,9 @@ def _load_tpu(path: str) -> None:
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5p-8")
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    # libtpu lets one process at a time hold /tmp/libtpu_lockfile (its chips): a compile-only client
+    # holds no chip, and two compiles (a test worker and a CLI run) must not refuse each other
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     os.environ["TPU_LIBRARY_PATH"] = os.path.join(path, "libtpu", "libtpu.so")
 
 

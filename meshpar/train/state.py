@@ -248,7 +248,7 @@ def _staged_attention_note(setup) -> list[str]:
 def _dropless_note(cfg, layout) -> list[str]:
     """Dropless expert parallelism exchanges tokens with a padded all-to-all: one line saying so."""
     ep = layout.shape.get("expert", 1)
-    if cfg.model.name != "moe" or cfg.moe.capacity_factor is not None or ep == 1:
+    if cfg.model.name != "moe" or cfg.moe.capacity_factor is not None or ep == 1 or of_mesh(layout.mesh) != "cpu":
         return []
-    return [f"note: dropless MoE over expert={ep} sends tokens with a padded all-to-all (each shard's buffer holds "
-            f"{ep} x its routed rows; jax.lax.ragged_all_to_all is not used yet)"]
+    return [f"note: dropless MoE over expert={ep} sends tokens with a padded all-to-all on CPU (each shard receives "
+            f"{ep} x its routed rows; XLA:CPU has no ragged all-to-all, which GPUs and TPUs use: meshpar.nn.exchange)"]

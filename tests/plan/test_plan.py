@@ -214,8 +214,8 @@ def test_verify_writes_the_best_plan_that_fits_once_compiled(tmp_path, capsys, m
     from meshpar.cli import main
     seen = {}
 
-    def fake(result, config_path, overrides, k):
-        seen["k"], seen["candidates"] = k, result["candidates"]
+    def fake(result, config_path, overrides, k, target=None):
+        seen["k"], seen["candidates"], seen["target"] = k, result["candidates"], target
         return [{"rank": i + 1, "mesh": c["mesh"], "strategy": c["strategy"], "predicted": {}, "compiled": {},
                  "target_peak": 0, "fits_compiled": i == 1} for i, c in enumerate(result["candidates"][:k])]
     monkeypatch.setattr(dryrun, "verify", fake)
