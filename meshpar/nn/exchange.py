@@ -8,8 +8,8 @@ device s (recv = all_to_all(send)). JAX's documented semantics of `ragged_all_to
 
 Implementations (`impl`):
     ragged  `jax.lax.ragged_all_to_all`: only the rows sent cross the wire (GPU, TPU)
-    padded  every slice padded to R rows, `all_to_all` [D, R, M], then written at its offsets: the
-            same result, D x R rows on the wire (XLA:CPU has no ragged all-to-all: UNIMPLEMENTED)
+    padded  every slice padded to S rows, `all_to_all` [D, S, M] (`dense`), then written at its
+            offsets: the same result, D x S rows on the wire (XLA:CPU has no ragged all-to-all)
     auto    ragged on GPU and TPU, padded on CPU (`meshpar.core.platform`: a deviceless target's too)
 """
 from __future__ import annotations
@@ -22,27 +22,35 @@ from meshpar.core.platform import platform
 IMPLS = ("auto", "ragged", "padded")
 
 
-def exchange(operand, output, in_off, send, out_off, recv, axes, impl: str = "auto"):
-    """operand [R, M] -> `output` [R', M] with the rows received written in (see the module docstring).
-    in_off, send, out_off, recv: [D] int32; `axes`: the mesh axes (inside a shard_map manual over them),
-    () for one device (the slices stay local)."""
+def resolve(impl: str, axes) -> str:
+    """"ragged" or "padded" for `impl` on the platform being compiled for."""
     if impl not in IMPLS:
         raise ValueError(f"exchange impl {impl!r}: choose one of {', '.join(IMPLS)}")
     if impl == "auto":
-        impl = "padded" if platform() == "cpu" or not axes else "ragged"
-    if impl == "ragged":
+        return "padded" if platform() == "cpu" or not axes else "ragged"
+    return impl
+
+
+def exchange(operand, output, in_off, send, out_off, recv, axes, impl: str = "auto", slice_rows: int | None = None):
+    """operand [R, M] -> `output` [R', M] with the rows received written in (see the module docstring).
+    in_off, send, out_off, recv: [D] int32; `axes`: the mesh axes (inside a shard_map manual over them),
+    () for one device (the slices stay local); `slice_rows`: the most rows any one slice holds (static;
+    default R), which sizes the padded form's buffers [D, slice_rows, M]."""
+    if resolve(impl, axes) == "ragged":
         return jax.lax.ragged_all_to_all(operand, output, in_off, send, out_off, recv, axis_name=axes)
-    return padded(operand, output, in_off, send, out_off, recv, axes)
-
-
-def padded(operand, output, in_off, send, out_off, recv, axes):
-    """The exchange as `all_to_all` of padded slices, written at the offsets the senders name."""
-    r = operand.shape[0]
-    j = jnp.arange(r)
-    rows = jnp.minimum(in_off[:, None] + j[None, :], r - 1)                     # [D, R]
-    keep = (j[None, :] < send[:, None]).reshape(rows.shape + (1,) * (operand.ndim - 1))
-    slices = jnp.where(keep, operand[rows], 0)                                  # [D, R, M]
-    swap = (lambda a: jax.lax.all_to_all(a, axes, 0, 0, tiled=True)) if axes else (lambda a: a)
-    got, at = swap(slices), swap(out_off)                                       # [D (source), R, M], [D]
+    got = dense(operand, in_off, send, axes, slice_rows)                        # [D (source), S, M]
+    at = jax.lax.all_to_all(out_off, axes, 0, 0, tiled=True) if axes else out_off
+    j = jnp.arange(got.shape[1])
     pos = jnp.where(j[None, :] < recv[:, None], at[:, None] + j[None, :], output.shape[0])   # past the end: dropped
     return output.at[pos.reshape(-1)].set(got.reshape(-1, *got.shape[2:]).astype(output.dtype), mode="drop")
+
+
+def dense(operand, in_off, send, axes, slice_rows: int | None = None):
+    """The padded form's wire: operand [R, M] -> [D (source), S, M], slice d of every device padded
+    with zeros to S = `slice_rows` (default R) rows, by `all_to_all` over `axes`."""
+    r = operand.shape[0]
+    j = jnp.arange(slice_rows or r)
+    rows = jnp.minimum(in_off[:, None] + j[None, :], r - 1)                     # [D, S]
+    keep = (j[None, :] < send[:, None]).reshape(rows.shape + (1,) * (operand.ndim - 1))
+    slices = jnp.where(keep, operand[rows], 0)                                  # [D, S, M]
+    return jax.lax.all_to_all(slices, axes, 0, 0, tiled=True) if axes else slices

@@ -68,6 +68,7 @@ from meshpar.core.config import top_k
 from meshpar.core.errors import ConfigError
 from meshpar.core.rules import active_layout, constrain
 from meshpar.core import sequence
+from meshpar.nn import exchange as exchange_lib
 from meshpar.nn.exchange import exchange
 from meshpar.nn.gmm import grouped_matmul
 from meshpar.nn.routing import Routing, capacity, route
@@ -229,8 +230,9 @@ def _dropless_local(x, index, routed, gates, w_gate, w_up, w_down, ep_axes=(), e
 
     The n*K assignments are sorted by expert (unrouted ones last, never sent). The shard owning
     experts [d*E_l, (d+1)*E_l) gets its rows by a ragged exchange over `ep_axes`
-    (`meshpar.nn.exchange`: `ragged_all_to_all` on GPU/TPU, padded on CPU), packed source after
-    source into a buffer [ep*n*K, M] (static: a shard may receive every row). The receiver orders its
+    (`meshpar.nn.exchange`): `ragged_all_to_all` on GPU/TPU, packed source after source into a buffer
+    [ep*n*K, M] (static: a shard may receive every row); on CPU an all-to-all of slices padded to n*K
+    rows, source s at rows s*n*K. The receiver orders its
     rows by local expert and runs SwiGLU as grouped matmuls (`meshpar.nn.gmm`); partial sums over
     `h_axes` (H split by tensor parallelism) are reduced; the rows return by the reverse exchange,
     each to its sorted position, and are weighted by their gates."""
@@ -248,17 +250,21 @@ def _dropless_local(x, index, routed, gates, w_gate, w_up, w_down, ep_axes=(), e
     swap = (lambda a: jax.lax.all_to_all(a, ep_axes, 0, 0, tiled=True)) if ep_axes else (lambda a: a)
     recv_counts = swap(per_dest)                                    # [ep (source), E_l]
     recv = jnp.sum(recv_counts, axis=1)                             # [ep] rows from each source
-    recv_end = jnp.cumsum(recv)
-    recv_start = recv_end - recv                                    # where each source's rows land here
     dt = x.dtype
-    buf = exchange(x[order // k], jnp.zeros((ep * nk, x.shape[1]), dt), dest_start, send, swap(recv_start),
-                   recv, ep_axes, EXCHANGE)                          # [ep*nK, M], source after source
+    ragged = exchange_lib.resolve(EXCHANGE, ep_axes) == "ragged"
+    if ragged:                                                      # packed: source after source
+        recv_start = jnp.cumsum(recv) - recv
+        buf = exchange(x[order // k], jnp.zeros((ep * nk, x.shape[1]), dt), dest_start, send, swap(recv_start),
+                       recv, ep_axes, "ragged")                      # [ep*nK, M]
+    else:                                                           # source s at rows s*nK.. (padded)
+        recv_start = jnp.arange(ep, dtype=recv.dtype) * nk
+        buf = exchange_lib.dense(x[order // k], dest_start, send, ep_axes, nk).reshape(ep * nk, -1)
     # local expert of every received row (E_l: padding), then all rows grouped by local expert
     jj = jnp.arange(ep * nk)
-    src = jnp.minimum(jnp.sum(recv_end[None, :] <= jj[:, None], axis=-1), ep - 1)
+    src = jnp.sum(recv_start[None, 1:] <= jj[:, None], axis=-1)     # the last source starting at or before
     bounds = jnp.cumsum(recv_counts, axis=1)[src]                   # [ep*nK, E_l]
     local = jnp.sum(bounds <= (jj - recv_start[src])[:, None], axis=-1)
-    local = jnp.where(jj < recv_end[-1], local, e_local)
+    local = jnp.where(jj - recv_start[src] < recv[src], local, e_local)
     order2 = jnp.argsort(local, stable=True)
     rows = buf[order2]
     sizes = jnp.sum(recv_counts, axis=0).astype(jnp.int32)          # [E_l] rows per local expert
@@ -269,8 +275,13 @@ def _dropless_local(x, index, routed, gates, w_gate, w_up, w_down, ep_axes=(), e
         out = jax.lax.psum(out, h_axes)
     inv2 = jnp.zeros_like(order2).at[order2].set(jnp.arange(ep * nk))
     # each row back to its sender, at its sorted position there; unrouted positions stay 0
-    per_sorted = exchange(out[inv2], jnp.zeros((nk, x.shape[1]), out.dtype), recv_start, recv, swap(dest_start),
-                          send, ep_axes, EXCHANGE)                   # [nK, M]
+    if ragged:
+        per_sorted = exchange(out[inv2], jnp.zeros((nk, x.shape[1]), out.dtype), recv_start, recv, swap(dest_start),
+                              send, ep_axes, "ragged")               # [nK, M]
+    else:   # sorted position p came back from shard d at row p - dest_start[d] of its slice
+        back = exchange_lib.dense(out[inv2], recv_start, recv, ep_axes, nk).reshape(ep * nk, -1)   # [ep*nK, M]
+        d = jnp.minimum(jnp.sum(dest_start[None, 1:] <= j[:, None], axis=-1), ep - 1)
+        per_sorted = jnp.where((j < jnp.sum(send))[:, None], back[d * nk + j - dest_start[d]], 0)
     inv = jnp.zeros_like(order).at[order].set(j)
     per_assignment = per_sorted[inv].reshape(n, k, -1)
     return jnp.einsum("nkm,nk->nm", per_assignment, gates.astype(dt))

@@ -5,12 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
-from meshpar.nn.exchange import padded
+from meshpar.nn.exchange import exchange
 
 
 def _run(devices, operand, output, in_off, send, out_off, recv):
     mesh = Mesh(np.array(jax.devices()[:devices]), ("x",))
-    f = jax.shard_map(lambda *a: padded(*(b[0] for b in a), "x")[None], mesh=mesh,
+    f = jax.shard_map(lambda *a: exchange(*(b[0] for b in a), "x", "padded")[None], mesh=mesh,
                       in_specs=(P("x"),) * 6, out_specs=P("x"))
     return np.asarray(jax.jit(f)(*(jnp.asarray(a) for a in (operand, output, in_off, send, out_off, recv))))
 
