@@ -90,6 +90,9 @@ DISPATCH = "gather"
 GMM = "auto"
 # dropless mode's token exchange: "auto" (padded all-to-all on CPU, ragged_all_to_all elsewhere), "ragged", "padded"
 EXCHANGE = "auto"
+# the wire under EXCHANGE="ragged"'s packed layout: "ragged" (ragged_all_to_all); "padded" runs the same layout
+# and offsets over JAX's documented semantics on any backend (the CPU tests of the GPU/TPU path)
+PACKED_WIRE = "ragged"
 
 
 @dataclass(frozen=True)
@@ -255,7 +258,7 @@ def _dropless_local(x, index, routed, gates, w_gate, w_up, w_down, ep_axes=(), e
     if ragged:                                                      # packed: source after source
         recv_start = jnp.cumsum(recv) - recv
         buf = exchange(x[order // k], jnp.zeros((ep * nk, x.shape[1]), dt), dest_start, send, swap(recv_start),
-                       recv, ep_axes, "ragged")                      # [ep*nK, M]
+                       recv, ep_axes, PACKED_WIRE)                   # [ep*nK, M]
     else:                                                           # source s at rows s*nK.. (padded)
         recv_start = jnp.arange(ep, dtype=recv.dtype) * nk
         buf = exchange_lib.dense(x[order // k], dest_start, send, ep_axes, nk).reshape(ep * nk, -1)
@@ -277,7 +280,7 @@ def _dropless_local(x, index, routed, gates, w_gate, w_up, w_down, ep_axes=(), e
     # each row back to its sender, at its sorted position there; unrouted positions stay 0
     if ragged:
         per_sorted = exchange(out[inv2], jnp.zeros((nk, x.shape[1]), out.dtype), recv_start, recv, swap(dest_start),
-                              send, ep_axes, "ragged")               # [nK, M]
+                              send, ep_axes, PACKED_WIRE, slice_rows=nk)   # [nK, M]: a source sent at most nK
     else:   # sorted position p came back from shard d at row p - dest_start[d] of its slice
         back = exchange_lib.dense(out[inv2], recv_start, recv, ep_axes, nk).reshape(ep * nk, -1)   # [ep*nK, M]
         d = jnp.minimum(jnp.sum(dest_start[None, 1:] <= j[:, None], axis=-1), ep - 1)

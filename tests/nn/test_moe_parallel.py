@@ -97,6 +97,22 @@ def test_expert_parallel_equals_single_device_and_uses_all_to_all(setup, routing
         assert sum(o["bytes"] * o["times"] for o in gathers) == 0, gathers
 
 
+def test_the_packed_ragged_layout_equals_single_device(setup, monkeypatch):
+    """GPU/TPU's dropless exchange (rows packed source after source, `ragged_all_to_all`'s offsets),
+    run here over JAX's documented semantics (XLA:CPU has no ragged all-to-all): equal to one device."""
+    from meshpar.nn import moe
+    monkeypatch.setattr(moe, "EXCHANGE", "ragged")
+    monkeypatch.setattr(moe, "PACKED_WIRE", "padded")
+    calls = []
+    monkeypatch.setattr(moe, "exchange", lambda *a, **k: calls.append(a[7]) or moe.exchange_lib.exchange(*a, **k))
+    params, tokens, _ = setup
+    ref_loss, _, ref_grads = _reference(setup, "dropless")
+    cfg = make_cfg(*BASE, *ROUTINGS["dropless"], "strategy=dp", mesh=dict(expert=4, data=2))
+    (loss, _, grads), hlo, _ = _grads(cfg, jax.devices()[:8], params, tokens)
+    assert rel(loss, ref_loss) <= 1e-5 and rel(grads, ref_grads) <= 1e-5
+    assert calls and set(calls) == {"padded"}   # the packed layout's exchanges (dispatch, return) ran
+
+
 def test_random_routing_under_context_parallelism_equals_single_device(setup):
     """GShard's random 2nd expert with sequences split over `context` (rows stored in the balanced
     order): each token draws what it draws on one device (the key hashes tokens with their sequence
