@@ -70,6 +70,8 @@ def _parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", parents=[common],
                        help="compile one train step without running it: shardings, collectives, memory, FLOPs")
     i.add_argument("--json", action="store_true", help="print one JSON object (mesh, warnings, params, collectives, memory, flops)")
+    i.add_argument("--serve", action="store_true", help="compile the serving decode step (serve.*: one token for every "
+                   "slot, the KV cache in place) instead of the train step; no weights are made")
     _target_flags(i)
     g = sub.add_parser("generate", parents=[common],
                        help="continue prompts with a trained model (checkpoint.dir=D) on the serving layout (serve.*)")
@@ -441,19 +443,24 @@ def _run(args) -> int:
             from meshpar.plan import program
             from meshpar.plan.target import compile_errors
             with compile_errors(target, args.overrides):
-                rep = program.report(cfg, target) if target else report(cfg)
+                rep = (program.serve_report(cfg, target) if args.serve else
+                       program.report(cfg, target) if target else report(cfg))
             rep["warnings"] = notes + rep["warnings"]
-            rep["plan_estimate"] = _plan_estimate(cfg, target)
+            if not args.serve:
+                rep["plan_estimate"] = _plan_estimate(cfg, target)
             if args.json:
                 json.dump(rep, sys.stdout, default=str)
                 sys.stdout.write("\n")
             else:
                 from meshpar.train.metrics import make_console
                 console = make_console()
-                render_report(rep, console)
+                if args.serve:
+                    program.render_serve(rep, console)
+                else:
+                    render_report(rep, console)
+                    print(rep["plan_estimate"])
                 if target:
                     program.render_target(rep["target"], console)
-                print(rep["plan_estimate"])
     except MeshparError as e:
         from meshpar.runtime.distributed import Preempted
         if isinstance(e, Preempted):     # saved and stopped on SIGTERM/SIGINT: 128 + signal, like a shell

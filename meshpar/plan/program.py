@@ -116,6 +116,30 @@ def report(cfg, target) -> dict:
     return rep
 
 
+def serve_report(cfg, target=None) -> dict:
+    """`meshpar inspect --serve [--target HW]`: the serving decode step (one token for every slot, its
+    KV cache in place) compiled without weights (`meshpar.serve.placement.ABSTRACT`): its memory and
+    collectives, and on a target its `target` view."""
+    import time
+
+    from meshpar.serve.engine import Engine
+    from meshpar.serve.placement import ABSTRACT
+    engine = Engine(cfg, devices=target.devices if target else None, weights=ABSTRACT, info=lambda _: None,
+                    device_memory=int(target.hardware.memory_bytes) if target else None)
+    start = time.perf_counter()
+    compiled = engine.compiled_generate()
+    seconds = time.perf_counter() - start
+    shape = dict(zip(engine.mesh.axis_names, engine.mesh.devices.shape))
+    hlo = compiled.as_text()
+    out = {"mesh": shape, "strategy": cfg.serve.strategy, "precision": cfg.precision, "warnings": list(engine.notes),
+           "decode": {"slots": engine.slots, "cache_length": engine.length, **engine.bytes_per_device()},
+           "collectives": {"summary": inspect.summarize(inspect.collectives(hlo, shape))},
+           "memory": inspect.memory(compiled)}
+    if target is not None:
+        out["target"] = target_report(target, compiled, hlo, out["memory"], seconds)
+    return out
+
+
 def target_report(target, compiled, hlo: str, mem: dict, seconds: float) -> dict:
     """The target's own view of its compiled program: the devices, whether the peak fits their memory
     and by how much, the kernels chosen, the collective bytes the schedule hides or exposes
@@ -144,3 +168,18 @@ def render_target(t: dict, console) -> None:
     if t["cost"]:
         console.print(f"cost analysis: {t['cost']['flops'] or 0:.4g} FLOPs, {t['cost']['bytes_accessed'] or 0:.4g} "
                       "bytes accessed per device", highlight=False)
+
+
+def render_serve(rep: dict, console) -> None:
+    d, gib = rep["decode"], 2 ** 30
+    console.print(f"[bold]decode step[/] mesh {rep['mesh']}  serve.strategy {rep['strategy']}  precision {rep['precision']}: "
+                  f"{d['slots']} slots x {d['cache_length']} positions; per device weights {d['weights'] / gib:.3f} GiB, "
+                  f"KV cache {d['cache'] / gib:.3f} GiB", highlight=False)
+    for line in rep.get("warnings", []):
+        console.print(line, markup=False)
+    kinds = rep["collectives"]["summary"]
+    console.print("collectives per token: " + (", ".join(f"{k} x{v['count']:g} {v['bytes']:,} B over {'/'.join(v['axes'])}"
+                                                          for k, v in sorted(kinds.items())) or "none"), highlight=False)
+    m = rep["memory"]
+    console.print(f"memory per device: peak {m.get('peak_estimate', 0) / gib:.3f} GiB (arguments {m.get('argument', 0):,}, "
+                  f"temp {m.get('temp', 0):,} bytes)", highlight=False)

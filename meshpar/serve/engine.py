@@ -44,6 +44,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from meshpar.core import precision as precision_lib
 from meshpar.core.batch import is_leaf
 from meshpar.core.errors import ConfigError
+from meshpar.core.platform import compiling_for, of_mesh
 from meshpar.core.rules import for_rows, use_layout
 from meshpar.serve import in_flight
 from meshpar.serve.batching import Completion, Request
@@ -75,8 +76,9 @@ class Compiled(Placement):
     them with host inputs); `traces` counts their compilations per name."""
 
     def __init__(self, cfg, *, model: Callable | None = None, devices=None, weights=None,
-                 info: Callable[[str], None] = print, flush: bool = False, ticks: int | None = None):
-        super().__init__(cfg, model=model, devices=devices, weights=weights, info=info)
+                 info: Callable[[str], None] = print, flush: bool = False, ticks: int | None = None,
+                 device_memory: int | None = None):
+        super().__init__(cfg, model=model, devices=devices, weights=weights, info=info, device_memory=device_memory)
         rep = NamedSharding(self.mesh, P())
         # mesh.pipeline > 1: one group of slots per stage in flight across generate calls, `ticks` (1..P,
         # default P) ticks per call; `flush`: each call fills and drains the pipe instead (for comparison)
@@ -339,6 +341,8 @@ class Engine(Compiled):
         return run_all(self, requests, on_token)
 
     def compiled_generate(self):
-        """The compiled decode step (HLO text, memory_analysis) without running it."""
+        """The compiled decode step (HLO text, memory_analysis) without running it, for this mesh's
+        platform (a deviceless target's GPU or TPU too)."""
         shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.weights)
-        return self._generate.lower(shapes, self.state_shapes()).compile()
+        with compiling_for(of_mesh(self.mesh)):
+            return self._generate.lower(shapes, self.state_shapes()).compile()

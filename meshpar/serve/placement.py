@@ -116,19 +116,24 @@ def zeros(spec):
     return jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype), spec, is_leaf=is_leaf)
 
 
+ABSTRACT = "abstract"     # Placement(weights=ABSTRACT): shapes and shardings, no arrays
+
+
 class Placement:
     """Mesh, serving layout, KV-cache spec and the weights in place (see the module docstring).
 
     `model`: factory rngs -> nnx.Module implementing the serving protocol (default: `cfg.model.name`).
     `weights`: {"params", "vars"} pure dicts to serve (default: `cfg.checkpoint.dir`'s newest
     checkpoint (a folder that is missing or empty is an error), else `model.init_from`, else a fresh
-    init from train.seed)."""
+    init from train.seed); `ABSTRACT`: `ShapeDtypeStruct`s in their shardings, nothing allocated (to
+    compile for a deviceless target, `meshpar inspect --serve --target`). `device_memory`: bytes per
+    device the KV cache is sized against (default: the local device's)."""
 
     def __init__(self, cfg, *, model: Callable | None = None, devices=None, weights=None,
-                 info: Callable[[str], None] = print):
+                 info: Callable[[str], None] = print, device_memory: int | None = None):
         from flax import nnx
         from meshpar.core.registry import default_model
-        self.cfg, self.info = cfg, info
+        self.cfg, self.info, self.device_memory = cfg, info, device_memory
         self.mesh = make_mesh(cfg.mesh, devices)
         self.stages = dict(zip(self.mesh.axis_names, self.mesh.devices.shape)).get("pipeline", 1)
         self.policy = precision_lib.get_policy(cfg.precision)
@@ -183,7 +188,7 @@ class Placement:
                        + self.cfg.serve.prefix_cache * position_bytes(entry, for_rows(self.layout, 1))) + 1
         weights = sum(bytes_per_device(s.shape, s.dtype, sh) for s, sh in zip(
             jax.tree.leaves(params), jax.tree.leaves(self.weight_shardings["params"])))
-        n = cache_length(self.cfg, self.abstract, position, max(0, device_bytes() - weights))
+        n = cache_length(self.cfg, self.abstract, position, max(0, (self.device_memory or device_bytes()) - weights))
         if jax.process_count() > 1:        # every process of a server must agree (hosts may differ in memory)
             from jax.experimental import multihost_utils
             n = int(multihost_utils.broadcast_one_to_all(np.int32(n)))
@@ -215,6 +220,8 @@ class Placement:
         """-> (weights in the serving layout and dtype, where they came from)."""
         target = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                               {"params": self.spec.shapes, "vars": self.spec.var_shapes}, self.weight_shardings)
+        if isinstance(weights, str) and weights == ABSTRACT:
+            return target, "abstract: shapes and shardings only, nothing allocated"
         source = "given"
         if weights is None and self.cfg.checkpoint.dir:
             from meshpar.io.checkpoint import restore_weights

@@ -133,6 +133,17 @@ def test_dropless_moe_over_expert_uses_ragged_all_to_all_on_h100_and_gathers_no_
     assert not any("padded all-to-all" in w for w in rep["warnings"])
 
 
+@pytest.mark.parametrize("name", ["h100", "tpu-v5p"])
+def test_the_serving_decode_step_compiles_for_both_targets(h100, v5p, name):
+    from meshpar.plan.program import serve_report
+    target = h100 if name == "h100" else v5p
+    rep = serve_report(load_config(None, ["precision=bf16", "serve.slots=8", "serve.cache_length=512"]), target)
+    assert rep["target"]["device_kind"] == target.devices[0].device_kind and rep["target"]["fits"]
+    assert rep["decode"]["cache_length"] == 512 and rep["decode"]["cache"] > 0
+    # serve_tp: weights stay in place, heads split over `tensor`: every token all-reduces over tensor only
+    assert "tensor" in rep["collectives"]["summary"]["all-reduce"]["axes"]
+
+
 def _cli(*args):
     return subprocess.run([sys.executable, "-m", "meshpar.cli", *args], capture_output=True, text=True, timeout=600)
 
