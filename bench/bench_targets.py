@@ -25,8 +25,8 @@ EXTRA = {  # name -> (preset, mesh, overrides)
     "1f1b": ("fsdp_tp", {"pipeline": 2, "fsdp": 2, "tensor": 2}, ["pipeline.schedule=1f1b", "pipeline.microbatches=4"]),
     "context all_gather": ("fsdp", {"context": 4, "fsdp": 2}, ["model.context_strategy=all_gather", "model.attention=flash"]),
     "context ring": ("fsdp", {"context": 4, "fsdp": 2}, ["model.context_strategy=ring", "model.attention=flash"]),
-    "moe capacity": ("fsdp", {"expert": 8}, ["model.name=moe", "moe.num_experts=8"]),
-    "moe dropless": ("fsdp", {"expert": 8}, ["model.name=moe", "moe.num_experts=8", "moe.capacity_factor=null"]),
+    "moe capacity": ("fsdp", {"data": 1, "expert": 8}, ["model.name=moe", "moe.num_experts=8"]),
+    "moe dropless": ("fsdp", {"data": 1, "expert": 8}, ["model.name=moe", "moe.num_experts=8", "moe.capacity_factor=null"]),
 }
 
 
@@ -41,11 +41,11 @@ def row(target, name: str, overrides: list[str]) -> dict:
     from meshpar.core.config import load_config
     from meshpar.plan.program import report
     from meshpar.plan.search import estimate
-    cfg = load_config(None, overrides)
-    cfg.devices = len(target.devices)
-    pred = estimate(cfg, target.hardware)
     start = time.perf_counter()
     try:
+        cfg = load_config(None, overrides)
+        cfg.devices = len(target.devices)
+        pred = estimate(cfg, target.hardware)
         rep = report(cfg, target)
     except Exception as e:  # noqa: BLE001 - a row that does not compile says why and the sweep goes on
         return {"name": name, "error": str(e).splitlines()[0][:120]}
@@ -59,6 +59,7 @@ def row(target, name: str, overrides: list[str]) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="8 devices, 125m and 1b only")
+    ap.add_argument("--only", help="comma-separated row names to run (e.g. '1b moe dropless')")
     ap.add_argument("--targets", default="h100,tpu-v5p")
     ap.add_argument("--devices", default="8,64")
     ap.add_argument("--length", type=int, default=4096)
@@ -78,6 +79,8 @@ def main() -> None:
             cases += [(f"1b {name}", SIZES["1b"] + [f"strategy={p}"] + mesh_overrides(mesh, n) + extra)
                       for name, (p, mesh, extra) in EXTRA.items()]
             for name, ov in cases:
+                if args.only and name not in args.only.split(","):
+                    continue
                 ov = ["precision=bf16", f"batch.length={args.length}", f"batch.global_size={2 * n}"] + ov
                 r = row(target, name, ov)
                 if "error" in r:

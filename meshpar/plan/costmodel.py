@@ -32,7 +32,9 @@ Memory (per device, bytes).
   tick (v M + P - 1) plus one microbatch's sets of its L/(P v) layers. 1F1B stores the sets of its
   L/P layers per slot (`stash_slots`; under `none` with the stage's weights in the compute dtype)
   and two [b, s, h] received per tick. On top: the working set of the layer being differentiated
-  (its `none` set once), the logits in fp32 with their gradient (2 x 4 b s V / t). MoE layers add their
+  (its `none` set once), the logits in fp32 with their gradient (2 x 4 b s V / t) on XLA:CPU, one
+  [b s, V / t] in the compute dtype on GPU and TPU targets (2.0 and 2.2 bytes per logit, measured
+  on H100 and v5p compiles by varying V). MoE layers add their
   capacity buffers, the expert input/output and hidden [E,G,C,M|H]: b s k cf (2h + 3H_e/t) per
   MoE layer (meshpar's default gather dispatch holds no [G,S,E,C] masks).
 * Gradients: the backward writes them at the parameters' layout (ZeRO-2: already scattered; ZeRO-1
@@ -47,7 +49,8 @@ Memory (per device, bytes).
   gather the updated weights after the backward, so that phase (grads + W) counts only where it
   exceeds the backward's peak.
   Not modelled: XLA's packing of all temporaries into one buffer, which on CPU adds 15-25% over
-  the largest live set.
+  the largest live set. The loop copies are XLA:CPU's: the deviceless compiles for H100 and TPU v5p
+  (`meshpar inspect --target`, bench/bench_targets.py) hold none, and `compiler` != "cpu" drops them.
 
 Time per step and the collectives it moves: `meshpar.plan.steptime`.
 """
@@ -217,7 +220,7 @@ def _per_token(dims: dict, remat: str, t_heads: int, t_mlp: int, t_res: int, s: 
     return 4 * h / t_res + partial + (2 * a + 2 * k) * q / t_heads + 2 * a * s / t_heads + 4 * f / t_mlp
 
 
-def activation_parts(facts: ModelFacts, cand: Candidate, cfg, c: int) -> dict:
+def activation_parts(facts: ModelFacts, cand: Candidate, cfg, c: int, compiler: str = "cpu") -> dict:
     """Per-device activation memory of one step (bytes) by term (see the module docstring)."""
     d, shape = facts.dims, cand.shape
     b, s = local_batch(cfg, cand), cfg.batch.length
@@ -246,7 +249,8 @@ def activation_parts(facts: ModelFacts, cand: Candidate, cfg, c: int) -> dict:
     out["working"] = c * tokens * _per_token(d, "none", t_heads, t_mlp, t_res, scores)
     if cp > 1:                                          # the gathered K and V of the layer being computed
         out["working"] += c * b * 2 * s * d["kv_heads"] * d["head_dim"] / t_heads
-    out["logits"] = 2 * 4 * tokens * d["vocab"] / t_vocab
+    logit_bytes = 2 * 4 if compiler == "cpu" else c        # fp32 logits and their gradient; a target: one, c bytes
+    out["logits"] = logit_bytes * tokens * d["vocab"] / t_vocab
     if facts.moe:
         m = facts.moe
         moe_layers = layers / m["every"]
@@ -263,8 +267,8 @@ def rows_factor(moe: dict, shape: dict) -> float:
     return moe["capacity_factor"] if moe["capacity_factor"] is not None else shape["expert"]
 
 
-def activation_bytes(facts: ModelFacts, cand: Candidate, cfg, c: int) -> float:
-    return sum(activation_parts(facts, cand, cfg, c).values())
+def activation_bytes(facts: ModelFacts, cand: Candidate, cfg, c: int, compiler: str = "cpu") -> float:
+    return sum(activation_parts(facts, cand, cfg, c, compiler).values())
 
 
 def stage_recompute(facts: ModelFacts, cand: Candidate) -> float:
@@ -282,13 +286,15 @@ def _local(lf: Leaf, cand: Candidate, res: Resolver) -> float:
     return lf.numel / _factor(res.spec(lf, cand.strategy, cand.shape, "params"), cand.shape)
 
 
-def workspace_parts(facts: ModelFacts, cand: Candidate, res: Resolver, w: float = 4, c: int = 2) -> dict:
+def workspace_parts(facts: ModelFacts, cand: Candidate, res: Resolver, w: float = 4, c: int = 2,
+                    compiler: str = "cpu") -> dict:
     """Weight-sized buffers the compiled step holds beside its state (bytes; see the module
-    docstring), `w` bytes per weight element, `c` per compute-dtype element."""
+    docstring), `w` bytes per weight element, `c` per compute-dtype element; the layer loops' weight
+    copies are XLA:CPU's (`compiler` "cpu"): XLA:GPU and libtpu read the stacked weights in place."""
     shape, st = cand.shape, get_strategy(cand.strategy)
     stacked = [lf for lf in facts.leaves if lf.stacked]
     w_stk = w * sum(_local(lf, cand, res) for lf in stacked)
-    out = {"loop_copies": 2 * w_stk if st.opt_state is None else 0.0}
+    out = {"loop_copies": 2 * w_stk if st.opt_state is None and compiler == "cpu" else 0.0}
     layers = (facts.dims.get("layers") or 1) / shape["pipeline"]
     gathered = 0.0
     for lf in stacked:                              # FSDP: the layer being computed, gathered over the batch axes

@@ -13,11 +13,12 @@ The CPU compile runs XLA's SPMD partitioner and buffer assignment like a GPU/TPU
 at optimisation level 0 (the numbers compared do not depend on it; compiling is ~2x faster).
 
 XLA:CPU computes bf16/fp16 matmuls in f32 (every dot's output, and so the activations, are f32: a
-bf16 step compiles to the fp32 step's peak, 8.49 vs 8.54 GiB for 125m dp, batch 16 x 1024). On CPU
-the compile therefore checks the planner at f32 compute, and the verdict for the target hardware is
-    target peak = compiled CPU peak x predicted(plan) / predicted(plan with precision=fp32),
-the compiled step's ratio to the planner carried over to the real precision. Both figures are
-reported; `fits_compiled` uses the target's.
+bf16 step compiles to the fp32 step's peak, 8.49 vs 8.54 GiB for 125m dp, batch 16 x 1024), and
+holds buffers XLA:GPU and libtpu do not (`meshpar.plan.costmodel`'s "cpu" rules). On CPU the compile
+therefore checks the planner's XLA:CPU prediction at f32 compute, and the verdict for the target is
+    target peak = compiled CPU peak x predicted(plan, target) / predicted(plan at fp32, XLA:CPU),
+the compiled step's ratio to the planner carried over to the target. Both figures are reported;
+`fits_compiled` uses the target's. With `--target` the target's own compile is the verdict.
 """
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def compiled_numbers(trainer, compiled) -> dict:
 def compare(cfg, hardware=None) -> tuple[dict, dict]:
     """(prediction, compiled) for the plan `cfg` names."""
     from meshpar.plan.steptime import summarize
-    pred = estimate(cfg, hardware)
+    pred = estimate(cfg, hardware, compiler="cpu")
     trainer, compiled = compile_step(cfg)
     pred = {"memory": pred["memory"], "collectives": summarize(pred["collectives"]), "time": pred["time"]}
     return pred, compiled_numbers(trainer, compiled)
@@ -73,11 +74,14 @@ def verify(result: dict, config_path: str | None, overrides: list[str], k: int, 
         trainer, compiled = compile_step(cfg, target)
         got = compiled_numbers(trainer, compiled)
         peak = on_target = got["memory"].get("peak_estimate", 0)
-        if target is None and _upcast_on_cpu(cfg):
-            f32 = estimate(load_config(config_path, list(overrides) + cand["overrides"] + ["precision=fp32"]))
-            on_target = peak * cand["memory"]["total"] / f32["memory"]["total"]
+        predicted = cand["memory"]
+        if target is None:   # XLA:CPU's step: compared with the planner's XLA:CPU rules, carried to the target
+            f32 = ["precision=fp32"] if _upcast_on_cpu(cfg) else []   # what XLA:CPU computes in
+            predicted = estimate(load_config(config_path, list(overrides) + cand["overrides"] + f32),
+                                 compiler="cpu")["memory"]
+            on_target = peak * cand["memory"]["total"] / predicted["total"]
         rows.append({"rank": rank, "mesh": cand["mesh"], "strategy": cand["strategy"], "overrides": cand["overrides"],
-                     "predicted": {"memory": cand["memory"], "collectives": cand["collectives"]},
+                     "predicted": {"memory": predicted, "collectives": cand["collectives"]},
                      "compiled": got, "target_peak": int(on_target), "fits_compiled": on_target <= mem_limit,
                      "compiled_by": target.describe()["device_kind"] if target else "XLA:CPU"})
     return rows

@@ -303,8 +303,10 @@ def render(result: dict, console, top: int = 10) -> None:
     console.print(t)
 
 
-def estimate(cfg, hardware=None) -> dict:
-    """The planner's prediction for the plan `cfg` already names (for `train` / `inspect`)."""
+def estimate(cfg, hardware=None, compiler: str | None = None) -> dict:
+    """The planner's prediction for the plan `cfg` already names (for `train` / `inspect`); `compiler`
+    "cpu" predicts what XLA:CPU compiles for fake devices (`plan --verify` without a target), default
+    the hardware's own (`meshpar.plan.costmodel`: which buffers each compiler holds)."""
     from meshpar.core.mesh import resolve_axis_sizes
     import numpy as np
     from meshpar.core.precision import get_policy
@@ -318,5 +320,6 @@ def estimate(cfg, hardware=None) -> dict:
     from meshpar.plan.hardware import PRESETS as HW
     hw = hardware or HW["h100"]
     c = np.dtype(get_policy(cfg.precision).compute_dtype).itemsize
-    ev = evaluate(ModelFacts.from_config(cfg), cand, cfg, hw, Resolver(cfg), parse_bytes_per_param(None, cfg), c)
+    ev = evaluate(ModelFacts.from_config(cfg), cand, cfg, hw, Resolver(cfg), parse_bytes_per_param(None, cfg), c,
+                  compiler)
     return ev

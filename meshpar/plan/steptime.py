@@ -212,14 +212,17 @@ def step_time(facts: ModelFacts, cand: Candidate, cfg, hw, ops: list) -> dict:
             "step_s": step, "mfu": model_flops / (step * n * hw.peak_flops)}
 
 
-def evaluate(facts: ModelFacts, cand: Candidate, cfg, hw, res: Resolver, bpp, c: int) -> dict | None:
-    """Memory, collectives and time of one candidate; None when a tensor does not divide its axes."""
+def evaluate(facts: ModelFacts, cand: Candidate, cfg, hw, res: Resolver, bpp, c: int,
+             compiler: str | None = None) -> dict | None:
+    """Memory, collectives and time of one candidate; None when a tensor does not divide its axes.
+    `compiler`: whose buffers to count, "cpu" (fake devices) or the hardware's kind (default)."""
+    compiler = compiler or hw.kind
     try:
         mem = state_bytes(facts, cand, res, bpp)
-        ws = workspace_parts(facts, cand, res, bpp[0], c)
+        ws = workspace_parts(facts, cand, res, bpp[0], c, compiler)
     except ShardingError:
         return None
-    act = activation_bytes(facts, cand, cfg, c)
+    act = activation_bytes(facts, cand, cfg, c, compiler)
     grads = mem["grads"]
     st = get_strategy(cand.strategy)
     if cand.microbatches > 1:                       # the accumulator beside each microbatch's gradients

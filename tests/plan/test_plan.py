@@ -52,17 +52,18 @@ def test_ranking_follows_the_costs_without_special_cases():
     fsdp = next(c for c in small["candidates"] if c["strategy"] == "fsdp")
     assert fsdp["time"]["step_s"] >= w["time"]["step_s"] and fsdp["why"] != "winner"
 
-    # 7B on one node, with the [s, s] attention scores stored (xla): FSDP; with flash (auto at 2k
-    # tokens) the scores are gone, ZeRO-2 fits with room and ties FSDP's time on fewer bytes.
+    # 7B on one node, even with the [s, s] attention scores stored (xla): ZeRO-2 over data=8 fits with
+    # the planner's 15% margin (XLA:GPU's own compile of it peaks at 53.3 GiB, bench/RESULTS.md) and
+    # ties FSDP's time on fewer bytes; with flash (auto at 2k tokens) it has more room still.
     seven = plan(load_config(None, ["model.size=7b", "batch.global_size=64", "batch.length=2048",
                                     "model.attention=xla"]), 8, h100, keep_all=True)
     dp = [c for c in seven["candidates"] if c["strategy"] == "dp" and c["mesh"]["data"] == 8]
     assert dp and not any(c["fits"] for c in dp)                 # pure DP: 16 bytes x 6.7B > 80 GB
     w = _winner(seven)
-    assert w["fits"] and w["strategy"] == "fsdp" and w["mesh"]["fsdp"] == 8     # the README's claim
-    zero2 = next(c for c in seven["candidates"] if c["strategy"] == "zero2" and c["fits"])
-    assert zero2["time"]["step_s"] <= w["time"]["step_s"] * 1.001                 # a tie: zero2 is as fast,
-    assert zero2["memory"]["total"] * 1.15 > h100.memory_bytes > w["memory"]["total"] * 1.15   # but tight
+    assert w["fits"] and w["strategy"] == "zero2" and w["mesh"]["data"] == 8   # the README's claim
+    assert w["memory"]["total"] * 1.15 < h100.memory_bytes
+    fsdp8 = next(c for c in seven["candidates"] if c["strategy"] == "fsdp" and c["mesh"]["fsdp"] == 8)
+    assert fsdp8["time"]["step_s"] <= w["time"]["step_s"] * 1.001                 # a tie, on more bytes
     flash = plan(load_config(None, ["model.size=7b", "batch.global_size=64", "batch.length=2048"]), 8, h100)
     w2 = _winner(flash)
     assert w2["strategy"] == "zero2" and w2["mesh"]["data"] == 8 and w2["memory"]["total"] * 1.15 < h100.memory_bytes
@@ -83,7 +84,7 @@ def test_ranking_follows_the_costs_without_special_cases():
     assert all(a in ("pipeline", "data") for a in w["dcn"])                     # DP, if any, outermost too
     assert w["dcn"].get("data", 1) == w["mesh"]["data"]
     fsdp = next(c for c in fits if c["mesh"]["pipeline"] == 1)
-    assert fsdp["strategy"] in ("fsdp", "fsdp_tp") and fsdp["remat"] == "full"
+    assert fsdp["strategy"] in ("fsdp", "fsdp_tp", "hsdp") and fsdp["remat"] == "full"
     assert fsdp["time"]["exposed_comm_s"] < 0.05 * fsdp["time"]["step_s"]      # its gathers overlap
     assert fsdp["time"]["compute_s"] > 1.3 * w["time"]["compute_s"]            # the extra forward of full remat
     assert fsdp["time"]["step_s"] > w["time"]["step_s"]
@@ -235,17 +236,20 @@ def test_verify_writes_the_best_plan_that_fits_once_compiled(tmp_path, capsys, m
 
 
 def test_verify_of_a_bf16_plan_judges_the_target_not_the_cpu_upcast():
-    """XLA:CPU computes bf16 matmuls in f32, so the compiled peak is an fp32 step's; the verdict
-    scales it by the planner's bf16 / fp32 ratio, and that lands nearer the bf16 prediction."""
+    """XLA:CPU computes bf16 matmuls in f32 and holds buffers a GPU does not, so the compiled peak is
+    an fp32 XLA:CPU step's; the verdict scales it by the planner's target bf16 / XLA:CPU fp32 ratio,
+    and lands nearer the target's prediction."""
     from meshpar.plan.dryrun import verify
+    from meshpar.plan.search import estimate
     over = ["model.layers=2", "batch.global_size=32", "batch.length=512"]
     result = plan(load_config(None, over), 8, load_hardware("h100"), ["dp"])
     row = verify(result, None, over, 1)[0]
-    pred, peak = row["predicted"]["memory"]["total"], row["compiled"]["memory"]["peak_estimate"]
-    f32 = plan(load_config(None, over + ["precision=fp32"]), 8, load_hardware("h100"), ["dp"])["candidates"][0]
-    assert f32["overrides"] == result["candidates"][0]["overrides"]
-    assert row["target_peak"] == pytest.approx(peak * pred / f32["memory"]["total"], rel=1e-6)
+    pred, peak = result["candidates"][0]["memory"]["total"], row["compiled"]["memory"]["peak_estimate"]
+    on_cpu = estimate(load_config(None, over + result["candidates"][0]["overrides"] + ["precision=fp32"]),
+                      compiler="cpu")["memory"]["total"]
+    assert row["target_peak"] == pytest.approx(peak * pred / on_cpu, rel=1e-6)
     assert abs(row["target_peak"] / pred - 1) < abs(peak / pred - 1) and row["target_peak"] < peak
+    assert row["predicted"]["memory"]["total"] == pytest.approx(on_cpu, rel=1e-6)   # shown: what XLA:CPU compiles
 
 
 def test_winner_yaml_is_a_config_train_accepts(tmp_path):
