@@ -113,9 +113,9 @@ def choose(implementation: str, q, k, mask: Mask, has_segments: bool, splash_ok:
 
 def in_stage() -> bool:
     """True inside a shard_map manual over some mesh axes (a pipeline stage). There `auto` takes flash
-    (xla for short sequences) over cuDNN and splash: their backward passes hand back cotangents that forget the axes the stage
-    varies over (JAX 0.10: "Expected cotangent type bf16[...]{V:pipeline}"), and the stage's autodiff
-    refuses them; flash keeps them (`meshpar.core.platform` says which backend that is)."""
+    (xla for short sequences) over cuDNN and splash: their backward passes hand back cotangents that
+    forget the axes the stage varies over (JAX 0.10: "Expected cotangent type bf16[...]{V:pipeline}"),
+    and the stage's autodiff refuses them."""
     return bool(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
 
 

@@ -36,10 +36,10 @@ def compile_step(cfg, target=None):
     devices by its own compiler (`meshpar.plan.target`)."""
     from meshpar.train.step import trainer_for
     if target is not None:
-        from meshpar.plan.target import compile_errors
+        from meshpar.plan.target import compile_errors, compile_trainer
         with compile_errors(target, cfg):
             trainer = trainer_for(cfg, devices=target.devices)
-            return trainer, trainer.lower().compile()
+            return trainer, compile_trainer(target, trainer)[0]
     if jax.device_count() < cfg.devices:
         raise MeshparError(f"--verify needs {cfg.devices} devices, JAX has {jax.device_count()}; on a CPU host "
                            f"run `meshpar plan --devices {cfg.devices} ...` (it fakes them before JAX starts)")

@@ -106,12 +106,14 @@ def report(cfg, target) -> dict:
     described as `meshpar.plan.inspect.report` does, plus `target` (`target_report`)."""
     import time
 
+    from meshpar.plan.target import compile_trainer
     from meshpar.train.step import trainer_for
     trainer = trainer_for(cfg, devices=target.devices)
     start = time.perf_counter()
-    compiled = trainer.compile()
+    compiled, notes = compile_trainer(target, trainer)
     seconds = time.perf_counter() - start
     rep = inspect.report(cfg, trainer)              # the same compiled step (Trainer.compile compiles once)
+    rep["warnings"] += notes
     rep["target"] = target_report(target, compiled, compiled.as_text(), rep["memory"], seconds)
     return rep
 

@@ -51,6 +51,8 @@ def resolve(hw: str | Hardware, n: int, topology: str | None = None, slices: int
         raise ConfigError(f"hardware '{hardware.name}' has no `target` description, so it cannot be compiled for: "
                           "add target: {sm_count, compute_capability, clock_ghz, ...} (GPU) or {chip, dims} (TPU)")
     hardware.check_devices(n)
+    if slices is not None and slices < 1:
+        raise ConfigError(f"--slices must be >= 1, got {slices}")
     kind = hardware.kind
     compilers.load(kind)
     return _tpu(hardware, n, topology, slices) if kind == "tpu" else _gpu(hardware, n, topology)
@@ -151,3 +153,23 @@ def compile_errors(target: Target | None, config):
             f"strategy={config.strategy} mesh={config.mesh}"
         raise MeshparError(f"the {target.hardware.name} compiler refused this step ({type(e).__name__}: {first}); "
                            f"config: {what}") from None
+
+
+# XLA:GPU without a device cannot autotune, and for some small dots its Triton GEMM emitter finds no
+# tiling ("Couldn't find output tile sizes that satisfy", jaxlib 0.10.2: a user's ViT in pipeline
+# stages); cuBLAS serves those dots instead
+_NO_TILING = "Couldn't find output tile sizes"
+NO_TRITON_GEMM = {"xla_gpu_enable_triton_gemm": False}
+
+
+def compile_trainer(target: Target, trainer) -> tuple[object, list[str]]:
+    """(the trainer's step compiled for `target`, notes): on GPU targets a step whose dots XLA:GPU's
+    Triton GEMM cannot tile without a device is compiled again with cuBLAS GEMMs, and says so."""
+    try:
+        return trainer.compile(), []
+    except Exception as e:  # noqa: BLE001 - only this one XLA:GPU refusal is retried
+        if target.platform != "gpu" or _NO_TILING not in str(e):
+            raise
+    return trainer.compile(NO_TRITON_GEMM), [
+        "note: XLA:GPU found no Triton tiling for some dots without a device to autotune on; compiled with "
+        "xla_gpu_enable_triton_gemm=false (cuBLAS GEMMs), as a run on the GPU may autotune differently"]

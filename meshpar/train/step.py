@@ -160,11 +160,12 @@ class Trainer(TrainSetup):
         with compiling_for(of_mesh(self.mesh)):
             return self._step.lower(self.abstract_state(), self.abstract_batch())
 
-    def compile(self):
-        """Compile the step ahead of time (once); `step` then never retraces. A pipelined step whose
-        stages would wait in different collectives is refused in one line (`meshpar.parallel.lockstep`)."""
+    def compile(self, options: dict | None = None):
+        """Compile the step ahead of time (once; `options`: XLA compiler options for that once); `step`
+        then never retraces. A pipelined step whose stages would wait in different collectives is
+        refused in one line (`meshpar.parallel.lockstep`)."""
         if self._compiled is None:
-            compiled = self.lower().compile()
+            compiled = self.lower().compile(options)
             if self.pipelined:
                 from meshpar.core.mesh import describe
                 from meshpar.parallel import lockstep

@@ -144,6 +144,19 @@ def test_the_serving_decode_step_compiles_for_both_targets(h100, v5p, name):
     assert "tensor" in rep["collectives"]["summary"]["all-reduce"]["axes"]
 
 
+def test_a_users_pipelined_vit_compiles_for_h100(h100):
+    """Library first: examples/vit.py (the stage protocol) in 2 pipeline stages, by XLA:GPU. Its small
+    dots find no Triton tiling without a device (jaxlib 0.10.2), so they take cuBLAS, with a note."""
+    from pathlib import Path
+
+    from meshpar.plan.program import report
+    vit = Path(__file__).resolve().parents[2] / "examples" / "vit.yaml"
+    rep = report(load_config(str(vit), ["mesh.pipeline=2", "mesh.fsdp=1", "precision=bf16"]), h100)
+    assert rep["target"]["fits"] and rep["collectives"]["summary"]["collective-permute"]["bytes"] > 0
+    assert any(k.startswith("cublas:") for k in rep["target"]["kernels"])
+    assert any("xla_gpu_enable_triton_gemm=false" in w for w in rep["warnings"])
+
+
 def _cli(*args):
     return subprocess.run([sys.executable, "-m", "meshpar.cli", *args], capture_output=True, text=True, timeout=600)
 
@@ -164,6 +177,8 @@ def test_inspect_json_target_end_to_end():
     (["--target", "tpu-v5p", "--devices", "2"], "a deviceless tpu-v5p slice holds a power of two chips, at least one host of 4"),
     (["--target", "tpu-v5p", "--topology", "2x2"], "--topology '2x2' is not a shape"),
     (["--topology", "1x1x8"], "--topology and --slices describe a --target"),
+    (["--target", "tpu-v5p", "--slices", "0"], "--slices must be >= 1, got 0"),
+    (["--target", "h100", "--topology", "1x2x8"], "--topology 1x2x8 holds 16 GPUs, not --devices 8"),
     (["--target", "h100", "model.attention=splash"], "model.attention=splash needs a TPU (this backend is gpu"),
 ])
 def test_bad_target_input_is_one_line(capsys, args, message):
