@@ -21,7 +21,6 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -160,11 +159,3 @@ def main(argv: list[str]) -> int:
     print(f"folder: {folder()}")
     return 0
 
-
-def version_of(dist: str) -> str | None:
-    """The version of a distribution installed in `folder()` (its dist-info), or None."""
-    for info in folder().glob("*.dist-info"):
-        m = re.match(r"(.+)-([^-]+)\.dist-info$", info.name)
-        if m and m.group(1).replace("_", "-").lower() == dist.replace("_", "-").lower():
-            return m.group(2)
-    return None
