@@ -50,7 +50,10 @@ Memory (per device, bytes).
   exceeds the backward's peak.
   Not modelled: XLA's packing of all temporaries into one buffer, which on CPU adds 15-25% over
   the largest live set. The loop copies are XLA:CPU's: the deviceless compiles for H100 and TPU v5p
-  (`meshpar inspect --target`, bench/bench_targets.py) hold none, and `compiler` != "cpu" drops them.
+  (`meshpar inspect --target`, bench/bench_targets.py) hold none, and `compiler` != "cpu" drops them;
+  they hold instead, for a compute dtype narrower than the weights, the stacked weights cast to it
+  once (c x W_stacked elements; every preset without a sharded optimizer state): the compiled temp
+  grew with the local weights by 0.62-0.67 x their fp32 bytes (1b, fsdp=8 vs context=4 x fsdp=2).
 
 Time per step and the collectives it moves: `meshpar.plan.steptime`.
 """
@@ -290,11 +293,13 @@ def workspace_parts(facts: ModelFacts, cand: Candidate, res: Resolver, w: float 
                     compiler: str = "cpu") -> dict:
     """Weight-sized buffers the compiled step holds beside its state (bytes; see the module
     docstring), `w` bytes per weight element, `c` per compute-dtype element; the layer loops' weight
-    copies are XLA:CPU's (`compiler` "cpu"): XLA:GPU and libtpu read the stacked weights in place."""
+    copies are XLA:CPU's (`compiler` "cpu"), the compute-dtype copy XLA:GPU's and libtpu's."""
     shape, st = cand.shape, get_strategy(cand.strategy)
     stacked = [lf for lf in facts.leaves if lf.stacked]
     w_stk = w * sum(_local(lf, cand, res) for lf in stacked)
     out = {"loop_copies": 2 * w_stk if st.opt_state is None and compiler == "cpu" else 0.0}
+    if compiler != "cpu" and c < w and st.opt_state is None:
+        out["compute_copy"] = c * sum(_local(lf, cand, res) for lf in stacked)
     layers = (facts.dims.get("layers") or 1) / shape["pipeline"]
     gathered = 0.0
     for lf in stacked:                              # FSDP: the layer being computed, gathered over the batch axes
