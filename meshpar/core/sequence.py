@@ -43,6 +43,11 @@ def is_balanced() -> bool:
     return _BALANCED.get()
 
 
+def in_manual_region() -> bool:
+    """Inside a shard_map manual over any mesh axis (a pipeline stage's: `pipeline`, maybe `data`)."""
+    return any(t == jax.sharding.AxisType.Manual for t in jax.sharding.get_abstract_mesh().axis_types)
+
+
 def manual() -> bool:
     """Inside a shard_map manual over `context` (a pipeline stage): activations are local in length."""
     mesh = jax.sharding.get_abstract_mesh()

@@ -22,7 +22,9 @@ Implementations (`model.attention`):
            128; elsewhere Pallas's interpreter, for tests)
     auto   cudnn on GPU / splash on TPU where it can serve the call, else flash for S >
            AUTO_FLASH_FROM (when S has a block size >= MIN_AUTO_BLOCK: a prime length would mean
-           1 x 1 tiles), else xla
+           1 x 1 tiles), else xla; never cudnn or splash inside a pipeline stage's shard_map, where
+           their backward hands back cotangents that forget the axes the stage varies over (JAX 0.10:
+           "Expected cotangent type bf16[...]{V:pipeline}") and the stage's autodiff refuses them
 
 Context parallelism (a sequence split over the `context` mesh axis) wraps this in
 `meshpar.parallel.context.attention`, which is the public `meshpar.attention`.
@@ -38,6 +40,7 @@ import numpy as np
 
 from meshpar.core.errors import ConfigError, suggest
 from meshpar.core.platform import platform
+from meshpar.core.sequence import in_manual_region
 from meshpar.nn import flash as flash_lib
 from meshpar.nn import splash as splash_lib
 
@@ -103,20 +106,12 @@ def choose(implementation: str, q, k, mask: Mask, has_segments: bool, splash_ok:
                           "jax, self-attention in natural order with one segment-id array, and a length that is a "
                           f"multiple of {splash_lib.LANE}); use model.attention=flash or auto")
     if implementation == "auto":
-        staged = in_stage()
+        staged = in_manual_region()   # a pipeline stage: cuDNN's and splash's backward lose its varying axes
         if splash_ok and platform() == "tpu" and not staged:
             return "splash"
         long = k.shape[1] > AUTO_FLASH_FROM and flash_lib.block_size(k.shape[1], DEFAULT_BLOCK) >= MIN_AUTO_BLOCK
         return "cudnn" if cudnn_ok and not staged else "flash" if long else "xla"
     return implementation
-
-
-def in_stage() -> bool:
-    """True inside a shard_map manual over some mesh axes (a pipeline stage). There `auto` takes flash
-    (xla for short sequences) over cuDNN and splash: their backward passes hand back cotangents that
-    forget the axes the stage varies over (JAX 0.10: "Expected cotangent type bf16[...]{V:pipeline}"),
-    and the stage's autodiff refuses them."""
-    return bool(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
 
 
 def reference(q, k, v, mask: Mask, q_index, k_index, q_seg=None, k_seg=None):

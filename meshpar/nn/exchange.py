@@ -31,6 +31,12 @@ def resolve(impl: str, axes) -> str:
     return impl
 
 
+def swap(a, axes):
+    """`all_to_all` of a's leading dimension [D, ...] over `axes` (row d to device d, row s from device
+    s); `a` itself on one device (`axes` empty)."""
+    return jax.lax.all_to_all(a, axes, 0, 0, tiled=True) if axes else a
+
+
 def exchange(operand, output, in_off, send, out_off, recv, axes, impl: str = "auto", slice_rows: int | None = None):
     """operand [R, M] -> `output` [R', M] with the rows received written in (see the module docstring).
     in_off, send, out_off, recv: [D] int32; `axes`: the mesh axes (inside a shard_map manual over them),
@@ -39,7 +45,7 @@ def exchange(operand, output, in_off, send, out_off, recv, axes, impl: str = "au
     if resolve(impl, axes) == "ragged":
         return jax.lax.ragged_all_to_all(operand, output, in_off, send, out_off, recv, axis_name=axes)
     got = dense(operand, in_off, send, axes, slice_rows)                        # [D (source), S, M]
-    at = jax.lax.all_to_all(out_off, axes, 0, 0, tiled=True) if axes else out_off
+    at = swap(out_off, axes)
     j = jnp.arange(got.shape[1])
     pos = jnp.where(j[None, :] < recv[:, None], at[:, None] + j[None, :], output.shape[0])   # past the end: dropped
     return output.at[pos.reshape(-1)].set(got.reshape(-1, *got.shape[2:]).astype(output.dtype), mode="drop")
@@ -53,4 +59,4 @@ def dense(operand, in_off, send, axes, slice_rows: int | None = None):
     rows = jnp.minimum(in_off[:, None] + j[None, :], r - 1)                     # [D, S]
     keep = (j[None, :] < send[:, None]).reshape(rows.shape + (1,) * (operand.ndim - 1))
     slices = jnp.where(keep, operand[rows], 0)                                  # [D, S, M]
-    return jax.lax.all_to_all(slices, axes, 0, 0, tiled=True) if axes else slices
+    return swap(slices, axes)

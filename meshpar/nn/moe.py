@@ -227,6 +227,12 @@ def _spec_axes(spec, n: int) -> list[tuple[str, ...]]:
     return [_axes(p) for p in parts]
 
 
+def _chunk_of(starts, positions):
+    """For each position, the last chunk (of those starting at `starts`, ascending) that starts at or
+    before it: the chunk holding it, also past empty chunks that share its start."""
+    return jnp.sum(starts[None, 1:] <= positions[:, None], axis=-1)
+
+
 def _dropless_local(x, index, routed, gates, w_gate, w_up, w_down, ep_axes=(), ep=1, h_axes=()):
     """One device's share of the dropless MoE. x [n, M]; index, routed, gates [n, K]; local experts
     w_gate, w_up [E_l, M, H_l], w_down [E_l, H_l, M] -> [n, M].
@@ -250,21 +256,21 @@ def _dropless_local(x, index, routed, gates, w_gate, w_up, w_down, ep_axes=(), e
     per_dest = counts.reshape(ep, e_local)                          # [ep, E_l] rows for each shard
     send = jnp.sum(per_dest, axis=1)                                # [ep]
     dest_start = jnp.cumsum(send) - send
-    swap = (lambda a: jax.lax.all_to_all(a, ep_axes, 0, 0, tiled=True)) if ep_axes else (lambda a: a)
-    recv_counts = swap(per_dest)                                    # [ep (source), E_l]
+    recv_counts = exchange_lib.swap(per_dest, ep_axes)              # [ep (source), E_l]
     recv = jnp.sum(recv_counts, axis=1)                             # [ep] rows from each source
     dt = x.dtype
     ragged = exchange_lib.resolve(EXCHANGE, ep_axes) == "ragged"
     if ragged:                                                      # packed: source after source
         recv_start = jnp.cumsum(recv) - recv
-        buf = exchange(x[order // k], jnp.zeros((ep * nk, x.shape[1]), dt), dest_start, send, swap(recv_start),
+        buf = exchange(x[order // k], jnp.zeros((ep * nk, x.shape[1]), dt), dest_start, send,
+                       exchange_lib.swap(recv_start, ep_axes),
                        recv, ep_axes, PACKED_WIRE)                   # [ep*nK, M]
     else:                                                           # source s at rows s*nK.. (padded)
         recv_start = jnp.arange(ep, dtype=recv.dtype) * nk
         buf = exchange_lib.dense(x[order // k], dest_start, send, ep_axes, nk).reshape(ep * nk, -1)
     # local expert of every received row (E_l: padding), then all rows grouped by local expert
     jj = jnp.arange(ep * nk)
-    src = jnp.sum(recv_start[None, 1:] <= jj[:, None], axis=-1)     # the last source starting at or before
+    src = _chunk_of(recv_start, jj)
     bounds = jnp.cumsum(recv_counts, axis=1)[src]                   # [ep*nK, E_l]
     local = jnp.sum(bounds <= (jj - recv_start[src])[:, None], axis=-1)
     local = jnp.where(jj - recv_start[src] < recv[src], local, e_local)
@@ -279,11 +285,12 @@ def _dropless_local(x, index, routed, gates, w_gate, w_up, w_down, ep_axes=(), e
     inv2 = jnp.zeros_like(order2).at[order2].set(jnp.arange(ep * nk))
     # each row back to its sender, at its sorted position there; unrouted positions stay 0
     if ragged:
-        per_sorted = exchange(out[inv2], jnp.zeros((nk, x.shape[1]), out.dtype), recv_start, recv, swap(dest_start),
+        per_sorted = exchange(out[inv2], jnp.zeros((nk, x.shape[1]), out.dtype), recv_start, recv,
+                              exchange_lib.swap(dest_start, ep_axes),
                               send, ep_axes, PACKED_WIRE, slice_rows=nk)   # [nK, M]: a source sent at most nK
     else:   # sorted position p came back from shard d at row p - dest_start[d] of its slice
         back = exchange_lib.dense(out[inv2], recv_start, recv, ep_axes, nk).reshape(ep * nk, -1)   # [ep*nK, M]
-        d = jnp.minimum(jnp.sum(dest_start[None, 1:] <= j[:, None], axis=-1), ep - 1)
+        d = _chunk_of(dest_start, j)
         per_sorted = jnp.where((j < jnp.sum(send))[:, None], back[d * nk + j - dest_start[d]], 0)
     inv = jnp.zeros_like(order).at[order].set(j)
     per_assignment = per_sorted[inv].reshape(n, k, -1)
@@ -302,12 +309,6 @@ def in_device_branches(on: bool = True) -> Iterator[None]:
         yield
     finally:
         _BRANCHES.reset(token)
-
-
-def _in_manual_region() -> bool:
-    """True inside a shard_map (the pipeline's, manual over `pipeline` and maybe `data`)."""
-    ctx = jax.sharding.get_abstract_mesh()
-    return any(t == jax.sharding.AxisType.Manual for t in ctx.axis_types)
 
 
 def dropless(x, r: Routing, w_gate, w_up, w_down):
@@ -331,7 +332,7 @@ def dropless(x, r: Routing, w_gate, w_up, w_down):
         rep = lambda a: jax.lax.with_sharding_constraint(a, P())
         x, w_gate, w_up, w_down = map(rep, (x, w_gate, w_up, w_down))
         r = r._replace(index=rep(r.index), routed=rep(r.routed), gates=rep(r.gates))
-    if layout is None or _in_manual_region():
+    if layout is None or sequence.in_manual_region():
         y = _dropless_local(x.reshape(g * s, m), r.index.reshape(g * s, k), r.routed.reshape(g * s, k),
                             r.gates.reshape(g * s, k), w_gate, w_up, w_down)
         return y.reshape(g, s, m)

@@ -125,13 +125,18 @@ def _per_device(local, q, k, v, q_seg, k_seg):
     auto axis), q split over the batch and heads' axes (`_specs`, sequence whole), replicated over the
     rest: each device attends its own rows and heads, as the kernel requires."""
     qs, ks, ss, _ = _specs(q, k, seq=None)
-    mesh = jax.sharding.get_abstract_mesh()
-    mesh = mesh if mesh.axis_names else active_layout().mesh
+    mesh = _mesh()
     axes = frozenset(mesh.axis_names) - frozenset(getattr(mesh, "manual_axes", ()))
     segs = None if q_seg is None else ss
     # check_vma off: jax's splash kernel declares its outputs without the varying-axes type
     return jax.shard_map(local, mesh=mesh, in_specs=(qs, ks, ks, segs, segs), out_specs=qs,
                          axis_names=axes, check_vma=False)(q, k, v, q_seg, k_seg)
+
+
+def _mesh():
+    """The mesh a shard_map here runs on: the active (abstract) mesh, else the layout's."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return mesh if mesh.axis_names else active_layout().mesh
 
 
 def _specs(q, k, seq=AXIS):
@@ -312,8 +317,7 @@ def _mapped(q, k, q_seg, fwd_local, bwd_local, const_specs):
     axes and the heads' axes (`_specs`)."""
     qs, ks, ss, axes = _specs(q, k)
     segs = None if q_seg is None else ss
-    mesh = jax.sharding.get_abstract_mesh()
-    mesh = mesh if mesh.axis_names else active_layout().mesh
+    mesh = _mesh()
     smap = lambda f, ins, outs: jax.shard_map(f, mesh=mesh, in_specs=ins, out_specs=outs, axis_names=axes)
     return (smap(fwd_local, (qs, ks, ks, segs, segs, *const_specs), (qs, ks)),
             smap(bwd_local, (qs, ks, ks, segs, segs, *const_specs, qs, ks, qs), (qs, ks, ks)))

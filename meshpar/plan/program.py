@@ -61,10 +61,6 @@ def kernels(hlo: str) -> dict[str, int]:
     return dict(sorted(found.items()))
 
 
-def has_kernel(found: dict[str, int], prefix: str) -> bool:
-    return any(k.startswith(prefix) for k in found)
-
-
 def overlap(hlo: str) -> dict:
     """Collective bytes per step hidden behind compute and exposed, by kind, from the schedule."""
     comps, entry = inspect._split_computations(hlo)

@@ -242,7 +242,7 @@ def _staged_attention_note(setup) -> list[str]:
     kernel = "cuDNN" if where == "gpu" else "splash"
     return [f"note: model.attention=auto inside pipeline stages uses flash (xla below {AUTO_FLASH_FROM} keys), not "
             f"{kernel}: its backward loses the "
-            "stage's varying axes under shard_map (meshpar.nn.attention.in_stage)"]
+            "stage's varying axes under shard_map (meshpar.nn.attention)"]
 
 
 def _dropless_note(cfg, layout) -> list[str]:
