@@ -26,6 +26,14 @@ Presets (rule tables), after Megatron-LM (Shoeybi et al. 2019), ZeRO (Rajbhandar
 
 Every preset also splits `length` and `seq` over `context` (context parallelism, meshpar.parallel.context)
 when mesh.context > 1; tp_sp splits the residual stream's length over context x tensor.
+
+The train state at rest is split over `context` as over the data axes (`Strategy.rest`): each context
+device sees other tokens of the same sequences, so gradients are summed over `context` as over
+`data`, and what ZeRO shards over data it shards over data x fsdp x context too (Megatron-LM's
+distributed optimizer shards over its data x context group). zero1/zero2 keep their fp32 master
+weights (meshpar's params) split over `context` and gather them at use; fsdp/hsdp/fsdp_tp split the
+parameters over `context` with their FSDP axes and gather them per layer. dp, tp and tp_sp, which
+replicate the state over data, replicate it over `context`.
 """
 from __future__ import annotations
 
@@ -89,19 +97,49 @@ def table(**rules: Candidate | Sequence[Candidate] | None) -> RuleTable:
 
 @dataclass(frozen=True)
 class Strategy:
-    """A parallelism strategy = rule tables. `params` also lays out activations and gradients."""
+    """A parallelism strategy = rule tables. `params` lays out activations and weights at their use;
+    `rest` (ahead of `params`) the parameters at rest, and the gradients that take their layout."""
     name: str
     doc: str
     params: RuleTable
     opt_state: RuleTable | None = None   # ZeRO-1/2: optimizer state sharded although params are not
     shard_grads: bool = False            # ZeRO-2: gradients constrained to the opt_state layout (reduce-scatter)
     extra: RuleTable = field(default=())  # rules every strategy shares (stage, expert, groups)
+    rest: RuleTable = field(default=())   # parameters at rest only: split over `context` (see the module docstring)
 
     def param_rules(self) -> RuleTable:
         return self.params + self.extra
 
+    def rest_rules(self) -> RuleTable:
+        return self.rest + self.params + self.extra
+
     def opt_rules(self) -> RuleTable:
-        return (self.opt_state + self.params + self.extra) if self.opt_state is not None else self.param_rules()
+        return (self.opt_state + self.params + self.extra) if self.opt_state is not None else self.rest_rules()
+
+
+# the mesh axes whose devices hold different tokens of one batch: gradients are summed over them, and
+# what a ZeRO stage shards over data it shards over all of them (Megatron's data x context group)
+STATE_AXES = ("data", "fsdp", "context")
+
+
+def narrowed(strategy: Strategy) -> Strategy:
+    """`strategy` without its train state's split over `context`: the layout a tensor keeps when the
+    data axes divide its dimension and data x context does not (the state as before context was added)."""
+    def drop(rules: RuleTable) -> RuleTable:
+        out = []
+        for name, cands in rules:
+            kept = [tuple(a for a in ((c,) if isinstance(c, str) else c) if a != "context") for c in cands]
+            out.append((name, tuple(k[0] if len(k) == 1 else k for k in kept if k)))
+        return tuple(out)
+    return dataclasses.replace(strategy, rest=(), opt_state=None if strategy.opt_state is None else drop(strategy.opt_state))
+
+
+def over_context(rules: RuleTable) -> RuleTable:
+    """`rules` with `context` joined to every candidate that splits over a data axis (data, fsdp)."""
+    def widen(cand: Candidate) -> Candidate:
+        axes = (cand,) if isinstance(cand, str) else cand
+        return axes + ("context",) if {"data", "fsdp"} & set(axes) and "context" not in axes else cand
+    return tuple((name, tuple(widen(c) for c in cands)) for name, cands in rules)
 
 
 _COMMON = table(batch=[BATCH_AXES], group=[BATCH_AXES], expert="expert", stage="pipeline",
@@ -109,24 +147,27 @@ _COMMON = table(batch=[BATCH_AXES], group=[BATCH_AXES], expert="expert", stage="
                 cache_batch=[BATCH_AXES],   # KV-cache slots, like a batch (serving)
                 length="context", seq="context")   # context parallelism (meshpar.parallel.context)
 _TP = table(heads="tensor", kv_heads="tensor", mlp="tensor", vocab="tensor", expert_mlp="tensor")
-_ZERO_STATE = table(embed=[("data", "fsdp")], mlp=[("data", "fsdp")], vocab=[("data", "fsdp")],
-                    expert_mlp=[("data", "fsdp")])
+_ZERO_STATE = table(embed=[STATE_AXES], mlp=[STATE_AXES], vocab=[STATE_AXES], expert_mlp=[STATE_AXES])
+# ZeRO-1/2's fp32 master weights (meshpar's params) at rest over `context`, gathered at use
+_MASTER_OVER_CONTEXT = table(embed="context")
+_FSDP = table(embed=[("data", "fsdp")], expert_mlp=[("data", "fsdp")])
+_HSDP = table(embed="fsdp", expert_mlp="fsdp")
 
 PRESETS: dict[str, Strategy] = {s.name: s for s in [
     Strategy("dp", "data parallel: params replicated, gradients all-reduced", table(), extra=_COMMON),
     Strategy("zero1", "ZeRO-1: optimizer state sharded over data, params replicated", table(),
-             opt_state=_ZERO_STATE, extra=_COMMON),
+             opt_state=_ZERO_STATE, extra=_COMMON, rest=_MASTER_OVER_CONTEXT),
     Strategy("zero2", "ZeRO-2: ZeRO-1 + gradients reduce-scattered", table(),
-             opt_state=_ZERO_STATE, shard_grads=True, extra=_COMMON),
+             opt_state=_ZERO_STATE, shard_grads=True, extra=_COMMON, rest=_MASTER_OVER_CONTEXT),
     Strategy("fsdp", "ZeRO-3/FSDP: params, grads, optimizer state sharded over data x fsdp",
-             table(embed=[("data", "fsdp")], expert_mlp=[("data", "fsdp")]), extra=_COMMON),
+             _FSDP, extra=_COMMON, rest=over_context(_FSDP)),
     Strategy("hsdp", "hybrid sharded DP: FSDP inside `fsdp`, replicas over `data`",
-             table(embed="fsdp", expert_mlp="fsdp"), extra=_COMMON),
+             _HSDP, extra=_COMMON, rest=over_context(_HSDP)),
     Strategy("tp", "Megatron 1D tensor parallel over `tensor`", _TP, extra=_COMMON),
     Strategy("tp_sp", "Megatron TP + sequence parallel on the residual stream", _TP + table(length=[("context", "tensor")]),
              extra=_COMMON),
     Strategy("fsdp_tp", "2D: FSDP over data x fsdp, Megatron TP over tensor",
-             _TP + table(embed=[("data", "fsdp")]), extra=_COMMON),
+             _TP + _FSDP[:1], extra=_COMMON, rest=over_context(_FSDP[:1])),
 ]}
 
 
@@ -278,11 +319,20 @@ class Layout:
         return {a: (1 if a in self.hidden else n) for a, n in zip(self.mesh.axis_names, self.mesh.devices.shape)}
 
     def rules(self, kind: str = "params") -> RuleTable:
-        base = self.strategy.opt_rules() if kind == "opt_state" else self.strategy.param_rules()
+        """The rules in force for `kind`: "params" (activations, weights at use), "rest" (parameters at
+        rest) or "opt_state"."""
+        base = {"params": self.strategy.param_rules, "rest": self.strategy.rest_rules,
+                "opt_state": self.strategy.opt_rules}[kind]()
         return self.user_rules + base
 
     def spec(self, logical, shape=None, what="tensor", kind="params"):
-        return resolve(logical, self.rules(kind), self.shape, shape, what, strict=len(self.user_rules))
+        try:
+            return resolve(logical, self.rules(kind), self.shape, shape, what, strict=len(self.user_rules))
+        except ShardingError:   # a state tensor context does not divide: as the data axes split it (else the error)
+            if kind == "params" or self.shape.get("context", 1) == 1:
+                raise
+            narrow = dataclasses.replace(self, strategy=narrowed(self.strategy))
+            return resolve(logical, narrow.rules(kind), self.shape, shape, what, strict=len(self.user_rules))
 
     def sharding(self, logical, shape=None, what="tensor", kind="params"):
         from jax.sharding import NamedSharding

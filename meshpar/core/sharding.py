@@ -153,8 +153,8 @@ def _tree_shardings(shapes, logical, layout: Layout, kind: str, what: str):
 
 
 def param_shardings(spec: ModelSpec, layout: Layout) -> dict:
-    """At-rest layout of parameters (also of gradients unless the strategy is ZeRO-2)."""
-    return _tree_shardings(spec.shapes, spec.logical, layout, "params", "parameter")
+    """At-rest layout of parameters (also of gradients unless the strategy is ZeRO-1/2)."""
+    return _tree_shardings(spec.shapes, spec.logical, layout, "rest", "parameter")
 
 
 def var_shardings(spec: ModelSpec, layout: Layout) -> dict:

@@ -65,8 +65,9 @@ from dataclasses import dataclass, field
 import jax
 
 from meshpar.core.config import top_k
+from meshpar.core.errors import ShardingError
 from meshpar.core.mesh import MESH_AXES
-from meshpar.core.rules import BATCH_AXES, get_strategy, parse_user_rules, resolve, spec_axes
+from meshpar.core.rules import BATCH_AXES, get_strategy, narrowed, parse_user_rules, resolve, spec_axes
 from meshpar.train.data import packs_documents
 
 REMATS = ("none", "save_dots", "full")
@@ -159,9 +160,16 @@ class Resolver:
         key = (leaf.names, leaf.shape, strategy, tuple(shape.values()), kind)
         if key not in self.cache:
             s = get_strategy(strategy)
-            rules = self.user + (s.opt_rules() if kind == "opt_state" else s.param_rules())
-            self.cache[key] = resolve(leaf.names, rules, shape, leaf.shape, f"parameter '{leaf.path}'",
-                                      strict=len(self.user))
+
+            def one(s):
+                rules = self.user + {"params": s.param_rules, "rest": s.rest_rules, "opt_state": s.opt_rules}[kind]()
+                return resolve(leaf.names, rules, shape, leaf.shape, f"parameter '{leaf.path}'", strict=len(self.user))
+            try:
+                self.cache[key] = one(s)
+            except ShardingError:      # as `meshpar.core.rules.Layout.spec`: a state tensor context does not divide
+                if kind == "params" or shape.get("context", 1) == 1:
+                    raise
+                self.cache[key] = one(narrowed(s))
         return self.cache[key]
 
 
@@ -173,7 +181,7 @@ def state_bytes(facts: ModelFacts, cand: Candidate, res: Resolver, bpp=(4, 4, 8)
     zero2 = get_strategy(cand.strategy).shard_grads
     out = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
     for lf in facts.leaves:
-        ps = _factor(res.spec(lf, cand.strategy, shape, "params"), shape)
+        ps = _factor(res.spec(lf, cand.strategy, shape, "rest"), shape)
         os_ = _factor(res.spec(lf, cand.strategy, shape, "opt_state"), shape)
         out["params"] += w * lf.numel / ps
         out["grads"] += g * lf.numel / (os_ if zero2 else ps)
@@ -286,7 +294,7 @@ def stage_recompute(facts: ModelFacts, cand: Candidate) -> float:
 
 def _local(lf: Leaf, cand: Candidate, res: Resolver) -> float:
     """Elements of `lf` one device holds at rest."""
-    return lf.numel / _factor(res.spec(lf, cand.strategy, cand.shape, "params"), cand.shape)
+    return lf.numel / _factor(res.spec(lf, cand.strategy, cand.shape, "rest"), cand.shape)
 
 
 def workspace_parts(facts: ModelFacts, cand: Candidate, res: Resolver, w: float = 4, c: int = 2,
@@ -302,8 +310,8 @@ def workspace_parts(facts: ModelFacts, cand: Candidate, res: Resolver, w: float 
         out["compute_copy"] = c * sum(_local(lf, cand, res) for lf in stacked)
     layers = (facts.dims.get("layers") or 1) / shape["pipeline"]
     gathered = 0.0
-    for lf in stacked:                              # FSDP: the layer being computed, gathered over the batch axes
-        on_batch = _axes(res.spec(lf, cand.strategy, shape, "params")) & set(BATCH_AXES)
+    for lf in stacked:                   # FSDP: the layer being computed, gathered over the batch axes and context
+        on_batch = _axes(res.spec(lf, cand.strategy, shape, "rest")) & {*BATCH_AXES, "context"}
         gathered += _local(lf, cand, res) * math.prod(shape[a] for a in on_batch) / lf.shape[0] if on_batch else 0.0
     out["layer"] = w * gathered if gathered else w_stk / layers
     if shape["pipeline"] > 1 and cand.schedule == "1f1b" and cand.remat == "none":

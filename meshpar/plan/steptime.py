@@ -72,7 +72,7 @@ def collectives(facts: ModelFacts, cand: Candidate, cfg, res: Resolver, c: int, 
     grad_times = 1 if zero1 else ma
     tokens = local_batch(cfg, cand) * cand.pp_microbatches * cfg.batch.length / shape["context"]   # per device, accumulation mb
     for lf in facts.leaves:
-        ps = res.spec(lf, cand.strategy, shape, "params")
+        ps = res.spec(lf, cand.strategy, shape, "rest")
         sharded = _axes(ps)
         on_batch = [a for a in batch_axes if a in sharded and not (a == "expert" and "expert" in lf.names)]
         rest = [a for a in batch_axes if a not in sharded]          # partial sums to all-reduce
@@ -91,24 +91,26 @@ def collectives(facts: ModelFacts, cand: Candidate, cfg, res: Resolver, c: int, 
                 add("reduce-scatter", on_batch, g * full_over_batch * ma, True)
                 add("all-reduce", rest, g * local * ma, True)
             continue
-        if on_batch:                                   # FSDP: gather for use, reduce-scatter the grads
-            mb = ma * (cand.pp_microbatches if lf.stacked else 1)   # a stage gathers its layers per microbatch
-            add("all-gather", on_batch, w * full_over_batch * (remat_ag if lf.stacked else 1) * mb, True)
-            add("reduce-scatter", on_batch, g * full_over_batch * mb, True)
-            add("all-reduce", rest, g * local * mb, True)
-            continue
+        mb = ma * (cand.pp_microbatches if lf.stacked else 1)   # a stage gathers its layers per microbatch
         if st.opt_state is not None:                   # ZeRO-1/2: RS into the sharded state, AG updated weights
             os_ = res.spec(lf, cand.strategy, shape, "opt_state")
             rs = [a for a in batch_axes if a in _axes(os_)]
             if rs:
                 rows_all = rows * math.prod(shape[a] for a in rs)      # every device's row gradients
-                if (st.shard_grads or ma == 1) and rows_all < g * local:
+                if (st.shard_grads or ma == 1) and rows_all < g * full_over_batch:
                     add("all-gather", rs, rows_all * ma, True)         # scatter-added into the local shard
                 else:
-                    add("reduce-scatter", rs, g * local * grad_times, True)
-                add("all-gather", rs, w * local, True)
-                add("all-reduce", [a for a in batch_axes if a not in rs], g * local * grad_times, True)
+                    add("reduce-scatter", rs, g * full_over_batch * grad_times, True)
+                add("all-gather", [a for a in rs if a not in on_batch], w * local, True)
+                add("all-reduce", [a for a in batch_axes if a not in rs], g * full_over_batch * grad_times, True)
+                # master weights at rest over `context`: gathered for use, as FSDP gathers
+                add("all-gather", on_batch, w * full_over_batch * (remat_ag if lf.stacked else 1) * mb, True)
                 continue
+        if on_batch:                                   # FSDP: gather for use, reduce-scatter the grads
+            add("all-gather", on_batch, w * full_over_batch * (remat_ag if lf.stacked else 1) * mb, True)
+            add("reduce-scatter", on_batch, g * full_over_batch * mb, True)
+            add("all-reduce", rest, g * local * mb, True)
+            continue
         if not lf.stacked and shape["pipeline"] > 1:   # outer params: one all-reduce over pipeline x rest
             add("all-reduce", rest + ["pipeline"], g * local * grad_times, False)
         else:
@@ -167,7 +169,7 @@ def collectives(facts: ModelFacts, cand: Candidate, cfg, res: Resolver, c: int, 
         permutes = 2 * one_f_one_b_ticks(p, cand.pp_microbatches) if cand.schedule == "1f1b" else len(table)  # per tick
         add("collective-permute", ["pipeline"], act / (t if sp else 1) * permutes * ma, False)
         if cand.schedule == "interleaved" and cand.virtual > 1:   # layers to chunk order and gradients back
-            stacked = sum(lf.numel / _factor(res.spec(lf, cand.strategy, shape, "params"), shape)
+            stacked = sum(lf.numel / _factor(res.spec(lf, cand.strategy, shape, "rest"), shape)
                           for lf in facts.leaves if lf.stacked)
             add("all-to-all", ["pipeline"], (w + g) * stacked * ma, False)
     if facts.moe and shape["expert"] > 1:
@@ -230,7 +232,7 @@ def evaluate(facts: ModelFacts, cand: Candidate, cfg, hw, res: Resolver, bpp, c:
     elif st.opt_state is not None and not st.shard_grads:   # ZeRO-1: each layer's gradient is
         # reduce-scattered inside the backward loop (XLA), so the stacked layers' are held scattered
         mem["grads"] = grads = sum(bpp[1] * lf.numel / _factor(res.spec(
-            lf, cand.strategy, cand.shape, "opt_state" if lf.stacked else "params"), cand.shape) for lf in facts.leaves)
+            lf, cand.strategy, cand.shape, "opt_state" if lf.stacked else "rest"), cand.shape) for lf in facts.leaves)
     if st.opt_state is not None:                    # ZeRO: the gathered updated weights, after the backward
         ws["zero_gather"] = max(0.0, grads + mem["params"] - (mem["grads"] + act + sum(ws.values())))
     mem["activations"] = act

@@ -23,7 +23,8 @@ gradients are reduced is the strategy (ZeRO, Rajbhandari et al. 2020):
   over replicas whose mapped axis sits on the batch mesh axes, so nothing is communicated inside the
   loop) and they are reduce-scattered once per optimizer step. A model with non-Param state (dropout
   RNG streams, say) or dropout in its stacked layers (`meshpar.nn.dropout`: keys per step,
-  microbatch and layer) reduces per microbatch instead, so its masks stay independent of the mesh.
+  microbatch and layer) reduces per microbatch instead, so its masks stay independent of the mesh;
+  so do sequences split over `context`.
 * zero2 under accumulation: each microbatch's gradients are reduce-scattered on arrival, so the
   accumulator holds 1/N per device (M x Psi bytes moved, 1/N of the memory).
 """
@@ -88,9 +89,12 @@ class Trainer(TrainSetup):
         replicas = batch_axes_of(self.layout)
         # ZeRO-1's per-replica accumulation needs a model without non-Param state: under the vmap every
         # replica would draw the same dropout masks (and keep its own counters), so such a model
-        # takes the general path (gradients reduced per microbatch), which matches any mesh
+        # takes the general path (gradients reduced per microbatch), which matches any mesh; so do
+        # sequences split over `context`: their attention's shard_map (manual over `context`) cannot sit
+        # under the replicas' vmap, whose spmd axes JAX would make varying inside it (a ValueError)
         local = (strategy.opt_state is not None and not strategy.shard_grads and replicas and not self.pipelined
-                 and not jax.tree.leaves(vars) and not dropout.draws(self.spec.graphdef))
+                 and not jax.tree.leaves(vars) and not dropout.draws(self.spec.graphdef)
+                 and self.layout.shape["context"] == 1)
         if local:   # ZeRO-1: per-replica gradients [R, ...], reduced once after the loop
             r = math.prod(self.layout.shape[a] for a in replicas)
             inner = self.layout.hiding(replicas)

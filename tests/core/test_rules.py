@@ -79,7 +79,7 @@ def test_user_rules_reject_unknown_mesh_axes():
 def test_every_preset_names_only_known_logical_and_mesh_axes(name):
     from meshpar.core.mesh import MESH_AXES
     s = PRESETS[name]
-    for rules in (s.param_rules(), s.opt_rules()):
+    for rules in (s.param_rules(), s.rest_rules(), s.opt_rules()):
         for logical, cands in rules:
             assert logical in LOGICAL_AXES
             for c in cands:
@@ -91,3 +91,55 @@ def test_zero_presets_replicate_params_but_shard_optimizer_state():
         s = PRESETS[name]
         assert resolve(("embed", "mlp"), s.param_rules(), MESH) == P()
         assert resolve(("embed", "mlp"), s.opt_rules(), MESH) == P(("data", "fsdp"))
+
+
+CONTEXT_MESH = {"data": 2, "fsdp": 2, "context": 2, "tensor": 2}
+# preset -> the weight [embed, mlp] at rest, in the optimizer state, and at use (activations' rules)
+STATE_OVER_CONTEXT = {
+    "dp": (P(), P(), P()),
+    "zero1": (P("context"), P(("data", "fsdp", "context")), P()),
+    "zero2": (P("context"), P(("data", "fsdp", "context")), P()),
+    "fsdp": (P(("data", "fsdp", "context")), P(("data", "fsdp", "context")), P(("data", "fsdp"))),
+    "hsdp": (P(("fsdp", "context")), P(("fsdp", "context")), P("fsdp")),
+    "tp": (P(None, "tensor"), P(None, "tensor"), P(None, "tensor")),
+    "tp_sp": (P(None, "tensor"), P(None, "tensor"), P(None, "tensor")),
+    "fsdp_tp": (P(("data", "fsdp", "context"), "tensor"), P(("data", "fsdp", "context"), "tensor"),
+                P(("data", "fsdp"), "tensor")),
+}
+
+
+@pytest.mark.parametrize("name", list(STATE_OVER_CONTEXT))
+def test_the_train_state_is_split_over_context_as_over_the_data_axes(name):
+    """`Strategy.rest`: ZeRO's state over data x fsdp x context and its master weights over context, FSDP's
+    parameters over its axes x context; dp and tp replicate over context as over data. Activations (and
+    weights at use) keep the data axes only: their `length` takes `context`."""
+    from meshpar.core.rules import Layout
+
+    class Mesh:
+        axis_names, devices = tuple(CONTEXT_MESH), type("D", (), {"shape": tuple(CONTEXT_MESH.values())})
+
+    layout = Layout(Mesh, PRESETS[name])
+    rest, opt, use = STATE_OVER_CONTEXT[name]
+    assert layout.spec(("embed", "mlp"), (64, 64), kind="rest") == rest
+    assert layout.spec(("embed", "mlp"), (64, 64), kind="opt_state") == opt
+    assert layout.spec(("embed", "mlp"), (64, 64)) == use
+    length = ("context", "tensor") if name == "tp_sp" else "context"       # tp_sp: SP splits it over tensor too
+    assert layout.spec(("batch", "length", "embed"), (8, 16, 64)) == P(("data", "fsdp"), length)
+
+
+@pytest.mark.parametrize("name", ["zero1", "fsdp", "hsdp"])
+def test_a_state_dimension_context_does_not_divide_keeps_the_data_axes_split(name):
+    """On data=2 x fsdp=2 x context=2 an `embed` the data axes divide and data x context does not (4;
+    hsdp: 2 over fsdp x context) keeps the state split as before `context` joined: never an error a run
+    without context did not have. One the data axes do not divide stays an error."""
+    from meshpar.core.rules import Layout
+
+    class Mesh:
+        axis_names, devices = tuple(CONTEXT_MESH), type("D", (), {"shape": tuple(CONTEXT_MESH.values())})
+
+    layout = Layout(Mesh, PRESETS[name])
+    embed, want = (2, P("fsdp")) if name == "hsdp" else (4, P(("data", "fsdp")))
+    assert layout.spec(("embed", "mlp"), (embed, 64), kind="opt_state") == want
+    assert layout.spec(("embed", "mlp"), (embed, 64), kind="rest") == (P("context") if name == "zero1" else want)
+    with pytest.raises(ShardingError, match="not divisible by mesh axes"):
+        layout.spec(("embed", "mlp"), (3, 64), kind="opt_state")

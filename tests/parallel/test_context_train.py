@@ -26,13 +26,15 @@ def packed_source(vocab: int):
     return Span(tokens, "packed", starts[starts < len(tokens)])
 
 
-def losses(extra, mesh, n, docs=False):
+def losses(extra, mesh, n, docs=False, trainer=False):
+    """Per-step losses of 3 steps (and the Trainer, with `trainer`) of COMMON + `extra` on `mesh`."""
     cfg = make_cfg(*COMMON, *extra, mesh=mesh)
     spec = lm_batch_spec(cfg.batch.global_size, cfg.batch.length, documents=True) if docs else None
     tr = Trainer(cfg, devices=devices(n), batch_spec=spec)
     vocab = tr.spec.cfg.vocab
     source = packed_source(vocab) if docs else MarkovLanguage(vocab, 4, 1)
-    return train_steps(tr, source, cfg, 3)[1]
+    got = train_steps(tr, source, cfg, 3)[1]
+    return (got, tr) if trainer else got
 
 
 _REF: dict = {}
