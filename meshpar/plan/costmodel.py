@@ -26,7 +26,9 @@ Memory (per device, bytes).
   outputs, 2h, before their all-reduce); under SP (tp_sp) the h terms are divided too. Memory-
   efficient attention (flash, cudnn; `auto` beyond 1k tokens) stores no 2 a s term. Context
   parallelism divides the tokens per device by x; its gathered K and V, 2 s k q per sequence, join
-  the working set. Without
+  the working set, with their fp32 gradients the backward accumulates over the whole sequence (4
+  bytes each; the H100 compile of 1b at context=32 x fsdp=2 held 2 x 512 MiB of them; the ring's
+  fp32 hop accumulators came to about as much). Without
   pipelining every layer stores its set for one microbatch (accumulation runs them one by one).
   GPipe and interleaved rerun each stage in its backward: a stage stores a stage input [b, s, h] per
   tick (v M + P - 1) plus one microbatch's sets of its L/(P v) layers. 1F1B stores the sets of its
@@ -258,8 +260,8 @@ def activation_parts(facts: ModelFacts, cand: Candidate, cfg, c: int, compiler: 
         ticks = cand.virtual * cand.pp_microbatches + shape["pipeline"] - 1
         out["stored"] = c * tokens * (ticks * d["embed"] / t_res + layers / cand.virtual * per_layer)
     out["working"] = c * tokens * _per_token(d, "none", t_heads, t_mlp, t_res, scores)
-    if cp > 1:                                          # the gathered K and V of the layer being computed
-        out["working"] += c * b * 2 * s * d["kv_heads"] * d["head_dim"] / t_heads
+    if cp > 1:   # the gathered K and V of the layer being computed, and in its backward their fp32 gradients
+        out["working"] += (c + 4) * b * 2 * s * d["kv_heads"] * d["head_dim"] / t_heads
     logit_bytes = 2 * 4 if compiler == "cpu" else c        # fp32 logits and their gradient; a target: one, c bytes
     out["logits"] = logit_bytes * tokens * d["vocab"] / t_vocab
     if facts.moe:
