@@ -109,9 +109,16 @@ def pytest_configure_node(node):
 
 
 def pytest_runtest_logstart(nodeid, location):
-    """The test now running, beside this process's fault log (one short overwrite per test)."""
+    """The test now running, beside this process's fault log (one short overwrite per test). A folder
+    removed under the running session (a /tmp cleaner) is made again; the test's name is lost only
+    if that fails, never the run (pytest turned the error into an INTERNALERROR that ended it)."""
     if _fault_file:
-        Path(_fault_file[0].name + ".test").write_text(nodeid)
+        note = Path(_fault_file[0].name + ".test")
+        try:
+            note.parent.mkdir(parents=True, exist_ok=True)
+            note.write_text(nodeid)
+        except OSError:
+            pass
 
 
 @pytest.hookimpl(hookwrapper=True)

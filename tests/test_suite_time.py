@@ -86,3 +86,15 @@ def test_a_worker_that_dies_fails_the_run_at_once_naming_its_test_with_its_stack
     kept = next(line.split("every thread's: ")[1].rstrip("):") for line in run.stdout.splitlines()
                 if "every thread's: " in line)
     shutil.rmtree(Path(kept).parent)                # the folder kept for the dead process's stacks
+
+
+def test_a_fault_folder_removed_under_the_running_session_does_not_end_it(tmp_path):
+    """A /tmp cleaner (or a person) removing the session's fault folder mid-run: the next test's name
+    note is written into a folder made again, and the run passes (it ended in an INTERNALERROR)."""
+    (tmp_path / "test_removes.py").write_text(
+        "import shutil, sys\n\ndef test_removes_the_fault_folder():\n"
+        "    watch = sys.modules['tests.suite_watch']\n    shutil.rmtree(watch._fault_dir[0])\n\n"
+        "def test_after_it():\n    pass\n")
+    run = _pytest(tmp_path, "30", "-p", "no:randomly", str(tmp_path / "test_removes.py"))
+    assert run.returncode == 0 and "INTERNALERROR" not in run.stdout + run.stderr, run.stdout[-3000:]
+    assert "4 passed" in run.stdout, run.stdout[-2000:]
