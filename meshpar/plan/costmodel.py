@@ -31,7 +31,10 @@ Memory (per device, bytes).
   fp32 hop accumulators came to about as much). Without
   pipelining every layer stores its set for one microbatch (accumulation runs them one by one).
   GPipe and interleaved rerun each stage in its backward: a stage stores a stage input [b, s, h] per
-  tick (v M + P - 1) plus one microbatch's sets of its L/(P v) layers. 1F1B stores the sets of its
+  tick (v M + P - 1) plus one microbatch's sets of its L/(P v) layers; a target's compile holds a
+  second [ticks, b, s, h] buffer (the stash's cotangents) and the last stage's fp32 logits with their
+  gradient, as XLA:CPU does (1b gpipe on 8 and 64 H100s: 2 x 5 x 160 MiB, 2 x 500 MiB; 2 x 4.75 GiB,
+  2 x 3.91 GiB). 1F1B stores the sets of its
   L/P layers per slot (`stash_slots`; under `none` with the stage's weights in the compute dtype)
   and two [b, s, h] received per tick. On top: the working set of the layer being differentiated
   (its `none` set once), the logits in fp32 with their gradient (2 x 4 b s V / t) on XLA:CPU, one
@@ -258,11 +261,15 @@ def activation_parts(facts: ModelFacts, cand: Candidate, cfg, c: int, compiler: 
         out["stored"] = c * tokens * (stash_slots(cand) * layers * per_layer + 2 * d["embed"] / t_res)
     else:       # the stash of stage inputs, then one microbatch's residuals while its stage runs backward
         ticks = cand.virtual * cand.pp_microbatches + shape["pipeline"] - 1
-        out["stored"] = c * tokens * (ticks * d["embed"] / t_res + layers / cand.virtual * per_layer)
+        stashes = 1 if compiler == "cpu" else 2     # a target's compile holds the stash's cotangents beside it
+        out["stored"] = c * tokens * (stashes * ticks * d["embed"] / t_res + layers / cand.virtual * per_layer)
     out["working"] = c * tokens * _per_token(d, "none", t_heads, t_mlp, t_res, scores)
     if cp > 1:   # the gathered K and V of the layer being computed, and in its backward their fp32 gradients
         out["working"] += (c + 4) * b * 2 * s * d["kv_heads"] * d["head_dim"] / t_heads
-    logit_bytes = 2 * 4 if compiler == "cpu" else c        # fp32 logits and their gradient; a target: one, c bytes
+    # fp32 logits and their gradient; a target: one buffer in the compute dtype, except under GPipe and
+    # interleaved, whose last stage holds the fp32 pair too (H100: two [b s, V / t] f32 buffers)
+    gpipe = shape["pipeline"] > 1 and cand.schedule != "1f1b"
+    logit_bytes = 2 * 4 if compiler == "cpu" or gpipe else c
     out["logits"] = logit_bytes * tokens * d["vocab"] / t_vocab
     if facts.moe:
         m = facts.moe

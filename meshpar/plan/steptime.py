@@ -227,8 +227,9 @@ def evaluate(facts: ModelFacts, cand: Candidate, cfg, hw, res: Resolver, bpp, c:
     act = activation_bytes(facts, cand, cfg, c, compiler)
     grads = mem["grads"]
     st = get_strategy(cand.strategy)
-    if cand.microbatches > 1:                       # the accumulator beside each microbatch's gradients
-        mem["grads"] = 2 * grads
+    one_f = cand.shape["pipeline"] > 1 and cand.schedule == "1f1b"
+    if cand.microbatches > 1 or one_f:              # the accumulator beside each microbatch's gradients
+        mem["grads"] = 2 * grads                    # (1F1B sums its microbatches' in the schedule's carry)
     elif st.opt_state is not None and not st.shard_grads:   # ZeRO-1: each layer's gradient is
         # reduce-scattered inside the backward loop (XLA), so the stacked layers' are held scattered
         mem["grads"] = grads = sum(bpp[1] * lf.numel / _factor(res.spec(
