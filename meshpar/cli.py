@@ -7,7 +7,7 @@
     meshpar launch --print-slurm [--nodes N --gpus-per-node G ...] [train arguments...]   # meshpar/runtime/slurm.py
     meshpar plot RUN.jsonl [RUN2.jsonl ...] [-o out.png] [--size 1200x800]   # meshpar/train/plot.py
     meshpar generate [--config FILE] [--devices N] [--prompt TEXT [--chat] | --prompt-ids 1,2,3] [--json] [KEY=VALUE ...]
-    meshpar serve [--host 127.0.0.1] [--port 8000] [--model-name NAME] [--config FILE] [KEY=VALUE ...]   # OpenAI API
+    meshpar serve [--host 127.0.0.1] [--port 8000] [--model-name NAME] [--api-key KEY] [--config FILE] [KEY=VALUE ...]
     meshpar plan [--config FILE] --devices N --hardware h100 [--top K] [--strategies a,b] [--all] [--json]
                  [--bytes-per-param W,G,O] [--out plan.yaml] [--verify K [--target HW]] [KEY=VALUE ...]
     meshpar compilers [--install [gpu|tpu|all]]     (the GPU/TPU compilers --target uses)
@@ -92,6 +92,9 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     sv.add_argument("--port", type=int, default=8000, help="port, 1..65535 (default 8000; 0: any free one, printed)")
     sv.add_argument("--model-name", help="the model id clients name (default: the checkpoint's or init_from's folder)")
+    sv.add_argument("--api-key", action="append", metavar="KEY",
+                    help="require 'Authorization: Bearer KEY' on /v1/* (repeat for several keys; also "
+                         "MESHPAR_API_KEY=K1,K2); /health stays open")
     pl = sub.add_parser("plan", parents=[common], help="choose mesh, strategy, microbatches and remat for N devices "
                         "of some hardware (cost model), write the winner as a config; --verify compiles the top K")
     pl.add_argument("--hardware", default="h100", help="h100, h200, a100-80g, tpu-v4, tpu-v5e, tpu-v5p, tpu-v6e or a YAML")
@@ -305,7 +308,7 @@ def _check_tokenizer(hf_tok, vocab: int | None) -> None:
 def _serve(cfg, args) -> None:
     """`meshpar serve`: the OpenAI-compatible API until SIGTERM or Ctrl-C (meshpar/serve/api.py)."""
     from meshpar.serve.api import serve_http
-    serve_http(cfg, args.host, getattr(args, "socket", None), args.model_name)
+    serve_http(cfg, args.host, getattr(args, "socket", None), args.model_name, args.api_key)
 
 
 def _check_outputs(args) -> None:

@@ -190,6 +190,7 @@ class ServeConfig:
     prefix_cache: int = 4             # prompts whose KV stays cached for reuse by a shared prefix (0: off)
     prefix_block: int = 16            # tokens per hashed block of the prefix cache (a prefix is reused in whole blocks)
     max_waiting: int = 256            # requests queued beyond the slots; more get HTTP 429 with Retry-After
+    max_body_bytes: int = 4 * 2**20   # a request body larger gets HTTP 413, before it is read whole
 
 
 @dataclass
@@ -463,7 +464,8 @@ def validate(cfg: Config) -> None:
                    ("serve.slots", cfg.serve.slots), ("serve.min_bucket", cfg.serve.min_bucket),
                    ("serve.max_new_tokens", cfg.serve.max_new_tokens), ("serve.cache_length", cfg.serve.cache_length or 1),
                    ("serve.prefill_batch", cfg.serve.prefill_batch), ("serve.prefix_block", cfg.serve.prefix_block),
-                   ("serve.max_waiting", cfg.serve.max_waiting), ("profile.start_step", cfg.profile.start_step),
+                   ("serve.max_waiting", cfg.serve.max_waiting), ("serve.max_body_bytes", cfg.serve.max_body_bytes),
+                   ("profile.start_step", cfg.profile.start_step),
                    ("profile.steps", cfg.profile.steps), ("eval.batches", cfg.eval.batches)]:
         if v < 1:
             raise ConfigError(f"config key '{key}' must be >= 1, got {v}")

@@ -26,6 +26,8 @@ class ByteTokenizer:
     def prompt(self, text: str) -> list[int]:
         return self.encode(text)
 
+    max_chars_per_token = 1     # a character is one byte or more: a text has at least as many tokens
+
 
 class HFTokenizer:
     """A Hugging Face `tokenizers` tokenizer (`data.tokenizer`: a tokenizer.json, or a folder that
@@ -79,6 +81,14 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
+
+    @property
+    def max_chars_per_token(self) -> int:
+        """An upper bound of the characters one token covers: its longest vocabulary entry (byte-level
+        BPE spells each byte as one character, so the decoded text is never longer)."""
+        if not hasattr(self, "_max_chars"):
+            self._max_chars = max((len(t) for t in self.tok.get_vocab(with_added_tokens=True)), default=1)
+        return self._max_chars
 
     def prompt(self, text: str) -> list[int]:
         return ([self.bos_id] if self.add_bos else []) + self.encode(text)

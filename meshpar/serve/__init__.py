@@ -8,5 +8,6 @@ batching   `Request`, `Completion`
 prefix     `PrefixCache`: prompts' KV caches reused by a shared prefix (hashed blocks)
 scheduler  continuous batching over the engine's slots, for a list or a server's queue
 multihost  a server spanning processes: process 0 broadcasts each tick's intake
+guard      what a request must pass first: API keys, JSON bodies within a size, valid Unicode
 api        the OpenAI-compatible HTTP API (`meshpar serve`)
 """

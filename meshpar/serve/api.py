@@ -10,10 +10,15 @@ Responses and stream chunks follow OpenAI's shapes (`text_completion`, `chat.com
 `chat.completion.chunk`; server-sent events `data: {...}` ending with `data: [DONE]`), with `usage`
 counts (in a stream: a last chunk when `stream_options.include_usage`). finish_reason: `stop` (an
 end token or a stop string), `length` (max_tokens, or the KV cache full). Errors are
-`{"error": {"message", "type", "param", "code"}}`: 400 for a bad body (malformed JSON, a field of the
-wrong type or out of range, a prompt and max_tokens beyond the cache), 404 for an unknown model, 429
-with Retry-After when serve.max_waiting requests already wait. A client that goes away frees its
-slot at the next tick. Temperature defaults to 1, as OpenAI's does (0 is greedy).
+`{"error": {"message", "type", "param", "code"}}`: 400 for a bad body (malformed JSON, text that is
+not valid Unicode, a field of the wrong type or out of range, a prompt and max_tokens beyond the
+cache), 401 without a valid API key (`--api-key`, `MESHPAR_API_KEY`; `/health` stays open), 404 for
+an unknown model, 413 for a body over serve.max_body_bytes (refused before it is read whole), 415 for
+a body that is not `application/json` (so a web page cannot post to a local server without a CORS
+preflight), 429 with Retry-After when serve.max_waiting requests already wait. Prompts are tokenized
+off the event loop, and a text longer than the cache could hold at the tokenizer's most characters
+per token is refused before it is. A client that goes away frees its slot at the next tick.
+Temperature defaults to 1, as OpenAI's does (0 is greedy).
 """
 from __future__ import annotations
 
@@ -29,22 +34,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from meshpar.core.errors import ConfigError
 from meshpar.serve.batching import Request
+from meshpar.serve.guard import APIError, Guard, api_keys, exposed, invalid_text
 from meshpar.serve.sampling import Sampling
 from meshpar.serve.scheduler import QueueFull, Scheduler
 
 FINISH = {"eos": "stop", "max_tokens": "length", "cache_full": "length", "cancelled": "stop"}
-
-
-class APIError(Exception):
-    """An HTTP error in OpenAI's body shape."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error", headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.param, self.code, self.kind, self.headers = status, param, code, kind, headers
-
-    def body(self) -> dict:
-        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
 
 
 def _field(body: dict, key: str, kinds: tuple, default: Any = None, check=None, why: str = ""):
@@ -73,6 +67,10 @@ class Server:
         """-> (Request, options {stream, stop, include_usage}); APIError naming the field at fault."""
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object")
+        bad = invalid_text(body)
+        if bad:
+            raise APIError(400, f"the request body holds text that is not valid Unicode at '{bad}' (a lone "
+                                "surrogate such as \\ud800); send UTF-8 text", bad.split(".")[0].split("[")[0])
         model = _field(body, "model", (str,))
         if model is None:
             raise APIError(400, "'model' is required", "model")
@@ -122,6 +120,7 @@ class Server:
             if not hasattr(self.tok, "chat"):
                 raise APIError(400, "this server has no chat template (serve a model with data.tokenizer=DIR whose "
                                     "tokenizer_config.json has one); use /v1/completions", "messages")
+            self._fits(sum(len(m["content"]) for m in msgs), "messages")
             try:
                 return self.tok.chat([{"role": m["role"], "content": m["content"]} for m in msgs])
             except Exception as e:  # noqa: BLE001 - a template's own error (ConfigError) or its Python's
@@ -130,6 +129,7 @@ class Server:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]                                        # a batch of one
         if isinstance(prompt, str) and prompt:
+            self._fits(len(prompt), "prompt")
             return self.tok.prompt(prompt)
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             if not all(0 <= t < self.engine.vocab for t in prompt):
@@ -137,6 +137,15 @@ class Server:
             return list(prompt)
         raise APIError(400, "'prompt' must be a non-empty string or list of token ids (one prompt per request)",
                        "prompt")
+
+    def _fits(self, chars: int, param: str) -> None:
+        """Refuse, before tokenizing, a text longer than the cache could hold even at the tokenizer's
+        most characters per token (twice that: a normalizer may drop characters)."""
+        most = 2 * self.engine.length * getattr(self.tok, "max_chars_per_token", 1)
+        if chars > most:
+            raise APIError(400, f"the {param} has {chars} characters, more than this server's context of "
+                                f"{self.engine.length} tokens (serve.cache_length) can hold", param,
+                           "context_length_exceeded")
 
     # -- running one request ------------------------------------------------------------------------
     async def events(self, req: Request, stop: list[str], disconnected):
@@ -243,7 +252,12 @@ class Detokenizer:
         return self._delta(self._ready(final=True))
 
 
-def create_app(server: Server):
+def create_app(server: Server, keys: list[str] = (), max_body: int = 4 * 2**20):
+    """The ASGI application of `server`: its FastAPI routes behind `Guard` (API keys, body type and size)."""
+    return Guard(_routes(server), list(keys), max_body)
+
+
+def _routes(server: Server):
     """The FastAPI application of `server`."""
     from fastapi.responses import Response
     from starlette.exceptions import HTTPException
@@ -292,7 +306,8 @@ def create_app(server: Server):
         return APIError(500, f"the step serving this request failed: {message}", kind="server_error")
 
     async def complete(http: HTTPRequest, chat: bool):
-        req, opt = server.parse(await body_of(http), chat)
+        # off the event loop: a long prompt's tokenizing never stalls the other clients or /health
+        req, opt = await asyncio.to_thread(server.parse, await body_of(http), chat)
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}",
                 "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": int(time.time()), "model": server.name}
@@ -364,7 +379,7 @@ def create_app(server: Server):
     return app
 
 
-def serve_http(cfg, host: str, sock, model_name: str | None = None) -> None:
+def serve_http(cfg, host: str, sock, model_name: str | None = None, keys: list[str] | None = None) -> None:
     """`meshpar serve` on `sock` (`listen`): the engine, its scheduler on a thread, uvicorn on the main
     one until SIGTERM or Ctrl-C (then: no new connections, the requests in flight finish, return). A
     process > 0 of a multi-process server ticks with process 0 instead (`meshpar.serve.multihost`)."""
@@ -406,7 +421,11 @@ def serve_http(cfg, host: str, sock, model_name: str | None = None) -> None:
     print(f"serving {name} ({engine.source}) on http://{host}:{sock.getsockname()[1]} with {engine.mesh.devices.size} "
           f"devices{procs} ({cfg.serve.strategy}, {engine.slots} slots, cache {engine.length}, prefill batch "
           f"{server.scheduler.prefill_batch}, prefix cache {cfg.serve.prefix_cache})", file=sys.stderr, flush=True)
-    config = uvicorn.Config(create_app(server), log_level="warning", timeout_graceful_shutdown=None)
+    keys = api_keys(keys)
+    if exposed(host, keys):
+        print(exposed(host, keys), file=sys.stderr, flush=True)
+    config = uvicorn.Config(create_app(server, keys, cfg.serve.max_body_bytes), log_level="warning",
+                            timeout_graceful_shutdown=None)
     # uvicorn drains on SIGTERM, then raises it again under the handler it found: make that one a no-op,
     # so a drained server exits 0 (Ctrl-C still ends with 130, through interrupts_exit's handler)
     signal.signal(signal.SIGTERM, lambda signum, frame: None)

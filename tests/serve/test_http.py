@@ -50,7 +50,7 @@ def served(tmp_path_factory):
     assert main(["train", "steps=30", "train.log_every=30", "data.kind=text", f"data.path={tmp / 'abc.txt'}",
                  "model.vocab=256", "batch.length=32", ck]) == 0
     common = [ck, f"data.tokenizer={char_tokenizer(tmp / 'tok')}", "--devices", "8"]
-    proc, url, lines = start(["serve", *common, *SERVER])
+    proc, url, lines = start(["serve", *common, *SERVER], env={"MESHPAR_API_KEY": f"{KEY},{OTHER_KEY}"})
     yield url, proc, tmp, common, lines
     if proc.poll() is None:
         proc.kill()
@@ -58,12 +58,16 @@ def served(tmp_path_factory):
 
 
 SERVER = ["--port", "0", "--model-name", "abc", "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=4", f"serve.slots={SLOTS}",
-          f"serve.max_waiting={WAITING}", "serve.cache_length=256"]
+          f"serve.max_waiting={WAITING}", "serve.cache_length=256", "serve.max_body_bytes=65536"]
+KEY, OTHER_KEY = "none", "second-key"          # the module's server takes two keys (MESHPAR_API_KEY)
+AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
-def start(argv):
+def start(argv, env=None):
     """`python -m meshpar.cli ARGV` (a server) -> (process, its URL, its stderr lines so far and to come)."""
-    proc = subprocess.Popen([sys.executable, "-m", "meshpar.cli", *argv], stderr=subprocess.PIPE, text=True)
+    import os
+    proc = subprocess.Popen([sys.executable, "-m", "meshpar.cli", *argv], stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})
     lines, url, t0 = [], None, time.time()
     while url is None and time.time() - t0 < 240:
         line = proc.stderr.readline()
@@ -78,14 +82,15 @@ def start(argv):
     return proc, url, lines
 
 
-def client(url):
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+def client(url, key=KEY):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=60)
 
 
-def post(url, path, body, raw=False):
+def post(url, path, body, raw=False, headers=None):
     """-> (status, JSON body, headers) of a POST (body: an object, or bytes sent as they are)."""
     data = body if raw else json.dumps(body).encode()
-    req = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(url + path, data=data,
+                                 headers={"Content-Type": "application/json", **AUTH, **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
             return r.status, json.loads(r.read()), {k.lower(): v for k, v in r.headers.items()}
@@ -200,7 +205,7 @@ def test_a_client_that_goes_away_frees_its_slot(served, stream):
     conn = http.client.HTTPConnection(host, int(port), timeout=30)
     conn.request("POST", "/v1/completions", json.dumps({"model": "abc", "prompt": "abc", "max_tokens": 240,
                                                         "temperature": 0, "stream": stream}),
-                 {"Content-Type": "application/json"})
+                 {"Content-Type": "application/json", **AUTH})
     if stream:
         resp = conn.getresponse()
         assert resp.status == 200 and resp.readline().startswith(b"data: ")
@@ -218,6 +223,66 @@ def test_a_client_that_goes_away_frees_its_slot(served, stream):
         time.sleep(0.05)
     assert h["active"] == 0 and h["waiting"] == 0 and h["errors"] == 0, h
     assert h["decode_steps"] - before < 200, (before, h)
+
+
+def test_the_api_takes_only_its_keys_and_health_stays_open(served):
+    """MESHPAR_API_KEY=K1,K2 (as vLLM's --api-key): /v1/* without a key or with a wrong one gets 401 in
+    OpenAI's shape; either key is served; /health needs none."""
+    url = served[0]
+    good = {"model": "abc", "prompt": "abcd", "max_tokens": 2, "temperature": 0}
+    for headers in ({"Authorization": ""}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {KEY}"}):
+        status, body, head = post(url, "/v1/completions", good, headers=headers)
+        assert status == 401 and body["error"]["code"] == "invalid_api_key", (headers, status, body)
+        assert "Authorization: Bearer KEY" in body["error"]["message"] and head["www-authenticate"] == "Bearer"
+    with pytest.raises(openai.AuthenticationError):
+        client(url, key="wrong").models.list()
+    assert [m.id for m in client(url, key=OTHER_KEY).models.list().data] == ["abc"]
+    assert post(url, "/v1/completions", good, headers={"Authorization": f"Bearer {OTHER_KEY}"})[0] == 200
+    assert health(url)["status"] == "ok"
+
+
+def test_api_keys_come_from_the_flag_and_the_environment_and_an_open_public_host_warns():
+    from meshpar.serve.guard import api_keys, exposed
+    assert api_keys(["a", "b"], {"MESHPAR_API_KEY": " b, c ,"}) == ["a", "b", "c"]
+    assert api_keys(None, {}) == []
+    assert exposed("0.0.0.0", []) == ("warning: serving on 0.0.0.0 without an API key: anyone who can reach this "
+                                      "address can use the model; give --api-key KEY (or MESHPAR_API_KEY=KEY)")
+    assert exposed("0.0.0.0", ["k"]) is None and exposed("127.0.0.1", []) is None and exposed("::1", []) is None
+
+
+def test_large_foreign_and_invalid_bodies_are_refused_in_one_line_and_the_server_keeps_serving(served):
+    """413 over serve.max_body_bytes (64 KiB here) with or without a Content-Length, before the body is read
+    whole; 415 for a body that is not application/json (a web page's text/plain form post); 400 naming
+    the field for a lone surrogate (prompt, model) and, before tokenizing, for a text longer than the
+    cache could hold (256 tokens x at most 12 characters each, twice)."""
+    import http.client
+    url = served[0]
+    host, port = url.split("//")[1].split(":")
+    big = json.dumps({"model": "abc", "prompt": "a" * 100_000}).encode()
+    t = time.monotonic()
+    status, body, _ = post(url, "/v1/completions", big, raw=True)
+    assert status == 413 and body["error"]["code"] == "request_too_large" and "65536 bytes" in body["error"]["message"]
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)      # chunked: no Content-Length to trust
+    conn.request("POST", "/v1/completions", (big[i:i + 8192] for i in range(0, len(big), 8192)),
+                 {"Content-Type": "application/json", **AUTH}, encode_chunked=True)
+    resp = conn.getresponse()
+    assert resp.status == 413 and json.loads(resp.read())["error"]["code"] == "request_too_large"
+    conn.close()
+    assert time.monotonic() - t < 10
+    status, body, _ = post(url, "/v1/completions", b'{"model": "abc", "prompt": "ab"}', raw=True,
+                           headers={"Content-Type": "text/plain"})
+    assert status == 415 and "'application/json', got 'text/plain'" in body["error"]["message"]
+    for raw, param in [(b'{"model": "abc", "prompt": "ab\\ud800cd", "max_tokens": 2}', "prompt"),
+                       (b'{"model": "ab\\ud800", "prompt": "abcd"}', "model"),
+                       (b'{"model": "abc", "messages": [{"role": "user", "content": "\\udfff"}]}', "messages")]:
+        status, body, _ = post(url, "/v1/chat/completions" if b"messages" in raw else "/v1/completions",
+                               raw, raw=True)
+        assert status == 400 and body["error"]["param"] == param and "not valid Unicode" in body["error"]["message"], body
+    status, body, _ = post(url, "/v1/completions", {"model": "abc", "prompt": "a" * 7000, "max_tokens": 2})
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded" and "7000 characters" in \
+        body["error"]["message"], body
+    assert client(url).completions.create(model="abc", prompt="abcd", max_tokens=4, temperature=0).choices[0].text \
+        == "efgh"
 
 
 def test_two_processes_of_four_devices_answer_as_one_of_eight(served):
