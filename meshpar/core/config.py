@@ -191,6 +191,8 @@ class ServeConfig:
     prefix_block: int = 16            # tokens per hashed block of the prefix cache (a prefix is reused in whole blocks)
     max_waiting: int = 256            # requests queued beyond the slots; more get HTTP 429 with Retry-After
     max_body_bytes: int = 4 * 2**20   # a request body larger gets HTTP 413, before it is read whole
+    cors_origins: list[str] = field(default_factory=list)   # web origins allowed to call the API from a browser (CORS)
+    openapi: bool = False             # serve the API's schema at /openapi.json
 
 
 @dataclass

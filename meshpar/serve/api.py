@@ -38,6 +38,7 @@ from meshpar.serve.guard import APIError, Guard, api_keys, exposed, invalid_text
 from meshpar.serve.sampling import Sampling
 from meshpar.serve.scheduler import QueueFull, Scheduler
 
+ROLES = ("system", "developer", "user", "assistant", "tool")     # OpenAI's message roles
 FINISH = {"eos": "stop", "max_tokens": "length", "cache_full": "length", "cancelled": "stop"}
 
 
@@ -117,6 +118,9 @@ class Server:
                     for m in msgs):
                 raise APIError(400, "'messages' must be a non-empty list of {\"role\": str, \"content\": str}",
                                "messages")
+            role = next((m["role"] for m in msgs if m["role"] not in ROLES), None)
+            if role is not None:
+                raise APIError(400, f"unknown message role '{role[:40]}': use one of {', '.join(ROLES)}", "messages")
             if not hasattr(self.tok, "chat"):
                 raise APIError(400, "this server has no chat template (serve a model with data.tokenizer=DIR whose "
                                     "tokenizer_config.json has one); use /v1/completions", "messages")
@@ -252,17 +256,25 @@ class Detokenizer:
         return self._delta(self._ready(final=True))
 
 
-def create_app(server: Server, keys: list[str] = (), max_body: int = 4 * 2**20):
-    """The ASGI application of `server`: its FastAPI routes behind `Guard` (API keys, body type and size)."""
-    return Guard(_routes(server), list(keys), max_body)
+def create_app(server: Server, keys: list[str] = (), max_body: int = 4 * 2**20, cors_origins: list[str] = (),
+               openapi: bool = False):
+    """The ASGI application of `server`: its FastAPI routes (the schema at /openapi.json with `openapi`)
+    behind `Guard` (API keys, body type and size), behind CORS for `cors_origins` (none: a browser
+    page of another origin may not read the answers; its preflights pass before the key check)."""
+    app = Guard(_routes(server, openapi), list(keys), max_body)
+    if cors_origins:
+        from starlette.middleware.cors import CORSMiddleware
+        app = CORSMiddleware(app, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
+                             allow_headers=["Authorization", "Content-Type"])
+    return app
 
 
-def _routes(server: Server):
+def _routes(server: Server, openapi: bool = False):
     """The FastAPI application of `server`."""
     from fastapi.responses import Response
     from starlette.exceptions import HTTPException
 
-    app = FastAPI(title="meshpar", docs_url=None, redoc_url=None)
+    app = FastAPI(title="meshpar", docs_url=None, redoc_url=None, openapi_url="/openapi.json" if openapi else None)
 
     @app.exception_handler(APIError)
     async def api_error(_, e: APIError):
@@ -424,8 +436,8 @@ def serve_http(cfg, host: str, sock, model_name: str | None = None, keys: list[s
     keys = api_keys(keys)
     if exposed(host, keys):
         print(exposed(host, keys), file=sys.stderr, flush=True)
-    config = uvicorn.Config(create_app(server, keys, cfg.serve.max_body_bytes), log_level="warning",
-                            timeout_graceful_shutdown=None)
+    config = uvicorn.Config(create_app(server, keys, cfg.serve.max_body_bytes, cfg.serve.cors_origins,
+                                       cfg.serve.openapi), log_level="warning", timeout_graceful_shutdown=None)
     # uvicorn drains on SIGTERM, then raises it again under the handler it found: make that one a no-op,
     # so a drained server exits 0 (Ctrl-C still ends with 130, through interrupts_exit's handler)
     signal.signal(signal.SIGTERM, lambda signum, frame: None)

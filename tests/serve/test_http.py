@@ -58,7 +58,8 @@ def served(tmp_path_factory):
 
 
 SERVER = ["--port", "0", "--model-name", "abc", "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=4", f"serve.slots={SLOTS}",
-          f"serve.max_waiting={WAITING}", "serve.cache_length=256", "serve.max_body_bytes=65536"]
+          f"serve.max_waiting={WAITING}", "serve.cache_length=256", "serve.max_body_bytes=65536",
+          "serve.cors_origins=[http://allowed.example]"]
 KEY, OTHER_KEY = "none", "second-key"          # the module's server takes two keys (MESHPAR_API_KEY)
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
@@ -283,6 +284,54 @@ def test_large_foreign_and_invalid_bodies_are_refused_in_one_line_and_the_server
         body["error"]["message"], body
     assert client(url).completions.create(model="abc", prompt="abcd", max_tokens=4, temperature=0).choices[0].text \
         == "efgh"
+
+
+def test_browsers_of_the_allowed_origin_only_read_answers_and_unknown_roles_are_refused(served):
+    """serve.cors_origins=[http://allowed.example]: its preflight passes (before the key check, as browsers
+    send none) and its answers carry Access-Control-Allow-Origin; another origin's preflight is refused
+    and its answers carry none. A chat message of an unknown role gets 400 naming it."""
+    url = served[0]
+
+    def call(method, origin, headers=None, data=None):
+        req = urllib.request.Request(url + "/v1/completions", data=data, method=method,
+                                     headers={"Origin": origin, **(headers or {})})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, {k.lower(): v for k, v in r.headers.items()}
+        except urllib.error.HTTPError as e:
+            return e.code, {k.lower(): v for k, v in e.headers.items()}
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
+    status, head = call("OPTIONS", "http://allowed.example", preflight)
+    assert status == 200 and head["access-control-allow-origin"] == "http://allowed.example", (status, head)
+    assert call("OPTIONS", "http://evil.example", preflight)[0] == 400
+    body = json.dumps({"model": "abc", "prompt": "abcd", "max_tokens": 2, "temperature": 0}).encode()
+    for origin, allowed in (("http://allowed.example", True), ("http://evil.example", False)):
+        status, head = call("POST", origin, {"Content-Type": "application/json", **AUTH}, body)
+        assert status == 200 and ("access-control-allow-origin" in head) == allowed, (origin, head)
+    status, body, _ = post(url, "/v1/chat/completions", {"model": "abc", "messages": [{"role": "hacker", "content": "a"}]})
+    assert status == 400 and body["error"]["message"].startswith("unknown message role 'hacker'"), body
+
+
+def test_the_api_schema_is_served_only_when_asked():
+    """serve.openapi (false by default): GET /openapi.json is 404 unless it is on."""
+    import asyncio
+
+    from meshpar.serve.api import create_app
+
+    async def status(app):
+        sent = []
+
+        async def receive():
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message):
+            sent.append(message)
+        await app({"type": "http", "method": "GET", "path": "/openapi.json", "raw_path": b"/openapi.json",
+                   "query_string": b"", "headers": [], "root_path": "", "scheme": "http", "http_version": "1.1",
+                   "server": ("test", 80), "client": ("test", 1), "asgi": {"version": "3.0"}}, receive, send)
+        return sent[0]["status"]
+    assert asyncio.run(status(create_app(None))) == 404
+    assert asyncio.run(status(create_app(None, openapi=True))) == 200
 
 
 def test_two_processes_of_four_devices_answer_as_one_of_eight(served):
