@@ -193,6 +193,7 @@ class ServeConfig:
     max_body_bytes: int = 4 * 2**20   # a request body larger gets HTTP 413, before it is read whole
     cors_origins: list[str] = field(default_factory=list)   # web origins allowed to call the API from a browser (CORS)
     openapi: bool = False             # serve the API's schema at /openapi.json
+    allow_special_tokens_in_content: bool = False   # true: a special token's text in a chat message stays special
 
 
 @dataclass

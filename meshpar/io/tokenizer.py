@@ -93,9 +93,11 @@ class HFTokenizer:
     def prompt(self, text: str) -> list[int]:
         return ([self.bos_id] if self.add_bos else []) + self.encode(text)
 
-    def chat(self, messages: list[dict]) -> list[int]:
+    def chat(self, messages: list[dict], split_special: bool = True) -> list[int]:
         """[{"role", "content"}, ...] -> the ids of tokenizer_config.json's `chat_template` rendered with
-        the generation prompt (the template writes any BOS itself)."""
+        the generation prompt (the template writes any BOS itself). With `split_special`, a special
+        token's text typed inside a message's content (`<|im_end|>`, which would close the turn) is
+        tokenized as plain text; the template's own markers stay special."""
         template = self.config.get("chat_template")
         if isinstance(template, list):                      # named templates: the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
@@ -103,7 +105,31 @@ class HFTokenizer:
             raise ConfigError("data.tokenizer has no chat_template in its tokenizer_config.json: drop --chat, or "
                               "use the tokenizer of a chat (instruct) model")
         text = render_chat(template, messages, self.config)
-        return self.encode(text)
+        enc = self.tok.encode(text, add_special_tokens=False)
+        if not split_special:
+            return enc.ids
+        spans, at = [], 0            # where each message's content sits in the rendered text, in order
+        for m in messages:
+            start = text.find(m["content"], at) if m["content"] else -1
+            if start >= 0:
+                spans.append((start, start + len(m["content"])))
+                at = start + len(m["content"])
+        special = {i for i, t in self.tok.get_added_tokens_decoder().items() if t.special}
+        out = []
+        for i, (a, b) in zip(enc.ids, enc.offsets):
+            if i in special and any(s <= a and b <= e for s, e in spans):
+                out += self._plain().encode(text[a:b], add_special_tokens=False).ids
+            else:
+                out.append(i)
+        return out
+
+    def _plain(self):
+        """A copy of the tokenizer that reads special tokens' text as plain text (made once)."""
+        if not hasattr(self, "_plain_tok"):
+            from tokenizers import Tokenizer
+            self._plain_tok = Tokenizer.from_str(self.tok.to_str())
+            self._plain_tok.encode_special_tokens = True
+        return self._plain_tok
 
     def document(self, text: str) -> list[int]:
         """BOS (if the tokenizer has one) + text + EOS (required: it separates packed documents)."""

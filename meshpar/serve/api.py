@@ -60,6 +60,7 @@ class Server:
     def __init__(self, engine, serve_cfg, tokenizer, name: str, eos: list[int], replicas=None):
         self.engine, self.tok, self.name, self.eos = engine, tokenizer, name, eos
         self.default_tokens = serve_cfg.max_new_tokens
+        self.special_in_content = serve_cfg.allow_special_tokens_in_content
         self.scheduler = Scheduler.for_config(engine, serve_cfg, bounded=True, replicas=replicas)
         self.created = int(time.time())
 
@@ -126,7 +127,8 @@ class Server:
                                     "tokenizer_config.json has one); use /v1/completions", "messages")
             self._fits(sum(len(m["content"]) for m in msgs), "messages")
             try:
-                return self.tok.chat([{"role": m["role"], "content": m["content"]} for m in msgs])
+                return self.tok.chat([{"role": m["role"], "content": m["content"]} for m in msgs],
+                                     split_special=not self.special_in_content)
             except Exception as e:  # noqa: BLE001 - a template's own error (ConfigError) or its Python's
                 raise APIError(400, str(e).splitlines()[0] if str(e) else type(e).__name__, "messages") from None
         prompt = body.get("prompt")
