@@ -155,7 +155,7 @@ _HSDP = table(embed="fsdp", expert_mlp="fsdp")
 
 PRESETS: dict[str, Strategy] = {s.name: s for s in [
     Strategy("dp", "data parallel: params replicated, gradients all-reduced", table(), extra=_COMMON),
-    Strategy("zero1", "ZeRO-1: optimizer state sharded over data, params replicated", table(),
+    Strategy("zero1", "ZeRO-1: optimizer state sharded over data, params replicated over it", table(),
              opt_state=_ZERO_STATE, extra=_COMMON, rest=_MASTER_OVER_CONTEXT),
     Strategy("zero2", "ZeRO-2: ZeRO-1 + gradients reduce-scattered", table(),
              opt_state=_ZERO_STATE, shard_grads=True, extra=_COMMON, rest=_MASTER_OVER_CONTEXT),
