@@ -99,7 +99,11 @@ class Guard:
                                                          f"'{kind.decode('latin-1') or 'no content type'}'"))
         too_big = APIError(413, f"the request body is larger than this server's limit of {self.max_body} bytes "
                                 f"(serve.max_body_bytes)", code="request_too_large")
-        if int(headers.get(b"content-length", b"0") or 0) > self.max_body:
+        length = headers.get(b"content-length", b"0").strip() or b"0"
+        if not length.isdigit():
+            return await self.refuse(send, APIError(400, f"the Content-Length header is not a number: "
+                                                         f"'{length[:20].decode('latin-1')}'"))
+        if int(length) > self.max_body:
             return await self.refuse(send, too_big)
         chunks, size, more = [], 0, True
         while more:                            # chunked bodies: read up to the limit, then replay

@@ -429,3 +429,37 @@ def test_sigterm_finishes_the_requests_in_flight_and_exits_0(served):
     assert code == 200 and body["usage"]["completion_tokens"] == 200
     assert body["choices"][0]["text"] == ((ALPHABET * 10)[4:])[:200]
     assert any(line.startswith("stopped:") for line in lines)
+
+
+def test_the_guard_replays_a_body_within_the_limit_and_refuses_the_rest_in_one_line():
+    """`meshpar.serve.guard.Guard` in front of any ASGI app: a chunked body within the limit reaches the
+    app whole; one over it, or a Content-Length that is not a number, is refused without reaching it."""
+    import asyncio
+
+    from meshpar.serve.guard import Guard
+
+    async def echo(scope, receive, send):
+        message = await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": message["body"]})
+
+    def call(headers, chunks):
+        sent, parts = [], iter(chunks)
+
+        async def receive():
+            body, more = next(parts, (None, None))
+            return {"type": "http.disconnect"} if body is None else {"type": "http.request", "body": body,
+                                                                      "more_body": more}
+
+        async def send(message):
+            sent.append(message)
+        asyncio.run(Guard(echo, ["k"], 10)({"type": "http", "method": "POST", "path": "/v1/completions",
+                                           "headers": headers}, receive, send))
+        return sent[0]["status"], sent[1]["body"]
+    ok = [(b"authorization", b"Bearer k"), (b"content-type", b"application/json")]
+    assert call(ok, [(b"{}", True), (b"[1]", False)]) == (200, b"{}[1]")
+    status, body = call(ok, [(b"123456", True), (b"123456", False)])
+    assert status == 413 and b"limit of 10 bytes" in body
+    status, body = call(ok + [(b"content-length", b"abc")], [(b"{}", False)])
+    assert status == 400 and b"Content-Length header is not a number" in body
+    assert call(ok[1:], [(b"{}", False)])[0] == 401
