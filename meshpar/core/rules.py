@@ -116,6 +116,11 @@ class Strategy:
     def opt_rules(self) -> RuleTable:
         return (self.opt_state + self.params + self.extra) if self.opt_state is not None else self.rest_rules()
 
+    def rules(self, kind: str) -> RuleTable:
+        """The table for `kind`: "params" (activations, weights at use), "rest" (parameters at rest) or
+        "opt_state"."""
+        return {"params": self.param_rules, "rest": self.rest_rules, "opt_state": self.opt_rules}[kind]()
+
 
 # the mesh axes whose devices hold different tokens of one batch: gradients are summed over them, and
 # what a ZeRO stage shards over data it shards over all of them (Megatron's data x context group)
@@ -132,6 +137,20 @@ def narrowed(strategy: Strategy) -> Strategy:
             out.append((name, tuple(k[0] if len(k) == 1 else k for k in kept if k)))
         return tuple(out)
     return dataclasses.replace(strategy, rest=(), opt_state=None if strategy.opt_state is None else drop(strategy.opt_state))
+
+
+def resolve_kind(logical: Sequence[str | None], strategy: Strategy, user_rules: RuleTable, kind: str,
+                 mesh_shape: dict[str, int], shape: Sequence[int] | None = None, what: str = "tensor"):
+    """`resolve` of `logical` under the user's rules and `strategy`'s table for `kind`. A state tensor
+    ("rest", "opt_state") whose dimension data x context does not divide takes the layout the data axes
+    alone give it (`narrowed`); an error only where that fails too."""
+    try:
+        return resolve(logical, user_rules + strategy.rules(kind), mesh_shape, shape, what, strict=len(user_rules))
+    except ShardingError:
+        if kind == "params" or mesh_shape.get("context", 1) == 1:
+            raise
+        return resolve(logical, user_rules + narrowed(strategy).rules(kind), mesh_shape, shape, what,
+                       strict=len(user_rules))
 
 
 def over_context(rules: RuleTable) -> RuleTable:
@@ -319,20 +338,11 @@ class Layout:
         return {a: (1 if a in self.hidden else n) for a, n in zip(self.mesh.axis_names, self.mesh.devices.shape)}
 
     def rules(self, kind: str = "params") -> RuleTable:
-        """The rules in force for `kind`: "params" (activations, weights at use), "rest" (parameters at
-        rest) or "opt_state"."""
-        base = {"params": self.strategy.param_rules, "rest": self.strategy.rest_rules,
-                "opt_state": self.strategy.opt_rules}[kind]()
-        return self.user_rules + base
+        """The rules in force for `kind` (`Strategy.rules`), the user's first."""
+        return self.user_rules + self.strategy.rules(kind)
 
     def spec(self, logical, shape=None, what="tensor", kind="params"):
-        try:
-            return resolve(logical, self.rules(kind), self.shape, shape, what, strict=len(self.user_rules))
-        except ShardingError:   # a state tensor context does not divide: as the data axes split it (else the error)
-            if kind == "params" or self.shape.get("context", 1) == 1:
-                raise
-            narrow = dataclasses.replace(self, strategy=narrowed(self.strategy))
-            return resolve(logical, narrow.rules(kind), self.shape, shape, what, strict=len(self.user_rules))
+        return resolve_kind(logical, self.strategy, self.user_rules, kind, self.shape, shape, what)
 
     def sharding(self, logical, shape=None, what="tensor", kind="params"):
         from jax.sharding import NamedSharding

@@ -53,6 +53,7 @@ class HFTokenizer:
         except Exception as e:  # noqa: BLE001 - not a tokenizers file
             raise ConfigError(f"data.tokenizer '{file}' is not a tokenizers JSON file ({str(e).splitlines()[0]})") from None
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+        self.special_ids = {i for i, t in self.tok.get_added_tokens_decoder().items() if t.special}
         if model_vocab is not None and self.vocab_size > model_vocab:
             raise ConfigError(f"data.tokenizer '{file}' has {self.vocab_size} tokens, more than model.vocab={model_vocab}")
         meta, ends = {}, []
@@ -114,10 +115,9 @@ class HFTokenizer:
             if start >= 0:
                 spans.append((start, start + len(m["content"])))
                 at = start + len(m["content"])
-        special = {i for i, t in self.tok.get_added_tokens_decoder().items() if t.special}
         out = []
         for i, (a, b) in zip(enc.ids, enc.offsets):
-            if i in special and any(s <= a and b <= e for s, e in spans):
+            if i in self.special_ids and any(s <= a and b <= e for s, e in spans):
                 out += self._plain().encode(text[a:b], add_special_tokens=False).ids
             else:
                 out.append(i)

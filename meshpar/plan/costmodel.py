@@ -70,9 +70,8 @@ from dataclasses import dataclass, field
 import jax
 
 from meshpar.core.config import top_k
-from meshpar.core.errors import ShardingError
 from meshpar.core.mesh import MESH_AXES
-from meshpar.core.rules import BATCH_AXES, get_strategy, narrowed, parse_user_rules, resolve, spec_axes
+from meshpar.core.rules import BATCH_AXES, get_strategy, parse_user_rules, resolve_kind, spec_axes
 from meshpar.train.data import packs_documents
 
 REMATS = ("none", "save_dots", "full")
@@ -164,17 +163,8 @@ class Resolver:
     def spec(self, leaf: Leaf, strategy: str, shape: dict, kind: str):
         key = (leaf.names, leaf.shape, strategy, tuple(shape.values()), kind)
         if key not in self.cache:
-            s = get_strategy(strategy)
-
-            def one(s):
-                rules = self.user + {"params": s.param_rules, "rest": s.rest_rules, "opt_state": s.opt_rules}[kind]()
-                return resolve(leaf.names, rules, shape, leaf.shape, f"parameter '{leaf.path}'", strict=len(self.user))
-            try:
-                self.cache[key] = one(s)
-            except ShardingError:      # as `meshpar.core.rules.Layout.spec`: a state tensor context does not divide
-                if kind == "params" or shape.get("context", 1) == 1:
-                    raise
-                self.cache[key] = one(narrowed(s))
+            self.cache[key] = resolve_kind(leaf.names, get_strategy(strategy), self.user, kind, shape, leaf.shape,
+                                           f"parameter '{leaf.path}'")
         return self.cache[key]
 
 

@@ -92,6 +92,7 @@ def collectives(facts: ModelFacts, cand: Candidate, cfg, res: Resolver, c: int, 
                 add("all-reduce", rest, g * local * ma, True)
             continue
         mb = ma * (cand.pp_microbatches if lf.stacked else 1)   # a stage gathers its layers per microbatch
+        at_use = w * full_over_batch * (remat_ag if lf.stacked else 1) * mb    # weights gathered for use
         if st.opt_state is not None:                   # ZeRO-1/2: RS into the sharded state, AG updated weights
             os_ = res.spec(lf, cand.strategy, shape, "opt_state")
             rs = [a for a in batch_axes if a in _axes(os_)]
@@ -103,11 +104,10 @@ def collectives(facts: ModelFacts, cand: Candidate, cfg, res: Resolver, c: int, 
                     add("reduce-scatter", rs, g * full_over_batch * grad_times, True)
                 add("all-gather", [a for a in rs if a not in on_batch], w * local, True)
                 add("all-reduce", [a for a in batch_axes if a not in rs], g * full_over_batch * grad_times, True)
-                # master weights at rest over `context`: gathered for use, as FSDP gathers
-                add("all-gather", on_batch, w * full_over_batch * (remat_ag if lf.stacked else 1) * mb, True)
+                add("all-gather", on_batch, at_use, True)   # master weights at rest over `context`, as FSDP
                 continue
         if on_batch:                                   # FSDP: gather for use, reduce-scatter the grads
-            add("all-gather", on_batch, w * full_over_batch * (remat_ag if lf.stacked else 1) * mb, True)
+            add("all-gather", on_batch, at_use, True)
             add("reduce-scatter", on_batch, g * full_over_batch * mb, True)
             add("all-reduce", rest, g * local * mb, True)
             continue

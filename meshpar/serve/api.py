@@ -436,8 +436,9 @@ def serve_http(cfg, host: str, sock, model_name: str | None = None, keys: list[s
           f"devices{procs} ({cfg.serve.strategy}, {engine.slots} slots, cache {engine.length}, prefill batch "
           f"{server.scheduler.prefill_batch}, prefix cache {cfg.serve.prefix_cache})", file=sys.stderr, flush=True)
     keys = api_keys(keys)
-    if exposed(host, keys):
-        print(exposed(host, keys), file=sys.stderr, flush=True)
+    warning = exposed(host, keys)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     config = uvicorn.Config(create_app(server, keys, cfg.serve.max_body_bytes, cfg.serve.cors_origins,
                                        cfg.serve.openapi), log_level="warning", timeout_graceful_shutdown=None)
     # uvicorn drains on SIGTERM, then raises it again under the handler it found: make that one a no-op,
