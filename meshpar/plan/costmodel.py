@@ -22,6 +22,11 @@ Memory (per device, bytes).
                  output) + 2 a s (softmax output and probabilities) + 4F (gate, up, silu, product)
       save_dots: h (layer input) + (a + 2k) q (QKV output) + 2h (wo, w_down outputs) + 2F (w_in output)
       full:      h (the layer input the scan keeps)
+  A target's compile (XLA:GPU, libtpu) keeps more under `none`: the norms' inputs and outputs in
+  fp32 beside their compute-dtype casts (4 h x 4 bytes + 2 h c), six [.., F] (6F), and stored
+  scores (`model.attention=xla`) once in fp32 and once cast (a s (4 + c) bytes); the H100
+  compiles of 1b (1 and 8 devices, fsdp and tp_sp) and 8B (8, fsdp) came within 2% with them, 0.69-0.72
+  without, and one H100 ran out of memory where the old count said 1b fits (bench/bench_device.py).
   Under TP the head and F terms are divided by t (TP without SP also keeps the two row-parallel
   outputs, 2h, before their all-reduce); under SP (tp_sp) the h terms are divided too. Memory-
   efficient attention (flash, cudnn; `auto` beyond 1k tokens) stores no 2 a s term. Context
@@ -208,22 +213,40 @@ def stash_slots(cand: Candidate) -> int:
     return in_flight(cand) + 3
 
 
-def efficient_attention(cfg) -> bool:
-    """Whether attention stores no [s, s] scores: flash or cudnn, or auto beyond AUTO_FLASH_FROM keys."""
+def efficient_attention(cfg, compiler: str = "cpu", pipelined: bool = False, head_dim: int = 0) -> bool:
+    """Whether attention stores no [s, s] scores: flash, cudnn or splash; `auto` beyond AUTO_FLASH_FROM
+    keys, and on a target wherever `meshpar.nn.attention.choose` picks cuDNN (GPU: a half-precision
+    compute dtype, head_dim a multiple of 8 up to 128, no segment ids, no soft-cap) or splash (TPU:
+    lengths a multiple of 128), never inside a pipeline stage."""
+    from meshpar.core.precision import get_policy
     from meshpar.nn.attention import AUTO_FLASH_FROM
-    a = cfg.model.attention
-    return a in ("flash", "cudnn") or (a == "auto" and cfg.batch.length > AUTO_FLASH_FROM)
+    a, m = cfg.model.attention, cfg.model
+    if a in ("flash", "cudnn", "splash") or (a == "auto" and cfg.batch.length > AUTO_FLASH_FROM):
+        return True
+    if a != "auto" or compiler == "cpu" or pipelined:
+        return False
+    if compiler == "tpu":
+        return cfg.batch.length % 128 == 0
+    half = jax.numpy.dtype(get_policy(cfg.precision).compute_dtype).itemsize == 2
+    return half and 0 < head_dim <= 128 and head_dim % 8 == 0 and not packs_documents(cfg.data) and m.softcap is None
 
 
-def _per_token(dims: dict, remat: str, t_heads: int, t_mlp: int, t_res: int, s: int) -> float:
-    """Elements stored per token of one layer (see the module docstring)."""
+def _per_token(dims: dict, remat: str, t_heads: int, t_mlp: int, t_res: int, s: int, c: int = 2,
+               compiler: str = "cpu") -> float:
+    """Elements (of `c` bytes) stored per token of one layer (see the module docstring)."""
     h, a, k, q, f = dims["embed"], dims["heads"], dims["kv_heads"], dims["head_dim"], dims["mlp"]
     if remat == "full" or remat == "offload":
         return h / t_res
     if remat == "save_dots":
         return 3 * h / t_res + (a + 2 * k) * q / t_heads + 2 * f / t_mlp
     partial = 2 * h if t_heads > 1 and t_res == 1 else 0      # TP without SP: the row-parallel outputs (wo, w_down)
-    return 4 * h / t_res + partial + (2 * a + 2 * k) * q / t_heads + 2 * a * s / t_heads + 4 * f / t_mlp
+    if compiler != "cpu":   # the targets' own residuals: the norms' inputs and outputs in fp32 beside their
+        # compute-dtype casts, six [.., F] (w_in's two halves, silu, its sigmoid, the product, its cast),
+        # and stored scores once in fp32 and once cast
+        norms, mlp, scores = 2 * h + 4 * h * 4 / c, 6 * f, (1 + 4 / c) * a * s
+    else:
+        norms, mlp, scores = 4 * h, 4 * f, 2 * a * s
+    return norms / t_res + partial + (2 * a + 2 * k) * q / t_heads + scores / t_heads + mlp / t_mlp
 
 
 def activation_parts(facts: ModelFacts, cand: Candidate, cfg, c: int, compiler: str = "cpu") -> dict:
@@ -243,8 +266,8 @@ def activation_parts(facts: ModelFacts, cand: Candidate, cfg, c: int, compiler: 
     layers = d["layers"] / shape["pipeline"]
     cp = shape["context"]
     tokens = b * s / cp
-    scores = 0 if efficient_attention(cfg) else s      # keys whose scores a token stores
-    per_layer = _per_token(d, cand.remat, t_heads, t_mlp, t_res, scores)
+    scores = 0 if efficient_attention(cfg, compiler, shape["pipeline"] > 1, d["head_dim"]) else s   # keys whose scores a token stores
+    per_layer = _per_token(d, cand.remat, t_heads, t_mlp, t_res, scores, c, compiler)
     if shape["pipeline"] == 1:
         out["stored"] = c * layers * tokens * per_layer
     elif cand.schedule == "1f1b":   # residual slots (see stash_slots); the input and the gradient received

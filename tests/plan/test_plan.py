@@ -52,18 +52,19 @@ def test_ranking_follows_the_costs_without_special_cases():
     fsdp = next(c for c in small["candidates"] if c["strategy"] == "fsdp")
     assert fsdp["time"]["step_s"] >= w["time"]["step_s"] and fsdp["why"] != "winner"
 
-    # 7B on one node, even with the [s, s] attention scores stored (xla): ZeRO-2 over data=8 fits with
-    # the planner's 15% margin (XLA:GPU's own compile of it peaks at 53.3 GiB, bench/RESULTS.md) and
-    # ties FSDP's time on fewer bytes; with flash (auto at 2k tokens) it has more room still.
+    # 7B on one node. With the [s, s] attention scores stored (xla), ZeRO-2 over data=8 would not fit:
+    # H100's own compile of it peaks at 89.9 GiB (fp32 scores beside their bf16 cast; bench/RESULTS.md),
+    # so the plan is FSDP over 8 (compiled 58.4 GiB); with flash (auto at 2k tokens) ZeRO-2 fits and
+    # ties FSDP's time on fewer bytes on the wire.
     seven = plan(load_config(None, ["model.size=7b", "batch.global_size=64", "batch.length=2048",
                                     "model.attention=xla"]), 8, h100, keep_all=True)
     dp = [c for c in seven["candidates"] if c["strategy"] == "dp" and c["mesh"]["data"] == 8]
     assert dp and not any(c["fits"] for c in dp)                 # pure DP: 16 bytes x 6.7B > 80 GB
     w = _winner(seven)
-    assert w["fits"] and w["strategy"] == "zero2" and w["mesh"]["data"] == 8   # the README's claim
+    assert w["fits"] and w["strategy"] == "fsdp" and w["mesh"]["fsdp"] == 8
     assert w["memory"]["total"] * 1.15 < h100.memory_bytes
-    fsdp8 = next(c for c in seven["candidates"] if c["strategy"] == "fsdp" and c["mesh"]["fsdp"] == 8)
-    assert fsdp8["time"]["step_s"] <= w["time"]["step_s"] * 1.001                 # a tie, on more bytes
+    zero2 = [c for c in seven["candidates"] if c["strategy"] == "zero2" and c["remat"] == "none" and c["mesh"]["data"] == 8]
+    assert zero2 and all(c["memory"]["total"] * 1.15 > h100.memory_bytes for c in zero2)
     flash = plan(load_config(None, ["model.size=7b", "batch.global_size=64", "batch.length=2048"]), 8, h100)
     w2 = _winner(flash)
     assert w2["strategy"] == "zero2" and w2["mesh"]["data"] == 8 and w2["memory"]["total"] * 1.15 < h100.memory_bytes

@@ -205,3 +205,19 @@ def test_a_missing_compiler_names_the_command_that_installs_it(tmp_path, monkeyp
     assert out.stderr.strip().splitlines()[-1].endswith(
         f"the TPU compiler is not installed in {tmp_path}: run `meshpar compilers --install tpu` once "
         "(it downloads about 0.2 GB from PyPI)")
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_the_planner_counts_what_the_h100_compile_keeps(h100, remat):
+    """The planner's memory against XLA:GPU's own buffer assignment, with and without recomputation:
+    under `none` the target keeps the norms in fp32 and six [.., F] per layer, and `auto` attention at
+    1k tokens is cuDNN's there (no [s, s] scores); before those rules the planner put a 1b `none`
+    plan at 68 GiB that needed 95 GiB and ran out of memory on a real H100 (bench/RESULTS.md)."""
+    from meshpar.plan.program import report
+    from meshpar.plan.search import estimate
+    cfg = load_config(None, ["precision=bf16", "model.size=125m", "batch.length=1024", "batch.global_size=16",
+                             "strategy=fsdp", "mesh.data=1", "mesh.fsdp=8", "mesh.tensor=1", f"model.remat={remat}"])
+    cfg.devices = 8
+    compiled = report(cfg, h100)["target"]["peak_bytes"]
+    predicted = estimate(cfg, h100.hardware)["memory"]["total"]
+    assert 0.92 < predicted / compiled < 1.1, (predicted / 2 ** 20, compiled / 2 ** 20)
