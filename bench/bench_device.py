@@ -103,7 +103,6 @@ def profile_summary(trace_dir: str, steps: int, top: int = 25) -> dict:
 def run_case(name: str, args) -> dict:
     """One case in this process: compile, run, measure (see the module docstring)."""
     import jax
-    import jax.numpy as jnp
 
     from meshpar.core.config import load_config
     from meshpar.plan import inspect

@@ -16,6 +16,12 @@ Two measurements, each from one run of this script:
    prefix; TTFT of a second request with the same prefix (cached) vs one with a fresh prefix
    (uncached), alone on the server, median of R rounds; the cached requests' outputs are compared
    with the same prompts on a server without a prefix cache (identical greedy tokens).
+3. Chunked prefill (`--only chunked`): C streaming clients decoding, then a burst of B long prompts
+   (`--long` bytes each) arriving together; the same scenario against a server that prefills a
+   tick's admissions whole (`serve.prefill_chunk` off) and one with a per-tick budget
+   (`serve.prefill_chunk=K`, `--chunk`), everything else equal. Per server, for the first run of
+   the scenario after the first that compiles nothing new: the streams' inter-token latency p50/p99
+   (the stall a burst causes) and time to first token p99, of the streams and of all requests.
 Prints one JSON object per measurement and a Markdown table.
 """
 from __future__ import annotations
@@ -59,12 +65,15 @@ def pct(xs, q):
     return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))] if xs else float("nan")
 
 
-async def stream_one(client, prompt: str, tokens: int) -> dict:
+ASCII = {str(i): -100 for i in range(128, 256)}   # logit_bias: the random model's bytes stay ASCII
+
+
+async def stream_one(client, prompt: str, tokens: int, **extra) -> dict:
     """One streaming completion -> {ttft, gaps between chunks, chunks, ok}."""
     t0 = time.perf_counter()
     times, text = [], ""
     stream = await client.completions.create(model="m", prompt=prompt, max_tokens=tokens, temperature=0,
-                                             stream=True, stream_options={"include_usage": True})
+                                             stream=True, stream_options={"include_usage": True}, **extra)
     usage = None
     async for chunk in stream:
         if chunk.usage is not None:
@@ -105,6 +114,62 @@ async def load(url: str, clients: int, tokens: int, prompts: list[str], rounds: 
             "wall_s": wall, "round": r + 1, "compiled_in_round": compiled}
 
 
+async def burst(url: str, clients: int, tokens: int, prompts: list[str], long: list[str], after_s: float) -> dict:
+    """C streams, and `long` prompts sent together `after_s` seconds after them (module docstring, 3)."""
+    import openai
+    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600) as client:
+        async def late(prompt):
+            await asyncio.sleep(after_s)
+            return await stream_one(client, prompt, 8, logit_bias=ASCII)
+        # ASCII only: every token is a whole character, so each arrives as a chunk of its own (a byte of
+        # a multi-byte character would be held back until the character is whole, and read as a stall)
+        streams = [stream_one(client, prompts[i % len(prompts)], tokens, logit_bias=ASCII) for i in range(clients)]
+        out = await asyncio.gather(*streams, *(late(p) for p in long), return_exceptions=True)
+    good = [o for o in out[:clients] if isinstance(o, dict) and o["ok"]]
+    longs = [o for o in out[clients:] if isinstance(o, dict) and o["ok"]]
+    gaps = [g for o in good for g in o["gaps"]]
+    return {"completed": len(good) + len(longs), "failed": len(out) - len(good) - len(longs),
+            "itl_p50_s": pct(gaps, 50), "itl_p99_s": pct(gaps, 99), "itl_max_s": max(gaps, default=float("nan")),
+            "ttft_streams_p99_s": pct([o["ttft"] for o in good], 99),
+            "ttft_long_p99_s": pct([o["ttft"] for o in longs], 99),
+            "ttft_all_p99_s": pct([o["ttft"] for o in good + longs], 99)}
+
+
+def chunked(args, prompts, rnd, letters) -> list[dict]:
+    """Measurement 3 of the module docstring: prefill_chunk off, then on, the same scenario."""
+    long = ["".join(rnd.choice(letters) for _ in range(args.long)) for _ in range(args.burst)]
+    rows = []
+    for chunk in (None, args.chunk):
+        setting = [f"serve.prefill_chunk={chunk}"] if chunk else []
+        proc, url = start([f"serve.slots={args.clients + args.burst}", "serve.prefill_batch=8", "serve.prefix_cache=0",
+                           "serve.cache_length=2048", *setting, *args.settings], args.devices)
+        try:               # runs repeat until one compiles nothing new (arrivals group prompts differently)
+            for r in range(args.load_rounds):
+                before = compilations(url)
+                rec = asyncio.run(burst(url, args.clients, args.tokens, prompts, long, args.after))
+                compiled = compilations(url) - before
+                if r and not compiled:
+                    break
+        finally:
+            stop(proc)
+        rec["round"], rec["compiled_in_round"] = r + 1, compiled
+        rec = {"bench": "chunked", "prefill_chunk": chunk, "clients": args.clients, "burst": args.burst,
+               "long_bytes": args.long, **rec}
+        print(json.dumps(rec), flush=True)
+        rows.append(rec)
+    off, on = rows
+    print("\n| prefill_chunk | completed | failed | ITL p50 s | ITL p99 s | ITL max s | TTFT p99 streams s | "
+          "TTFT p99 long s | TTFT p99 all s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['prefill_chunk'] or 'off'} | {r['completed']} | {r['failed']} | {r['itl_p50_s']:.4f} | "
+              f"{r['itl_p99_s']:.4f} | {r['itl_max_s']:.3f} | {r['ttft_streams_p99_s']:.3f} | {r['ttft_long_p99_s']:.3f} | "
+              f"{r['ttft_all_p99_s']:.3f} |")
+    print(f"\nITL p99 off / on: {off['itl_p99_s'] / on['itl_p99_s']:.2f}x; TTFT p99 (all) on / off: "
+          f"{on['ttft_all_p99_s'] / off['ttft_all_p99_s']:.2f}x")
+    return rows
+
+
 async def ttft_alone(url: str, prompt: str) -> tuple[float, str]:
     import openai
     async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600) as client:
@@ -120,7 +185,11 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=100, help="prompt length (bytes) of the load test")
     p.add_argument("--prefix", type=int, default=1000, help="shared prefix length (bytes) of the prefix test")
     p.add_argument("--rounds", type=int, default=5, help="prefix-test rounds (median)")
-    p.add_argument("--only", choices=["load", "prefix"], help="one measurement only")
+    p.add_argument("--only", choices=["load", "prefix", "chunked"], help="one measurement only")
+    p.add_argument("--burst", type=int, default=8, help="long prompts arriving together (chunked test)")
+    p.add_argument("--long", type=int, default=1500, help="bytes of each long prompt (chunked test)")
+    p.add_argument("--chunk", type=int, default=4096, help="serve.prefill_chunk of the chunked server")
+    p.add_argument("--after", type=float, default=1.0, help="seconds after the streams the burst arrives")
     p.add_argument("--load-rounds", type=int, default=8, help="load rounds at most: the first that compiles nothing "
                    "new (after the first) is measured")
     p.add_argument("settings", nargs="*", help="KEY=VALUE for every server, e.g. mesh.pipeline=4 mesh.tensor=2")
@@ -128,6 +197,9 @@ def main() -> None:
     rnd = random.Random(0)
     letters = "abcdefghijklmnopqrstuvwxyz "
     prompts = ["".join(rnd.choice(letters) for _ in range(args.prompt)) for _ in range(16)]
+    if args.only == "chunked":
+        chunked(args, prompts, rnd, letters)
+        return
     rows = []
     slots = f"serve.slots={args.clients}"
     for batch in (8, 1) if args.only != "prefix" else ():

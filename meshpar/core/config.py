@@ -187,6 +187,7 @@ class ServeConfig:
     min_bucket: int = 16              # prompts are padded to powers of two >= this, up to cache_length
     max_new_tokens: int = 32          # default budget of new tokens per prompt (generate; serve without max_tokens)
     prefill_batch: int = 8            # waiting prompts prefilled together in one call (1: one at a time)
+    prefill_chunk: int | None = None  # prompt tokens prefilled per tick at most; longer prompts in chunks between decode steps (None: whole)
     prefix_cache: int = 4             # prompts whose KV stays cached for reuse by a shared prefix (0: off)
     prefix_block: int = 16            # tokens per hashed block of the prefix cache (a prefix is reused in whole blocks)
     max_waiting: int = 256            # requests queued beyond the slots; more get HTTP 429 with Retry-After
@@ -194,6 +195,7 @@ class ServeConfig:
     cors_origins: list[str] = field(default_factory=list)   # web origins allowed to call the API from a browser (CORS)
     openapi: bool = False             # serve the API's schema at /openapi.json
     allow_special_tokens_in_content: bool = False   # true: a special token's text in a chat message stays special
+    drain_timeout_s: float | None = None   # SIGTERM: finish the requests in flight at most this long, then end the rest with 503 (None: however long)
 
 
 @dataclass
@@ -474,6 +476,10 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"config key '{key}' must be >= 1, got {v}")
     if cfg.train.lr <= 0:
         raise ConfigError(f"config key 'train.lr' must be > 0, got {cfg.train.lr}")
+    for key, v, least, null in (("serve.prefill_chunk", cfg.serve.prefill_chunk, 1, "prefill whole"),
+                                ("serve.drain_timeout_s", cfg.serve.drain_timeout_s, 0, "drain however long")):
+        if v is not None and v < least:
+            raise ConfigError(f"config key '{key}' must be >= {least} or null ({null}), got {v}")
     if cfg.moe.capacity_factor is not None and cfg.moe.capacity_factor <= 0:
         raise ConfigError(f"config key 'moe.capacity_factor' must be > 0 or null (dropless), got {cfg.moe.capacity_factor}")
     _check_moe(cfg)

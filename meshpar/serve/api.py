@@ -1,10 +1,14 @@
 """The OpenAI-compatible HTTP API (`meshpar serve`): FastAPI routes over a `Scheduler` whose
-thread keeps decoding while requests come and go.
+thread keeps decoding while requests come and go. A body's fields are read by
+`meshpar.serve.fields`, the choices answered by `meshpar.serve.completions`.
 
     POST /v1/completions        {"model", "prompt": text | [ids], "max_tokens", "temperature", "top_p",
-                                 "top_k" (extension), "stop", "seed", "n": 1, "stream"}
-    POST /v1/chat/completions   {"model", "messages": [{"role", "content"}], ... the same}
+                                 "top_k" (extension), "stop", "seed", "n", "stream", "logprobs": k <= 5,
+                                 "echo", "logit_bias", "presence_penalty", "frequency_penalty"}
+    POST /v1/chat/completions   {"model", "messages": [{"role", "content"}], ... the same, but
+                                 "logprobs": bool and "top_logprobs": k <= 20, no "echo"}
     GET  /v1/models             the one model served;  GET /health
+    GET  /metrics               Prometheus's text format (`meshpar.serve.metrics`); open, as /health is
 
 Responses and stream chunks follow OpenAI's shapes (`text_completion`, `chat.completion`,
 `chat.completion.chunk`; server-sent events `data: {...}` ending with `data: [DONE]`), with `usage`
@@ -15,43 +19,36 @@ not valid Unicode, a field of the wrong type or out of range, a prompt and max_t
 cache), 401 without a valid API key (`--api-key`, `MESHPAR_API_KEY`; `/health` stays open), 404 for
 an unknown model, 413 for a body over serve.max_body_bytes (refused before it is read whole), 415 for
 a body that is not `application/json` (so a web page cannot post to a local server without a CORS
-preflight), 429 with Retry-After when serve.max_waiting requests already wait. Prompts are tokenized
-off the event loop, and a text longer than the cache could hold at the tokenizer's most characters
+preflight), 429 with Retry-After when serve.max_waiting requests already wait, 503 for a request
+still running when a draining server's serve.drain_timeout_s passed (a stream ends with it).
+Prompts are tokenized off the event loop, and a text longer than the cache could hold at the tokenizer's most characters
 per token is refused before it is. A client that goes away frees its slot at the next tick.
-Temperature defaults to 1, as OpenAI's does (0 is greedy).
+Temperature defaults to 1, as OpenAI's does (0 is greedy). `n` choices are submitted together and
+share one prefill (each sibling recomputes the prompt's last position only, with seed + i);
+logprobs are the model's own (log_softmax of its logits, before bias, penalties and temperature);
+logit_bias and the penalties act inside the compiled sampling step (`meshpar.serve.sampling`).
+What is not implemented gets 400 naming the field: `response_format` other than text, `tools`,
+`functions`, `tool_choice`, `best_of` > 1, and `echo` with `logprobs`.
 """
 from __future__ import annotations
 
 import asyncio
 import json
-import secrets
 import time
-import uuid
-from typing import Any
 
 from fastapi import FastAPI, Request as HTTPRequest
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from meshpar.core.errors import ConfigError
+from meshpar.serve import completions as completions_lib
 from meshpar.serve.batching import Request
-from meshpar.serve.guard import APIError, Guard, api_keys, exposed, invalid_text
-from meshpar.serve.sampling import Sampling
+from meshpar.serve.detokenizer import Detokenizer
+from meshpar.serve.fields import Fields
+from meshpar.serve.guard import APIError, Guard, api_keys, exposed
+from meshpar.serve.metrics import Observed, ServeMetrics
 from meshpar.serve.scheduler import QueueFull, Scheduler
 
-ROLES = ("system", "developer", "user", "assistant", "tool")     # OpenAI's message roles
 FINISH = {"eos": "stop", "max_tokens": "length", "cache_full": "length", "cancelled": "stop"}
-
-
-def _field(body: dict, key: str, kinds: tuple, default: Any = None, check=None, why: str = ""):
-    """body[key] of one of `kinds` (bool is not a number), else the default; `check(v)` False -> 400."""
-    v = body.get(key, default)
-    if v is None:
-        return default
-    if not isinstance(v, kinds) or (isinstance(v, bool) and bool not in kinds):
-        raise APIError(400, f"'{key}' must be {' or '.join(k.__name__ for k in kinds)}, got {json.dumps(v)[:40]}", key)
-    if check is not None and not check(v):
-        raise APIError(400, f"'{key}' {why}, got {v}", key)
-    return v
 
 
 class Server:
@@ -59,118 +56,41 @@ class Server:
 
     def __init__(self, engine, serve_cfg, tokenizer, name: str, eos: list[int], replicas=None):
         self.engine, self.tok, self.name, self.eos = engine, tokenizer, name, eos
-        self.default_tokens = serve_cfg.max_new_tokens
-        self.special_in_content = serve_cfg.allow_special_tokens_in_content
+        self.fields = Fields(engine, tokenizer, name, eos, serve_cfg)
+        self.parse = self.fields.parse                         # a request body -> (Request, options)
         self.scheduler = Scheduler.for_config(engine, serve_cfg, bounded=True, replicas=replicas)
+        self.metrics = ServeMetrics(self.scheduler, engine)
         self.created = int(time.time())
 
-    # -- a request body -> Request -------------------------------------------------------------------
-    def parse(self, body: Any, chat: bool) -> tuple[Request, dict]:
-        """-> (Request, options {stream, stop, include_usage}); APIError naming the field at fault."""
-        if not isinstance(body, dict):
-            raise APIError(400, "the request body must be a JSON object")
-        bad = invalid_text(body)
-        if bad:
-            raise APIError(400, f"the request body holds text that is not valid Unicode at '{bad}' (a lone "
-                                "surrogate such as \\ud800); send UTF-8 text", bad.split(".")[0].split("[")[0])
-        model = _field(body, "model", (str,))
-        if model is None:
-            raise APIError(400, "'model' is required", "model")
-        if model != self.name:
-            raise APIError(404, f"the model '{model}' does not exist; this server serves '{self.name}'", "model",
-                           "model_not_found")
-        _field(body, "n", (int,), 1, lambda v: v == 1, "must be 1 (one choice per request)")
-        if body.get("echo") or body.get("logprobs") or body.get("best_of", 1) not in (1, None):
-            raise APIError(400, "echo, logprobs and best_of are not supported", "logprobs")
-        tokens = self._prompt(body, chat)
-        room = self.engine.length - len(tokens) + 1            # the last token is never written to the cache
-        if room < 1:
-            raise APIError(400, f"the prompt has {len(tokens)} tokens; this server's context (serve.cache_length) "
-                                f"holds {self.engine.length}", "messages" if chat else "prompt", "context_length_exceeded")
-        key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
-        n = _field(body, key, (int,), None, lambda v: v >= 1, "must be >= 1")
-        if n is not None and n > room:
-            raise APIError(400, f"'{key}'={n} with a prompt of {len(tokens)} tokens exceeds this server's context of "
-                                f"{self.engine.length} tokens (serve.cache_length): at most {room}", key,
-                           "context_length_exceeded")
-        temp = _field(body, "temperature", (int, float), 1.0, lambda v: 0 <= v <= 2, "must be between 0 and 2")
-        top_p = _field(body, "top_p", (int, float), 1.0, lambda v: 0 < v <= 1, "must be in (0, 1]")
-        top_k = _field(body, "top_k", (int,), None, lambda v: v == -1 or 1 <= v <= self.engine.vocab,
-                       f"must be -1 (off) or between 1 and the vocabulary {self.engine.vocab}")
-        seed = _field(body, "seed", (int,), None)
-        seed = secrets.randbits(31) if seed is None else seed      # unseeded: a fresh draw per request, as OpenAI
-        stop = _field(body, "stop", (str, list), [])
-        stop = [stop] if isinstance(stop, str) else stop
-        if len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
-            raise APIError(400, "'stop' must be a string or a list of up to 4 non-empty strings", "stop")
-        stream = _field(body, "stream", (bool,), False)
-        if body.get("stream_options") is not None and not stream:
-            raise APIError(400, "'stream_options' is only allowed with 'stream': true", "stream_options")
-        usage = bool((_field(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
-        samp = Sampling(float(temp), None if top_k in (None, -1) else top_k, float(top_p), seed % (2 ** 31))
-        req = Request(tokens, n or min(self.default_tokens, room), samp, eos=self.eos)
-        return req, {"stream": stream, "stop": stop, "include_usage": usage}
-
-    def _prompt(self, body: dict, chat: bool) -> list[int]:
-        if chat:
-            msgs = body.get("messages")
-            if not isinstance(msgs, list) or not msgs or not all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                    for m in msgs):
-                raise APIError(400, "'messages' must be a non-empty list of {\"role\": str, \"content\": str}",
-                               "messages")
-            role = next((m["role"] for m in msgs if m["role"] not in ROLES), None)
-            if role is not None:
-                raise APIError(400, f"unknown message role '{role[:40]}': use one of {', '.join(ROLES)}", "messages")
-            if not hasattr(self.tok, "chat"):
-                raise APIError(400, "this server has no chat template (serve a model with data.tokenizer=DIR whose "
-                                    "tokenizer_config.json has one); use /v1/completions", "messages")
-            self._fits(sum(len(m["content"]) for m in msgs), "messages")
-            try:
-                return self.tok.chat([{"role": m["role"], "content": m["content"]} for m in msgs],
-                                     split_special=not self.special_in_content)
-            except Exception as e:  # noqa: BLE001 - a template's own error (ConfigError) or its Python's
-                raise APIError(400, str(e).splitlines()[0] if str(e) else type(e).__name__, "messages") from None
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]                                        # a batch of one
-        if isinstance(prompt, str) and prompt:
-            self._fits(len(prompt), "prompt")
-            return self.tok.prompt(prompt)
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            if not all(0 <= t < self.engine.vocab for t in prompt):
-                raise APIError(400, f"'prompt' token ids must be in 0..{self.engine.vocab - 1}", "prompt")
-            return list(prompt)
-        raise APIError(400, "'prompt' must be a non-empty string or list of token ids (one prompt per request)",
-                       "prompt")
-
-    def _fits(self, chars: int, param: str) -> None:
-        """Refuse, before tokenizing, a text longer than the cache could hold even at the tokenizer's
-        most characters per token (twice that: a normalizer may drop characters)."""
-        most = 2 * self.engine.length * getattr(self.tok, "max_chars_per_token", 1)
-        if chars > most:
-            raise APIError(400, f"the {param} has {chars} characters, more than this server's context of "
-                                f"{self.engine.length} tokens (serve.cache_length) can hold", param,
-                           "context_length_exceeded")
-
     # -- running one request ------------------------------------------------------------------------
-    async def events(self, req: Request, stop: list[str], disconnected):
-        """Submit `req`; yield ("text", delta) as text becomes final and one ("done", finish, tokens)
-        (finish "error": the tick that ran it failed). Returns early when the client has gone."""
+    def open(self, reqs: list[Request]) -> list:
+        """Submit `reqs` together -> per request (ticket, the queue its tokens and end arrive on, in
+        this event loop); 429 when the queue has no room for all, 400 for what the engine refuses."""
         loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
+        queues = [asyncio.Queue() for _ in reqs]
 
-        def post(item):          # from the scheduler's thread; a closed loop (shutting down) drops it
+        def post(q, item):       # from the scheduler's thread; a closed loop (shutting down) drops it
             if not loop.is_closed():
                 loop.call_soon_threadsafe(q.put_nowait, item)
         try:
-            ticket = self.scheduler.submit(req, lambda t: post(("tok", t)), lambda c: post(("done", c)))
+            tickets = self.scheduler.submit_all([(r, lambda t, q=q: post(q, ("tok", t)), lambda c, q=q: post(q, ("done", c)))
+                                                 for r, q in zip(reqs, queues)])
         except QueueFull as e:
             raise APIError(429, f"the server is busy ({e}); retry shortly", code="rate_limit_exceeded",
                            kind="rate_limit_error", headers={"Retry-After": "1"}) from None
         except ConfigError as e:
             raise APIError(400, str(e)) from None
+        return list(zip(tickets, queues))
+
+    async def events(self, opened, stop: list[str], disconnected):
+        """The request `opened` (`open`): yield ("text", delta, log probabilities of the tokens it
+        holds) as text becomes final and one ("done", finish, tokens) (finish "error": the tick that
+        ran it failed, "shutdown": a draining server's deadline cut it; then the error's message in
+        place of tokens). Returns early when the client has gone."""
+        ticket, q = opened
+        req = ticket.request
         text, checked = Detokenizer(self.tok, req.tokens, self.eos, stop), time.monotonic()
+        m, start, last, pending = self.metrics, time.perf_counter(), None, []
         try:
             while True:
                 try:
@@ -182,81 +102,37 @@ class Server:
                     if await disconnected():
                         return
                 if kind == "done":
-                    if value.finish == "error":
-                        yield "done", "error", value.error
+                    if value.finish in ("error", "shutdown"):
+                        yield "done", value.finish, value.error
                         return
                     break
                 if kind == "tok":
+                    now = time.perf_counter()
+                    if last is None:
+                        m.ttft.observe(now - start)
+                        m.prompt_tokens.inc(len(req.tokens))
+                    else:
+                        m.itl.observe(now - last)
+                    last = now
+                    m.generation_tokens.inc()
+                    index = len(text.tokens)
                     delta, stopped = text.add(value)
+                    if req.logprobs is not None and value not in self.eos and not stopped:
+                        pending.append((value, *ticket.completion.logprobs[index]))
                     if delta:
-                        yield "text", delta
+                        yield "text", delta, pending
+                        pending = []
                     if stopped:
                         self.scheduler.cancel(ticket)
                         break
             delta = text.flush()
-            if delta:
-                yield "text", delta
+            if delta or pending:
+                yield "text", delta, pending
             yield "done", "stop" if text.stopped else FINISH.get(value.finish, "stop"), len(text.tokens)
         finally:
+            if last is not None:
+                m.e2e.observe(last - start)
             self.scheduler.cancel(ticket)                      # a no-op once finished; frees a vanished client's slot
-
-
-class Detokenizer:
-    """A completion's text as its tokens come, in O(1) decoding work per token (vLLM's incremental
-    detokenizer): each new token is decoded with the few tokens before it (so a leading space, or a
-    character split over tokens, decodes as in the whole text), and text grows only once a character
-    is whole. End tokens are left out; the text is cut at the first stop string; text that a stop
-    string may still change is held back until it cannot."""
-
-    def __init__(self, tok, prompt, eos, stop: list[str]):
-        self.tok, self.eos, self.stop = tok, set(eos), stop
-        self.window = [int(t) for t in prompt[-4:]]    # tokens decoded together: [0, read) already text
-        self.read = len(self.window)
-        self.hold = max((len(x) - 1 for x in stop), default=0)
-        self.tokens, self.all, self.sent, self.searched, self.stopped = [], "", "", 0, False
-
-    def _grow(self, final: bool) -> None:
-        """Append the text of the tokens past `read`, decoded after those before it; a character still
-        unfinished waits (unless final, or 16 tokens wait: far more than a character has bytes)."""
-        before = self.tok.decode(self.window[:self.read])
-        now = self.tok.decode(self.window)
-        if len(now) > len(before) and (final or not now.endswith("\ufffd") or len(self.window) - self.read > 16):
-            self.all += now[len(before):] if now.startswith(before) else self.tok.decode(self.window[self.read:])
-            # the tokens just read become the context: they end on a character boundary
-            self.window = self.window[self.read:]
-            self.read = len(self.window)
-
-    def _ready(self, final: bool) -> str:
-        """The text that can be sent: cut at a stop string (searched from where it could begin)."""
-        hits = [i for i in (self.all.find(x, max(0, self.searched - self.hold - 1)) for x in self.stop) if i >= 0]
-        self.searched = len(self.all)
-        if hits:
-            self.stopped = True
-            self.all = self.all[:min(hits)]
-            return self.all
-        return self.all if final else self.all[:max(0, len(self.all) - self.hold)]
-
-    def _delta(self, ready: str) -> str:
-        if len(ready) <= len(self.sent) or not ready.startswith(self.sent):
-            return ""
-        delta, self.sent = ready[len(self.sent):], ready
-        return delta
-
-    def add(self, token: int) -> tuple[str, bool]:
-        """-> (text now final, whether a stop string ended the completion)."""
-        self.tokens.append(int(token))
-        if self.stopped or int(token) in self.eos:
-            return "", self.stopped
-        self.window.append(int(token))
-        self._grow(final=False)
-        return self._delta(self._ready(final=False)), self.stopped
-
-    def flush(self) -> str:
-        """The rest, once the completion has ended."""
-        if not self.stopped:
-            self._grow(final=True)
-        return self._delta(self._ready(final=True))
-
 
 def create_app(server: Server, keys: list[str] = (), max_body: int = 4 * 2**20, cors_origins: list[str] = (),
                openapi: bool = False):
@@ -264,6 +140,8 @@ def create_app(server: Server, keys: list[str] = (), max_body: int = 4 * 2**20, 
     behind `Guard` (API keys, body type and size), behind CORS for `cors_origins` (none: a browser
     page of another origin may not read the answers; its preflights pass before the key check)."""
     app = Guard(_routes(server, openapi), list(keys), max_body)
+    if server is not None:                        # (None: the routes alone, for their schema)
+        app = Observed(app, server.metrics)
     if cors_origins:
         from starlette.middleware.cors import CORSMiddleware
         app = CORSMiddleware(app, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
@@ -292,8 +170,13 @@ def _routes(server: Server, openapi: bool = False):
     async def health():
         sched = server.scheduler
         return {"status": "ok", "waiting": len(sched.waiting) + len(sched.inbox), "active": len(sched.active),
-                "decode_steps": sched.decode_steps, "errors": sched.errors,
+                "decode_steps": sched.decode_steps, "prefill_calls": sched.prefill_calls, "errors": sched.errors,
                 "compilations": sum(server.engine.traces.values())}     # a new (rows, bucket) shape compiles once
+
+    @app.get("/metrics")
+    async def metrics():
+        body, content_type = server.metrics.exposition()
+        return Response(body, media_type=content_type)
 
     def card():
         return {"id": server.name, "object": "model", "created": server.created, "owned_by": "meshpar"}
@@ -316,71 +199,8 @@ def _routes(server: Server, openapi: bool = False):
         except (ValueError, UnicodeDecodeError, RecursionError) as e:
             raise APIError(400, f"the request body is not valid JSON ({str(e).splitlines()[0]})") from None
 
-    def server_error(message: str) -> APIError:
-        return APIError(500, f"the step serving this request failed: {message}", kind="server_error")
-
     async def complete(http: HTTPRequest, chat: bool):
-        # off the event loop: a long prompt's tokenizing never stalls the other clients or /health
-        req, opt = await asyncio.to_thread(server.parse, await body_of(http), chat)
-        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}",
-                "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": int(time.time()), "model": server.name}
-        events = server.events(req, opt["stop"], http.is_disconnected)
-        try:
-            first = await events.__anext__()             # errors (429, 400) before any byte is sent
-        except StopAsyncIteration:                       # the client went away while it waited
-            return Response(status_code=499)
-        if first[0] == "done" and first[1] == "error":
-            raise server_error(first[2])
-        n_prompt = len(req.tokens)
-
-        def usage(n):
-            return {"prompt_tokens": n_prompt, "completion_tokens": n, "total_tokens": n_prompt + n}
-
-        def choice(text=None, finish=None, role=False):
-            if not chat:
-                return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-            delta = ({"role": "assistant"} if role else {}) | ({"content": text} if text is not None else {})
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-
-        async def all_events():
-            yield first
-            async for ev in events:
-                yield ev
-
-        if opt["stream"]:
-            extra = {"usage": None} if opt["include_usage"] else {}
-
-            def chunk(body):
-                return f"data: {json.dumps(head | body)}\n\n"
-
-            async def sse():
-                if chat:
-                    yield chunk({"choices": [choice("", role=True)], **extra})
-                async for ev in all_events():
-                    if ev[0] == "text":
-                        yield chunk({"choices": [choice(ev[1])], **extra})
-                    elif ev[1] == "error":
-                        yield f"data: {json.dumps(server_error(ev[2]).body())}\n\n"
-                    else:
-                        yield chunk({"choices": [choice(None if chat else "", ev[1])], **extra})
-                        if opt["include_usage"]:
-                            yield chunk({"choices": [], "usage": usage(ev[2])})
-                yield "data: [DONE]\n\n"
-            return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        text, finish, n = "", "stop", 0
-        async for ev in all_events():
-            if ev[0] == "text":
-                text += ev[1]
-            elif ev[1] == "error":
-                raise server_error(ev[2])
-            else:
-                finish, n = ev[1], ev[2]
-        if chat:
-            out = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                   "finish_reason": finish}
-            return head | {"object": "chat.completion", "choices": [out], "usage": usage(n)}
-        return head | {"choices": [choice(text, finish)], "usage": usage(n)}
+        return await completions_lib.complete(server, http, chat, body_of)
 
     @app.post("/v1/completions")
     async def completions(http: HTTPRequest):
@@ -444,14 +264,54 @@ def serve_http(cfg, host: str, sock, model_name: str | None = None, keys: list[s
     # uvicorn drains on SIGTERM, then raises it again under the handler it found: make that one a no-op,
     # so a drained server exits 0 (Ctrl-C still ends with 130, through interrupts_exit's handler)
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    drain = Drain(server.scheduler, cfg.serve.drain_timeout_s)
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        drain.server(config).run(sockets=[sock])
     finally:
+        drain.done()
         stop.set()                       # the scheduler finishes what it took, then (other processes) says stop
         worker.join()
+    if drain.cut:
+        print(f"serve.drain_timeout_s={cfg.serve.drain_timeout_s:g} passed: {drain.cut} requests in flight were cut "
+              "(answered 503)", file=sys.stderr)
     p = server.scheduler.prefix
     print(f"stopped: {server.scheduler.decode_steps} decode steps, {server.scheduler.prefill_calls} prefill calls"
           + (f", prefix cache {p.hits} hits / {p.misses} misses" if p is not None else ""), file=sys.stderr)
+
+
+class Drain:
+    """SIGTERM's deadline (`serve.drain_timeout_s`): uvicorn stops taking connections and waits for the
+    requests in flight; once `timeout_s` has passed since the signal, every request not yet finished
+    is cut (`Scheduler.cut`): a response not yet begun is a 503 in OpenAI's shape, a stream ends with
+    that error and `[DONE]`, so no client is left with a reset connection. `cut`: how many."""
+
+    def __init__(self, scheduler, timeout_s: float | None):
+        self.scheduler, self.timeout_s, self.cut, self.timer = scheduler, timeout_s, 0, None
+
+    def server(self, config):
+        import uvicorn
+        drain = self
+
+        class Draining(uvicorn.Server):
+            def handle_exit(self, sig, frame):
+                drain.start()
+                super().handle_exit(sig, frame)
+        return Draining(config)
+
+    def start(self) -> None:
+        import threading
+        if self.timeout_s is not None and self.timer is None:
+            self.timer = threading.Timer(self.timeout_s, self._cut)
+            self.timer.daemon = True
+            self.timer.start()
+
+    def _cut(self) -> None:
+        self.cut = self.scheduler.cut(f"the server is shutting down: serve.drain_timeout_s={self.timeout_s:g} passed "
+                                      "before this request finished; send it again (to another replica)")
+
+    def done(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
 
 
 def listen(host: str, port: int):

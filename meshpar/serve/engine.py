@@ -49,7 +49,7 @@ from meshpar.core.rules import for_rows, use_layout
 from meshpar.serve import in_flight
 from meshpar.serve.batching import Completion, Request
 from meshpar.serve.placement import Placement, zeros
-from meshpar.serve.sampling import Sampling, position_key, sample
+from meshpar.serve.sampling import ROW_KEYS, Sampling, adjust, logprobs, position_key, sample
 
 
 def _check_length(request: Request, length: int) -> None:
@@ -65,6 +65,22 @@ def _check_ids(request: Request, vocab: int) -> None:
     bad = [t for t in request.tokens if not 0 <= int(t) < vocab]
     if bad:
         raise ConfigError(f"prompt token id {bad[0]} is outside the vocabulary 0..{vocab - 1}")
+
+
+def _tails(prompts: list, starts: list, length: int) -> np.ndarray:
+    """Each prompt's tokens from its start, zero-padded to `length` -> [n, length] int32."""
+    tail = np.zeros((len(prompts), length), np.int32)
+    for r, (t, st) in enumerate(zip(prompts, starts)):
+        tail[r, :len(t) - st] = t[st:]
+    return tail
+
+
+def _stack(spec, caches: list):
+    """Caches [.., 1, S, ..] (tree of `spec`'s leaves) -> one [.., n, S, ..] along each's cache_batch."""
+    if len(caches) == 1:
+        return caches[0]
+    return jax.tree.map(lambda leaf, *c: jnp.concatenate(c, axis=leaf.axes.index("cache_batch")), spec, *caches,
+                        is_leaf=is_leaf)
 
 
 def _pow2(n: int) -> int:
@@ -95,6 +111,7 @@ class Compiled(Placement):
         self._prefill = jax.jit(self._prefill_fn, out_shardings=(None, rep, rep))
         self._extend = jax.jit(self._extend_fn, out_shardings=(None, rep, rep))
         self._full = jax.jit(self._full_fn)
+        self._logprobs = jax.jit(logprobs)
         self._insert = jax.jit(self._insert_fn, out_shardings=self.state_shardings, donate_argnums=(1,))
         self._generate = jax.jit(self._generate_fn, in_shardings=(self.weight_shardings, self.state_shardings),
                                  out_shardings=(self.state_shardings, rep, rep), donate_argnums=(1,))
@@ -103,11 +120,13 @@ class Compiled(Placement):
         """The decode state: the cache [.., B, S, ..] and per slot its position (where its last token
         goes), last token and sampling settings; with a pipeline in flight also the activations in
         flight, the tick count and per slot the tick it was filled at (`meshpar.serve.in_flight`)."""
-        b, key = self.slots, jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
+        b = self.slots
         sds = jax.ShapeDtypeStruct
+        rows = jax.eval_shape(lambda: Sampling().arrays(self.vocab))               # one row's settings
         shapes = {"cache": jax.tree.map(lambda leaf: sds(leaf.shape, leaf.dtype), self.cache_spec, is_leaf=is_leaf),
-                  "pos": sds((b,), jnp.int32), "token": sds((b,), jnp.int32), "temp": sds((b,), jnp.float32),
-                  "top_k": sds((b,), jnp.int32), "top_p": sds((b,), jnp.float32), "key": sds((b, *key.shape), key.dtype)}
+                  "pos": sds((b,), jnp.int32), "token": sds((b,), jnp.int32),
+                  **{k: sds((b, *rows[k].shape), rows[k].dtype) for k in ROW_KEYS},
+                  "counts": sds((b, self.vocab), jnp.int32)}               # tokens generated so far (penalties)
         if self.in_flight:
             shapes.update(in_flight.state_shapes(self))
         return jax.tree.map(lambda a, sh: sds(a.shape, a.dtype, sharding=sh), shapes, self.state_shardings)
@@ -146,7 +165,7 @@ class Compiled(Placement):
         last = jnp.take_along_axis(logits, last_at[:, None, None], axis=1)[:, 0].astype(jnp.float32)   # [n, V]
         at = jnp.take_along_axis(positions, last_at[:, None], axis=1)[:, 0]
         keys = jax.vmap(position_key)(samp["key"], at)
-        tok = sample(last, samp["temp"], samp["top_k"], samp["top_p"], keys)
+        tok = sample(adjust(last, samp), samp["temp"], samp["top_k"], samp["top_p"], keys)
         return {"cache": cache, "length": at + 1, "token": tok, **samp}, tok, last
 
     def _prefill_fn(self, weights, tokens, lengths, samp):
@@ -156,12 +175,14 @@ class Compiled(Placement):
         positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (n, p))
         return self._first(weights, tokens, positions, zeros(self.entry_spec(n, p)), lengths - 1, samp)
 
-    def _extend_fn(self, weights, cache, tokens, start, length, samp):
-        """A cache [.., 1, S, ..] whose positions < start hold a prompt's prefix, the prompt's tail
-        tokens [1, T] from `start` (its true end: `length`) -> `_first`'s triple (cache S long)."""
+    def _extend_fn(self, weights, caches, tokens, start, length, samp):
+        """n caches [.., 1, S, ..], cache r holding a prompt's first start[r] positions, stacked here
+        (inside the one program: no eager op of its own on the devices), the prompts' tails tokens
+        [n, T] from there (their true ends: `length` [n]) -> `_first`'s triple."""
         self.traces["extend"] += 1
-        positions = start + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
-        return self._first(weights, tokens, positions, cache, (length - 1 - start)[None], samp)
+        cache = _stack(self.entry_spec(1, self.length), list(caches))
+        positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+        return self._first(weights, tokens, positions, cache, length - 1 - start, samp)
 
     def _full_fn(self, cache, row):
         """Row `row` of a prefill's cache [.., n, P, ..], padded to [.., 1, S, ..] (a prefix to keep)."""
@@ -195,8 +216,10 @@ class Compiled(Placement):
 
         new = {**state, "cache": jax.tree.map(put, self.cache_spec, entry["cache"], state["cache"], is_leaf=is_leaf),
                "pos": take(entry["length"], state["pos"], 0)}
-        for k in ("token", "temp", "top_k", "top_p", "key"):
+        for k in ("token", *ROW_KEYS):
             new[k] = take(entry[k], state[k], 0)
+        first = jax.nn.one_hot(entry["token"], self.vocab, dtype=jnp.int32)                  # the first token, counted
+        new["counts"] = take(first, state["counts"], 0)
         if self.in_flight:          # the slot's tokens still in the pipe are the old request's: stale from now on
             new.update(in_flight.inserted(state, has))
         return new
@@ -211,8 +234,28 @@ class Compiled(Placement):
             logits, cache = self._decode(weights, state["token"][:, None], pos[:, None], state["cache"])
         logits = logits[:, 0].astype(jnp.float32)                                       # [B, V]
         keys = jax.vmap(position_key)(state["key"], pos)
-        nxt = sample(logits, state["temp"], state["top_k"], state["top_p"], keys)
-        return {**state, "cache": cache, "token": nxt, "pos": state["pos"] + 1}, nxt, logits
+        nxt = sample(adjust(logits, state, state["counts"]), state["temp"], state["top_k"], state["top_p"], keys)
+        counts = state["counts"].at[jnp.arange(self.slots), nxt].add(1)
+        return {**state, "cache": cache, "token": nxt, "pos": state["pos"] + 1, "counts": counts}, nxt, logits
+
+
+def precheck(cfg, requests, model: Callable | None = None) -> int | None:
+    """The checks that need no weights (run before loading any): prompt lengths, sampling ranges,
+    and token ids against the vocabulary the model's config declares (`cfg.vocab` of the abstract
+    model: `model.vocab`, the size preset, init_from's config.json). -> that vocabulary (None: the
+    model keeps no `cfg.vocab`; `check` has the logits' own once the model is placed)."""
+    from meshpar.core.registry import default_model
+    from meshpar.core.sharding import model_spec
+    from meshpar.serve.placement import cache_length
+    length = cache_length(cfg)
+    vocab = getattr(model_spec(model or default_model(cfg), precision_lib.get_policy(cfg.precision)).cfg, "vocab", None)
+    vocab = vocab if isinstance(vocab, int) and vocab > 0 else None
+    for r in requests:
+        _check_length(r, length)
+        if vocab:
+            _check_ids(r, vocab)
+        r.sampling.check(vocab=None)
+    return vocab
 
 
 class Engine(Compiled):
@@ -222,24 +265,15 @@ class Engine(Compiled):
     `model`, `weights`: as `Placement` (default: `cfg.model.name`; the newest checkpoint of
     `cfg.checkpoint.dir`, else `model.init_from`, else a fresh init)."""
 
-    @staticmethod
-    def precheck(cfg, requests, model: Callable | None = None) -> int | None:
-        """The checks that need no weights (run before loading any): prompt lengths, sampling ranges,
-        and token ids against the vocabulary the model's config declares (`cfg.vocab` of the abstract
-        model: `model.vocab`, the size preset, init_from's config.json). -> that vocabulary (None: the
-        model keeps no `cfg.vocab`; `check` has the logits' own once the model is placed)."""
-        from meshpar.core.registry import default_model
-        from meshpar.core.sharding import model_spec
-        from meshpar.serve.placement import cache_length
-        length = cache_length(cfg)
-        vocab = getattr(model_spec(model or default_model(cfg), precision_lib.get_policy(cfg.precision)).cfg, "vocab", None)
-        vocab = vocab if isinstance(vocab, int) and vocab > 0 else None
-        for r in requests:
-            _check_length(r, length)
-            if vocab:
-                _check_ids(r, vocab)
-            r.sampling.check(vocab=None)
-        return vocab
+    def bytes_per_device(self) -> dict:
+        """`Placement.bytes_per_device`, and the slots' own state beside the cache (positions, tokens,
+        sampling settings, the penalties' token counts)."""
+        from meshpar.core.sharding import bytes_per_device
+        rest = [a for k, v in self.state_shapes().items() if k != "cache" for a in jax.tree.leaves(v)]
+        return {**super().bytes_per_device(),
+                "slots": int(sum(bytes_per_device(a.shape, a.dtype, a.sharding) for a in rest))}
+
+    precheck = staticmethod(precheck)          # the checks that need no weights (`precheck`)
 
     def check(self, request: Request) -> None:
         """One line naming what is wrong with a request."""
@@ -302,15 +336,33 @@ class Engine(Compiled):
         self.check(request)
         if not self.can_extend(len(tokens), start):
             raise ConfigError(f"cannot extend a prompt of {len(tokens)} tokens from position {start}")
-        tail = np.zeros((1, self.bucket(len(tokens) - start)), np.int32)
-        tail[0, :len(tokens) - start] = tokens[start:]
-        entry, tok, last = self._extend(self._weights(params), cache, tail, np.int32(start),
-                                        np.int32(len(tokens)), self._samplings([request.sampling], 1))
+        entry, tok, last = self.extend_batch([cache], [tokens], [start], [request.sampling], params)
         return entry, tok[0], last[0]
 
+    def extend_batch(self, caches: list, prompts: list, starts: list, samplings: list | None = None, params=None):
+        """n prompts extended in one call: prompt r's first starts[r] positions are in caches[r]
+        ([.., 1, S, ..]); their tails are padded to the bucket of the longest, the rows to a power of
+        two (repeating the first) -> (entry [.., rows, S, ..], first tokens [n], their logits [n, V])."""
+        samplings = samplings or [Sampling()] * len(prompts)
+        for t, st, smp in zip(prompts, starts, samplings):
+            self.check(Request(list(t), 1, smp))
+            if not self.can_extend(len(t), st):
+                raise ConfigError(f"cannot extend a prompt of {len(t)} tokens from position {st}")
+        n = len(prompts)
+        pick = [r if r < n else 0 for r in range(_pow2(n))]
+        tail = _tails([prompts[i] for i in pick], [starts[i] for i in pick],
+                      self.bucket(max(len(t) - st for t, st in zip(prompts, starts))))
+        entry, tok, last = self._extend(self._weights(params), tuple(caches[i] for i in pick), tail, np.asarray([starts[i] for i in pick], np.int32),
+                                        np.asarray([len(prompts[i]) for i in pick], np.int32),
+                                        self._samplings([samplings[i] for i in pick], len(pick)))
+        return entry, tok[:n], last[:n]
+
     def full(self, entry, row: int = 0):
-        """Row `row` of an entry's cache as a whole-length cache [.., 1, S, ..] (for `extend`)."""
-        return self._full(entry["cache"], np.int32(row))
+        """Row `row` of an entry's cache as a whole-length cache [.., 1, S, ..] (for `extend`), waited
+        for: taking a row of a cache split over the devices moves it by collectives, and on XLA:CPU's
+        fake devices several such programs in flight at once, under load, deadlocked in their
+        rendezvous (a chunked prefill takes one per prompt of a tick)."""
+        return jax.block_until_ready(self._full(entry["cache"], np.int32(row)))
 
     def insert(self, entry, state, slot):
         """-> `state` with entry row r in slot `slot[r]` (an int: row 0; -1 drops a row); `state` is
@@ -325,6 +377,12 @@ class Engine(Compiled):
         flight a slot whose token is still in the pipe gets -1: while the pipe fills, after a refill,
         and (with fewer than P ticks per call) the groups that did not leave the last stage."""
         return self._generate(self._weights(params), state)
+
+    def logprobs(self, logits, tokens) -> tuple:
+        """logits [n, V] (as prefill, extend or generate returned them), tokens [n] -> host arrays: each
+        token's log probability [n], the most likely ids [n, K] and theirs [n, K] (`sampling.logprobs`)."""
+        logits = logits.reshape(-1, logits.shape[-1])
+        return tuple(np.asarray(a) for a in self._logprobs(logits, np.asarray(tokens, np.int32).reshape(-1)))
 
     def warmup(self, requests=()) -> None:
         """Compile prefill/insert for the buckets of `requests` and generate, outside any timing."""

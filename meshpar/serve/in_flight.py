@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from meshpar.core import precision as precision_lib
 from meshpar.core.rules import for_rows, use_layout
 from meshpar.parallel import pipeline_decode
-from meshpar.serve.sampling import position_key, sample
+from meshpar.serve.sampling import ROW_KEYS, adjust, position_key, sample
 
 
 def shardings(mesh) -> dict:
@@ -60,10 +60,12 @@ def generate(engine, weights, state):
         out = jnp.arange(b // p) * p + (st["tick"] + 1) % p                       # the group leaving [R]
         live = st["born"][out] <= st["tick"] - (p - 1)          # it entered after its slot was filled
         keys = jax.vmap(position_key)(st["key"][out], pos[out])
-        nxt = sample(logits, st["temp"][out], st["top_k"][out], st["top_p"][out], keys)
+        rows = {k: st[k][out] for k in ROW_KEYS}
+        nxt = sample(adjust(logits, rows, st["counts"][out]), rows["temp"], rows["top_k"], rows["top_p"], keys)
         st = {**st, "cache": cache, "flight": flight, "tick": st["tick"] + 1,
               "token": st["token"].at[out].set(jnp.where(live, nxt, st["token"][out])),
-              "pos": st["pos"].at[out].add(live.astype(jnp.int32))}
+              "pos": st["pos"].at[out].add(live.astype(jnp.int32)),
+              "counts": st["counts"].at[out, nxt].add(live.astype(jnp.int32))}
         return (st, toks.at[out].set(jnp.where(live, nxt, toks[out])),
                 lg.at[out].set(jnp.where(live[:, None], logits, lg[out]))), None
 

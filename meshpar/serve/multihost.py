@@ -37,15 +37,19 @@ def broadcast_json(obj, leader: bool):
 
 
 def encode(ticket) -> dict:
+    """A ticket's request as JSON: everything that decides which compiled calls a tick makes and what
+    they are fed (sampling, bias, penalties, logprobs, `n` siblings), so every process makes the same."""
     r, s = ticket.request, ticket.request.sampling
     return {"id": ticket.id, "tokens": [int(t) for t in r.tokens], "max_new_tokens": r.max_new_tokens,
-            "sampling": [s.temperature, s.top_k, s.top_p, s.seed], "eos": r.eos}
+            "sampling": [s.temperature, s.top_k, s.top_p, s.seed, s.presence, s.frequency, [list(b) for b in s.bias]],
+            "eos": r.eos, "logprobs": r.logprobs, "share": r.share}
 
 
 def decode(d: dict):
     from meshpar.serve.scheduler import Ticket
-    t, k, p, seed = d["sampling"]
-    request = Request(d["tokens"], d["max_new_tokens"], Sampling(t, k, p, seed), d["eos"])
+    t, k, p, seed, presence, frequency, bias = d["sampling"]
+    sampling = Sampling(t, k, p, seed, presence, frequency, tuple((int(i), float(v)) for i, v in bias))
+    request = Request(d["tokens"], d["max_new_tokens"], sampling, d["eos"], d["logprobs"], d["share"])
     return Ticket(request, Completion(list(request.tokens)), id=d["id"])
 
 

@@ -36,6 +36,7 @@ from meshpar.core.errors import ConfigError
 from meshpar.core.mesh import make_mesh
 from meshpar.core.rules import BATCH_AXES, Layout, for_rows, get_strategy, parse_user_rules, spec_axes, table
 from meshpar.core.sharding import building, model_spec, param_shardings, path_name, var_shardings
+from meshpar.serve.sampling import ROW_KEYS
 
 
 def buckets(cache_length: int, min_bucket: int) -> list[int]:
@@ -170,7 +171,7 @@ class Placement:
         self.weight_shapes = {"params": params, "vars": self.spec.var_shapes}
         cache_sh = jax.tree.map(lambda leaf: self.layout.sharding(leaf.axes, leaf.shape, "KV cache"),
                                 self.cache_spec, is_leaf=is_leaf)
-        self.state_shardings = {"cache": cache_sh, **{k: rep for k in ("pos", "token", "temp", "top_k", "top_p", "key")}}
+        self.state_shardings = {"cache": cache_sh, **{k: rep for k in ("pos", "token", *ROW_KEYS, "counts")}}
         self.weights, self.source = self._load(weights)
 
     # -- set-up ----------------------------------------------------------------------------------

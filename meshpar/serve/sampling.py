@@ -14,6 +14,14 @@ Every parameter is a traced array, so a request may change any of them without a
 Ties at a threshold keep every tied entry. The key of a row is the request's seed folded with the
 position being predicted (`meshpar.serve.engine`), so a request samples the same tokens whichever slot
 and batch it runs in.
+
+Before that, `adjust` applies OpenAI's logit_bias and penalties to the logits (per row, traced too):
+
+    l[j] += bias[j]                                         logit_bias: up to MAX_BIAS (token, value) pairs
+    l[j] -= c[j] * frequency + (c[j] > 0) * presence        c [B, V]: counts of each token generated so far
+
+and `logprobs` reads the model's own distribution (log_softmax of the logits before any of this) at
+the chosen tokens and its TOP_LOGPROBS most likely ones.
 """
 from __future__ import annotations
 
@@ -21,17 +29,27 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from meshpar.core.errors import ConfigError
 
 
+MAX_BIAS = 300          # logit_bias entries per request (a fixed [MAX_BIAS] row: one compiled shape)
+TOP_LOGPROBS = 20       # most likely tokens `logprobs` returns per position (OpenAI's top_logprobs bound)
+ROW_KEYS = ("temp", "top_k", "top_p", "key", "presence", "frequency", "bias_ids", "bias_vals")   # per row, traced
+
+
 @dataclass(frozen=True)
 class Sampling:
-    """One request's sampling settings. temperature 0 is greedy; top_k None and top_p 1.0 are off."""
+    """One request's sampling settings. temperature 0 is greedy; top_k None and top_p 1.0 are off;
+    presence and frequency penalties 0 and no `bias` ((token id, value) pairs) leave the logits alone."""
     temperature: float = 0.0
     top_k: int | None = None
     top_p: float = 1.0
     seed: int = 0
+    presence: float = 0.0
+    frequency: float = 0.0
+    bias: tuple = ()
 
     def check(self, vocab: int | None) -> "Sampling":
         """One line naming the bad value (vocab None: the model is not known yet); returns self."""
@@ -45,12 +63,48 @@ class Sampling:
                               "omit it to sample from the whole vocabulary")
         if not 0.0 < p <= 1.0:
             raise ConfigError(f"top-p must be in (0, 1], got {p}; use 1.0 to turn nucleus sampling off")
+        for name, v in (("presence_penalty", self.presence), ("frequency_penalty", self.frequency)):
+            if not -2.0 <= v <= 2.0:
+                raise ConfigError(f"{name} must be between -2 and 2, got {v}")
+        if len(self.bias) > MAX_BIAS:
+            raise ConfigError(f"logit_bias has {len(self.bias)} entries; at most {MAX_BIAS}")
+        for tok, v in self.bias:
+            if tok < 0 or (vocab is not None and tok >= vocab):
+                raise ConfigError(f"logit_bias token {tok} is outside the vocabulary 0..{(vocab or 0) - 1}")
+            if not -100.0 <= v <= 100.0:
+                raise ConfigError(f"logit_bias value for token {tok} must be between -100 and 100, got {v}")
         return self
 
     def arrays(self, vocab: int) -> dict:
-        """As traced scalars: temperature f32, top_k i32 (vocab when off), top_p f32, key (key data)."""
+        """As traced values: temperature f32, top_k i32 (vocab when off), top_p f32, key (key data),
+        the penalties f32, and the bias as [MAX_BIAS] ids and values (padding: token 0 + 0.0)."""
+        ids, vals = np.zeros(MAX_BIAS, np.int32), np.zeros(MAX_BIAS, np.float32)
+        for i, (tok, v) in enumerate(self.bias):
+            ids[i], vals[i] = tok, v
         return {"temp": jnp.float32(self.temperature), "top_k": jnp.int32(self.top_k or vocab),
-                "top_p": jnp.float32(self.top_p), "key": jax.random.key_data(jax.random.key(self.seed))}
+                "top_p": jnp.float32(self.top_p), "key": jax.random.key_data(jax.random.key(self.seed)),
+                "presence": jnp.float32(self.presence), "frequency": jnp.float32(self.frequency),
+                "bias_ids": ids, "bias_vals": vals}
+
+
+def adjust(logits, rows: dict, counts=None):
+    """logits [B, V] f32 with each row's logit_bias added and, given `counts` [B, V] (tokens generated
+    so far), its presence and frequency penalties subtracted (module docstring)."""
+    b = logits.shape[0]
+    logits = logits.at[jnp.arange(b)[:, None], rows["bias_ids"]].add(rows["bias_vals"])
+    if counts is not None:
+        c = counts.astype(jnp.float32)
+        logits = logits - rows["frequency"][:, None] * c - rows["presence"][:, None] * (c > 0)
+    return logits
+
+
+def logprobs(logits, tokens):
+    """logits [B, V], tokens [B] -> (log p of each token [B], the TOP_LOGPROBS most likely ids [B, K]
+    and their log p [B, K]), from log_softmax of the logits as the model gave them."""
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(lp, jnp.clip(tokens, 0, lp.shape[-1] - 1)[:, None], axis=-1)[:, 0]
+    top, ids = jax.lax.top_k(lp, min(TOP_LOGPROBS, lp.shape[-1]))
+    return chosen, ids, top
 
 
 def position_key(key, position):

@@ -12,8 +12,9 @@ taking requests from other threads (`Scheduler.serve`, `meshpar serve`):
            frees its slot
 
 A request finishes at its end token (`eos`), its token budget (`max_tokens`), a full cache
-(`cache_full`) or when cancelled (`cancelled`: a client that went away, or a stop string its
-reader saw). Requests beyond `max_waiting` queued are refused with `QueueFull` (HTTP 429).
+(`cache_full`), when cancelled (`cancelled`: a client that went away, or a stop string its
+reader saw) or when cut (`shutdown`: a draining server's deadline passed, `Scheduler.cut`).
+Requests beyond `max_waiting` queued are refused with `QueueFull` (HTTP 429).
 Callbacks run on the scheduler's thread, in token order. Submissions and cancellations take
 effect only at the start of a tick, so that on several processes (`meshpar.serve.multihost`) process
 0 can hand every tick's intake to the others, whose schedulers then make the same calls.
@@ -30,6 +31,7 @@ from typing import Callable
 import numpy as np
 
 from meshpar.serve.batching import Completion, Request
+from meshpar.serve.prefill import Prefills
 from meshpar.serve.prefix import PrefixCache
 
 
@@ -47,18 +49,20 @@ class Ticket:
     submitted: float = field(default_factory=time.perf_counter)
     cancelled: bool = False
     id: int = 0
+    cut: str | None = None          # why it was cut short (`Scheduler.cut`), None if it was not
 
 
-class Ticks:
-    """The tick of the module docstring, on one thread: queue, slots, admission, emission.
+class Ticks(Prefills):
+    """The tick of the module docstring, on one thread: queue, slots, admission (`Prefills`), emission.
     `prefill_batch`: prompts per prefill call; `prefix`: a PrefixCache or None; `max_waiting`: queue
     bound (None: unbounded); `replicas`: a `meshpar.serve.multihost.Replicas` that shares each tick's
-    intake between processes."""
+    intake between processes; `prefill_chunk`: prompt tokens prefilled per tick at most (None: all)."""
 
     def __init__(self, engine, *, prefill_batch: int = 1, prefix: PrefixCache | None = None,
-                 max_waiting: int | None = None, replicas=None):
+                 max_waiting: int | None = None, replicas=None, prefill_chunk: int | None = None):
         self.engine, self.prefill_batch, self.prefix, self.max_waiting = engine, prefill_batch, prefix, max_waiting
-        self.replicas = replicas
+        self.replicas, self.prefill_chunk = replicas, prefill_chunk
+        self.partial: dict[int, list] = {}          # slot -> [ticket, cache so far, positions done] (`Prefills`)
         self.waiting: collections.deque[Ticket] = collections.deque()
         self.active: dict[int, Ticket] = {}
         self.free = list(range(engine.slots))
@@ -74,7 +78,7 @@ class Ticks:
         self.decode_steps, self.decode_s, self.prefill_calls = 0, 0.0, 0
 
     def busy(self) -> bool:
-        return bool(self.waiting or self.active or self.inbox)
+        return bool(self.waiting or self.active or self.inbox or self.partial)
 
     def _intake(self, halt: bool) -> bool:
         """What came since the last tick (shared by process 0 with the others) -> whether to halt."""
@@ -105,68 +109,37 @@ class Ticks:
             self.queued -= len(dropped) + len(admitted)
         for t in dropped:
             self._finish(t, None, "cancelled")
-        for slot, t in list(self.active.items()):
+        for slot, t in [*self.active.items(), *((s, p[0]) for s, p in self.partial.items())]:
             if t.cancelled:
+                self.partial.pop(slot, None)
                 self._finish(t, slot, "cancelled")
-        if not admitted and not self.active:
+        if not admitted and not self.active and not self.partial:
             return self.busy()
         if self.state is None:
             self.state = self.engine.new_state()
         if admitted:
             self._admit(admitted, slots)
+        if self.partial:
+            self._chunks()
         if self.active:
             t0 = time.perf_counter()
-            self.state, toks, _ = self.engine.generate(self.state)
+            self.state, toks, logits = self.engine.generate(self.state)
             toks = np.asarray(toks)
             self.decode_s += time.perf_counter() - t0
             self.decode_steps += 1
+            lp = self._logprobs(self.active.values(), logits, np.maximum(toks, 0))
             for slot, t in list(self.active.items()):
                 if toks[slot] >= 0:                  # -1: its token is still in a pipeline (meshpar.serve.in_flight)
-                    self._emit(t, slot, int(toks[slot]))
+                    self._emit(t, slot, int(toks[slot]), lp and [a[slot] for a in lp])
         with self.cv:
             return self.busy()
 
-    def _admit(self, tickets, slots) -> None:
-        """Prefill `tickets` into `slots`: cached prefixes extended one by one, the rest batched."""
-        e, rest = self.engine, []
-        for t, slot in zip(tickets, slots):
-            tokens = t.request.tokens
-            hit = self.prefix.lookup(tokens) if self.prefix is not None else None
-            use = hit is not None and e.can_extend(len(tokens), hit[1])
-            if self.prefix is not None:
-                self.prefix.record(hit[1] if use else 0)
-            if use:
-                entry, tok, _ = e.extend(hit[0], tokens, hit[1], t.request.sampling)
-                self.prefix.store(tokens, entry["cache"])
-                self._place(entry, [t], [slot], np.asarray(tok)[None])
-            else:
-                rest.append((t, slot))
-        groups = collections.defaultdict(list)
-        for t, slot in rest:
-            groups[e.bucket(len(t.request.tokens))].append((t, slot))
-        for group in groups.values():
-            for i in range(0, len(group), self.prefill_batch):
-                part = group[i:i + self.prefill_batch]
-                entry, toks, _ = e.prefill_batch([t.request.tokens for t, _ in part],
-                                                 [t.request.sampling for t, _ in part])
-                self.prefill_calls += 1
-                if self.prefix is not None:
-                    for r, (t, _) in enumerate(part):
-                        if self.prefix.wants(t.request.tokens):
-                            self.prefix.store(t.request.tokens, e.full(entry, r))
-                self._place(entry, [t for t, _ in part], [s for _, s in part], np.asarray(toks))
-
-    def _place(self, entry, tickets, slots, toks) -> None:
-        self.state = self.engine.insert(entry, self.state, slots)
-        now = time.perf_counter()
-        for t, slot, tok in zip(tickets, slots, toks):
-            t.completion.ttft_s = now - t.submitted
-            self.active[slot] = t
-            self._emit(t, slot, int(tok))
-
-    def _emit(self, t: Ticket, slot: int, tok: int) -> None:
-        """Record a token; finish the request when it ends."""
+    def _emit(self, t: Ticket, slot: int, tok: int, lp=None) -> None:
+        """Record a token (and, where asked, its log probabilities: `lp` (log p, ids, log ps));
+        finish the request when it ends."""
         r, c = t.request, t.completion
+        if r.logprobs is not None and lp is not None:
+            c.logprobs.append((float(lp[0]), [(int(i), float(v)) for i, v in zip(lp[1][:r.logprobs], lp[2][:r.logprobs])]))
         c.tokens.append(tok)
         if t.on_token:
             _call(t.on_token, tok)
@@ -179,11 +152,15 @@ class Ticks:
             self._finish(t, slot, "cache_full")
 
     def _finish(self, t: Ticket, slot: int | None, why: str) -> None:
+        if why == "cancelled" and t.cut:
+            why, t.completion.error = "shutdown", t.cut
         t.completion.finish = t.completion.finish or why
         self.tickets.pop(t.id, None)
         if slot is not None and self.active.get(slot) is t:
             del self.active[slot]
             self.free.append(slot)
+        elif slot is not None and slot not in self.active and slot not in self.partial and slot not in self.free:
+            self.free.append(slot)                   # a prompt cancelled while in prefill
         if t.on_done:
             _call(t.on_done, t.completion)
 
@@ -197,7 +174,8 @@ class Scheduler(Ticks):
         """From `cfg.serve`: prefill batch, prefix cache and (a server's) queue bound."""
         prefix = PrefixCache(serve.prefix_cache, serve.prefix_block) if serve.prefix_cache else None
         return cls(engine, prefill_batch=min(serve.prefill_batch, engine.slots), prefix=prefix,
-                   max_waiting=serve.max_waiting if bounded else None, replicas=replicas)
+                   max_waiting=serve.max_waiting if bounded else None, replicas=replicas,
+                   prefill_chunk=serve.prefill_chunk)
 
     def _fail(self, error: BaseException) -> None:
         """A tick raised: every request taken finishes with the error, the slots and the decode state
@@ -214,6 +192,7 @@ class Scheduler(Ticks):
             t.completion.error = message
             self._finish(t, None, "error")
         self.active.clear()
+        self.partial.clear()
         self.free = list(range(self.engine.slots))
         self.state = None
 
@@ -227,16 +206,23 @@ class Scheduler(Ticks):
 
     def submit(self, request: Request, on_token=None, on_done=None) -> Ticket:
         """Queue a request (checked first: ConfigError names what is wrong) -> its ticket."""
-        self.engine.check(request)
-        ticket = Ticket(request, Completion(list(request.tokens)), on_token, on_done)
+        return self.submit_all([(request, on_token, on_done)])[0]
+
+    def submit_all(self, items: list) -> list[Ticket]:
+        """Queue [(request, on_token, on_done)] at once: the same tick takes all of them (OpenAI's `n`
+        siblings then share one prefill), or none when the queue has no room for all."""
+        for request, _, _ in items:
+            self.engine.check(request)
+        tickets = [Ticket(r, Completion(list(r.tokens)), on_token, on_done) for r, on_token, on_done in items]
         with self.cv:
-            if self.max_waiting is not None and self.queued >= self.max_waiting + len(self.free):   # beyond the free slots
+            if self.max_waiting is not None and self.queued + len(tickets) > self.max_waiting + len(self.free):
                 raise QueueFull(f"{self.queued} requests are waiting for {self.engine.slots} slots")
-            ticket.id = next(self._ids)
-            self.queued += 1
-            self.inbox.append(ticket)
+            for ticket in tickets:
+                ticket.id = next(self._ids)
+                self.inbox.append(ticket)
+            self.queued += len(tickets)
             self.cv.notify()
-        return ticket
+        return tickets
 
     def cancel(self, ticket: Ticket) -> None:
         """Stop a request at the next tick (its slot frees); a finished one is left as it is."""
@@ -244,6 +230,17 @@ class Scheduler(Ticks):
             if not ticket.completion.finish:
                 self.cancels.add(ticket.id)
                 self.cv.notify()
+
+    def cut(self, why: str) -> int:
+        """End every request not yet finished at the next tick, each with finish `shutdown` and `why`
+        as its error (a draining server whose `serve.drain_timeout_s` passed) -> how many."""
+        with self.cv:
+            taken = [t for t in (*self.inbox, *list(self.tickets.values())) if not t.completion.finish]
+            for t in taken:
+                t.cut = why
+                self.cancels.add(t.id)
+            self.cv.notify()
+        return len(taken)
 
     def serve(self, stop: threading.Event, heartbeat_s: float = 1.0) -> None:
         """Tick while there is work, wait while there is none (with other processes: tick empty every

@@ -14,6 +14,7 @@ import time
 import urllib.error
 import urllib.request
 
+import numpy as np
 import pytest
 
 openai = pytest.importorskip("openai")
@@ -147,7 +148,13 @@ def test_bad_requests_get_4xx_in_openais_shape_and_the_server_keeps_serving(serv
             ({**good, "max_tokens": "4"}, 400, "max_tokens"), ({**good, "max_tokens": -1}, 400, "max_tokens"),
             ({**good, "max_tokens": 10_000}, 400, "max_tokens"), ({**good, "top_p": 0}, 400, "top_p"),
             ({**good, "top_p": 1.5}, 400, "top_p"), ({**good, "temperature": "hot"}, 400, "temperature"),
-            ({**good, "n": 2}, 400, "n"), ({**good, "prompt": ""}, 400, "prompt"), ({**good, "prompt": [999]}, 400, "prompt"),
+            ({**good, "n": 17}, 400, "n"), ({**good, "prompt": ""}, 400, "prompt"), ({**good, "prompt": [999]}, 400, "prompt"),
+            ({**good, "response_format": {"type": "json_object"}}, 400, "response_format"),
+            ({**good, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+            ({**good, "best_of": 2}, 400, "best_of"), ({**good, "logprobs": 6}, 400, "logprobs"),
+            ({**good, "echo": True, "logprobs": 1}, 400, "echo"), ({**good, "presence_penalty": 3}, 400, "presence_penalty"),
+            ({**good, "frequency_penalty": "x"}, 400, "frequency_penalty"), ({**good, "logit_bias": {"a": 1}}, 400, "logit_bias"),
+            ({**good, "logit_bias": {"300": 1}}, 400, "logit_bias"), ({**good, "logit_bias": {"5": 101}}, 400, "logit_bias"),
             ({**good, "prompt": "x" * 300}, 400, "prompt"), ({**good, "stop": [1]}, 400, "stop"),
             ({**good, "model": "gpt-4"}, 404, "model")]:
         code, err, _ = post(url, "/v1/completions", body, raw=isinstance(body, bytes))
@@ -155,6 +162,9 @@ def test_bad_requests_get_4xx_in_openais_shape_and_the_server_keeps_serving(serv
         assert err["error"]["param"] == param and err["error"]["message"], err
     code, err, _ = post(url, "/v1/chat/completions", {"model": "abc", "messages": "hi"})
     assert code == 400 and err["error"]["param"] == "messages"
+    code, err, _ = post(url, "/v1/chat/completions", {"model": "abc", "messages": [{"role": "user", "content": "a"}],
+                                                      "top_logprobs": 2})
+    assert code == 400 and err["error"]["param"] == "top_logprobs"
     with pytest.raises(openai.NotFoundError):
         client(url).completions.create(model="nope", prompt="a", max_tokens=1)
     assert post(url, "/v1/completions", good)[1]["choices"][0]["text"] == "efgh"
@@ -407,6 +417,199 @@ def test_a_port_in_use_fails_the_server_in_one_line_and_ends_every_process(serve
     assert r.returncode == 2, r.stderr
     assert f"--port {port}: cannot listen there (Address already in use)" in r.stderr
     assert time.time() - t0 < 90
+
+
+@pytest.fixture(scope="module")
+def reference(served):
+    """The served checkpoint in this process (its own Engine on the server's mesh): the logits the
+    model gives for a prompt (`prefill`), to hold the server's answers against."""
+    from meshpar.core.config import load_config
+    from meshpar.serve.engine import Engine
+    cfg = load_config(None, [served[3][0], "model.vocab=256", "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=4", f"serve.slots={SLOTS}",
+                             "serve.cache_length=256"])
+    engine = Engine(cfg, info=lambda _: None)
+    return lambda ids: np.asarray(engine.prefill(list(ids))[2], np.float64)       # logits [V] after ids
+
+
+def log_softmax(z):
+    z = z - z.max()
+    return z - np.log(np.exp(z).sum())
+
+
+def test_logprobs_are_the_models_own_streamed_or_not(served, reference):
+    """`logprobs` (completions: the top k; chat: `logprobs` + `top_logprobs`) equal log_softmax of the
+    model's logits at each chosen token, and list its most likely tokens, streamed or not."""
+    url = served[0]
+    c = client(url)
+    prompt = [ord(ch) for ch in "abcd"]
+    out = c.completions.create(model="abc", prompt="abcd", max_tokens=6, temperature=0, logprobs=3)
+    lp = out.choices[0].logprobs
+    assert out.choices[0].text == "efghij" and lp.tokens == list("efghij")
+    for k, ch in enumerate("efghij"):
+        ref = log_softmax(reference(prompt + [ord(x) for x in "efghij"[:k]]))
+        assert abs(lp.token_logprobs[k] - ref[ord(ch)]) < 0.02, (k, lp.token_logprobs[k], ref[ord(ch)])
+        best = np.argsort(-ref)[:3]
+        assert list(lp.top_logprobs[k]) == [chr(i) for i in best]
+        assert np.allclose(list(lp.top_logprobs[k].values()), ref[best], atol=0.02, rtol=0.01)   # bf16: decode vs prefill
+    assert lp.text_offset == [0, 1, 2, 3, 4, 5]
+    chunks = list(c.completions.create(model="abc", prompt="abcd", max_tokens=6, temperature=0, logprobs=3, stream=True))
+    streamed = [x for ch in chunks for x in (ch.choices[0].logprobs.token_logprobs if ch.choices and ch.choices[0].logprobs
+                                             else [])]
+    assert np.allclose(streamed, lp.token_logprobs, atol=1e-6)
+    chat = c.chat.completions.create(model="abc", messages=[{"role": "user", "content": "abcd"}], max_tokens=4,
+                                     temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert "".join(x.token for x in content) == chat.choices[0].message.content
+    assert all(len(x.top_logprobs) == 2 and x.top_logprobs[0].logprob >= x.logprob - 1e-6 for x in content)
+    ids = chat.usage.prompt_tokens
+    assert ids > 4 and content[0].logprob <= 0
+
+
+def test_n_choices_share_one_prefill_and_seeds_make_them_reproducible(served):
+    """`n`=3 at temperature 0: three identical choices (as many as the slots: from one prefill call);
+    with a seed at temperature 1: three choices, the same again for the same seed, streamed too."""
+    url = served[0]
+    c = client(url)
+
+    def prefills():
+        with urllib.request.urlopen(url + "/health", timeout=10) as r:
+            return json.loads(r.read())["prefill_calls"]
+    out = c.completions.create(model="abc", prompt="abcd", max_tokens=5, temperature=0, n=3)
+    assert [x.index for x in out.choices] == [0, 1, 2] and {x.text for x in out.choices} == {"efghi"}
+    assert out.usage.completion_tokens == 15 and out.usage.prompt_tokens == 4
+    before = prefills()                                          # n = the slots: admitted in one tick, one prefill
+    out = c.completions.create(model="abc", prompt="abcd", max_tokens=5, temperature=0, n=SLOTS)
+    assert prefills() - before == 1 and {x.text for x in out.choices} == {"efghi"}
+    first = c.completions.create(model="abc", prompt="ab", max_tokens=8, temperature=1.0, n=3, seed=7)
+    again = c.completions.create(model="abc", prompt="ab", max_tokens=8, temperature=1.0, n=3, seed=7)
+    assert [x.text for x in first.choices] == [x.text for x in again.choices]
+    chunks = list(c.completions.create(model="abc", prompt="ab", max_tokens=8, temperature=1.0, n=3, seed=7, stream=True))
+    streamed = ["".join(ch.choices[0].text for ch in chunks if ch.choices and ch.choices[0].index == i) for i in range(3)]
+    assert streamed == [x.text for x in first.choices]
+
+
+def test_logit_bias_and_penalties_steer_sampling_as_a_reference_does(served, reference):
+    """logit_bias {t: -100} never emits t; presence and frequency penalties choose, greedily, what a
+    reference written here chooses from the model's own logits (OpenAI's formula)."""
+    url = served[0]
+    c = client(url)
+    f = str(ord("f"))
+    for temp in (0, 1.0):
+        out = c.completions.create(model="abc", prompt="abcde", max_tokens=30, temperature=temp, seed=3,
+                                   logit_bias={f: -100})
+        assert "f" not in out.choices[0].text and out.choices[0].text
+    prompt = [ord(ch) for ch in "abc"]
+    near = {ord(ch): 100.0 for ch in "!#%"}           # three tokens never trained on, lifted far above the rest
+
+    def greedy(presence, frequency):
+        gen = []
+        for _ in range(12):
+            z = reference(prompt + gen)
+            for t, v in near.items():
+                z[t] += v
+            counts = np.bincount(gen, minlength=len(z))
+            z = z - frequency * counts - presence * (counts > 0)
+            gen.append(int(np.argmax(z)))
+        return "".join(chr(t) for t in gen)
+    for presence, frequency in ((0.0, 0.0), (2.0, 0.0), (0.0, 1.5), (-0.5, 0.8)):
+        out = c.completions.create(model="abc", prompt="abc", max_tokens=12, temperature=0, presence_penalty=presence,
+                                   frequency_penalty=frequency, logit_bias={str(t): v for t, v in near.items()})
+        assert out.choices[0].text == greedy(presence, frequency), (presence, frequency)
+    assert len({greedy(2.0, 0.0), greedy(0.0, 1.5), greedy(0.0, 0.0)}) > 1     # the penalties do change the choice
+
+
+def test_echo_returns_the_prompt_before_the_completion(served):
+    url = served[0]
+    out = client(url).completions.create(model="abc", prompt="abcd", max_tokens=4, temperature=0, echo=True)
+    assert out.choices[0].text == "abcdefgh"
+    chunks = list(client(url).completions.create(model="abc", prompt="abcd", max_tokens=4, temperature=0, echo=True,
+                                                 stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == "abcdefgh"
+
+
+def scrape(url) -> dict:
+    """GET /metrics (no key), parsed by prometheus_client's own parser -> {sample name{labels}: value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        assert r.headers["Content-Type"].startswith("text/plain")
+        text = r.read().decode()
+    return {s.name + "".join(f"{{{k}={v}}}" for k, v in sorted(s.labels.items())): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def test_metrics_count_requests_tokens_and_latencies_in_prometheus_format(served):
+    """GET /metrics: one completion of 8 tokens after a 4-token prompt and one request without a key
+    move the counters by exactly that; the gauges read the server's slots, queue and compilations."""
+    url = served[0]
+    before = scrape(url)
+    assert post(url, "/v1/completions", {"model": "abc", "prompt": "abcd", "max_tokens": 8, "temperature": 0})[0] == 200
+    assert post(url, "/v1/models", {}, headers={"Authorization": "Bearer wrong"})[0] == 401
+    after = scrape(url)
+
+    def moved(name):
+        return after.get(name, 0) - before.get(name, 0)
+    assert moved("meshpar_requests_total{status=200}") == 1 and moved("meshpar_requests_total{status=401}") == 1
+    assert moved("meshpar_prompt_tokens_total") == 4 and moved("meshpar_generation_tokens_total") == 8
+    assert moved("meshpar_time_to_first_token_seconds_count") == 1
+    assert moved("meshpar_inter_token_latency_seconds_count") == 7
+    assert moved("meshpar_e2e_request_latency_seconds_count") == 1
+    assert after["meshpar_e2e_request_latency_seconds_sum"] > before.get("meshpar_e2e_request_latency_seconds_sum", 0)
+    assert after["meshpar_kv_cache_slots"] == SLOTS and after["meshpar_requests_running"] == 0
+    assert after["meshpar_requests_waiting"] == 0 and after["meshpar_kv_cache_slots_in_use"] == 0
+    assert moved("meshpar_prefix_cache_hits_total") + moved("meshpar_prefix_cache_misses_total") == 1
+    assert after["meshpar_compilations_total"] >= 1 and moved("meshpar_decode_steps_total") >= 7
+
+
+def test_a_drain_deadline_answers_what_remains_with_503_and_exits_0(served):
+    """serve.drain_timeout_s: SIGTERM with a stream and a request decoding and two queued behind them
+    (two slots); past the deadline each unfinished one is answered 503 in OpenAI's shape (a stream
+    already begun: that error, then [DONE]), none is left with a reset connection, the server says
+    how many it cut and exits 0."""
+    import signal
+    _, _, _, common, _ = served
+    proc, url, lines = start(["serve", *common, "--port", "0", "--model-name", "abc", "mesh.data=2", "mesh.fsdp=1",
+                              "mesh.tensor=4", "serve.slots=2", "serve.cache_length=256", "serve.drain_timeout_s=0.5"],
+                             env={"MESHPAR_API_KEY": KEY})
+    try:
+        body = {"model": "abc", "prompt": "abcd", "max_tokens": 250, "temperature": 0}
+        out = [{}, {}, {}, {}]
+
+        def streamed(o):
+            req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body | {"stream": True}).encode(),
+                                         headers={"Content-Type": "application/json", **AUTH})
+            with urllib.request.urlopen(req, timeout=60) as r:
+                o["events"] = [x.decode().strip() for x in r if x.startswith(b"data: ")]
+        threads = [threading.Thread(target=streamed, args=(out[0],))]
+        threads += [threading.Thread(target=lambda o=o: o.update(r=post(url, "/v1/completions", body))) for o in out[1:]]
+        for t in threads:
+            t.start()
+            time.sleep(0.2)                                      # in this order: the stream decodes, two queue
+        for _ in range(200):                                     # until two decode and two wait
+            with urllib.request.urlopen(url + "/health", timeout=10) as r:
+                h = json.loads(r.read())
+            if h["active"] == 2 and h["waiting"] == 2:
+                break
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(60)
+        assert proc.wait(60) == 0, "".join(lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    answers = [o["r"] for o in out[1:]]
+    assert [code for code, _, _ in answers[1:]] == [503, 503]    # queued behind 250 decode steps
+    assert all(code in (200, 503) for code, _, _ in answers)
+    cut = [b for code, b, _ in answers if code == 503]
+    assert all(b["error"]["code"] == "server_shutting_down" and "drain_timeout_s=0.5" in b["error"]["message"]
+               for b in cut)
+    assert all(b["usage"]["completion_tokens"] == 250 for code, b, _ in answers if code == 200)
+    events = out[0]["events"]
+    last = json.loads(events[-2][6:])
+    assert events[-1] == "data: [DONE]" and (last.get("error", {}).get("code") == "server_shutting_down"
+                                             or last["choices"][0]["finish_reason"] == "length")
+    n = len(cut) + ("error" in last)
+    assert any(f"{n} requests in flight were cut (answered 503)" in line for line in lines), "".join(lines)
 
 
 def test_sigterm_finishes_the_requests_in_flight_and_exits_0(served):

@@ -164,6 +164,33 @@ def test_prefix_cache_computes_only_the_tail_and_changes_no_output():
     assert int(tok) == int(tok2) and np.allclose(np.asarray(last), np.asarray(last2), atol=1e-4)
 
 
+def test_chunked_prefill_keeps_decoding_while_a_long_prompt_fills_and_changes_no_output():
+    """serve.prefill_chunk=8: two 40-token prompts arriving while two requests decode share the 8
+    tokens of each tick (4 each: one batched prefill, then batched extends of their own caches), and
+    every one of those ticks still decodes a token for each stream; every output equals prefilling
+    whole."""
+    from meshpar.serve.scheduler import Scheduler
+    e = engine("mha", "data2_tensor4")
+    short, longs = [[5, 9, 2], [7, 7, 1]], [list(range(3, 43)), list(range(50, 90))]
+
+    def serve(chunk):
+        sched = Scheduler(e, prefill_batch=2, prefill_chunk=chunk)
+        tickets = [sched.submit(Request(p, 12)) for p in short]
+        sched.step()                                                 # the streams are decoding
+        tickets += [sched.submit(Request(p, 4)) for p in longs]
+        ticks = [(0, [len(t.completion.tokens) for t in tickets[:2]])]
+        while sched.step():
+            ticks.append((len(sched.partial), [len(t.completion.tokens) for t in tickets[:2]]))
+        return [t.completion.tokens for t in tickets], ticks, sched.prefill_calls
+    whole, _, _ = serve(None)
+    chunked, ticks, prefills = serve(8)
+    assert chunked == whole
+    filling = [i for i, (p, _) in enumerate(ticks) if p]
+    assert len(filling) == 9 and prefills == 2                       # 40 tokens: 4 a tick; the 10th places them
+    for i in filling + [filling[-1] + 1]:                            # each of those ticks decoded both streams
+        assert [b - a for a, b in zip(ticks[i - 1][1], ticks[i][1])] == [1, 1], ticks
+
+
 def test_continuous_batching_matches_each_request_alone():
     e = engine("mha", "data2_tensor4")                               # 4 slots, 7 requests: later ones enter
     reqs = [Request(list(range(1 + i, 4 + 2 * i)), 2 + (i * 3) % 7) for i in range(7)]
@@ -192,7 +219,7 @@ def test_decode_step_gathers_no_weights_and_holds_what_the_rules_say():
     assert per_device["cache"] * 8 == 2 * 2 * 4 * 64 * 8 * 8 * 4   # K and V [L=2, B=4, K=8, S=64, D=8] fp32 / 8
     assert abs(per_device["weights"] - total / 4) < 0.05 * total / 4   # TP over 4 (norms replicated)
     arg = memory(compiled)["argument"]
-    assert abs(arg - (per_device["weights"] + per_device["cache"])) < 0.02 * arg
+    assert abs(arg - (per_device["weights"] + per_device["cache"] + per_device["slots"])) < 0.02 * arg
     # the contrast: serving an FSDP layout gathers weights every token (and says so)
     fsdp = Engine(make_cfg(*MODELS["mha"], *SERVE, "serve.strategy=fsdp", mesh=MESHES["data2_tensor4"]))
     assert any("all-gathers them" in n for n in fsdp.notes)
@@ -236,7 +263,7 @@ def test_text_streams_whole_characters_and_stops_across_tokens():
     a stop string split over tokens cuts the text; the streamed pieces add up to the whole text; the
     decoding work grows linearly with the completion."""
     from meshpar.io.tokenizer import ByteTokenizer
-    from meshpar.serve.api import Detokenizer
+    from meshpar.serve.detokenizer import Detokenizer
 
     class Fallback(ByteTokenizer):
         """Decodes as a byte-fallback (SentencePiece) tokenizer: a U+FFFD per byte of an unfinished character."""
