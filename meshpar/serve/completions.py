@@ -17,9 +17,12 @@ from meshpar.serve.guard import APIError
 
 
 def server_error(message: str, finish: str = "error") -> APIError:
+    """The error of a request that ended without its tokens: 503 when a draining server cut it
+    (`finish` "shutdown"), else 500 (the step that held it failed)."""
     if finish == "shutdown":
         return APIError(503, message, code="server_shutting_down", kind="server_error")
     return APIError(500, f"the step serving this request failed: {message}", kind="server_error")
+
 
 async def complete(server, http, chat: bool, body_of):
     """One completion or chat completion request of `http` -> its response: `n` choices submitted
