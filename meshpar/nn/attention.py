@@ -89,13 +89,19 @@ def check_shapes(q, k, v, mask: Mask, segment_ids, kv_segment_ids) -> None:
                               "(one segment id per token)")
 
 
+def cudnn_serves(dtype, head_dim: int, has_segments: bool, softcap) -> bool:
+    """Whether cuDNN's fused attention can serve a call on a GPU: bf16/fp16 inputs, a head width that
+    is a multiple of 8 and at most 128, no segment ids, no soft-cap."""
+    return (jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0 and 0 < head_dim <= 128
+            and not has_segments and softcap is None)
+
+
 def choose(implementation: str, q, k, mask: Mask, has_segments: bool, splash_ok: bool = False) -> str:
     """The kernel that serves this call: `implementation`, with `auto` resolved; one line when the
     named kernel cannot do the requested masks on this backend. `splash_ok`: `splash.serves` said yes."""
     if implementation not in IMPLEMENTATIONS:
         raise ConfigError(f"unknown attention implementation '{implementation}'" + suggest(implementation, IMPLEMENTATIONS))
-    cudnn_ok = (platform() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[-1] % 8 == 0
-                and q.shape[-1] <= 128 and not has_segments and mask.softcap is None)
+    cudnn_ok = platform() == "gpu" and cudnn_serves(q.dtype, q.shape[-1], has_segments, mask.softcap)
     if implementation == "cudnn" and not cudnn_ok:
         why = ("it runs on GPU only" if platform() != "gpu" else
                "it needs bf16/fp16 inputs, a head width that is a multiple of 8 and at most 128, no segment ids "

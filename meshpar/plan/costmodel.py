@@ -215,20 +215,20 @@ def stash_slots(cand: Candidate) -> int:
 
 def efficient_attention(cfg, compiler: str = "cpu", pipelined: bool = False, head_dim: int = 0) -> bool:
     """Whether attention stores no [s, s] scores: flash, cudnn or splash; `auto` beyond AUTO_FLASH_FROM
-    keys, and on a target wherever `meshpar.nn.attention.choose` picks cuDNN (GPU: a half-precision
-    compute dtype, head_dim a multiple of 8 up to 128, no segment ids, no soft-cap) or splash (TPU:
-    lengths a multiple of 128), never inside a pipeline stage."""
+    keys, and on a target wherever `meshpar.nn.attention.choose` picks cuDNN (GPU: `cudnn_serves`) or
+    splash (TPU: lengths a multiple of its lane), never inside a pipeline stage."""
     from meshpar.core.precision import get_policy
-    from meshpar.nn.attention import AUTO_FLASH_FROM
-    a, m = cfg.model.attention, cfg.model
+    from meshpar.nn.attention import AUTO_FLASH_FROM, cudnn_serves
+    from meshpar.nn.splash import LANE
+    a = cfg.model.attention
     if a in ("flash", "cudnn", "splash") or (a == "auto" and cfg.batch.length > AUTO_FLASH_FROM):
         return True
     if a != "auto" or compiler == "cpu" or pipelined:
         return False
     if compiler == "tpu":
-        return cfg.batch.length % 128 == 0
-    half = jax.numpy.dtype(get_policy(cfg.precision).compute_dtype).itemsize == 2
-    return half and 0 < head_dim <= 128 and head_dim % 8 == 0 and not packs_documents(cfg.data) and m.softcap is None
+        return cfg.batch.length % LANE == 0
+    return cudnn_serves(get_policy(cfg.precision).compute_dtype, head_dim, packs_documents(cfg.data),
+                        cfg.model.softcap)
 
 
 def _per_token(dims: dict, remat: str, t_heads: int, t_mlp: int, t_res: int, s: int, c: int = 2,

@@ -9,9 +9,10 @@ import secrets
 import uuid
 from typing import Any
 
+from meshpar.core.errors import ConfigError
 from meshpar.serve.batching import Request
 from meshpar.serve.guard import APIError, invalid_text
-from meshpar.serve.sampling import MAX_BIAS, TOP_LOGPROBS, Sampling
+from meshpar.serve.sampling import TOP_LOGPROBS, Sampling
 
 ROLES = ("system", "developer", "user", "assistant", "tool")     # OpenAI's message roles
 MAX_N = 16                                                       # choices per request (`n`)
@@ -43,24 +44,24 @@ def _unsupported(body: dict) -> None:
     if body.get("best_of") not in (None, 1):
         raise APIError(400, "'best_of' is not supported; use 'n' for several choices", "best_of")
 
+
 def _logit_bias(body: dict, vocab: int) -> tuple:
-    """`logit_bias` {token id: -100..100} -> ((id, value), ...), or 400 naming what is wrong."""
-    raw = _field(body, "logit_bias", (dict,), {})
-    if len(raw) > MAX_BIAS:
-        raise APIError(400, f"'logit_bias' has {len(raw)} entries; at most {MAX_BIAS}", "logit_bias")
+    """`logit_bias` {token id: -100..100} -> ((id, value), ...), or 400 naming what is wrong (the ids,
+    values and count against `Sampling.check`'s own bounds)."""
     out = []
-    for k, v in raw.items():
+    for k, v in _field(body, "logit_bias", (dict,), {}).items():
         try:
             tok = int(k)
         except ValueError:
             raise APIError(400, f"'logit_bias' keys must be token ids, got {json.dumps(k)[:40]}", "logit_bias") from None
-        if not 0 <= tok < vocab:
-            raise APIError(400, f"'logit_bias' token {tok} is outside the vocabulary 0..{vocab - 1}",
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise APIError(400, f"'logit_bias' values must be numbers, got {json.dumps(v)[:40]} for token {tok}",
                            "logit_bias")
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
-            raise APIError(400, f"'logit_bias' values must be numbers between -100 and 100, got {json.dumps(v)[:40]} "
-                                f"for token {tok}", "logit_bias")
         out.append((tok, float(v)))
+    try:
+        Sampling(bias=tuple(out)).check(vocab)
+    except ConfigError as e:
+        raise APIError(400, str(e), "logit_bias") from None
     return tuple(out)
 
 

@@ -39,6 +39,11 @@ def fair_share(needs: list[int], budget: int) -> int:
     return max(level, left)
 
 
+def _share(ticket) -> tuple:
+    """The key `n` siblings have in common: their share key and their prompt."""
+    return ticket.request.share, tuple(ticket.request.tokens)
+
+
 class Prefills:
     """The admission half of `meshpar.serve.scheduler.Ticks` (its engine, slots, prefix cache and
     `prefill_chunk`); `partial` holds, per slot, a prompt still being prefilled: [ticket, where its
@@ -65,19 +70,15 @@ class Prefills:
 
     def _batched(self, rest) -> None:
         """Prompts prefilled whole, batched per length bucket; `n` siblings extend their first's row."""
-        e, leaders, followers = self.engine, set(), collections.defaultdict(list)
+        e, leaders = self.engine, set()
+        groups, followers = collections.defaultdict(list), collections.defaultdict(list)
         for t, slot in rest:
-            key = (t.request.share, tuple(t.request.tokens))
-            if t.request.share is not None and key in leaders and e.can_extend(len(t.request.tokens),
-                                                                                len(t.request.tokens) - 1):
-                followers[key].append((t, slot))
+            n = len(t.request.tokens)
+            if t.request.share is not None and _share(t) in leaders and e.can_extend(n, n - 1):
+                followers[_share(t)].append((t, slot))
             else:
-                leaders.add(key)
-        following = {id(f) for fs in followers.values() for f, _ in fs}
-        groups = collections.defaultdict(list)
-        for t, slot in rest:
-            if id(t) not in following:
-                groups[e.bucket(len(t.request.tokens))].append((t, slot))
+                leaders.add(_share(t))
+                groups[e.bucket(n)].append((t, slot))
         for group in groups.values():
             for i in range(0, len(group), self.prefill_batch):
                 part = group[i:i + self.prefill_batch]
@@ -90,7 +91,7 @@ class Prefills:
                             self.prefix.store(t.request.tokens, e.full(entry, r))
                 self._place(entry, [t for t, _ in part], [s for _, s in part], np.asarray(toks), last)
                 for r, (t, _) in enumerate(part):        # `n`: the siblings recompute the last position only
-                    for sib, slot in followers.get((t.request.share, tuple(t.request.tokens)), []):
+                    for sib, slot in followers.get(_share(t), []):
                         tokens = sib.request.tokens
                         one, tok, lg = e.extend(e.full(entry, r), tokens, len(tokens) - 1, sib.request.sampling)
                         self._place(one, [sib], [slot], np.asarray(tok)[None], lg)

@@ -92,10 +92,14 @@ def adjust(logits, rows: dict, counts=None):
     so far), its presence and frequency penalties subtracted (module docstring)."""
     b = logits.shape[0]
     logits = logits.at[jnp.arange(b)[:, None], rows["bias_ids"]].add(rows["bias_vals"])
-    if counts is not None:
+    if counts is None:
+        return logits
+
+    def penalize(z):
         c = counts.astype(jnp.float32)
-        logits = logits - rows["frequency"][:, None] * c - rows["presence"][:, None] * (c > 0)
-    return logits
+        return z - rows["frequency"][:, None] * c - rows["presence"][:, None] * (c > 0)
+    # a batch with no penalized row skips the [B, V] arithmetic (as `sample` skips its sort)
+    return jax.lax.cond(jnp.any((rows["frequency"] != 0) | (rows["presence"] != 0)), penalize, lambda z: z, logits)
 
 
 def logprobs(logits, tokens):

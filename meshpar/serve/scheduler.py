@@ -62,7 +62,7 @@ class Ticks(Prefills):
                  max_waiting: int | None = None, replicas=None, prefill_chunk: int | None = None):
         self.engine, self.prefill_batch, self.prefix, self.max_waiting = engine, prefill_batch, prefix, max_waiting
         self.replicas, self.prefill_chunk = replicas, prefill_chunk
-        self.partial: dict[int, list] = {}          # slot -> [ticket, cache so far, positions done] (`Prefills`)
+        self.partial: dict[int, list] = {}          # slot -> a prompt in prefill (`Prefills`)
         self.waiting: collections.deque[Ticket] = collections.deque()
         self.active: dict[int, Ticket] = {}
         self.free = list(range(engine.slots))
@@ -109,10 +109,14 @@ class Ticks(Prefills):
             self.queued -= len(dropped) + len(admitted)
         for t in dropped:
             self._finish(t, None, "cancelled")
-        for slot, t in [*self.active.items(), *((s, p[0]) for s, p in self.partial.items())]:
+        for slot, t in list(self.active.items()):
             if t.cancelled:
-                self.partial.pop(slot, None)
                 self._finish(t, slot, "cancelled")
+        for slot, (t, _, _) in list(self.partial.items()):
+            if t.cancelled:                          # a prompt cancelled while in prefill: its slot was never active
+                del self.partial[slot]
+                self.free.append(slot)
+                self._finish(t, None, "cancelled")
         if not admitted and not self.active and not self.partial:
             return self.busy()
         if self.state is None:
@@ -159,8 +163,6 @@ class Ticks(Prefills):
         if slot is not None and self.active.get(slot) is t:
             del self.active[slot]
             self.free.append(slot)
-        elif slot is not None and slot not in self.active and slot not in self.partial and slot not in self.free:
-            self.free.append(slot)                   # a prompt cancelled while in prefill
         if t.on_done:
             _call(t.on_done, t.completion)
 
