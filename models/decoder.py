@@ -84,8 +84,14 @@ class DecoderConfig:
                 base[k] = v
         if base["heads"] % base["kv_heads"]:
             raise ConfigError(f"model.heads={base['heads']} must be a multiple of model.kv_heads={base['kv_heads']}")
+        if m.head_dim is None and (m.embed is not None or m.heads is not None):   # "None: embed / heads"
+            if base["embed"] % base["heads"]:
+                raise ConfigError(f"model.embed={base['embed']} is not a multiple of model.heads={base['heads']}: "
+                                  f"set model.head_dim explicitly")
+            base["head_dim"] = base["embed"] // base["heads"]
         if base["head_dim"] % 2:
-            raise ConfigError(f"model.head_dim={base['head_dim']} must be even (rotary embedding)")
+            implied = " (model.embed / model.heads)" if m.head_dim is None else ""
+            raise ConfigError(f"model.head_dim={base['head_dim']}{implied} must be even (rotary embedding)")
         scaling = getattr(m, "rope_scaling", None) or None
         if scaling:
             from meshpar.models.hf_llama import rope_scaling

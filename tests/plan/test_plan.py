@@ -314,3 +314,25 @@ def test_plan_modules_sit_on_their_floor():
         if name == "hardware":
             assert all(not (m.startswith("meshpar.") and m != "meshpar.core.errors")
                        for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) for m in [node.module or ""])
+
+def test_embed_and_heads_imply_head_dim_for_every_command():
+    """`model.head_dim: None` means embed / heads, not the size preset's value (issue 44: 1024 / 16
+    planned with the tiny preset's 8-wide heads). Every command builds its model through
+    `registry.default_model`, so the planner's facts, the dense and MoE models agree; an explicit
+    head_dim still wins, and a width heads do not divide is one line."""
+    from meshpar.core.errors import ConfigError
+    from meshpar.core.precision import get_policy
+    from meshpar.core.registry import default_model
+    from meshpar.core.sharding import model_spec
+    dims = ["model.layers=2", "model.embed=1024", "model.heads=16", "model.kv_heads=16", "model.mlp=4096",
+            "model.vocab=32000", "batch.global_size=8", "batch.length=512"]
+    implied, explicit = (ModelFacts.from_config(load_config(None, dims + x)) for x in ([], ["model.head_dim=64"]))
+    assert implied.dims["head_dim"] == 64 and implied.params == explicit.params
+    assert abs(implied.params / 1e9 - 0.0991) < 5e-4          # the issue's `meshpar plan` figure
+    for name in ("decoder", "moe"):
+        cfg = load_config(None, ["model.name=" + name, "model.embed=96", "model.heads=4", "model.kv_heads=2"])
+        assert model_spec(default_model(cfg), get_policy(cfg.precision)).cfg.head_dim == 24, name
+    wide = load_config(None, ["model.embed=96", "model.heads=4", "model.kv_heads=2", "model.head_dim=8"])
+    assert model_spec(default_model(wide), get_policy(wide.precision)).cfg.head_dim == 8
+    with pytest.raises(ConfigError, match="model.embed=100 is not a multiple of model.heads=8: set model.head_dim"):
+        ModelFacts.from_config(load_config(None, ["model.embed=100"]))
