@@ -7,7 +7,9 @@ Search: every way to write N = pipeline x data x fsdp x context x expert x tenso
 divide the model; `context` dividing batch.length / 2), split into ICI x DCN by filling the hardware's ICI domain from the innermost axis
 (`tensor` first, as `meshpar.core.mesh` orders them), times every preset that uses those axes, remat
 (`none | save_dots | full`), gradient-accumulation microbatches (powers of two) or, with a
-pipeline axis, pipeline microbatches (P, 2P, 4P, ... down to one sequence each) and schedules (gpipe, 1f1b, interleaved v=2).
+pipeline axis, every pipeline microbatch count M >= P that divides a replica's rows (down to one
+sequence each) and schedules (gpipe, 1f1b, interleaved with v = 2, 3 or 4 chunks where the layers
+and M allow).
 Each candidate is costed by `meshpar.plan.costmodel` (its docstring holds every formula and its
 source); those that do not fit in device memory are dropped (kept with --all) and the rest ranked
 by predicted step time. Ties (collectives fully hidden behind compute) go first to plans that fit
@@ -22,11 +24,12 @@ put the batch on `data`; fsdp on `fsdp`; hsdp on fsdp (ICI) x data (DCN); tp/tp_
 """
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import replace
 
 from meshpar.plan.costmodel import REMATS, Candidate, ModelFacts, Resolver
-from meshpar.plan.steptime import evaluate, summarize
+from meshpar.plan.steptime import evaluate, lower_bound, summarize
 from meshpar.core.errors import ConfigError, suggest
 from meshpar.core.mesh import MESH_AXES
 from meshpar.core.rules import PRESETS
@@ -97,12 +100,12 @@ def candidates(facts: ModelFacts, cfg, n: int, hw, strategies) -> list[Candidate
                         out.append(replace(base, microbatches=ma))
                         ma *= 2
                     continue
-                m = p                          # P, 2P, 4P, ... down to one sequence per microbatch
-                while b % (dp * m) == 0:
+                for m in _divisors(b // dp):   # every M the rows split into, down to one sequence each
+                    if m < p:                  # fewer microbatches than stages: idle stages, never better
+                        continue
                     out += [replace(base, pp_microbatches=m, schedule=sc) for sc in ("gpipe", "1f1b")]
-                    if layers % (2 * p) == 0:
-                        out.append(replace(base, pp_microbatches=m, schedule="interleaved", virtual=2))
-                    m *= 2
+                    out += [replace(base, pp_microbatches=m, schedule="interleaved", virtual=v)
+                            for v in (2, 3, 4) if layers % (v * p) == 0 and m % p == 0]
     return out
 
 
@@ -150,7 +153,7 @@ def _why(row: dict, best: dict | None, hw) -> str:
     if best is None or row is best:
         return "winner"
     a, w = row["time"], best["time"]
-    diffs = {"recompute": a["compute_s"] - w["compute_s"], "exposed comm": a["exposed_comm_s"] - w["exposed_comm_s"],
+    diffs = {"compute": a["compute_s"] - w["compute_s"], "exposed comm": a["exposed_comm_s"] - w["exposed_comm_s"],
              "bubble": a["bubble_s"] - w["bubble_s"],
              "comm not hidden": max(a["comm_s"] - a["exposed_comm_s"] - a["compute_s"], 0)
              - max(w["comm_s"] - w["exposed_comm_s"] - w["compute_s"], 0)}
@@ -202,6 +205,37 @@ def _rank(rows: list, memory_bytes: float) -> list:
     return out
 
 
+def _layout(cand: Candidate) -> tuple:
+    """What one row of the table stands for: mesh, preset and schedule (its best remat and microbatching)."""
+    return cand.mesh, cand.strategy, cand.schedule if cand.shape["pipeline"] > 1 else ""
+
+
+def _cost(cands: list, facts, cfg, hw, res, bpp, c, top: int | None) -> list:
+    """Rows of the candidates that can rank in the top `top` layouts (all of them when `top` is None).
+    Branch and bound: candidates are costed cheapest lower bound first (their matmuls and bubble,
+    `steptime.lower_bound`), and the search stops at the first whose bound exceeds, beyond the
+    ranking's tie margin, the step of the `top`-th best fitting layout found so far: none after it
+    can rank. When nothing fits, every candidate is costed (the error names the smallest)."""
+    if top is None:
+        bounded = [(0.0, cand) for cand in cands]
+    else:
+        bounded = sorted(((lower_bound(facts, cand, cfg, hw, c), cand) for cand in cands), key=lambda x: x[0])
+    rows, best, limit = [], {}, math.inf     # best: layout -> its fastest fitting step
+    for bound, cand in bounded:
+        if bound > limit * (1 + 2e-3):
+            break
+        ev = evaluate(facts, cand, cfg, hw, res, bpp, c)
+        if ev is None:
+            continue
+        rows.append({"cand": cand, **ev})
+        if ev["fits"]:
+            k = _layout(cand)
+            best[k] = min(best.get(k, math.inf), ev["time"]["step_s"])
+            if top and len(best) >= top and len(rows) % 16 == 0:     # checked now and then: the bound only tightens
+                limit = heapq.nsmallest(top, best.values())[-1]
+    return rows
+
+
 def plan(cfg, devices: int, hardware, strategies=None, bytes_per_param=None, keep_all: bool = False,
          top: int | None = None) -> dict:
     """Cost every candidate and rank them. Returns the `meshpar plan --json` object."""
@@ -216,11 +250,8 @@ def plan(cfg, devices: int, hardware, strategies=None, bytes_per_param=None, kee
     c = np.dtype(get_policy(cfg.precision).compute_dtype).itemsize
     facts = ModelFacts.from_config(cfg)
     res = Resolver(cfg)
-    rows = []
-    for cand in candidates(facts, cfg, devices, hardware, strategies):
-        ev = evaluate(facts, cand, cfg, hardware, res, bpp, c)
-        if ev is not None:
-            rows.append({"cand": cand, **ev})
+    cands = candidates(facts, cfg, devices, hardware, strategies)
+    rows = _cost(cands, facts, cfg, hardware, res, bpp, c, None if keep_all else (top or 10))
     if not rows:
         raise ConfigError(f"no mesh of {devices} devices can shard this model with --strategies "
                           f"{','.join(strategies)} (sizes must divide layers, heads, batch.global_size="
@@ -239,7 +270,7 @@ def plan(cfg, devices: int, hardware, strategies=None, bytes_per_param=None, kee
     if not keep_all:                   # one row per layout: its best remat / microbatching
         seen, kept = set(), []
         for r in ordered:
-            k = (r["cand"].mesh, r["cand"].strategy, r["cand"].schedule if r["cand"].shape["pipeline"] > 1 else "")
+            k = _layout(r["cand"])
             if k not in seen:
                 seen.add(k)
                 kept.append(r)
@@ -257,7 +288,7 @@ def plan(cfg, devices: int, hardware, strategies=None, bytes_per_param=None, kee
     return {"model": {"params": facts.params, "flops_per_token": facts.flops_per_token, "dims": facts.dims},
             "hardware": hardware.as_dict(), "devices": devices, "bytes_per_param": list(bpp),
             "batch": {"global_size": cfg.batch.global_size, "length": cfg.batch.length},
-            "searched": len(rows), "fitting": len(fitting), "candidates": out}
+            "searched": len(cands), "costed": len(rows), "fitting": len(fitting), "candidates": out}
 
 
 def winner_yaml(result: dict, config_path: str | None, user_overrides: list[str], best: dict | None = None) -> str:
@@ -285,9 +316,10 @@ def render(result: dict, console, top: int = 10) -> None:
     hw = result["hardware"]
     console.print(f"[bold]model[/] {result['model']['params'] / 1e9:.3g}B params  [bold]hardware[/] "
                   f"{result['devices']} x {hw['name']} ({hw['memory_bytes'] / GiB:.0f} GiB, "
-                  f"{hw['peak_flops'] / 1e12:.0f} TFLOP/s at {hw['efficiency']:.0%})  [bold]batch[/] "
+                  f"{hw['peak_flops'] / 1e12:.0f} TFLOP/s, matmuls at {hw['efficiency']:.0%})  [bold]batch[/] "
                   f"{result['batch']['global_size']} x {result['batch']['length']}  "
-                  f"[bold]searched[/] {result['searched']}, {result['fitting']} fit")
+                  f"[bold]searched[/] {result['searched']}, costed {result.get('costed', result['searched'])}, "
+                  f"{result['fitting']} fit")
     t = Table(title="plans, best first (memory in GiB per device)")
     for col in ("#", "mesh", "strategy", "remat", "mb", "params", "grads", "opt", "act", "work", "total", "step s", "MFU", "why"):
         t.add_column(col, justify="right" if col not in ("mesh", "strategy", "remat", "why") else "left")

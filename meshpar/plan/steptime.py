@@ -6,12 +6,18 @@ Time per step (seconds).
   (full remat: one extra forward of the layers, x 4/3 of their FLOPs; save_dots: the attention
   score/PV matmuls again; GPipe and interleaved rerun each stage's forward in its backward, as
   GPipe's re-materialization (Huang et al. 2019), except a one-layer stage under full remat; 1F1B
-  reruns nothing) / (N x peak x efficiency), the efficiency an assumption of the hardware preset
-  (0.5: what tuned dense-LM runs report as MFU at scale).
-* Collectives on ring formulas (Patarasuk & Yuan 2009; NCCL's bus-bandwidth note): all-gather and
-  reduce-scatter (n-1)/n x V / bw, all-reduce twice that, all-to-all (n-1)/n x V / bw, a permute
-  V / bw; V is the whole tensor (what `meshpar inspect` reports). An axis set that spans ICI and
-  DCN runs hierarchically: (n_i - 1)/n_i V / bw_ici + (n_d - 1)/n_d (V / n_i) / bw_dcn.
+  reruns nothing) per device, on the roofline of its GEMMs, plus the bytes every other kernel moves
+  at memory bandwidth (`meshpar.plan.roofline`: its fit to the lent H100 and to Narayanan et al.
+  2021's Table 1, `meshpar.plan.papers`).
+* Collectives, alpha-beta (Hockney's model; NCCL's tuning model, src/graph/tuning.cc): a latency per
+  collective and per hop (`Hardware.latency`) plus the bytes on ring formulas (Patarasuk & Yuan
+  2009; NCCL's bus-bandwidth note) at `comm_efficiency` of the links: all-gather and
+  reduce-scatter (n-1)/n x V / bw with n - 1 hops, all-reduce twice the bytes (a ring inside a
+  node, across nodes NCCL's tree of 2 log2 hops), all-to-all (n-1)/n x V / bw, a permute V / bw
+  and one hop; V is the whole tensor (what `meshpar inspect` reports), and each predicted op counts
+  the separate collectives it stands for (a scan gathers, reduces, permutes once per layer, pass,
+  microbatch or tick). An axis set that spans ICI and DCN runs hierarchically, as NCCL's rings do
+  with a channel per NIC: (n_i - 1)/n_i V / bw_ici + (n_d - 1)/n_d (V / n_i) / bw_dcn.
   Bytes, read off the compiled steps of tests/plan/test_plan.py: data-parallel gradients and FSDP/ZeRO
   gathers per parameter; Megatron TP per layer and pass, in [b, s, h] units: column-parallel entries
   (SP: all-gather) in each forward pass (the forward, full remat's layer recompute, GPipe's stage
@@ -31,10 +37,12 @@ Time per step (seconds).
   are the same on every device (balanced order), so compute divides by N as before.
 * Pipeline bubble (Narayanan et al. 2021, sec. 2.2): (p - 1) / (v M) of the compute time (GPipe and
   1F1B, whose ticks pair an F with a B, alike; interleaving divides it by v).
-* Overlap, assumed once: collectives over the batch axes (data, fsdp, expert-replicated gradient
-  reductions, FSDP gathers, ZeRO's gather of updated weights) overlap with compute (XLA's async
-  collectives and latency-hiding scheduler); tensor-parallel collectives, MoE all-to-alls and
-  pipeline transfers sit on the critical path. step = max(compute, overlapped) + exposed + bubble.
+* Overlap: collectives over the batch axes (data, fsdp, expert-replicated gradient reductions, FSDP
+  gathers, ZeRO's gather of updated weights) overlap with compute, as the H100 target's compiled
+  schedule shows (`meshpar inspect --target h100`, 125m fsdp x 8: 3 of 4 all-gathers, every
+  reduce-scatter and all-reduce with compute between start and done, the scanned layer's gather
+  issued while the layer before computes); tensor-parallel collectives, MoE all-to-alls and pipeline
+  transfers sit on the critical path. step = max(compute, overlapped) + exposed + bubble.
 """
 from __future__ import annotations
 
@@ -43,7 +51,8 @@ import math
 from meshpar.core.errors import ShardingError
 from meshpar.core.mesh import MESH_AXES
 from meshpar.core.rules import BATCH_AXES, get_strategy
-from meshpar.parallel.schedules import one_f_one_b_ticks, schedule_table
+from meshpar.parallel.schedules import one_f_one_b_ticks
+from meshpar.plan.roofline import matmul_fit, vector_bytes
 from meshpar.plan.costmodel import (Candidate, ModelFacts, Resolver, _axes, _factor, activation_bytes, local_batch,
                                     rows_factor, stage_recompute, state_bytes, workspace_parts)
 
@@ -63,10 +72,10 @@ def collectives(facts: ModelFacts, cand: Candidate, cfg, res: Resolver, c: int, 
     zero1 = st.opt_state is not None and not st.shard_grads
     out = []
 
-    def add(kind, axes, nbytes, overlap):
+    def add(kind, axes, nbytes, overlap, count=1.0):      # count: separate collectives (each pays latency)
         if nbytes > 0 and axes:
             out.append({"kind": kind, "axes": sorted(axes, key=MESH_AXES.index), "bytes": float(nbytes),
-                        "overlap": overlap})
+                        "overlap": overlap, "count": float(max(count, 1))})
 
     remat_ag = 2                    # the forward and the backward layer loop each gather (none is kept)
     grad_times = 1 if zero1 else ma
@@ -80,18 +89,19 @@ def collectives(facts: ModelFacts, cand: Candidate, cfg, res: Resolver, c: int, 
         full_over_batch = local * math.prod(shape[a] for a in on_batch)
         rows = c * tokens * lf.shape[-1] if lf.path in facts.lookups else math.inf   # looked-up rows, per device
         if on_batch and sharded <= set(batch_axes) and rows < w * full_over_batch:
-            add("all-to-all", on_batch, rows * ma, False)              # lookup: rows move, not the table
+            add("all-to-all", on_batch, rows * ma, False, ma)          # lookup: rows move, not the table
             rows_all = rows * math.prod(shape[a] for a in batch_axes)  # every device's row gradients
             if not rest:                                                # row gradients back the same way
-                add("all-to-all", on_batch, rows * ma, False)
+                add("all-to-all", on_batch, rows * ma, False, ma)
             elif rows_all < g * (full_over_batch + local):              # hsdp: gathered, scatter-added locally
-                add("all-gather", batch_axes, rows_all * ma, True)
-                add("all-reduce", rest, g * local * ma, True)
+                add("all-gather", batch_axes, rows_all * ma, True, ma)
+                add("all-reduce", rest, g * local * ma, True, ma)
             else:
-                add("reduce-scatter", on_batch, g * full_over_batch * ma, True)
-                add("all-reduce", rest, g * local * ma, True)
+                add("reduce-scatter", on_batch, g * full_over_batch * ma, True, ma)
+                add("all-reduce", rest, g * local * ma, True, ma)
             continue
         mb = ma * (cand.pp_microbatches if lf.stacked else 1)   # a stage gathers its layers per microbatch
+        per = (facts.dims.get("layers") or 1) / shape["pipeline"] if lf.stacked else 1   # one collective per layer
         at_use = w * full_over_batch * (remat_ag if lf.stacked else 1) * mb    # weights gathered for use
         if st.opt_state is not None:                   # ZeRO-1/2: RS into the sharded state, AG updated weights
             os_ = res.spec(lf, cand.strategy, shape, "opt_state")
@@ -99,22 +109,23 @@ def collectives(facts: ModelFacts, cand: Candidate, cfg, res: Resolver, c: int, 
             if rs:
                 rows_all = rows * math.prod(shape[a] for a in rs)      # every device's row gradients
                 if (st.shard_grads or ma == 1) and rows_all < g * full_over_batch:
-                    add("all-gather", rs, rows_all * ma, True)         # scatter-added into the local shard
+                    add("all-gather", rs, rows_all * ma, True, ma)         # scatter-added into the local shard
                 else:
-                    add("reduce-scatter", rs, g * full_over_batch * grad_times, True)
-                add("all-gather", [a for a in rs if a not in on_batch], w * local, True)
-                add("all-reduce", [a for a in batch_axes if a not in rs], g * full_over_batch * grad_times, True)
-                add("all-gather", on_batch, at_use, True)   # master weights at rest over `context`, as FSDP
+                    add("reduce-scatter", rs, g * full_over_batch * grad_times, True, per * grad_times)
+                add("all-gather", [a for a in rs if a not in on_batch], w * local, True, per)
+                add("all-reduce", [a for a in batch_axes if a not in rs], g * full_over_batch * grad_times, True,
+                    per * grad_times)
+                add("all-gather", on_batch, at_use, True, per * remat_ag * mb)   # master weights at rest over `context`, as FSDP
                 continue
         if on_batch:                                   # FSDP: gather for use, reduce-scatter the grads
-            add("all-gather", on_batch, at_use, True)
-            add("reduce-scatter", on_batch, g * full_over_batch * mb, True)
-            add("all-reduce", rest, g * local * mb, True)
+            add("all-gather", on_batch, at_use, True, per * (remat_ag if lf.stacked else 1) * mb)
+            add("reduce-scatter", on_batch, g * full_over_batch * mb, True, per * mb)
+            add("all-reduce", rest, g * local * mb, True, per * mb)
             continue
         if not lf.stacked and shape["pipeline"] > 1:   # outer params: one all-reduce over pipeline x rest
-            add("all-reduce", rest + ["pipeline"], g * local * grad_times, False)
+            add("all-reduce", rest + ["pipeline"], g * local * grad_times, False, grad_times)
         else:
-            add("all-reduce", rest, g * local * grad_times, True)
+            add("all-reduce", rest, g * local * grad_times, True, per * grad_times)
     d = facts.dims
     if not d.get("embed"):
         return out
@@ -131,8 +142,8 @@ def collectives(facts: ModelFacts, cand: Candidate, cfg, res: Resolver, c: int, 
         t_k = t if any(n == "kv_heads" for n, _ in st.params) and d["kv_heads"] % t == 0 else 1
         kv = c * b * s * 2 * d["kv_heads"] * d["head_dim"] / t_k
         passes = 1 + (cand.remat == "full") + stage_recompute(facts, cand)
-        add("all-gather", ["context"], kv * layers * (passes + 1) * runs, False)   # + the backward's regather
-        add("reduce-scatter", ["context"], kv * layers * runs, False)
+        add("all-gather", ["context"], kv * layers * (passes + 1) * runs, False, layers * (passes + 1) * runs)
+        add("reduce-scatter", ["context"], kv * layers * runs, False, layers * runs)
     sp = any(n_ == "length" for n_, _ in st.params)     # SP: the residual is split over tensor
     if t > 1 and any(n == "heads" for n, _ in st.params):
         moe, kc = 0.0, 0.0          # share of MoE layers; their buffer [E,G,C,M] relative to [b, s, h]
@@ -160,58 +171,83 @@ def collectives(facts: ModelFacts, cand: Candidate, cfg, res: Resolver, c: int, 
             lookup = (w if kind == "all-gather" else g) * table_numel if table_numel else act
             # 1F1B: the head on the last stage, the lookup on the first (its forward and backward ticks)
             edges = (act + 2 * lookup) / p if one_f else act + lookup
-            add(kind, ["tensor"], runs * (act * lc * per_layer + edges), False)
+            add(kind, ["tensor"], runs * (act * lc * per_layer + edges), False, runs * (lc * per_layer + 2))
         if one_f and sp:        # 1F1B's embedding backward runs every tick on every stage (`meshpar.parallel.pipeline`),
             ticks = one_f_one_b_ticks(p, cand.pp_microbatches)    # on the gathered sequence-split cotangent
-            add("all-gather", ["tensor"], act * ticks * ma, False)
+            add("all-gather", ["tensor"], act * ticks * ma, False, ticks * ma)
     if p > 1:
-        table = schedule_table(cand.schedule, p, cand.pp_microbatches, cand.virtual)
-        permutes = 2 * one_f_one_b_ticks(p, cand.pp_microbatches) if cand.schedule == "1f1b" else len(table)  # per tick
-        add("collective-permute", ["pipeline"], act / (t if sp else 1) * permutes * ma, False)
+        permutes = 2 * one_f_one_b_ticks(p, cand.pp_microbatches) if cand.schedule == "1f1b" else \
+            2 * (cand.virtual * cand.pp_microbatches + p - 1)   # per tick: GPipe's and interleaved forward, mirrored
+        add("collective-permute", ["pipeline"], act / (t if sp else 1) * permutes * ma, False, permutes * ma)
         if cand.schedule == "interleaved" and cand.virtual > 1:   # layers to chunk order and gradients back
             stacked = sum(lf.numel / _factor(res.spec(lf, cand.strategy, shape, "rest"), shape)
                           for lf in facts.leaves if lf.stacked)
-            add("all-to-all", ["pipeline"], (w + g) * stacked * ma, False)
+            add("all-to-all", ["pipeline"], (w + g) * stacked * ma, False, 2 * ma)
     if facts.moe and shape["expert"] > 1:
         m = facts.moe
         per = 4 + (2 if cand.remat == "full" else 0)
         buf = c * b * s * m["top_k"] * rows_factor(m, shape) * h
-        add("all-to-all", ["expert"], buf * per * n_mb * layers / m["every"], False)
+        add("all-to-all", ["expert"], buf * per * n_mb * layers / m["every"], False, per * n_mb * layers / m["every"])
     return out
 
 
 def collective_time(op: dict, cand: Candidate, hw) -> float:
-    """Seconds of one predicted collective on its axes (ring; hierarchical across ICI and DCN)."""
+    """Seconds of one predicted collective on its axes: alpha-beta (latency per collective and hop,
+    then bytes at `comm_efficiency` of the links), ring, hierarchical across ICI and DCN."""
     shape, dcn = cand.shape, cand.dcn_shape
     n_d = math.prod(dcn[a] for a in op["axes"])
     n_i = math.prod(shape[a] for a in op["axes"]) // n_d
-    v = op["bytes"]
+    v, bw = op["bytes"], hw.comm_efficiency
+    base, hop_i, hop_d = hw.latency
     if op["kind"] == "collective-permute":
-        return v / (hw.dcn_bw if n_d > 1 else hw.ici_bw)
+        return op.get("count", 1) * (base + (hop_d if n_d > 1 else hop_i)) + v / ((hw.dcn_bw if n_d > 1 else hw.ici_bw) * bw)
     ring = (n_i - 1) / n_i * v / hw.ici_bw + ((n_d - 1) / n_d * v / n_i / hw.dcn_bw if n_d > 1 else 0.0)
-    return 2 * ring if op["kind"] == "all-reduce" else ring
+    hops = (n_i - 1) * hop_i + (n_d - 1) * hop_d
+    if op["kind"] == "all-reduce":      # a ring inside the node; across nodes NCCL's tree, 2 log2 hops
+        hops = 2 * ((n_i - 1) * hop_i + math.ceil(math.log2(n_d)) * hop_d) if n_d > 1 else 2 * hops
+        ring *= 2
+    return op.get("count", 1) * (base + hops) + ring / bw
 
 
-def step_time(facts: ModelFacts, cand: Candidate, cfg, hw, ops: list) -> dict:
-    """compute_s, comm_s (all collectives), exposed_s (not overlapped), bubble_s, step_s, mfu."""
+def matmul_seconds(facts: ModelFacts, cand: Candidate, cfg, hw, c: int = 2) -> float:
+    """The step's matmuls on one device: the model's FLOPs with recomputation, on the roofline."""
     n = math.prod(cand.mesh)
-    tokens = cfg.batch.global_size * cfg.batch.length
-    model_flops = facts.flops_per_token * tokens
+    model_flops = facts.flops_per_token * cfg.batch.global_size * cfg.batch.length
     d = facts.dims
     attn = 12.0 * d["layers"] * d["heads"] * d["head_dim"] * cfg.batch.length if d.get("heads") else 0.0
     layer_share = 1.0 - 6.0 * (d["vocab"] or 0) * (d["embed"] or 0) / max(facts.flops_per_token, 1.0)
     extra = {"none": 0.0, "full": layer_share / 3, "offload": attn / facts.flops_per_token / 3,
              "save_dots": attn / facts.flops_per_token / 3}[cand.remat]
     extra += stage_recompute(facts, cand) * layer_share / 3   # GPipe/interleaved rerun each stage in its backward
-    compute = model_flops * (1 + extra) / (n * hw.peak_flops * hw.efficiency)
+    return model_flops * (1 + extra) / (n * hw.peak_flops * hw.efficiency * matmul_fit(facts, cand, cfg, hw, c))
+
+
+def lower_bound(facts: ModelFacts, cand: Candidate, cfg, hw, c: int = 2) -> float:
+    """Seconds no cheaper than the candidate's step: its matmuls and their bubble (what the search
+    sorts by, to cost the promising candidates first and stop when none left can rank)."""
+    p = cand.shape["pipeline"]
+    return matmul_seconds(facts, cand, cfg, hw, c) * (1 + ((p - 1) / (cand.virtual * cand.pp_microbatches) if p > 1 else 0))
+
+
+def step_time(facts: ModelFacts, cand: Candidate, cfg, hw, ops: list, res: Resolver | None = None,
+              bpp=(4, 4, 8), c: int = 2) -> dict:
+    """compute_s (matmul_s + vector_s, `meshpar.plan.roofline`), comm_s (all collectives), exposed_s
+    (not overlapped), bubble_s, step_s, mfu."""
+    n = math.prod(cand.mesh)
+    model_flops = facts.flops_per_token * cfg.batch.global_size * cfg.batch.length
+    matmul = matmul_seconds(facts, cand, cfg, hw, c)
+    passes = 3 + (cand.remat != "none") + stage_recompute(facts, cand)
+    vector = (vector_bytes(facts, cand, cfg, res or Resolver(cfg), bpp, c, passes, hw.kind) / hw.hbm_bw
+              if hw.hbm_bw else 0.0)
+    compute = matmul + vector
     times = [collective_time(op, cand, hw) for op in ops]
     overlapped = sum(tm for tm, op in zip(times, ops) if op["overlap"])
     exposed = sum(tm for tm, op in zip(times, ops) if not op["overlap"])
     p = cand.shape["pipeline"]
     bubble = compute * (p - 1) / (cand.virtual * cand.pp_microbatches) if p > 1 else 0.0
     step = max(compute, overlapped) + exposed + bubble
-    return {"compute_s": compute, "comm_s": overlapped + exposed, "exposed_comm_s": exposed, "bubble_s": bubble,
-            "step_s": step, "mfu": model_flops / (step * n * hw.peak_flops)}
+    return {"compute_s": compute, "matmul_s": matmul, "vector_s": vector, "comm_s": overlapped + exposed,
+            "exposed_comm_s": exposed, "bubble_s": bubble, "step_s": step, "mfu": model_flops / (step * n * hw.peak_flops)}
 
 
 def evaluate(facts: ModelFacts, cand: Candidate, cfg, hw, res: Resolver, bpp, c: int,
@@ -240,7 +276,7 @@ def evaluate(facts: ModelFacts, cand: Candidate, cfg, hw, res: Resolver, bpp, c:
     mem["workspace"] = sum(ws.values())
     mem["total"] = sum(mem.values())
     ops = collectives(facts, cand, cfg, res, c)
-    return {"memory": mem, "collectives": ops, "time": step_time(facts, cand, cfg, hw, ops),
+    return {"memory": mem, "collectives": ops, "time": step_time(facts, cand, cfg, hw, ops, res, bpp, c),
             "fits": mem["total"] <= hw.memory_bytes}
 
 

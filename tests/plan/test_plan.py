@@ -47,29 +47,33 @@ def _winner(result):
 def test_ranking_follows_the_costs_without_special_cases():
     h100 = load_hardware("h100")
     small = plan(load_config(None, ["model.size=125m", "batch.global_size=64", "batch.length=2048"]), 8, h100)
-    w = _winner(small)
-    assert w["strategy"] in ("dp", "zero1", "zero2") and w["mesh"]["tensor"] == 1 and w["mesh"]["pipeline"] == 1
-    fsdp = next(c for c in small["candidates"] if c["strategy"] == "fsdp")
-    assert fsdp["time"]["step_s"] >= w["time"]["step_s"] and fsdp["why"] != "winner"
+    w = _winner(small)     # a small model: data parallel in some form, no tensor or pipeline axis
+    assert w["strategy"] in ("dp", "zero1", "zero2", "fsdp", "hsdp") and w["mesh"]["tensor"] == 1
+    assert w["mesh"]["pipeline"] == 1
+    # a sharded optimizer state shortens the update (AdamW reads and writes 7 w bytes per element at
+    # memory bandwidth), so plain dp, whose collectives hide as well, ranks below the winner
+    dp = next(c for c in small["candidates"] if c["strategy"] == "dp")
+    assert dp["time"]["step_s"] > w["time"]["step_s"] and dp["time"]["vector_s"] > w["time"]["vector_s"]
 
-    # 7B on one node. With the [s, s] attention scores stored (xla), ZeRO-2 over data=8 would not fit:
-    # H100's own compile of it peaks at 89.9 GiB (fp32 scores beside their bf16 cast; bench/RESULTS.md),
-    # so the plan is FSDP over 8 (compiled 58.4 GiB); with flash (auto at 2k tokens) ZeRO-2 fits and
-    # ties FSDP's time on fewer bytes on the wire.
+    # 7B on one node. With the [s, s] attention scores stored (xla), ZeRO-2 over data=8 without remat
+    # would not fit: H100's own compile of it peaks at 89.9 GiB (fp32 scores beside their bf16 cast;
+    # bench/RESULTS.md), so the plan shards the state over 8 and recomputes or accumulates to fit with
+    # the planner's margin; with flash (auto at 2k tokens) ZeRO-2 fits as it is, and FSDP comes within
+    # a few percent (its gathers hide; its weights are cast again where the backward regathers them).
     seven = plan(load_config(None, ["model.size=7b", "batch.global_size=64", "batch.length=2048",
                                     "model.attention=xla"]), 8, h100, keep_all=True)
     dp = [c for c in seven["candidates"] if c["strategy"] == "dp" and c["mesh"]["data"] == 8]
     assert dp and not any(c["fits"] for c in dp)                 # pure DP: 16 bytes x 6.7B > 80 GB
     w = _winner(seven)
-    assert w["fits"] and w["strategy"] == "fsdp" and w["mesh"]["fsdp"] == 8
-    assert w["memory"]["total"] * 1.15 < h100.memory_bytes
+    assert w["fits"] and w["strategy"] in ("zero2", "fsdp") and 8 in (w["mesh"]["data"], w["mesh"]["fsdp"])
+    assert w["memory"]["total"] * 1.15 < h100.memory_bytes and (w["remat"] != "none" or w["microbatches"] > 1)
     zero2 = [c for c in seven["candidates"] if c["strategy"] == "zero2" and c["remat"] == "none" and c["mesh"]["data"] == 8]
     assert zero2 and all(c["memory"]["total"] * 1.15 > h100.memory_bytes for c in zero2)
     flash = plan(load_config(None, ["model.size=7b", "batch.global_size=64", "batch.length=2048"]), 8, h100)
     w2 = _winner(flash)
     assert w2["strategy"] == "zero2" and w2["mesh"]["data"] == 8 and w2["memory"]["total"] * 1.15 < h100.memory_bytes
     fsdp8 = next(c for c in flash["candidates"] if c["strategy"] == "fsdp" and c["mesh"]["fsdp"] == 8)
-    assert fsdp8["time"]["step_s"] <= w2["time"]["step_s"] * 1.001
+    assert w2["time"]["step_s"] <= fsdp8["time"]["step_s"] <= w2["time"]["step_s"] * 1.05
 
     # 175B on 16 nodes of 8 H100s: the field's 3D recipe (Narayanan et al. 2021). 1F1B stashes each
     # microbatch's residuals (Megatron's selective recompute is save_dots), so a pipelined plan pays
@@ -201,14 +205,17 @@ def test_predictions_match_the_compiled_step(name):
 
 
 def test_ties_go_to_memory_headroom():
-    """1B on 64 H100s, batch 256 x 2048 (issue 20): dp, zero1 and zero2 tie on time and bytes; the
-    plan with the most headroom wins (dp needed 71.8 GiB predicted and did not fit once compiled)."""
+    """1B on 64 H100s, batch 256 x 2048 (issue 20): zero1 and zero2 tie on time and bytes; the plan
+    with the most headroom wins. dp (71.8 GiB predicted, did not fit once compiled) ties no more: its
+    replicated update is slower, and it is not the plan."""
     result = plan(load_config(None, ["model.size=1b", "batch.global_size=256", "batch.length=2048"]), 64,
-                  load_hardware("h100"))
+                  load_hardware("h100"), top=40)
     w, rest = result["candidates"][0], result["candidates"][1:]
     assert w["strategy"] == "zero1" and w["memory"]["total"] < 30 * 2 ** 30
-    dp = next(c for c in rest if c["strategy"] == "dp")
-    assert dp["time"]["step_s"] <= w["time"]["step_s"] * 1.001 and dp["why"].startswith("tie: ")
+    zero2 = next(c for c in rest if c["strategy"] == "zero2" and c["mesh"] == w["mesh"])
+    assert zero2["time"]["step_s"] <= w["time"]["step_s"] * 1.001 and zero2["why"] == "tie: less memory headroom"
+    dp = [c for c in rest if c["strategy"] == "dp"]
+    assert all(c["time"]["step_s"] > w["time"]["step_s"] * 1.001 for c in dp)
 
 
 def test_verify_writes_the_best_plan_that_fits_once_compiled(tmp_path, capsys, monkeypatch):
