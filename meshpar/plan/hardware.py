@@ -121,7 +121,8 @@ _KEYS = {f.name for f in dataclasses.fields(Hardware)}
 
 def load_hardware(name_or_path: str) -> Hardware:
     """A preset name, or a YAML file with the keys of `Hardware` (name, peak_flops, memory_bytes,
-    domain, ici_bw, dcn_bw; optional efficiency, kind, source)."""
+    domain, ici_bw, dcn_bw; optional efficiency, kind, source, hbm_bw (without it the non-matmul
+    kernels cost nothing), comm_efficiency, latency as [per collective, per ICI hop, per DCN hop])."""
     if name_or_path in PRESETS:
         return PRESETS[name_or_path]
     path = Path(name_or_path)

@@ -209,8 +209,8 @@ def collective_time(op: dict, cand: Candidate, hw) -> float:
     return op.get("count", 1) * (base + hops) + ring / bw
 
 
-def matmul_seconds(facts: ModelFacts, cand: Candidate, cfg, hw, c: int = 2) -> float:
-    """The step's matmuls on one device: the model's FLOPs with recomputation, on the roofline."""
+def executed_flops(facts: ModelFacts, cand: Candidate, cfg) -> float:
+    """Matmul FLOPs one device executes per step: the model's, with recomputation."""
     n = math.prod(cand.mesh)
     model_flops = facts.flops_per_token * cfg.batch.global_size * cfg.batch.length
     d = facts.dims
@@ -219,7 +219,12 @@ def matmul_seconds(facts: ModelFacts, cand: Candidate, cfg, hw, c: int = 2) -> f
     extra = {"none": 0.0, "full": layer_share / 3, "offload": attn / facts.flops_per_token / 3,
              "save_dots": attn / facts.flops_per_token / 3}[cand.remat]
     extra += stage_recompute(facts, cand) * layer_share / 3   # GPipe/interleaved rerun each stage in its backward
-    return model_flops * (1 + extra) / (n * hw.peak_flops * hw.efficiency * matmul_fit(facts, cand, cfg, hw, c))
+    return model_flops * (1 + extra) / n
+
+
+def matmul_seconds(facts: ModelFacts, cand: Candidate, cfg, hw, c: int = 2) -> float:
+    """The step's matmuls on one device, on the roofline of their shapes (`meshpar.plan.roofline`)."""
+    return executed_flops(facts, cand, cfg) / (hw.peak_flops * hw.efficiency * matmul_fit(facts, cand, cfg, hw, c))
 
 
 def lower_bound(facts: ModelFacts, cand: Candidate, cfg, hw, c: int = 2) -> float:
@@ -247,7 +252,7 @@ def step_time(facts: ModelFacts, cand: Candidate, cfg, hw, ops: list, res: Resol
     bubble = compute * (p - 1) / (cand.virtual * cand.pp_microbatches) if p > 1 else 0.0
     step = max(compute, overlapped) + exposed + bubble
     return {"compute_s": compute, "matmul_s": matmul, "vector_s": vector, "comm_s": overlapped + exposed,
-            "exposed_comm_s": exposed, "bubble_s": bubble, "step_s": step, "mfu": model_flops / (step * n * hw.peak_flops)}
+            "exposed_comm_s": exposed, "bubble_s": bubble, "step_s": step, "flops": executed_flops(facts, cand, cfg), "mfu": model_flops / (step * n * hw.peak_flops)}
 
 
 def evaluate(facts: ModelFacts, cand: Candidate, cfg, hw, res: Resolver, bpp, c: int,
