@@ -9,7 +9,8 @@
 `GpuTargetConfigProto` (SM count, compute capability, clock, memory, shared memory, cuDNN version)
 and a shape `slices x hosts x devices per host`; for a TPU libtpu's topology name `v5p:4x4x4`, whose
 devices carry their torus coordinates (so `meshpar.core.mesh` lays axes on physical neighbours), and
-a number of slices joined over DCN. Nothing is allocated: state and batch are `ShapeDtypeStruct`s.
+a number of slices joined over DCN, with the wraparound links a real slice of that shape has
+(`tpu_wrap`). Nothing is allocated: state and batch are `ShapeDtypeStruct`s.
 
 What a deviceless compile proves: the program compiles for that chip, the memory XLA assigns per
 device, the collectives and kernels it chose and the order it scheduled them in. What it does not:
@@ -89,6 +90,17 @@ def _gpu(hw: Hardware, n: int, topology: str | None) -> Target:
     return Target(hw, list(desc.devices), "gpu", topology, shape[0])
 
 
+def tpu_wrap(shape: tuple[int, ...]) -> tuple[bool, ...]:
+    """Which torus dimensions of a TPU slice have their wraparound links (Cloud TPU's topologies:
+    a 3D slice (v4, v5p) is a torus when it is made of whole 4x4x4 cubes, every side a multiple of
+    4, and a mesh below that; a 2D pod (v5e, v6e) wraps a side only at its full 16 chips). Without
+    them a collective along an axis runs on a line, not a ring: libtpu then lowers an all-gather as
+    a dynamic-update-slice into zeros plus an all-reduce, twice the bytes on the wire."""
+    if len(shape) == 3:
+        return (all(d % 4 == 0 for d in shape),) * 3
+    return tuple(d == 16 for d in shape)
+
+
 def tpu_shape(chips: int, dims: int) -> tuple[int, ...]:
     """The slice shape of `chips` chips (a power of two >= 4): one host, then doubling the shortest side."""
     shape = list(TPU_HOST[dims])
@@ -118,7 +130,7 @@ def _tpu(hw: Hardware, n: int, topology: str | None, slices: int | None) -> Targ
                               f"host of 4 (--devices {4 * per_chip * slices} or more)")
         shape = tpu_shape(chips, dims)
     name = _name(chip, shape)
-    desc = topologies.get_topology_desc(platform="tpu", topology_name=name, num_slices=slices)
+    desc = topologies.get_topology_desc(platform="tpu", topology_name=name, num_slices=slices, wrap=tpu_wrap(shape))
     return Target(hw, list(desc.devices), "tpu", name, slices)
 
 

@@ -221,3 +221,17 @@ def test_the_planner_counts_what_the_h100_compile_keeps(h100, remat):
     compiled = report(cfg, h100)["target"]["peak_bytes"]
     predicted = estimate(cfg, h100.hardware)["memory"]["total"]
     assert 0.92 < predicted / compiled < 1.1, (predicted / 2 ** 20, compiled / 2 ** 20)
+
+
+def test_a_full_v5p_cube_is_a_torus_and_gathers_fsdp_weights_with_all_gather():
+    """64 v5p chips (4x4x4) have their wraparound links, 16 (2x2x4) do not (Cloud TPU's topologies;
+    MaxText's accelerator map). Without them libtpu lowered FSDP's weight gathers as
+    dynamic-update-slice + all-reduce, twice the bytes on the wire (bench/RESULTS.md, issue 43)."""
+    from meshpar.plan.target import resolve, tpu_wrap
+    assert tpu_wrap((4, 4, 4)) == (True,) * 3 and tpu_wrap((2, 2, 4)) == (False,) * 3
+    assert tpu_wrap((8, 16)) == (False, True) and tpu_wrap((16, 16)) == (True, True)
+    cube = resolve("tpu-v5p", 64)
+    rep = _report(cube, "strategy=fsdp", "mesh.data=1", "mesh.fsdp=64", "mesh.tensor=1", "batch.global_size=64")
+    kinds = rep["collectives"]["summary"]
+    assert kinds["all-gather"]["bytes"] > 0
+    assert kinds.get("all-reduce", {"bytes": 0})["bytes"] < 0.01 * kinds["all-gather"]["bytes"]

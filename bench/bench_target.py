@@ -1,0 +1,208 @@
+"""The training step compiled for a pod, read from the target's own program (issue 43).
+
+    python bench/bench_target.py [--only NAME,...] [--out table.md] [--json rows.json]
+
+Per configuration (bf16, full remat), one deviceless compile by the target's compiler
+(`meshpar.plan.program.report`, what `meshpar inspect --target` runs) and, per device:
+  * peak HBM (argument + output + temp - alias) against the device's memory;
+  * FLOPs and bytes from XLA's `cost_analysis()` (a while loop's body counted once: for a scanned
+    model these undercount by about the layer count, so the roofline uses meshpar's own count of the
+    executed FLOPs, `meshpar.plan.steptime.executed_flops`, beside them);
+  * collective bytes by kind and mesh axes (async start/done counted once, loop bodies times their
+    trip counts);
+  * exposed collective bytes: those with no compute scheduled between start and done, or
+    synchronous (`meshpar.plan.program.overlap`);
+  * a roofline step: max(executed FLOPs / peak, cost_analysis bytes x layers / HBM bandwidth) plus
+    the exposed bytes at the bandwidth of the slowest link their kind's axes cross
+    (`meshpar/plan/hardware.py`), and its MFU (model FLOPs over that step at peak); beside it the
+    planner's own step (`meshpar.plan.search.estimate`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+
+LLAMA2_7B = ["model.size=7b"]
+LLAMA3_8B = ["model.size=7b", "model.kv_heads=8", "model.mlp=14336", "model.vocab=128256", "model.rope_theta=500000"]
+MIXTRAL = ["model.name=moe", "model.size=7b", "model.kv_heads=8", "model.mlp=14336", "model.vocab=32000",
+           "moe.num_experts=8", "moe.top_k=2", "moe.every=1", "moe.capacity_factor=null"]
+
+
+def mesh(**axes) -> list[str]:
+    sizes = {"data": 1, "fsdp": 1, "tensor": 1, "pipeline": 1, "context": 1, "expert": 1, **axes}
+    return [f"mesh.{a}={v}" for a, v in sizes.items()]
+
+
+def maxtext_overrides(name: str, n: int, overrides: list[str]) -> list[str] | None:
+    """The same step in MaxText's own config keys (TPU rows), or None where there is no counterpart.
+    Both: bf16 compute over fp32 weights and AdamW state, full remat, splash attention (MaxText's
+    `autoselected`, meshpar's `auto` on TPU), the same global batch; MaxText's v5p-N counts cores
+    (two per chip), so 64 chips are `v5p-128`."""
+    ov = dict(o.split("=", 1) for o in overrides)
+    model = {"llama2-7b": "llama2-7b", "llama3-8b": "llama3-8b", "mixtral-8x7b": "mixtral-8x7b"}.get(name.split()[0])
+    if model is None or "context" in name:
+        return None
+    per_device = int(ov["batch.global_size"]) / n
+    out = [f"model_name={model}", f"compile_topology=v5p-{2 * n}", "compile_topology_num_slices=1",
+           f"per_device_batch_size={per_device:g}", f"max_target_length={ov['batch.length']}", "remat_policy=full",
+           f"ici_fsdp_parallelism={ov.get('mesh.fsdp', 1)}", f"ici_tensor_parallelism={ov.get('mesh.tensor', 1)}",
+           f"ici_expert_parallelism={ov.get('mesh.expert', 1)}"]
+    if model == "mixtral-8x7b":
+        out += ["sparse_matmul=true", "capacity_factor=-1"]
+    return out
+
+
+def maxtext_row(name: str, n: int, python: str, overrides: list[str], hw) -> dict:
+    """MaxText's compile of the same step, read by meshpar's own HLO readers."""
+    import os
+    import subprocess
+    import tempfile
+    from meshpar.plan import inspect, program
+    base = os.path.join(tempfile.mkdtemp(), "maxtext")
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "maxtext", "compile_maxtext.py")
+    env = {k: v for k, v in os.environ.items()      # its own jax and libtpu, not the ones meshpar's process loaded
+           if k not in ("XLA_FLAGS", "PYTHONPATH", "JAX_PLATFORMS", "TPU_LIBRARY_PATH")}
+    start = time.perf_counter()
+    proc = subprocess.run([python, script, base, *overrides], capture_output=True, text=True, env=env, timeout=1800)
+    if proc.returncode:
+        tail = [ln for ln in proc.stderr.splitlines() if ln.strip()][-1:] or ["no output"]
+        return {"name": name, "target": hw.name, "framework": "maxtext", "error": tail[0][:160]}
+    meta = json.load(open(base + ".json"))
+    hlo = open(base + ".hlo").read()
+    summary = inspect.summarize(inspect.collectives(hlo, meta["mesh"]))
+    ov = program.overlap(hlo)
+    return {"name": name, "target": hw.name, "framework": "maxtext", "devices": n,
+            "peak_gib": meta["peak_bytes"] / 2 ** 30, "hbm_gib": hw.memory_bytes / 2 ** 30,
+            "xla_flops": meta["cost"]["flops"], "xla_bytes": meta["cost"]["bytes_accessed"],
+            "collectives": {k: {"bytes": v["bytes"], "axes": v.get("axes")} for k, v in summary.items()},
+            "hidden_bytes": ov["hidden_bytes"], "exposed_bytes": ov["exposed_bytes"],
+            "compile_s": round(time.perf_counter() - start, 1), "kernels": sorted(program.kernels(hlo)),
+            "overrides": overrides}
+
+
+def configs() -> list[tuple[str, str, int, list[str]]]:
+    """(name, target, devices, overrides): the issue's table, one sequence per device unless said."""
+    out = []
+    for model, base in (("llama2-7b", LLAMA2_7B), ("llama3-8b", LLAMA3_8B)):
+        for length in (4096, 8192):
+            tokens = [f"batch.length={length}", "batch.global_size=64"]          # one sequence per device
+            out += [(f"{model} {length} fsdp", "tpu-v5p", 64, base + tokens + ["strategy=fsdp"] + mesh(fsdp=64)),
+                    (f"{model} {length} fsdp_tp", "tpu-v5p", 64, base + tokens + ["strategy=fsdp_tp"] + mesh(fsdp=16, tensor=4)),
+                    (f"{model} {length} fsdp", "h100", 64, base + tokens + ["strategy=fsdp"] + mesh(fsdp=64)),
+                    (f"{model} {length} fsdp_tp", "h100", 64, base + tokens + ["strategy=fsdp_tp"] + mesh(fsdp=8, tensor=8)),
+                    (f"{model} {length} pipeline x fsdp_tp", "h100", 64, base + tokens + [
+                        "strategy=fsdp_tp", "pipeline.schedule=1f1b", "pipeline.microbatches=8"]
+                     + mesh(pipeline=4, fsdp=4, tensor=4))]
+    out += [("mixtral-8x7b dropless ep8", "h100", 64, MIXTRAL + ["batch.length=4096", "batch.global_size=64",
+                                                              "strategy=fsdp"] + mesh(fsdp=8, expert=8)),
+            ("mixtral-8x7b dropless ep8", "tpu-v5p", 128, MIXTRAL + ["batch.length=4096", "batch.global_size=128",
+                                                                  "strategy=fsdp"] + mesh(fsdp=16, expert=8)),
+            ("llama3-8b 128k context", "h100", 64, LLAMA3_8B + ["batch.length=131072", "batch.global_size=2",
+                                                              "strategy=fsdp", "model.attention=flash",
+                                                              "model.context_strategy=ring"] + mesh(fsdp=2, context=32))]
+    return out
+
+
+def _link(hw, axes: list, dcn: dict) -> float:
+    """The slowest link a collective over `axes` crosses: DCN when any of them leaves the node/slice."""
+    return hw.dcn_bw if any(dcn.get(a, 1) > 1 for a in axes) else hw.ici_bw
+
+
+def row(name: str, target, overrides: list[str]) -> dict:
+    from meshpar.core.config import load_config
+    from meshpar.plan.program import report
+    from meshpar.plan.search import estimate
+    cfg = load_config(None, ["precision=bf16", "model.remat=full"] + overrides)
+    cfg.devices = len(target.devices)
+    start = time.perf_counter()
+    try:
+        rep = report(cfg, target)
+    except Exception as e:  # noqa: BLE001 - a row that does not compile says why and the table goes on
+        return {"name": name, "target": target.hardware.name, "error": str(e).splitlines()[0][:160]}
+    hw, t = target.hardware, rep["target"]
+    pred = estimate(cfg, hw)
+    summary = rep["collectives"]["summary"]
+    from meshpar.core.mesh import MESH_AXES
+    from meshpar.plan.search import split_ici_dcn
+    sizes = tuple(rep["mesh"].get(a, 1) for a in MESH_AXES)
+    dcn = dict(zip(MESH_AXES, split_ici_dcn(sizes, cfg.devices, hw.domain) or (1,) * len(sizes)))
+    exposed_s = sum(d["exposed_bytes"] / (_link(hw, summary.get(kind, {}).get("axes", []), dcn) * hw.comm_efficiency)
+                    for kind, d in t["overlap"]["by_kind"].items())
+    flops = pred["time"]["flops"] if pred else 0.0
+    model_flops = rep["flops"]["model_per_step"] / cfg.devices
+    ca = t["cost"] or {}
+    layers = getattr(cfg.model, "layers", None) or 32
+    memory_s = (ca.get("bytes_accessed") or 0) * layers / hw.hbm_bw if hw.hbm_bw else 0.0
+    roof = max(flops / hw.peak_flops, memory_s) + exposed_s
+    return {"name": name, "target": hw.name, "devices": cfg.devices, "peak_gib": t["peak_bytes"] / 2 ** 30,
+            "hbm_gib": hw.memory_bytes / 2 ** 30, "fits": t["fits"], "xla_flops": ca.get("flops"),
+            "xla_bytes": ca.get("bytes_accessed"), "executed_flops": flops, "model_flops": model_flops,
+            "collectives": {k: {"bytes": v["bytes"], "axes": v.get("axes")} for k, v in summary.items()},
+            "hidden_bytes": t["overlap"]["hidden_bytes"], "exposed_bytes": t["overlap"]["exposed_bytes"],
+            "roofline_s": roof, "roofline_mfu": model_flops / (roof * hw.peak_flops) if roof else None,
+            "planner_s": pred["time"]["step_s"] if pred else None, "planner_mfu": pred["time"]["mfu"] if pred else None,
+            "planner_gib": pred["memory"]["total"] / 2 ** 30 if pred else None,
+            "compile_s": round(time.perf_counter() - start, 1), "kernels": sorted(t["kernels"])}
+
+
+def line(r: dict) -> str:
+    who = r.get("framework", "meshpar")
+    if "error" in r:
+        return f"| {r['target']} | {r['name']} | {who} | refused: {r['error']} |"
+    gb = 1e9
+    coll = ", ".join(f"{k} {v['bytes'] / gb:.1f}" for k, v in sorted(r["collectives"].items()))
+    if who == "maxtext":
+        return (f"| {r['target']} x{r['devices']} | {r['name']} | maxtext | {r['peak_gib']:.1f} / {r['hbm_gib']:.0f} | - | "
+                f"{(r['xla_flops'] or 0) / 1e12:.1f} / - | {coll} | {r['exposed_bytes'] / gb:.2f} | - | - | - | - | "
+                f"{r['compile_s']:.0f} |")
+    return (f"| {r['target']} x{r['devices']} | {r['name']} | meshpar | {r['peak_gib']:.1f} / {r['hbm_gib']:.0f} | "
+            f"{r['planner_gib']:.1f} | {(r['xla_flops'] or 0) / 1e12:.1f} / {r['executed_flops'] / 1e12:.0f} | "
+            f"{coll} | {r['exposed_bytes'] / gb:.2f} | {r['roofline_s']:.3f} | {r['roofline_mfu']:.3f} | "
+            f"{r['planner_s']:.3f} | {r['planner_mfu']:.3f} | {r['compile_s']:.0f} |")
+
+
+HEADER = ["| target | config | framework | peak / HBM (GiB) | planner (GiB) | XLA / executed TFLOP per device "
+          "| collectives (GB by kind) | exposed (GB) | roofline s | roofline MFU | planner s | planner MFU | compile s |",
+          "|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", help="comma-separated config names (as printed) to run")
+    ap.add_argument("--targets", default="h100,tpu-v5p")
+    ap.add_argument("--out", help="append the markdown table here")
+    ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--maxtext", metavar="PYTHON", help="MaxText venv's python (bench/maxtext/README.md): compile each "
+                    "TPU row with MaxText too, side by side")
+    args = ap.parse_args()
+    from meshpar.plan.target import resolve
+    rows, lines = [], list(HEADER)
+    print("\n".join(HEADER), flush=True)
+    targets = {}
+    for name, hw, n, ov in configs():
+        if hw not in args.targets.split(",") or (args.only and name not in args.only.split(",")):
+            continue
+        if (hw, n) not in targets:
+            targets[hw, n] = resolve(hw, n)
+        found = [row(name, targets[hw, n], ov)]
+        mx = maxtext_overrides(name, n, ov) if args.maxtext and hw.startswith("tpu") else None
+        if mx:
+            found.append(maxtext_row(name, n, args.maxtext, mx, targets[hw, n].hardware))
+        for r in found:
+            rows.append(r)
+            lines.append(line(r))
+            print(lines[-1], flush=True)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write("\n" + "\n".join(lines) + "\n")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1, default=lambda x: None if isinstance(x, float) and math.isnan(x) else str(x))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

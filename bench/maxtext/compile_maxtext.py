@@ -1,0 +1,53 @@
+"""MaxText's own deviceless compile of its training step (`train_compile`), kept for comparison.
+
+Runs in MaxText's venv (bench/maxtext/README.md), not meshpar's:
+
+    /path/to/maxtext-venv/bin/python bench/maxtext/compile_maxtext.py OUT KEY=VALUE ...
+
+KEY=VALUE are MaxText's own config overrides (`model_name=llama2-7b compile_topology=v5p-128 ...`),
+applied to the base.yml MaxText ships. Writes OUT.json (memory analysis, cost analysis, mesh, compile
+seconds) and OUT.hlo (the optimized, scheduled program text), which `bench/bench_target.py` reads with
+meshpar's own HLO readers, so both frameworks' programs are measured by the same code.
+"""
+import json
+import os
+import sys
+import time
+
+from maxtext.trainers.pre_train import train_compile as tc
+
+captured = {}
+_compile = tc.jit_and_compile
+
+
+def _grab(*args, **kwargs):
+    start = time.perf_counter()
+    compiled = _compile(*args, **kwargs)
+    captured["compiled"], captured["seconds"] = compiled, time.perf_counter() - start
+    mesh = args[3] if len(args) > 3 else kwargs.get("mesh")
+    captured["mesh"] = dict(zip(mesh.axis_names, mesh.devices.shape)) if mesh is not None else {}
+    return compiled
+
+
+def main() -> None:
+    out, overrides = sys.argv[1], sys.argv[2:]
+    base = os.path.join(os.path.dirname(tc.__file__), "..", "..", "configs", "base.yml")
+    tc.jit_and_compile = _grab
+    tc.main([sys.argv[0], os.path.normpath(base), *overrides])
+    compiled = captured["compiled"]
+    mem = compiled.memory_analysis()
+    ca = compiled.cost_analysis()
+    ca = ca[0] if isinstance(ca, (list, tuple)) else ca
+    fields = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes")
+    m = {f: int(getattr(mem, f)) for f in fields}
+    peak = m["argument_size_in_bytes"] + m["output_size_in_bytes"] + m["temp_size_in_bytes"] - m["alias_size_in_bytes"]
+    with open(out + ".json", "w") as f:
+        json.dump({"overrides": overrides, "memory": m, "peak_bytes": peak, "mesh": captured["mesh"],
+                   "compile_s": round(captured["seconds"], 1),
+                   "cost": {"flops": ca.get("flops"), "bytes_accessed": ca.get("bytes accessed")}}, f, indent=1)
+    with open(out + ".hlo", "w") as f:
+        f.write(compiled.as_text())
+
+
+if __name__ == "__main__":
+    main()
