@@ -134,7 +134,8 @@ def row(name: str, target, overrides: list[str]) -> dict:
     flops = pred["time"]["flops"] if pred else 0.0
     model_flops = rep["flops"]["model_per_step"] / cfg.devices
     ca = t["cost"] or {}
-    layers = getattr(cfg.model, "layers", None) or 32
+    from meshpar.plan.costmodel import ModelFacts
+    layers = ModelFacts.from_config(cfg).dims.get("layers") or 1    # the layer loop's trip count
     memory_s = (ca.get("bytes_accessed") or 0) * layers / hw.hbm_bw if hw.hbm_bw else 0.0
     roof = max(flops / hw.peak_flops, memory_s) + exposed_s
     return {"name": name, "target": hw.name, "devices": cfg.devices, "peak_gib": t["peak_bytes"] / 2 ** 30,

@@ -249,6 +249,16 @@ def _per_token(dims: dict, remat: str, t_heads: int, t_mlp: int, t_res: int, s: 
     return norms / t_res + partial + (2 * a + 2 * k) * q / t_heads + scores / t_heads + mlp / t_mlp
 
 
+def tensor_splits(facts: ModelFacts, cand: Candidate) -> dict:
+    """What the tensor axis splits under the candidate's preset: heads (t_heads; when the KV heads
+    divide), mlp (t_mlp), the residual (t_res: sequence parallelism), vocab (t_vocab)."""
+    t = cand.shape["tensor"]
+    names = {n for n, _ in get_strategy(cand.strategy).params}
+    return {"heads": t if "heads" in names and facts.dims["kv_heads"] % t == 0 else 1,
+            "mlp": t if "mlp" in names else 1, "res": t if "length" in names else 1,
+            "vocab": t if "vocab" in names else 1}
+
+
 def activation_parts(facts: ModelFacts, cand: Candidate, cfg, c: int, compiler: str = "cpu") -> dict:
     """Per-device activation memory of one step (bytes) by term (see the module docstring)."""
     d, shape = facts.dims, cand.shape
@@ -257,12 +267,8 @@ def activation_parts(facts: ModelFacts, cand: Candidate, cfg, c: int, compiler: 
     out = {"batch": 4 * leaves * b * cand.microbatches * cand.pp_microbatches * (s + 1)}   # int32 [B, T+1] / dp
     if not all(d.get(k) for k in ("layers", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab")):
         return out                                                      # a user model without sizes
-    t = shape["tensor"]
-    tp = get_strategy(cand.strategy).params
-    t_heads = t if any(n == "heads" for n, _ in tp) and d["kv_heads"] % t == 0 else 1
-    t_mlp = t if any(n == "mlp" for n, _ in tp) else 1
-    t_res = t if any(n == "length" for n, _ in tp) else 1
-    t_vocab = t if any(n == "vocab" for n, _ in tp) else 1
+    sp = tensor_splits(facts, cand)
+    t_heads, t_mlp, t_res, t_vocab = sp["heads"], sp["mlp"], sp["res"], sp["vocab"]
     layers = d["layers"] / shape["pipeline"]
     cp = shape["context"]
     tokens = b * s / cp

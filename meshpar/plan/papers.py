@@ -20,7 +20,6 @@ step, whatever each side counts as a FLOP.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 SOURCE = "Narayanan et al. 2021 (SC'21), arXiv:2104.04473"
@@ -119,7 +118,3 @@ def cost(run: Run, hardware=None, **kw) -> dict:
     return {"name": run.name, "step_s": t["step_s"], "measured_step_s": run.measured_step_s(), "hfu": hfu,
             "measured_hfu": run.measured_hfu(hw.peak_flops), "ratio": hfu / run.measured_hfu(hw.peak_flops),
             "time": t, "memory_gib": ev["memory"]["total"] / 2 ** 30, "fits": ev["fits"]}
-
-
-def close(a: float, b: float, rel: float) -> bool:
-    return math.isfinite(a) and abs(a / b - 1) <= rel

@@ -34,8 +34,9 @@ from __future__ import annotations
 
 import math
 
-from meshpar.core.rules import BATCH_AXES, get_strategy
-from meshpar.plan.costmodel import _axes, _factor, _per_token, efficient_attention, local_batch, rows_factor
+from meshpar.core.rules import BATCH_AXES
+from meshpar.plan.costmodel import (_axes, _factor, _per_token, efficient_attention, local_batch, rows_factor,
+                                    tensor_splits)
 
 TILE = 128
 TOKEN_H, TOKEN_F, TOKEN_SCORES, TOKEN_V = 16, 4, 6, 6     # compute-dtype elements, see above
@@ -55,21 +56,12 @@ def gemm_fit(m: float, k: float, n: float, hw, c: int = 2) -> float:
     return roof * m * n / tiles
 
 
-def splits(facts, cand) -> dict:
-    """What the tensor axis splits: heads, mlp, the residual (sequence parallelism), vocab."""
-    d, t = facts.dims, cand.shape["tensor"]
-    names = {n for n, _ in get_strategy(cand.strategy).params}
-    return {"heads": t if "heads" in names and d["kv_heads"] % t == 0 else 1,
-            "mlp": t if "mlp" in names else 1, "res": t if "length" in names else 1,
-            "vocab": t if "vocab" in names else 1}
-
-
 def matmul_fit(facts, cand, cfg, hw, c: int = 2) -> float:
     """FLOP-weighted fit of one layer's GEMMs and the head (1.0 for a model without sizes)."""
     d = facts.dims
     if not all(d.get(x) for x in ("embed", "heads", "kv_heads", "head_dim", "mlp", "vocab")):
         return 1.0
-    sp = splits(facts, cand)
+    sp = tensor_splits(facts, cand)
     m = local_batch(cfg, cand) * cfg.batch.length / cand.shape["context"]
     h, q, f = d["embed"], d["head_dim"], (facts.moe.get("expert_mlp") or d["mlp"])
     gemms = [(m, h, (d["heads"] + 2 * d["kv_heads"]) * q / sp["heads"]), (m, d["heads"] * q / sp["heads"], h),
@@ -94,7 +86,7 @@ def vector_bytes(facts, cand, cfg, res, bpp, c: int = 2, passes: float = 4.0, co
     d = facts.dims
     if not all(d.get(x) for x in ("layers", "embed", "heads", "mlp", "vocab")):
         return out
-    sp = splits(facts, cand)
+    sp = tensor_splits(facts, cand)
     dp = shape["data"] * shape["fsdp"] * shape["expert"]
     tokens = cfg.batch.global_size * cfg.batch.length / (dp * shape["context"])     # per device per step
     f = d["mlp"]

@@ -222,9 +222,11 @@ def executed_flops(facts: ModelFacts, cand: Candidate, cfg) -> float:
     return model_flops * (1 + extra) / n
 
 
-def matmul_seconds(facts: ModelFacts, cand: Candidate, cfg, hw, c: int = 2) -> float:
-    """The step's matmuls on one device, on the roofline of their shapes (`meshpar.plan.roofline`)."""
-    return executed_flops(facts, cand, cfg) / (hw.peak_flops * hw.efficiency * matmul_fit(facts, cand, cfg, hw, c))
+def matmul_seconds(facts: ModelFacts, cand: Candidate, cfg, hw, c: int = 2, flops: float | None = None) -> float:
+    """The step's matmuls on one device (`flops`: `executed_flops`, when already counted), on the
+    roofline of their shapes (`meshpar.plan.roofline`)."""
+    flops = executed_flops(facts, cand, cfg) if flops is None else flops
+    return flops / (hw.peak_flops * hw.efficiency * matmul_fit(facts, cand, cfg, hw, c))
 
 
 def lower_bound(facts: ModelFacts, cand: Candidate, cfg, hw, c: int = 2) -> float:
@@ -240,7 +242,8 @@ def step_time(facts: ModelFacts, cand: Candidate, cfg, hw, ops: list, res: Resol
     (not overlapped), bubble_s, step_s, mfu."""
     n = math.prod(cand.mesh)
     model_flops = facts.flops_per_token * cfg.batch.global_size * cfg.batch.length
-    matmul = matmul_seconds(facts, cand, cfg, hw, c)
+    flops = executed_flops(facts, cand, cfg)
+    matmul = matmul_seconds(facts, cand, cfg, hw, c, flops)
     passes = 3 + (cand.remat != "none") + stage_recompute(facts, cand)
     vector = (vector_bytes(facts, cand, cfg, res or Resolver(cfg), bpp, c, passes, hw.kind) / hw.hbm_bw
               if hw.hbm_bw else 0.0)
@@ -252,7 +255,8 @@ def step_time(facts: ModelFacts, cand: Candidate, cfg, hw, ops: list, res: Resol
     bubble = compute * (p - 1) / (cand.virtual * cand.pp_microbatches) if p > 1 else 0.0
     step = max(compute, overlapped) + exposed + bubble
     return {"compute_s": compute, "matmul_s": matmul, "vector_s": vector, "comm_s": overlapped + exposed,
-            "exposed_comm_s": exposed, "bubble_s": bubble, "step_s": step, "flops": executed_flops(facts, cand, cfg), "mfu": model_flops / (step * n * hw.peak_flops)}
+            "exposed_comm_s": exposed, "bubble_s": bubble, "step_s": step, "flops": flops,
+            "mfu": model_flops / (step * n * hw.peak_flops)}
 
 
 def evaluate(facts: ModelFacts, cand: Candidate, cfg, hw, res: Resolver, bpp, c: int,

@@ -322,6 +322,7 @@ def test_plan_modules_sit_on_their_floor():
             assert all(not (m.startswith("meshpar.") and m != "meshpar.core.errors")
                        for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) for m in [node.module or ""])
 
+
 def test_embed_and_heads_imply_head_dim_for_every_command():
     """`model.head_dim: None` means embed / heads, not the size preset's value (issue 44: 1024 / 16
     planned with the tiny preset's 8-wide heads). Every command builds its model through
