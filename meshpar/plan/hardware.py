@@ -142,6 +142,10 @@ def load_hardware(name_or_path: str) -> Hardware:
     if missing:
         raise ConfigError(f"hardware file '{path}' lacks {', '.join(missing)}")
     data.setdefault("name", path.stem)
+    lat = data.get("latency")
+    if lat is not None and not (isinstance(lat, (list, tuple)) and len(lat) == 3):
+        raise ConfigError(f"hardware file '{path}': latency must be three seconds [per collective, per ICI hop, "
+                          f"per DCN hop], e.g. [8.4e-6, 3.4e-6, 9.6e-6]; got {lat!r}")
     try:
         hw = Hardware(**{k: (v if k in ("name", "kind", "source", "target") else int(v) if k == "domain" else
                              tuple(float(x) for x in v) if k == "latency" else float(v)) for k, v in data.items()})

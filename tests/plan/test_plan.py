@@ -304,6 +304,19 @@ def test_bad_input_is_one_line(capsys, args, message):
     assert message in err and len(err.splitlines()) == 1, err
 
 
+def test_a_hardware_file_is_read_with_its_time_keys_and_a_bad_latency_is_one_line(tmp_path):
+    from meshpar.core.errors import ConfigError
+    keys = "peak_flops: 1e15\nmemory_bytes: 8e10\ndomain: 8\nici_bw: 4e11\ndcn_bw: 5e10\n"
+    good = tmp_path / "gpu.yaml"
+    good.write_text(keys + "hbm_bw: 3e12\nlatency: [1e-5, 2e-6, 8e-6]\n")
+    hw = load_hardware(str(good))
+    assert hw.latency == (1e-5, 2e-6, 8e-6) and hw.hbm_bw == 3e12 and hw.name == "gpu"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(keys + "latency: 5e-6\n")
+    with pytest.raises(ConfigError, match=r"hardware file '.*bad.yaml': latency must be three seconds"):
+        load_hardware(str(bad))
+
+
 def test_plan_modules_sit_on_their_floor():
     """The planner prices a run without running one: it never imports the loop, checkpoints, metrics,
     serving, the launcher or the CLI (the layers themselves: tests/test_layout.py), and the hardware
