@@ -95,10 +95,11 @@ def tpu_wrap(shape: tuple[int, ...]) -> tuple[bool, ...]:
     a 3D slice (v4, v5p) is a torus when it is made of whole 4x4x4 cubes, every side a multiple of
     4, and a mesh below that; a 2D pod (v5e, v6e) wraps a side only at its full 16 chips). Without
     them a collective along an axis runs on a line, not a ring: libtpu then lowers an all-gather as
-    a dynamic-update-slice into zeros plus an all-reduce, twice the bytes on the wire."""
+    a dynamic-update-slice into zeros plus an all-reduce, twice the bytes on the wire. libtpu takes
+    three entries for a 2D chip too (the third False)."""
     if len(shape) == 3:
         return (all(d % 4 == 0 for d in shape),) * 3
-    return tuple(d == 16 for d in shape)
+    return tuple(d == 16 for d in shape) + (False,)
 
 
 def tpu_shape(chips: int, dims: int) -> tuple[int, ...]:

@@ -229,7 +229,8 @@ def test_a_full_v5p_cube_is_a_torus_and_gathers_fsdp_weights_with_all_gather():
     dynamic-update-slice + all-reduce, twice the bytes on the wire (bench/RESULTS.md, issue 43)."""
     from meshpar.plan.target import resolve, tpu_wrap
     assert tpu_wrap((4, 4, 4)) == (True,) * 3 and tpu_wrap((2, 2, 4)) == (False,) * 3
-    assert tpu_wrap((8, 16)) == (False, True) and tpu_wrap((16, 16)) == (True, True)
+    assert tpu_wrap((8, 16)) == (False, True, False) and tpu_wrap((16, 16)) == (True, True, False)
+    assert len(resolve("tpu-v5e", 256).devices) == 256          # a 2D pod's wrap as libtpu takes it
     cube = resolve("tpu-v5p", 64)
     rep = _report(cube, "strategy=fsdp", "mesh.data=1", "mesh.fsdp=64", "mesh.tensor=1", "batch.global_size=64")
     kinds = rep["collectives"]["summary"]
