@@ -240,8 +240,9 @@ def _dropless_local(x, index, routed, gates, w_gate, w_up, w_down, ep_axes=(), e
     The n*K assignments are sorted by expert (unrouted ones last, never sent). The shard owning
     experts [d*E_l, (d+1)*E_l) gets its rows by a ragged exchange over `ep_axes`
     (`meshpar.nn.exchange`): `ragged_all_to_all` on GPU/TPU, packed source after source into a buffer
-    [ep*n*K, M] (static: a shard may receive every row); on CPU an all-to-all of slices padded to n*K
-    rows, source s at rows s*n*K. The receiver orders its
+    [ep*R, M] (static, sized for the worst case: a token's K experts are distinct, so a source sends a
+    shard at most R = n*min(K, E_l) rows, not n*K; MaxText's bound); on CPU an all-to-all of slices
+    padded to R rows, source s at rows s*R. The receiver orders its
     rows by local expert and runs SwiGLU as grouped matmuls (`meshpar.nn.gmm`); partial sums over
     `h_axes` (H split by tensor parallelism) are reduced; the rows return by the reverse exchange,
     each to its sorted position, and are weighted by their gates."""
@@ -249,6 +250,7 @@ def _dropless_local(x, index, routed, gates, w_gate, w_up, w_down, ep_axes=(), e
     e_local = w_gate.shape[0]
     e_total = e_local * ep
     nk = n * k
+    r = n * min(k, e_local)                                         # rows one source can send one shard
     j = jnp.arange(nk)
     flat_e = jnp.where(routed, index, e_total).reshape(nk)          # unrouted -> sentinel E
     order = jnp.argsort(flat_e, stable=True)                        # assignments sorted by expert
@@ -262,14 +264,14 @@ def _dropless_local(x, index, routed, gates, w_gate, w_up, w_down, ep_axes=(), e
     ragged = exchange_lib.resolve(EXCHANGE, ep_axes) == "ragged"
     if ragged:                                                      # packed: source after source
         recv_start = jnp.cumsum(recv) - recv
-        buf = exchange(x[order // k], jnp.zeros((ep * nk, x.shape[1]), dt), dest_start, send,
+        buf = exchange(x[order // k], jnp.zeros((ep * r, x.shape[1]), dt), dest_start, send,
                        exchange_lib.swap(recv_start, ep_axes),
-                       recv, ep_axes, PACKED_WIRE)                   # [ep*nK, M]
-    else:                                                           # source s at rows s*nK.. (padded)
-        recv_start = jnp.arange(ep, dtype=recv.dtype) * nk
-        buf = exchange_lib.dense(x[order // k], dest_start, send, ep_axes, nk).reshape(ep * nk, -1)
+                       recv, ep_axes, PACKED_WIRE)                   # [ep*R, M]
+    else:                                                           # source s at rows s*R.. (padded)
+        recv_start = jnp.arange(ep, dtype=recv.dtype) * r
+        buf = exchange_lib.dense(x[order // k], dest_start, send, ep_axes, r).reshape(ep * r, -1)
     # local expert of every received row (E_l: padding), then all rows grouped by local expert
-    jj = jnp.arange(ep * nk)
+    jj = jnp.arange(ep * r)
     src = _chunk_of(recv_start, jj)
     bounds = jnp.cumsum(recv_counts, axis=1)[src]                   # [ep*nK, E_l]
     local = jnp.sum(bounds <= (jj - recv_start[src])[:, None], axis=-1)
@@ -279,19 +281,19 @@ def _dropless_local(x, index, routed, gates, w_gate, w_up, w_down, ep_axes=(), e
     sizes = jnp.sum(recv_counts, axis=0).astype(jnp.int32)          # [E_l] rows per local expert
     gate = grouped_matmul(rows, w_gate, sizes, GMM)
     up = grouped_matmul(rows, w_up, sizes, GMM)
-    out = grouped_matmul(jax.nn.silu(gate) * up, w_down, sizes, GMM)                       # [ep*nK, M]
+    out = grouped_matmul(jax.nn.silu(gate) * up, w_down, sizes, GMM)                       # [ep*R, M]
     if h_axes:
         out = jax.lax.psum(out, h_axes)
-    inv2 = jnp.zeros_like(order2).at[order2].set(jnp.arange(ep * nk))
+    inv2 = jnp.zeros_like(order2).at[order2].set(jnp.arange(ep * r))
     # each row back to its sender, at its sorted position there; unrouted positions stay 0
     if ragged:
         per_sorted = exchange(out[inv2], jnp.zeros((nk, x.shape[1]), out.dtype), recv_start, recv,
                               exchange_lib.swap(dest_start, ep_axes),
                               send, ep_axes, PACKED_WIRE, slice_rows=nk)   # [nK, M]: a source sent at most nK
     else:   # sorted position p came back from shard d at row p - dest_start[d] of its slice
-        back = exchange_lib.dense(out[inv2], recv_start, recv, ep_axes, nk).reshape(ep * nk, -1)   # [ep*nK, M]
+        back = exchange_lib.dense(out[inv2], recv_start, recv, ep_axes, r).reshape(ep * r, -1)   # [ep*R, M]
         d = _chunk_of(dest_start, j)
-        per_sorted = jnp.where((j < jnp.sum(send))[:, None], back[d * nk + j - dest_start[d]], 0)
+        per_sorted = jnp.where((j < jnp.sum(send))[:, None], back[d * r + j - dest_start[d]], 0)
     inv = jnp.zeros_like(order).at[order].set(j)
     per_assignment = per_sorted[inv].reshape(n, k, -1)
     return jnp.einsum("nkm,nk->nm", per_assignment, gates.astype(dt))

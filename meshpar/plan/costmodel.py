@@ -301,9 +301,12 @@ def activation_parts(facts: ModelFacts, cand: Candidate, cfg, c: int, compiler: 
 
 def rows_factor(moe: dict, shape: dict) -> float:
     """Expert-buffer rows per routed (token, expert) pair: the capacity factor, or, dropless, the
-    `expert` axis size (`meshpar.nn.moe.dropless` pads each shard's receive buffer to the worst case,
-    ep x the rows it routes)."""
-    return moe["capacity_factor"] if moe["capacity_factor"] is not None else shape["expert"]
+    worst case `meshpar.nn.moe.dropless` pads each shard's receive buffer to: ep sources of n tokens
+    each sending it at most min(K, E_l) rows, over the n K it routes."""
+    if moe["capacity_factor"] is not None:
+        return moe["capacity_factor"]
+    ep, k = shape["expert"], moe["top_k"]
+    return ep * min(k, max(moe["num_experts"] // ep, 1)) / k
 
 
 def activation_bytes(facts: ModelFacts, cand: Candidate, cfg, c: int, compiler: str = "cpu") -> float:

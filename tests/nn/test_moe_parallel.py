@@ -162,3 +162,44 @@ def test_moe_tiny_learns_and_logs_moe_metrics(tmp_path):
         assert all(0 <= d < 0.5 for d in r["drop_fraction"])
         assert all(lo <= 0.25 <= hi for lo, hi in zip(r["load_min"], r["load_max"]))
         assert r["total_loss"] > r["loss"]                              # aux + z losses are added
+
+
+@pytest.mark.parametrize("exchange", ["dense", "ragged"])
+def test_dropless_buffers_hold_the_worst_case_every_token_to_one_shard(exchange, monkeypatch):
+    """The receive buffer is sized for the worst case a router can make, ep sources x n tokens x
+    min(K, E_l) rows (a token's K experts are distinct): every token of every shard routed to experts
+    0 and 1, whose shard (E_l = 1 of 4 experts here, K = 2) then receives ep x n rows, a full buffer.
+    The step equals one device's, on the dense exchange and on the packed ragged one."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from meshpar.core.config import MeshConfig
+    from meshpar.core.mesh import make_mesh
+    from meshpar.core.rules import PRESETS, Layout, use_layout
+    from meshpar.nn import moe
+    from meshpar.nn.routing import Routing
+    if exchange == "ragged":
+        monkeypatch.setattr(moe, "EXCHANGE", "ragged")
+        monkeypatch.setattr(moe, "PACKED_WIRE", "padded")
+    g, s, m, h, e, k = 8, 4, 8, 16, 4, 2
+    keys = jax.random.split(jax.random.PRNGKey(0), 4)
+    x = jax.random.normal(keys[0], (g, s, m))
+    w_gate, w_up = (jax.random.normal(kk, (e, m, h)) / 3 for kk in keys[1:3])
+    w_down = jax.random.normal(keys[3], (e, h, m)) / 4
+    index = jnp.broadcast_to(jnp.array([1, 0], jnp.int32), (g, s, k))        # experts 1 and 0, for every token
+    gates = jnp.broadcast_to(jnp.array([0.6, 0.4]), (g, s, k))
+    ones = jnp.ones((g, s, k), bool)
+    zero = jnp.zeros(())
+    r = Routing(index, gates, ones, ones, jnp.zeros((g, s, k), jnp.int32), None, None, zero, zero, zero, zero)
+    want = moe.dropless(x, r, w_gate, w_up, w_down)                            # one device
+    mesh = make_mesh(MeshConfig(data=2, fsdp=1, tensor=1, expert=4), jax.devices()[:8])
+    layout = Layout(mesh, PRESETS["dp"])
+
+    @jax.jit
+    def sharded(x, r, w_gate, w_up, w_down):
+        with use_layout(layout):
+            return moe.dropless(x, r, w_gate, w_up, w_down)
+    put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))        # noqa: E731
+    with jax.sharding.use_mesh(mesh) if hasattr(jax.sharding, "use_mesh") else mesh:
+        got = sharded(put(x, P(("data", "expert"))), r, put(w_gate, P("expert")), put(w_up, P("expert")),
+                      put(w_down, P("expert")))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
