@@ -212,7 +212,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
-    strategy: str = "fsdp_tp"         # dp | zero1 | zero2 | fsdp | hsdp | tp | tp_sp | fsdp_tp (meshpar.core.rules.PRESETS)
+    strategy: str = "fsdp_tp"         # dp | zero1 | zero2 | fsdp | hsdp | tp | tp_sp | fsdp_tp | fsdp_tp_sp (meshpar.core.rules.PRESETS)
     rules: list[list[Any]] = field(default_factory=list)  # user rules, [[logical, [mesh axes...]], ...], tried first
     precision: str = "bf16"           # bf16 | fp32 | fp16 (meshpar.core.precision.POLICIES; fp16 scales the loss)
     steps: int = 200                  # optimizer steps of the whole run (the cosine schedule ends here)

@@ -23,16 +23,17 @@ Presets (rule tables), after Megatron-LM (Shoeybi et al. 2019), ZeRO (Rajbhandar
 | tp      | heads/mlp/vocab over tensor | as params              | as params          | heads/mlp/vocab over tensor  |
 | tp_sp   | as tp                       | as params              | as params          | tp + residual length/tensor  |
 | fsdp_tp | fsdp + tp (2D)              | as params              | as params          | tp                           |
+| fsdp_tp_sp | fsdp + tp (2D)           | as params              | as params          | tp + residual length/tensor  |
 
 Every preset also splits `length` and `seq` over `context` (context parallelism, meshpar.parallel.context)
-when mesh.context > 1; tp_sp splits the residual stream's length over context x tensor.
+when mesh.context > 1; tp_sp and fsdp_tp_sp split the residual stream's length over context x tensor.
 
 The train state at rest is split over `context` as over the data axes (`Strategy.rest`): each context
 device sees other tokens of the same sequences, so gradients are summed over `context` as over
 `data`, and what ZeRO shards over data it shards over data x fsdp x context too (Megatron-LM's
 distributed optimizer shards over its data x context group). zero1/zero2 keep their fp32 master
 weights (meshpar's params) split over `context` and gather them at use; fsdp/hsdp/fsdp_tp split the
-parameters over `context` with their FSDP axes and gather them per layer. dp, tp and tp_sp, which
+parameters over `context` with their FSDP axes and gather them per layer (fsdp_tp_sp as fsdp_tp). dp, tp and tp_sp, which
 replicate the state over data, replicate it over `context`.
 """
 from __future__ import annotations
@@ -187,6 +188,8 @@ PRESETS: dict[str, Strategy] = {s.name: s for s in [
              extra=_COMMON),
     Strategy("fsdp_tp", "2D: FSDP over data x fsdp, Megatron TP over tensor",
              _TP + _FSDP[:1], extra=_COMMON, rest=over_context(_FSDP[:1])),
+    Strategy("fsdp_tp_sp", "2D: FSDP over data x fsdp, Megatron TP + sequence parallel over tensor",
+             _TP + _FSDP[:1] + table(length=[("context", "tensor")]), extra=_COMMON, rest=over_context(_FSDP[:1])),
 ]}
 
 

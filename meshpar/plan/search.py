@@ -15,12 +15,12 @@ source); those that do not fit in device memory are dropped (kept with --all) an
 by predicted step time. Ties (collectives fully hidden behind compute) go first to plans that fit
 with the planner's own margin of error (its memory is within 15% of the compiled step's), then to
 fewer bytes on the wire, then to the most memory headroom, then the simpler preset (dp < zero1 <
-zero2 < fsdp < hsdp < tp < tp_sp < fsdp_tp). Nothing is special-cased: TP inside a node, PP across nodes and DP outermost come out of
+zero2 < fsdp < hsdp < tp < tp_sp < fsdp_tp < fsdp_tp_sp). Nothing is special-cased: TP inside a node, PP across nodes and DP outermost come out of
 the bandwidths and the memory, or do not.
 
 Each mesh axis maps to one preset family so the same layout is not listed twice: dp/zero1/zero2
 put the batch on `data`; fsdp on `fsdp`; hsdp on fsdp (ICI) x data (DCN); tp/tp_sp on `tensor` x
-`data`; fsdp_tp on `tensor` x `fsdp`; any of them may add `pipeline`, `context` and (MoE models) `expert`.
+`data`; fsdp_tp and fsdp_tp_sp on `tensor` x `fsdp`; any of them may add `pipeline`, `context` and (MoE models) `expert`.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from meshpar.core.errors import ConfigError, suggest
 from meshpar.core.mesh import MESH_AXES
 from meshpar.core.rules import PRESETS
 
-ORDER = ("dp", "zero1", "zero2", "fsdp", "hsdp", "tp", "tp_sp", "fsdp_tp")
+ORDER = ("dp", "zero1", "zero2", "fsdp", "hsdp", "tp", "tp_sp", "fsdp_tp", "fsdp_tp_sp")
 GiB = 2 ** 30
 
 
@@ -55,7 +55,8 @@ def _fits_family(strategy: str, s: dict) -> bool:
     d, f, t = s["data"], s["fsdp"], s["tensor"]
     return {"dp": f == 1 and t == 1, "zero1": f == 1 and t == 1, "zero2": f == 1 and t == 1,
             "fsdp": d == 1 and t == 1, "hsdp": d > 1 and f > 1 and t == 1,
-            "tp": t > 1 and f == 1, "tp_sp": t > 1 and f == 1, "fsdp_tp": t > 1 and f > 1 and d == 1}[strategy]
+            "tp": t > 1 and f == 1, "tp_sp": t > 1 and f == 1, "fsdp_tp": t > 1 and f > 1 and d == 1,
+            "fsdp_tp_sp": t > 1 and f > 1 and d == 1}[strategy]
 
 
 def split_ici_dcn(sizes: tuple, n: int, domain: int) -> tuple | None:

@@ -106,6 +106,7 @@ STATE_OVER_CONTEXT = {
     "fsdp_tp": (P(("data", "fsdp", "context"), "tensor"), P(("data", "fsdp", "context"), "tensor"),
                 P(("data", "fsdp"), "tensor")),
 }
+STATE_OVER_CONTEXT["fsdp_tp_sp"] = STATE_OVER_CONTEXT["fsdp_tp"]          # SP moves activations only
 
 
 @pytest.mark.parametrize("name", list(STATE_OVER_CONTEXT))
@@ -123,7 +124,7 @@ def test_the_train_state_is_split_over_context_as_over_the_data_axes(name):
     assert layout.spec(("embed", "mlp"), (64, 64), kind="rest") == rest
     assert layout.spec(("embed", "mlp"), (64, 64), kind="opt_state") == opt
     assert layout.spec(("embed", "mlp"), (64, 64)) == use
-    length = ("context", "tensor") if name == "tp_sp" else "context"       # tp_sp: SP splits it over tensor too
+    length = ("context", "tensor") if name.endswith("tp_sp") else "context"   # SP splits it over tensor too
     assert layout.spec(("batch", "length", "embed"), (8, 16, 64)) == P(("data", "fsdp"), length)
 
 

@@ -89,7 +89,7 @@ def test_ranking_follows_the_costs_without_special_cases():
     assert all(a in ("pipeline", "data") for a in w["dcn"])                     # DP, if any, outermost too
     assert w["dcn"].get("data", 1) == w["mesh"]["data"]
     fsdp = next(c for c in fits if c["mesh"]["pipeline"] == 1)
-    assert fsdp["strategy"] in ("fsdp", "fsdp_tp", "hsdp") and fsdp["remat"] == "full"
+    assert fsdp["strategy"] in ("fsdp", "fsdp_tp", "fsdp_tp_sp", "hsdp") and fsdp["remat"] == "full"
     assert fsdp["time"]["exposed_comm_s"] < 0.05 * fsdp["time"]["step_s"]      # its gathers overlap
     assert fsdp["time"]["compute_s"] > 1.3 * w["time"]["compute_s"]            # the extra forward of full remat
     assert fsdp["time"]["step_s"] > w["time"]["step_s"]

@@ -20,6 +20,7 @@ CASES = {
     "tp": {"data": 2, "tensor": 4},
     "tp_sp": {"data": 2, "tensor": 4},
     "fsdp_tp": {"data": 2, "fsdp": 2, "tensor": 2},
+    "fsdp_tp_sp": {"fsdp": 4, "tensor": 2},
 }
 
 
