@@ -43,8 +43,8 @@ def maxtext_overrides(name: str, n: int, overrides: list[str]) -> list[str] | No
     (two per chip), so 64 chips are `v5p-128`."""
     ov = dict(o.split("=", 1) for o in overrides)
     model = {"llama2-7b": "llama2-7b", "llama3-8b": "llama3-8b", "mixtral-8x7b": "mixtral-8x7b"}.get(name.split()[0])
-    if model is None or "context" in name:
-        return None
+    if model is None or "context" in name or name.endswith(" fsdp_tp"):
+        return None     # MaxText's fsdp x tensor splits the residual stream over tensor: the fsdp_tp_sp row
     per_device = int(ov["batch.global_size"]) / n
     out = [f"model_name={model}", f"compile_topology=v5p-{2 * n}", "compile_topology_num_slices=1",
            f"per_device_batch_size={per_device:g}", f"max_target_length={ov['batch.length']}", "remat_policy=full",
@@ -83,6 +83,17 @@ def maxtext_row(name: str, n: int, python: str, overrides: list[str], hw) -> dic
             "overrides": overrides}
 
 
+def maxtext_libtpu(python: str) -> str:
+    """The libtpu.so of MaxText's venv: meshpar's rows are compiled by it too, so that a difference
+    between the two programs is the frameworks', not two compiler versions'."""
+    import subprocess
+    out = subprocess.run([python, "-c", "import libtpu; print(libtpu.get_library_path())"], capture_output=True,
+                         text=True, timeout=120)
+    if out.returncode:
+        sys.exit(f"bench_target: {python} has no libtpu ({out.stderr.strip().splitlines()[-1:]}); see bench/maxtext/README.md")
+    return out.stdout.strip()
+
+
 def configs() -> list[tuple[str, str, int, list[str]]]:
     """(name, target, devices, overrides): the issue's table, one sequence per device unless said."""
     out = []
@@ -90,8 +101,10 @@ def configs() -> list[tuple[str, str, int, list[str]]]:
         for length in (4096, 8192):
             tokens = [f"batch.length={length}", "batch.global_size=64"]          # one sequence per device
             out += [(f"{model} {length} fsdp", "tpu-v5p", 64, base + tokens + ["strategy=fsdp"] + mesh(fsdp=64)),
+                    (f"{model} {length} fsdp_tp_sp", "tpu-v5p", 64, base + tokens + ["strategy=fsdp_tp_sp"] + mesh(fsdp=16, tensor=4)),
                     (f"{model} {length} fsdp_tp", "tpu-v5p", 64, base + tokens + ["strategy=fsdp_tp"] + mesh(fsdp=16, tensor=4)),
                     (f"{model} {length} fsdp", "h100", 64, base + tokens + ["strategy=fsdp"] + mesh(fsdp=64)),
+                    (f"{model} {length} fsdp_tp_sp", "h100", 64, base + tokens + ["strategy=fsdp_tp_sp"] + mesh(fsdp=8, tensor=8)),
                     (f"{model} {length} fsdp_tp", "h100", 64, base + tokens + ["strategy=fsdp_tp"] + mesh(fsdp=8, tensor=8)),
                     (f"{model} {length} pipeline x fsdp_tp", "h100", 64, base + tokens + [
                         "strategy=fsdp_tp", "pipeline.schedule=1f1b", "pipeline.microbatches=8"]
@@ -146,7 +159,8 @@ def row(name: str, target, overrides: list[str]) -> dict:
             "roofline_s": roof, "roofline_mfu": model_flops / (roof * hw.peak_flops) if roof else None,
             "planner_s": pred["time"]["step_s"] if pred else None, "planner_mfu": pred["time"]["mfu"] if pred else None,
             "planner_gib": pred["memory"]["total"] / 2 ** 30 if pred else None,
-            "compile_s": round(time.perf_counter() - start, 1), "kernels": sorted(t["kernels"])}
+            "compile_s": round(time.perf_counter() - start, 1), "kernels": sorted(t["kernels"]),
+            "peak_buffers": t.get("peak_buffers")}
 
 
 def line(r: dict) -> str:
@@ -178,9 +192,18 @@ def main() -> int:
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--maxtext", metavar="PYTHON", help="MaxText venv's python (bench/maxtext/README.md): compile each "
                     "TPU row with MaxText too, side by side")
+    ap.add_argument("--own-libtpu", action="store_true", help="with --maxtext, compile meshpar's rows with meshpar's "
+                    "own libtpu (jax's pin), not MaxText's: by default both sides use the one compiler")
     args = ap.parse_args()
+    import os
+    if args.maxtext and not args.own_libtpu and "tpu" in args.targets:
+        os.environ["TPU_LIBRARY_PATH"] = maxtext_libtpu(args.maxtext)
     from meshpar.plan.target import resolve
+    from meshpar.runtime import compilers
     rows, lines = [], list(HEADER)
+    if "tpu" in args.targets:
+        compilers.load("tpu")
+        print(f"TPU rows compiled by {compilers.version('tpu')} ({os.environ['TPU_LIBRARY_PATH']})", flush=True)
     print("\n".join(HEADER), flush=True)
     targets = {}
     for name, hw, n, ov in configs():

@@ -44,7 +44,7 @@ _API = {
     "use_layout": "meshpar.core.rules",
     # model-building helpers
     "attention": "meshpar.parallel.context",
-    "param": "meshpar.nn.layers", "stacked": "meshpar.nn.layers", "scan_layers": "meshpar.nn.layers",
+    "param": "meshpar.nn.layers", "stacked": "meshpar.nn.layers", "scan_layers": "meshpar.nn.layers", "after": "meshpar.nn.layers",
     "stage_loss": "meshpar.nn.stages", "apply_layers": "meshpar.nn.stages",
     "use_policy": "meshpar.core.precision", "get_policy": "meshpar.core.precision", "compute_dtype": "meshpar.core.precision",
     "param_dtype": "meshpar.core.precision", "cross_entropy": "meshpar.core.precision",

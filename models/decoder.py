@@ -19,7 +19,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshpar.core.rules import constrain
-from meshpar.nn.layers import param, scan_layers, stacked
+from meshpar.core.sharding import logical_axes
+from meshpar.nn.layers import after, param, scan_layers, stacked
 from meshpar.core.precision import compute_dtype
 from meshpar.core.batch import Leaf
 from meshpar.models.layers import CACHE_AXES, RESIDUAL, Block, Pattern, RMSNorm
@@ -137,11 +138,10 @@ class Decoder(nnx.Module):
 
     def head(self, x, dtype):
         """[B, T, E] -> logits [B, T, V] (vocab-parallel LM head under TP)."""
+        table = self.embedding if self.cfg.tie_embeddings else self.lm_head
+        x, w = after(x, table[...], names=[logical_axes(table)])          # gathered here, not before the layers
         x = self.final_norm(x)
-        if self.cfg.tie_embeddings:
-            logits = jnp.einsum("bte,ve->btv", x, self.embedding[...].astype(dtype))
-        else:
-            logits = jnp.einsum("bte,ev->btv", x, self.lm_head[...].astype(dtype))
+        logits = jnp.einsum("bte,ve->btv" if self.cfg.tie_embeddings else "bte,ev->btv", x, w.astype(dtype))
         if self.cfg.final_softcap:                   # Gemma 2: c tanh(logits / c)
             c = self.cfg.final_softcap
             logits = (c * jnp.tanh(logits.astype(jnp.float32) / c)).astype(logits.dtype)

@@ -42,7 +42,8 @@ def main() -> None:
     m = {f: int(getattr(mem, f)) for f in fields}
     peak = m["argument_size_in_bytes"] + m["output_size_in_bytes"] + m["temp_size_in_bytes"] - m["alias_size_in_bytes"]
     with open(out + ".json", "w") as f:
-        json.dump({"overrides": overrides, "memory": m, "peak_bytes": peak, "mesh": captured["mesh"],
+        import libtpu
+        json.dump({"overrides": overrides, "compiler": f"libtpu {libtpu.__version__}", "memory": m, "peak_bytes": peak, "mesh": captured["mesh"],
                    "compile_s": round(captured["seconds"], 1),
                    "cost": {"flops": ca.get("flops"), "bytes_accessed": ca.get("bytes accessed")}}, f, indent=1)
     with open(out + ".hlo", "w") as f:

@@ -97,20 +97,82 @@ def overlap(hlo: str) -> dict:
     return {"by_kind": out, **total}
 
 
-def report(cfg, target) -> dict:
-    """`meshpar inspect --target`: the step of `cfg` compiled for `target`'s devices by its own compiler,
-    described as `meshpar.plan.inspect.report` does, plus `target` (`target_report`)."""
-    import time
+# names for a buffer another instruction defined (a loop's or fusion's parameter, a tuple's element)
+_ALIASES = ("parameter", "get-tuple-element", "bitcast", "tuple", "constant")
+_PEAK = re.compile(r"^\s*Live ranges at \d+ \(peak\):\s*$")
+_LIVE = re.compile(r"^\s*([\w.\-]+)\{([\d,]*)\}: (\d+) bytes")
+_SHAPE = re.compile(r"=\s*\(?([a-z]\w*\[[\d,]*\])")
+_SHAPES = re.compile(r"[a-z]\w*\[[\d,]*\]")
+_TUPLE = re.compile(r"=\s*\((.*?)\)\s+[a-z][\w\-]*\(")
+_OPCODE = re.compile(r"\s([a-z][\w\-]*)\(")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+def peak_buffers(live_range: str, hlo: str, top: int = 8) -> list[dict]:
+    """The buffers the compiler itself found live at its peak, largest first (its `*-live-range.txt`
+    dump, read beside the optimized HLO `hlo` for each buffer's shape, opcode and JAX op name):
+    [{"name", "bytes", "shape", "opcode", "op_name"}]. The entry's parameters (the train state,
+    counted as arguments) and aliases of other buffers are left out: these are the temporaries a
+    change to the program moves. Their sum can be below `memory_analysis()`'s temp, which is the
+    packed allocation of every temporary over the whole program."""
+    info = {}
+    for line in hlo.splitlines():
+        name, shape = _NAME.match(line), _SHAPE.search(line)
+        if name and shape:
+            tup = _TUPLE.search(line)
+            shapes = _SHAPES.findall(tup.group(1)) if tup else [shape.group(1)]   # a tuple's elements, in order
+            opcode, op = _OPCODE.search(line, tup.end(1) if tup else shape.end()), _OP_NAME.search(line)
+            info[name.group(1)] = (shapes, opcode.group(1) if opcode else "?", op.group(1) if op else "")
+    out, reading = [], False
+    for line in live_range.splitlines():
+        if _PEAK.match(line):
+            reading = True
+            continue
+        m = _LIVE.match(line) if reading else None
+        if reading and not m:
+            break
+        if m:
+            shapes, opcode, op = info.get(m.group(1), (["?"], "?", ""))
+            if opcode in _ALIASES or m.group(1).startswith(("param", "constant")):
+                continue
+            index = int(m.group(2).split(",")[0]) if m.group(2) else 0
+            shape = shapes[index] if index < len(shapes) else "?"
+            out.append({"name": m.group(1), "bytes": int(m.group(3)), "shape": shape, "opcode": opcode,
+                        "op_name": op})
+    return sorted(out, key=lambda b: -b["bytes"])[:top]
+
+
+def compile_reading_peak(target, trainer) -> tuple[object, list[str], list[dict] | None]:
+    """`meshpar.plan.target.compile_trainer`, with the compiler's own dump in a scratch folder read
+    for the buffers live at its peak (`peak_buffers`; None where the compiler wrote no live ranges)."""
+    import glob
+    import os
+    import tempfile
 
     from meshpar.plan.target import compile_trainer
+    with tempfile.TemporaryDirectory(prefix="meshpar-dump-") as tmp:
+        compiled, notes = compile_trainer(target, trainer, {"xla_dump_to": tmp, "xla_dump_hlo_as_text": True,
+                                                            "xla_dump_hlo_module_re": ".*step.*"})
+        found = sorted(glob.glob(os.path.join(tmp, "*after_optimizations-live-range.txt")))
+        live = open(found[-1]).read() if found else None
+    return compiled, notes, peak_buffers(live, compiled.as_text()) if live else None
+
+
+def report(cfg, target) -> dict:
+    """`meshpar inspect --target`: the step of `cfg` compiled for `target`'s devices by its own compiler,
+    described as `meshpar.plan.inspect.report` does, plus `target` (`target_report`, with the buffers
+    live at the compiler's peak)."""
+    import time
+
     from meshpar.train.step import trainer_for
     trainer = trainer_for(cfg, devices=target.devices)
     start = time.perf_counter()
-    compiled, notes = compile_trainer(target, trainer)
+    compiled, notes, peak = compile_reading_peak(target, trainer)
     seconds = time.perf_counter() - start
     rep = inspect.report(cfg, trainer)              # the same compiled step (Trainer.compile compiles once)
     rep["warnings"] += notes
     rep["target"] = target_report(target, compiled, compiled.as_text(), rep["memory"], seconds)
+    rep["target"]["peak_buffers"] = peak
     return rep
 
 
@@ -151,18 +213,32 @@ def target_report(target, compiled, hlo: str, mem: dict, seconds: float) -> dict
             "cost": {"flops": ca.get("flops"), "bytes_accessed": ca.get("bytes accessed")} if ca else None}
 
 
+def describe_op(op_name: str) -> str:
+    """A JAX op name in a few words: its pass (forward under `jvp`, backward under its `transpose`,
+    else "step": the update, or a framework that differentiates otherwise), whether in a loop, and its
+    last two names ("backward loop: bte,ecf->btcf/dot_general")."""
+    if not op_name:
+        return ""
+    phase = "backward" if "transpose(" in op_name else "forward" if "jvp(" in op_name else "step"
+    return f"{phase}{' loop' if '/while/' in op_name else ''}: {'/'.join(op_name.split('/')[-2:])}"
+
+
 def render_target(t: dict, console) -> None:
     gib = 2 ** 30
     verdict = (f"fits, {t['headroom_bytes'] / gib:.2f} GiB to spare" if t["fits"] else
                f"does NOT fit: {-t['headroom_bytes'] / gib:.2f} GiB over")
     console.print(f"[bold]target[/] {t['devices']} x {t['device_kind']} ({t['name']}, {t['topology']}), compiled by its "
-                  f"own compiler in {t['compile_s']} s: peak {t['peak_bytes'] / gib:.3f} GiB of "
+                  f"own compiler ({t.get('compiler', '?')}) in {t['compile_s']} s: peak {t['peak_bytes'] / gib:.3f} GiB of "
                   f"{t['memory_bytes'] / gib:.1f} GiB per device, {verdict}", highlight=False)
     console.print("kernels: " + (", ".join(f"{k} x{n}" for k, n in t["kernels"].items()) or "none beyond XLA's own"),
                   markup=False, highlight=False)
     ov = t["overlap"]
     console.print(f"collectives behind compute: {ov['hidden_bytes']:,} bytes hidden, {ov['exposed_bytes']:,} exposed "
                   "per step (scheduled HLO)", highlight=False)
+    if t.get("peak_buffers"):
+        console.print("live at the compiler's peak (temporaries, largest first): " + "; ".join(
+            f"{b['bytes'] / 2 ** 20:,.0f} MiB {b['shape']} {b['opcode']} ({describe_op(b['op_name']) or b['name']})"
+            for b in t["peak_buffers"][:5]), markup=False, highlight=False)
     if t["cost"]:
         console.print(f"cost analysis: {t['cost']['flops'] or 0:.4g} FLOPs, {t['cost']['bytes_accessed'] or 0:.4g} "
                       "bytes accessed per device", highlight=False)

@@ -42,7 +42,7 @@ class Target:
         d = self.devices[0]
         return {"name": self.hardware.name, "platform": self.platform, "device_kind": d.device_kind,
                 "devices": len(self.devices), "topology": self.topology, "slices": self.slices,
-                "memory_bytes": int(self.hardware.memory_bytes)}
+                "memory_bytes": int(self.hardware.memory_bytes), "compiler": compilers.version(self.platform)}
 
 
 def resolve(hw: str | Hardware, n: int, topology: str | None = None, slices: int | None = None) -> Target:
@@ -175,14 +175,15 @@ _NO_TILING = "Couldn't find output tile sizes"
 NO_TRITON_GEMM = {"xla_gpu_enable_triton_gemm": False}
 
 
-def compile_trainer(target: Target, trainer) -> tuple[object, list[str]]:
-    """(the trainer's step compiled for `target`, notes): on GPU targets a step whose dots XLA:GPU's
-    Triton GEMM cannot tile without a device is compiled again with cuBLAS GEMMs, and says so."""
+def compile_trainer(target: Target, trainer, options: dict | None = None) -> tuple[object, list[str]]:
+    """(the trainer's step compiled for `target`, with XLA compiler `options`, notes): on GPU targets a
+    step whose dots XLA:GPU's Triton GEMM cannot tile without a device is compiled again with cuBLAS
+    GEMMs, and says so."""
     try:
-        return trainer.compile(), []
+        return trainer.compile(options), []
     except Exception as e:  # noqa: BLE001 - only this one XLA:GPU refusal is retried
         if target.platform != "gpu" or _NO_TILING not in str(e):
             raise
-    return trainer.compile(NO_TRITON_GEMM), [
+    return trainer.compile({**(options or {}), **NO_TRITON_GEMM}), [
         "note: XLA:GPU found no Triton tiling for some dots without a device to autotune on; compiled with "
         "xla_gpu_enable_triton_gemm=false (cuBLAS GEMMs), as a run on the GPU may autotune differently"]

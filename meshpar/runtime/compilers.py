@@ -30,6 +30,7 @@ from meshpar.core.errors import MeshparError
 KINDS = ("gpu", "tpu")
 _PROBE = {"gpu": "jax_plugins/xla_cuda12/__init__.py", "tpu": "libtpu/libtpu.so"}
 _LOADED: dict[str, bool] = {}
+_SET_BY_MESHPAR = "MESHPAR_SET_TPU_LIBRARY_PATH"     # the TPU_LIBRARY_PATH meshpar itself set, not the user
 
 
 def folder() -> Path:
@@ -90,10 +91,10 @@ def load(kind: str) -> None:
         raise MeshparError(f"unknown compiler '{kind}': choose gpu or tpu")
     if _LOADED.get(kind):
         return
-    if not installed()[kind]:
-        raise MeshparError(missing_line(kind))
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    import jax
+    import jax                                      # (a libtpu installed beside jax names itself in TPU_LIBRARY_PATH)
+    if not (installed()[kind] or kind == "tpu" and _own_libtpu()):
+        raise MeshparError(missing_line(kind))
     from jax._src import xla_bridge as xb
     if not xb.backends_are_initialized() and not jax.config.jax_platforms:
         jax.config.update("jax_platforms", "cpu")   # this host's own backend: the CPU
@@ -117,7 +118,33 @@ def _load_tpu(path: str) -> None:
     # libtpu lets one process at a time hold /tmp/libtpu_lockfile (its chips): a compile-only client
     # holds no chip, and two compiles (a test worker and a CLI run) must not refuse each other
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    os.environ["TPU_LIBRARY_PATH"] = os.path.join(path, "libtpu", "libtpu.so")
+    lib = _own_libtpu() or os.path.join(path, "libtpu", "libtpu.so")
+    os.environ["TPU_LIBRARY_PATH"] = os.environ[_SET_BY_MESHPAR] = lib
+
+
+def _own_libtpu() -> str | None:
+    """The user's TPU_LIBRARY_PATH (JAX's own convention for naming a libtpu), checked, or None. The
+    compiler's version moves the program: libtpu 0.0.42.1 (jax 0.10.2's pin) and 0.0.52 (jax 0.11.2's)
+    compile the same step with different temporaries and weight gathers, so a comparison names one."""
+    own = os.environ.get("TPU_LIBRARY_PATH")
+    if not own or own == os.environ.get(_SET_BY_MESHPAR):    # unset, or meshpar's own (a child inherits it)
+        return None
+    if not os.path.isfile(own):
+        raise MeshparError(f"TPU_LIBRARY_PATH names {own}, which is not a file: point it at a libtpu.so, or unset "
+                           f"it to compile with meshpar's own libtpu (`meshpar compilers --install tpu`)")
+    return own
+
+
+def version(kind: str) -> str:
+    """The loaded `kind` compiler as `name version` ("libtpu 0.0.52", "jax-cuda12-plugin 0.10.2"), read from
+    the wheel's metadata beside the library; "name (version unknown)" where there is none."""
+    if kind == "tpu":
+        lib = Path(os.environ.get("TPU_LIBRARY_PATH") or folder() / "libtpu" / "libtpu.so")
+        name, where = "libtpu", lib.parent.parent
+    else:
+        name, where = "jax-cuda12-plugin", folder()
+    found = sorted(where.glob(f"{name.replace('-', '_')}-*.dist-info"))
+    return f"{name} {found[-1].name[len(name) + 1:-len('.dist-info')]}" if found else f"{name} (version unknown)"
 
 
 def _load_gpu() -> None:
