@@ -19,7 +19,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshpar.core.rules import constrain
-from meshpar.core.sharding import logical_axes
 from meshpar.nn.layers import after, param, scan_layers, stacked
 from meshpar.core.precision import compute_dtype
 from meshpar.core.batch import Leaf
@@ -139,7 +138,7 @@ class Decoder(nnx.Module):
     def head(self, x, dtype):
         """[B, T, E] -> logits [B, T, V] (vocab-parallel LM head under TP)."""
         table = self.embedding if self.cfg.tie_embeddings else self.lm_head
-        x, w = after(x, table[...], names=[logical_axes(table)])          # gathered here, not before the layers
+        x, w = after(x, table[...])                  # its gather here, not before the layers
         x = self.final_norm(x)
         logits = jnp.einsum("bte,ve->btv" if self.cfg.tie_embeddings else "bte,ev->btv", x, w.astype(dtype))
         if self.cfg.final_softcap:                   # Gemma 2: c tanh(logits / c)

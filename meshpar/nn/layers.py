@@ -61,38 +61,30 @@ def stacked(make, n: int, rngs: nnx.Rngs):
     return mod
 
 
-def after(x, *weights, names=None):
+@jax.custom_vjp
+def after(x, *weights):
     """(x, *weights), unchanged, with each weight readable only once x exists
-    (`lax.optimization_barrier`). For a weight used after the layer stack (an LM head, a tied
-    embedding as the head): its compute-dtype copy and FSDP all-gather then happen after the stack,
-    where it is used. Without it libtpu started Llama-2's head gather, bf16 [E, V] = 250 MB per
-    device, before the first layer and held it across all of them (issue 43).
+    (`lax.optimization_barrier`), in the forward pass. For a weight used after the layer stack (an
+    LM head, a tied embedding as the head): its compute-dtype copy and FSDP all-gather then happen
+    after the stack, where it is used. Without it libtpu started Llama-2's head gather, bf16 [E, V] =
+    250 MB per device, before the first layer and held it across all of them (issue 43).
 
-    The backward mirrors it: the layers' backward starts once x's cotangent and the weights' are
-    done, so the head's backward (its logits' gradient [B, T, V], the gathered weight) is over before
-    the stack's begins. `names` (each weight's logical axes) pins each weight's gradient to its
-    at-rest layout first, so it is reduce-scattered there, never held whole: without that libtpu
-    all-reduced Llama-3 8B's [E, V] head gradient, 1 GB per device, to meet the barrier."""
-    return _after(tuple(tuple(n) for n in names) if names else None, x, *weights)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _after(names, x, *weights):
+    The backward passes the cotangents straight through. A barrier there too, which finishes the
+    head's backward before the layers' begins, lowered Llama-2 7B's peak further (v5p: 4.07 -> 3.84
+    GiB) but raised Llama-3 8B's, whose 128k vocabulary makes the head's backward the peak (v5p
+    5.31 -> 5.64, H100 5.13 -> 5.78, a 1F1B pipeline +0.6 GiB): bench/RESULTS.md."""
     return jax.lax.optimization_barrier((x, *weights))
 
 
-def _after_fwd(names, x, *weights):
-    return _after(names, x, *weights), None
+def _after_fwd(x, *weights):
+    return after(x, *weights), None
 
 
-def _after_bwd(names, _, cotangents):
-    dx, *dw = cotangents
-    if names:
-        dw = [at_use(d, n, "gradient") for d, n in zip(dw, names)]
-    return tuple(jax.lax.optimization_barrier((dx, *dw)))
+def _after_bwd(_, cotangents):
+    return tuple(cotangents)
 
 
-_after.defvjp(_after_fwd, _after_bwd)
+after.defvjp(_after_fwd, _after_bwd)
 
 
 REMAT_POLICIES = {

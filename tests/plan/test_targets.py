@@ -262,7 +262,7 @@ def test_the_head_weight_is_gathered_after_the_layer_stack_not_held_across_it(v5
     """`meshpar.nn.layers.after`: the LM head's weight is read only once the stack's output exists, so
     libtpu's own live ranges start its gathered [E, V] after the forward layer loop. Without it libtpu
     gathered Llama-2 7B's head first and held it across every layer on 64 v5p chips (250 MB per device;
-    peak 4.16 -> 3.84 GiB, bench/RESULTS.md, issue 43); at this size its scheduler does not, so this
+    peak 4.16 -> 4.07 GiB, bench/RESULTS.md, issue 43); at this size its scheduler does not, so this
     checks the order, and the bench the bytes."""
     import glob
     import re
