@@ -237,7 +237,8 @@ def render_target(t: dict, console) -> None:
                   "per step (scheduled HLO)", highlight=False)
     if t.get("peak_buffers"):
         console.print("live at the compiler's peak (temporaries, largest first): " + "; ".join(
-            f"{b['bytes'] / 2 ** 20:,.0f} MiB {b['shape']} {b['opcode']} ({describe_op(b['op_name']) or b['name']})"
+            f"{b['bytes'] / 2 ** 20:,.{0 if b['bytes'] >= 10 * 2 ** 20 else 2}f} MiB {b['shape']} {b['opcode']} "
+            f"({describe_op(b['op_name']) or b['name']})"
             for b in t["peak_buffers"][:5]), markup=False, highlight=False)
     if t["cost"]:
         console.print(f"cost analysis: {t['cost']['flops'] or 0:.4g} FLOPs, {t['cost']['bytes_accessed'] or 0:.4g} "
