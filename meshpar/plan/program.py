@@ -142,9 +142,10 @@ def peak_buffers(live_range: str, hlo: str, top: int = 8) -> list[dict]:
     return sorted(out, key=lambda b: -b["bytes"])[:top]
 
 
-def compile_reading_peak(target, trainer) -> tuple[object, list[str], list[dict] | None]:
-    """`meshpar.plan.target.compile_trainer`, with the compiler's own dump in a scratch folder read
-    for the buffers live at its peak (`peak_buffers`; None where the compiler wrote no live ranges)."""
+def compile_with_live_ranges(target, trainer) -> tuple[object, list[str], str | None]:
+    """`meshpar.plan.target.compile_trainer` with the compiler's own dump written to a scratch folder:
+    (compiled, notes, the text of its buffer live ranges; None where the compiler wrote none), for
+    `peak_buffers`."""
     import glob
     import os
     import tempfile
@@ -155,7 +156,7 @@ def compile_reading_peak(target, trainer) -> tuple[object, list[str], list[dict]
                                                             "xla_dump_hlo_module_re": ".*step.*"})
         found = sorted(glob.glob(os.path.join(tmp, "*after_optimizations-live-range.txt")))
         live = open(found[-1]).read() if found else None
-    return compiled, notes, peak_buffers(live, compiled.as_text()) if live else None
+    return compiled, notes, live
 
 
 def report(cfg, target) -> dict:
@@ -167,12 +168,13 @@ def report(cfg, target) -> dict:
     from meshpar.train.step import trainer_for
     trainer = trainer_for(cfg, devices=target.devices)
     start = time.perf_counter()
-    compiled, notes, peak = compile_reading_peak(target, trainer)
+    compiled, notes, live = compile_with_live_ranges(target, trainer)
     seconds = time.perf_counter() - start
     rep = inspect.report(cfg, trainer)              # the same compiled step (Trainer.compile compiles once)
     rep["warnings"] += notes
-    rep["target"] = target_report(target, compiled, compiled.as_text(), rep["memory"], seconds)
-    rep["target"]["peak_buffers"] = peak
+    hlo = compiled.as_text()
+    rep["target"] = target_report(target, compiled, hlo, rep["memory"], seconds)
+    rep["target"]["peak_buffers"] = peak_buffers(live, hlo) if live else None
     return rep
 
 
