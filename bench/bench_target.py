@@ -1,6 +1,6 @@
 """The training step compiled for a pod, read from the target's own program (issue 43).
 
-    python bench/bench_target.py [--only NAME,...] [--out table.md] [--json rows.json]
+    python bench/bench_target.py [--only NAME,...] [--vocab-tiles N] [--out table.md] [--json rows.json]
 
 Per configuration (bf16, full remat), one deviceless compile by the target's compiler
 (`meshpar.plan.program.report`, what `meshpar inspect --target` runs) and, per device:
@@ -39,7 +39,8 @@ def mesh(**axes) -> list[str]:
 def maxtext_overrides(name: str, n: int, overrides: list[str]) -> list[str] | None:
     """The same step in MaxText's own config keys (TPU rows), or None where there is no counterpart.
     Both: bf16 compute over fp32 weights and AdamW state, full remat, splash attention (MaxText's
-    `autoselected`, meshpar's `auto` on TPU), the same global batch; MaxText's v5p-N counts cores
+    `autoselected`, meshpar's `auto` on TPU), the same global batch, the same vocabulary tiling
+    (`--vocab-tiles`); MaxText's v5p-N counts cores
     (two per chip), so 64 chips are `v5p-128`."""
     ov = dict(o.split("=", 1) for o in overrides)
     model = {"llama2-7b": "llama2-7b", "llama3-8b": "llama3-8b", "mixtral-8x7b": "mixtral-8x7b"}.get(name.split()[0])
@@ -50,6 +51,8 @@ def maxtext_overrides(name: str, n: int, overrides: list[str]) -> list[str] | No
            f"per_device_batch_size={per_device:g}", f"max_target_length={ov['batch.length']}", "remat_policy=full",
            f"ici_fsdp_parallelism={ov.get('mesh.fsdp', 1)}", f"ici_tensor_parallelism={ov.get('mesh.tensor', 1)}",
            f"ici_expert_parallelism={ov.get('mesh.expert', 1)}"]
+    if int(ov.get("train.loss_chunks", 1)) > 1:
+        out.append(f"num_vocab_tiling={ov['train.loss_chunks']}")
     if model == "mixtral-8x7b":
         out += ["sparse_matmul=true", "capacity_factor=-1"]
     return out
@@ -192,6 +195,8 @@ def main() -> int:
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--maxtext", metavar="PYTHON", help="MaxText venv's python (bench/maxtext/README.md): compile each "
                     "TPU row with MaxText too, side by side")
+    ap.add_argument("--vocab-tiles", type=int, default=1, metavar="N", help="the LM head and loss in N token slices on "
+                    "both sides: meshpar's train.loss_chunks=N, MaxText's num_vocab_tiling=N (default 1: whole logits)")
     ap.add_argument("--own-libtpu", action="store_true", help="with --maxtext, compile meshpar's rows with meshpar's "
                     "own libtpu (jax's pin), not MaxText's: by default both sides use the one compiler")
     args = ap.parse_args()
@@ -209,6 +214,8 @@ def main() -> int:
     for name, hw, n, ov in configs():
         if hw not in args.targets.split(",") or (args.only and name not in args.only.split(",")):
             continue
+        if args.vocab_tiles > 1:
+            ov = ov + [f"train.loss_chunks={args.vocab_tiles}"]
         if (hw, n) not in targets:
             targets[hw, n] = resolve(hw, n)
         found = [row(name, targets[hw, n], ov)]

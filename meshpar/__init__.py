@@ -45,9 +45,11 @@ _API = {
     # model-building helpers
     "attention": "meshpar.parallel.context",
     "param": "meshpar.nn.layers", "stacked": "meshpar.nn.layers", "scan_layers": "meshpar.nn.layers", "after": "meshpar.nn.layers",
+    "gated_inputs": "meshpar.nn.layers",
     "stage_loss": "meshpar.nn.stages", "apply_layers": "meshpar.nn.stages",
     "use_policy": "meshpar.core.precision", "get_policy": "meshpar.core.precision", "compute_dtype": "meshpar.core.precision",
     "param_dtype": "meshpar.core.precision", "cross_entropy": "meshpar.core.precision",
+    "chunked_cross_entropy": "meshpar.core.precision",
     # shardings of a model
     "model_spec": "meshpar.core.sharding", "building": "meshpar.core.sharding", "logical_axes": "meshpar.core.sharding",
     "param_shardings": "meshpar.core.sharding", "sharding_table": "meshpar.core.sharding",

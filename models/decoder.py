@@ -158,12 +158,19 @@ class Decoder(nnx.Module):
         """tokens [B, T] -> (logits [B, T, V], aux). Packed documents: positions [B, T] (RoPE restarts
         at each document; default 0..T-1) and segment_ids [B, T] (a token sees its own document only)."""
         dtype = dtype or compute_dtype()   # the active precision policy's
+        x, aux = self.features(tokens, dtype, positions=positions, segment_ids=segment_ids)
+        return self.head(x, dtype), aux
+
+    def features(self, tokens, dtype=None, *, positions=None, segment_ids=None):
+        """tokens [B, T] -> (x [B, T, E] before `head`, aux): what the loss reads when it runs the head
+        itself (`train.loss_chunks`)."""
+        dtype = dtype or compute_dtype()
         positions = jnp.arange(tokens.shape[1]) if positions is None else positions
         x = self.embed(tokens, dtype)
         x, aux = scan_layers(self.layers, x, positions, self.cfg.remat, self.cfg.scan_layers, segment_ids=segment_ids)
         if self.tail is not None:
             x, _ = self.tail(x, positions, segment_ids=segment_ids)
-        return self.head(x, dtype), aux
+        return x, aux
 
     # -- serving (meshpar.serve.engine) ---------------------------------------------------------------------
     def cache_spec(self, batch: int, length: int, dtype=None) -> dict:

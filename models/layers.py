@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from meshpar.nn.layers import param
+from meshpar.nn.layers import gated_inputs, param
 from meshpar.core.precision import attention_dtype
 from meshpar.core.rules import constrain
 from meshpar.parallel.context import attention
@@ -181,10 +181,9 @@ class MLP(nnx.Module):
 
     def __call__(self, x):
         dt = x.dtype
-        h = jnp.einsum("bte,ecf->btcf", x, self.w_in[...].astype(dt))                 # [B, T, 2, F]
-        h = constrain(h, ("batch", "seq", None, "mlp"))     # pinned here, or SP may gather Wg|Wu instead
-        gate = jax.nn.silu(h[:, :, 0]) if self.act == "silu" else jax.nn.gelu(h[:, :, 0], approximate=True)
-        h = constrain(gate * h[:, :, 1], ("batch", "seq", "mlp"))
+        g, u = gated_inputs(x, self.w_in[...].astype(dt))    # [B, T, F] each, pinned (or SP may gather Wg|Wu instead)
+        gate = jax.nn.silu(g) if self.act == "silu" else jax.nn.gelu(g, approximate=True)
+        h = constrain(gate * u, ("batch", "seq", "mlp"))
         return jnp.einsum("btf,fe->bte", h, self.w_down[...].astype(dt))
 
 

@@ -90,8 +90,8 @@ class MoEDecoder(Decoder):
         self.final_norm = RMSNorm(cfg.embed, cfg.norm_eps, rngs)
         self.lm_head = param(rngs, (cfg.embed, cfg.vocab), ("embed", "vocab"), 1.0 / math.sqrt(cfg.embed))
 
-    def __call__(self, tokens, dtype=None, *, positions=None, segment_ids=None):
-        """tokens [B, T] (positions, segment_ids [B, T]: as `Decoder`) -> (logits [B, T, V], aux)."""
+    def features(self, tokens, dtype=None, *, positions=None, segment_ids=None):
+        """tokens [B, T] (positions, segment_ids [B, T]: as `Decoder`) -> (x [B, T, E] before `head`, aux)."""
         dtype = dtype or compute_dtype()   # the active precision policy's
         positions = jnp.arange(tokens.shape[1]) if positions is None else positions
         x = self.embed(tokens, dtype)
@@ -111,7 +111,7 @@ class MoEDecoder(Decoder):
         if load is not None and not _DECODING.get():
             ffn = self.layers.moe.ffn
             ffn.expert_bias.set_value(routing.updated_bias(ffn.expert_bias[...], load, self.moe_settings.bias_rate))
-        return self.head(x, dtype), aux
+        return x, aux
 
 
     def cache_spec(self, batch: int, length: int, dtype=None) -> list:

@@ -36,6 +36,8 @@ def run_cli(capsys, *args):
      "mesh axes multiply to 3 (context=3) but there are 8 devices"),
     (["mesh.context=3"], "mesh axes multiply to 24 (data=2 x fsdp=2 x context=3 x tensor=2) but there are 8 devices"),
     (["model.window=0"], "config key 'model.window' must be a positive number of tokens"),
+    (["train.loss_chunks=3"], "train.loss_chunks=3 does not divide batch.length=64; pick a divisor"),
+    (["train.loss_chunks=2", "train.loss=stages"], "train.loss_chunks=2 slices the built-in lm loss"),
     (["model.attention=flsh"], "config key 'model.attention' has unknown value 'flsh' (did you mean 'flash'?)"),
     (["mesh.context=2", "mesh.pipeline=2", "mesh.fsdp=1", "mesh.tensor=1", "model.name=moe"],
      "mesh.context=2 with mesh.pipeline=2 and model.name=moe: a pipeline stage routes only its own share"),

@@ -95,6 +95,7 @@ class TrainConfig:
     flops_per_example: float | None = None  # model FLOPs of one example, forward + backward (MFU of a loss other than lm); None: counted
     on_nan: str = "stop"              # non-finite loss/gradients: skip (drop the update) | stop (error naming the step)
     loss: str = "lm"                  # lm (next-token cross-entropy) | stages (the model's pre/layers/post/loss) | PKG.MODULE:FN, FN(model, batch) -> (loss, metrics)
+    loss_chunks: int = 1              # lm loss: head + cross-entropy over this many strided token slices, recomputed in the backward (the [B, T, V] logits never whole; MaxText's num_vocab_tiling)
     require_annotations: bool = False  # a model variable without logical axis names is an error, not replicated
 
 
@@ -463,17 +464,17 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"config key '{key}' must be >= 0 (0: {zero}), got {v}")
     for key, v in [("checkpoint.keep", cfg.checkpoint.keep), ("steps", cfg.steps), ("devices", cfg.devices), ("batch.global_size", cfg.batch.global_size),
                    ("batch.length", cfg.batch.length), ("batch.microbatches", cfg.batch.microbatches),
-                   ("train.log_every", cfg.train.log_every), ("pipeline.microbatches", cfg.pipeline.microbatches),
+                   ("train.log_every", cfg.train.log_every), ("train.loss_chunks", cfg.train.loss_chunks), ("pipeline.microbatches", cfg.pipeline.microbatches),
                    ("pipeline.virtual_stages", cfg.pipeline.virtual_stages), ("moe.num_experts", cfg.moe.num_experts),
                    ("moe.every", cfg.moe.every), ("data.branching", cfg.data.branching),
                    ("serve.slots", cfg.serve.slots), ("serve.min_bucket", cfg.serve.min_bucket),
                    ("serve.max_new_tokens", cfg.serve.max_new_tokens), ("serve.cache_length", cfg.serve.cache_length or 1),
                    ("serve.prefill_batch", cfg.serve.prefill_batch), ("serve.prefix_block", cfg.serve.prefix_block),
                    ("serve.max_waiting", cfg.serve.max_waiting), ("serve.max_body_bytes", cfg.serve.max_body_bytes),
-                   ("profile.start_step", cfg.profile.start_step),
-                   ("profile.steps", cfg.profile.steps), ("eval.batches", cfg.eval.batches)]:
+                   ("profile.start_step", cfg.profile.start_step), ("profile.steps", cfg.profile.steps), ("eval.batches", cfg.eval.batches)]:
         if v < 1:
             raise ConfigError(f"config key '{key}' must be >= 1, got {v}")
+    precision.check_loss_chunks(cfg.train.loss_chunks, cfg.train.loss, cfg.batch.length, max(cfg.mesh.context, 1))
     if cfg.train.lr <= 0:
         raise ConfigError(f"config key 'train.lr' must be > 0, got {cfg.train.lr}")
     for key, v, least, null in (("serve.prefill_chunk", cfg.serve.prefill_chunk, 1, "prefill whole"),

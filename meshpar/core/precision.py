@@ -92,15 +92,70 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array | No
     The target logit is picked with a one-hot contraction so a vocab-sharded `logits` needs only
     the small all-reduces of the max, the sum of exponentials and the picked logit.
     """
+    if weights is None and not over:
+        return jnp.mean(_nll(logits, targets))
+    return _mean(*_nll_sums(logits, targets, weights), over)
+
+
+def chunked_cross_entropy(head, x: jax.Array, targets: jax.Array, weights: jax.Array | None = None,
+                          chunks: int = 1, over: tuple[str, ...] = ()) -> jax.Array:
+    """`cross_entropy(head(x), targets, weights, over)` with the logits never whole (vocabulary
+    tiling, as MaxText's `num_vocab_tiling`): the tokens are cut into `chunks` strided slices
+    (slice j holds positions j, j + n, ...), and a scan computes each slice's logits and loss sums
+    under `jax.checkpoint`, so the backward recomputes a slice's logits instead of storing them.
+    Strided, so a slice keeps each device's share of a sequence split over devices.
+
+    head: [batch, length / n, embed] -> [batch, length / n, vocab]; x [batch, length, embed];
+    targets, weights [batch, length] (length a multiple of n) -> scalar fp32. Memory: the
+    [batch, length, vocab] logits and their gradient shrink n-fold; compute: the head's forward
+    runs once more in the backward."""
+    if chunks <= 1:
+        return cross_entropy(head(x), targets, weights, over)
+    b, t = targets.shape
+
+    def slices(a):          # [B, T, ...] -> [n, B, T / n, ...], slice j = positions j::n
+        return jnp.moveaxis(a.reshape(b, t // chunks, chunks, *a.shape[2:]), 2, 0)
+
+    @jax.checkpoint
+    def one(_, xs):         # no carry: each slice's sums come out stacked (inside a shard_map they vary)
+        xc, tc, wc = xs
+        return None, _nll_sums(head(xc), tc, wc)
+    w = jnp.ones(targets.shape, jnp.float32) if weights is None else weights.astype(jnp.float32)
+    _, (num, den) = jax.lax.scan(one, None, (slices(x), slices(targets), slices(w)))
+    return _mean(jnp.sum(num), jnp.sum(den), over)
+
+
+def check_loss_chunks(chunks: int, loss: str, length: int, context: int = 1) -> None:
+    """One line when `train.loss_chunks` cannot slice the run's loss: a loss other than the built-in
+    `lm`, or slices that do not divide the tokens a device holds of a sequence."""
+    from meshpar.core.errors import ConfigError
+    if chunks > 1 and loss != "lm":
+        raise ConfigError(f"train.loss_chunks={chunks} slices the built-in lm loss, and train.loss is '{loss}'; set "
+                          "train.loss_chunks=1 (a loss of your own can call meshpar.chunked_cross_entropy itself)")
+    if (length // context) % chunks:
+        where = (f"the {length // context} tokens a device holds of a sequence (mesh.context={context})" if context > 1
+                 else f"batch.length={length}")
+        raise ConfigError(f"train.loss_chunks={chunks} does not divide {where}; pick a divisor")
+
+
+def _nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Per-token negative log-likelihood [batch, length] in fp32 (see `cross_entropy`)."""
     logits = logits.astype(jnp.float32)
     shifted = logits - jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
     log_z = jnp.log(jnp.sum(jnp.exp(shifted), axis=-1))
     picked = jnp.sum(shifted * jax.nn.one_hot(targets, logits.shape[-1], dtype=jnp.float32), axis=-1)
-    nll = log_z - picked
-    if weights is None and not over:
-        return jnp.mean(nll)
-    num = jnp.sum(nll if weights is None else nll * weights)
-    den = jnp.sum(weights) if weights is not None else jnp.asarray(nll.size, jnp.float32)
+    return log_z - picked
+
+
+def _nll_sums(logits, targets, weights) -> tuple[jax.Array, jax.Array]:
+    """(sum of w nll, sum of w): w = 1 per token without weights."""
+    nll = _nll(logits, targets)
+    if weights is None:
+        return jnp.sum(nll), jnp.asarray(nll.size, jnp.float32)
+    return jnp.sum(nll * weights), jnp.sum(weights).astype(jnp.float32)
+
+
+def _mean(num, den, over: tuple[str, ...]) -> jax.Array:
     if over:
         num, den = jax.lax.psum((num, den), over)
     return num / jnp.maximum(den, 1.0)

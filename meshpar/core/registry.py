@@ -3,6 +3,7 @@ the reference models by short name (`meshpar.models.REGISTRY`) and the built-in 
 One line naming the config key when a name does not resolve."""
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 from meshpar.core.config import Config
@@ -42,12 +43,16 @@ def model_factory(name: str):
     return registry[name]
 
 
-def loss_function(name: str):
-    """`train.loss` -> FN(model, batch) -> (loss, metrics): `lm` is meshpar.train.loss.lm_loss, `stages`
-    meshpar.nn.stages.stage_loss (a model with pre/layers/post/loss, which can also be pipelined)."""
+def loss_function(name: str, chunks: int = 1):
+    """`train.loss` -> FN(model, batch) -> (loss, metrics): `lm` is meshpar.train.loss.lm_loss (its
+    logits in `chunks` token slices: `train.loss_chunks`), `stages` meshpar.nn.stages.stage_loss (a
+    model with pre/layers/post/loss, which can also be pipelined)."""
     if name in ("lm", "stages"):
-        return import_object({"lm": "meshpar.train.loss:lm_loss", "stages": "meshpar.nn.stages:stage_loss"}[name],
-                             "train.loss")
+        fn = import_object({"lm": "meshpar.train.loss:lm_loss", "stages": "meshpar.nn.stages:stage_loss"}[name],
+                           "train.loss")
+        if name == "lm" and chunks > 1:
+            return functools.update_wrapper(functools.partial(fn, chunks=chunks), fn)
+        return fn
     return import_object(name, "train.loss")
 
 

@@ -176,6 +176,7 @@ class StageModel:
     policy: object
     lm: bool                        # the reference LM's cut (embed/head + cross-entropy) or the protocol's
     embed_specs: object = None      # outer parameters' layouts with the batch axes dropped
+    loss_chunks: int = 1            # the LM head + cross-entropy in this many token slices (train.loss_chunks)
 
     def for_embed(self, outer):
         """The outer parameters as the first stage reads them: gathered over the batch axes
@@ -223,11 +224,12 @@ class StageModel:
         join (a hang). A loss on whole arrays partitions nothing: the same loss as on one device.
         `post` keeps its layout (a head split over `tensor` stays so) unless it gathers (pooling a
         token with `take_along_axis`, say): then it runs whole too."""
-        from meshpar.core.precision import cross_entropy
+        from meshpar.core.precision import chunked_cross_entropy
         m = self.module(outer, layers, vars)
         if self.lm:   # a sequence split over a manual `context`: sums over its shards
             over = tuple(a for a in manual_axes() if a in SEQUENCE_AXES)
-            loss = cross_entropy(m.head(y, self.policy.compute_dtype), mb["targets"], mb.get("weights"), over)
+            loss = chunked_cross_entropy(lambda z: m.head(z, self.policy.compute_dtype), y, mb["targets"],
+                                         mb.get("weights"), self.loss_chunks, over)
             metrics = {}
         else:
             return self._post_loss(outer, layers, vars, y, mb)

@@ -391,12 +391,12 @@ def _reduce_1f1b(c, p: int, inv_m: float, vars_in):
 # Entry point used by meshpar.train.step.Trainer._grads.
 
 def value_and_grad(spec, params: dict, batch, pc, layout, policy, loss_scale=None, vars=None, lm: bool = True,
-                   batch_spec=None):
+                   batch_spec=None, loss_chunks: int = 1):
     """Pipelined ((loss, aux), grads), the structure of `jax.value_and_grad` of the loss the model's
     parts make (`meshpar.nn.stages`): next-token cross-entropy (`lm`; aux holds "ce") or `stage_loss`
     (aux holds the model loss's metrics), with the layers' metrics stacked [L] and "vars", the
     model's non-Param state after the step. params, vars: pure dicts; batch: the batch pytree [B, ...]
-    (`batch_spec` its leaves' logical axes); `pc`: the run's `cfg.pipeline`. With `loss_scale` S (fp16) the grads are those of
+    (`batch_spec` its leaves' logical axes); `pc`: the run's `cfg.pipeline`; `loss_chunks`: the LM head's token slices (`train.loss_chunks`). With `loss_scale` S (fp16) the grads are those of
     loss * S (the caller unscales); loss and aux are never scaled."""
     from meshpar.core.rules import use_layout
     from meshpar.core.sharding import split_microbatches
@@ -404,7 +404,7 @@ def value_and_grad(spec, params: dict, batch, pc, layout, policy, loss_scale=Non
     p = layout.shape[AXIS]
     m = pc.microbatches
     v = pc.virtual_stages if pc.schedule == "interleaved" else 1
-    model = StageModel(spec, policy, lm, _embed_specs(spec, layout))
+    model = StageModel(spec, policy, lm, _embed_specs(spec, layout), loss_chunks)
     vars = {} if vars is None else vars
     mesh = layout.mesh
     data = _manual_batch_axes(spec, layout)

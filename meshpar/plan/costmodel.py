@@ -44,7 +44,8 @@ Memory (per device, bytes).
   and two [b, s, h] received per tick. On top: the working set of the layer being differentiated
   (its `none` set once), the logits in fp32 with their gradient (2 x 4 b s V / t) on XLA:CPU, one
   [b s, V / t] in the compute dtype on GPU and TPU targets (2.0 and 2.2 bytes per logit, measured
-  on H100 and v5p compiles by varying V). MoE layers add their
+  on H100 and v5p compiles by varying V), or one token slice's of them under `train.loss_chunks`
+  (1b fsdp on 8 H100s: 4.12 -> 3.63 GiB at 4 and 8 slices, the 500 MiB logits gone). MoE layers add their
   capacity buffers, the expert input/output and hidden [E,G,C,M|H]: b s k cf (2h + 3H_e/t) per
   MoE layer (meshpar's default gather dispatch holds no [G,S,E,C] masks).
 * Gradients: the backward writes them at the parameters' layout (ZeRO-2: already scattered; ZeRO-1
@@ -289,7 +290,7 @@ def activation_parts(facts: ModelFacts, cand: Candidate, cfg, c: int, compiler: 
     # interleaved, whose last stage holds the fp32 pair too (H100: two [b s, V / t] f32 buffers)
     gpipe = shape["pipeline"] > 1 and cand.schedule != "1f1b"
     logit_bytes = 2 * 4 if compiler == "cpu" or gpipe else c
-    out["logits"] = logit_bytes * tokens * d["vocab"] / t_vocab
+    out["logits"] = logit_bytes * tokens * d["vocab"] / t_vocab / cfg.train.loss_chunks   # one slice's (train.loss_chunks)
     if facts.moe:
         m = facts.moe
         moe_layers = layers / m["every"]

@@ -219,6 +219,8 @@ def executed_flops(facts: ModelFacts, cand: Candidate, cfg) -> float:
     extra = {"none": 0.0, "full": layer_share / 3, "offload": attn / facts.flops_per_token / 3,
              "save_dots": attn / facts.flops_per_token / 3}[cand.remat]
     extra += stage_recompute(facts, cand) * layer_share / 3   # GPipe/interleaved rerun each stage in its backward
+    if cfg.train.loss_chunks > 1:                             # the head's forward again, slice by slice, in its backward
+        extra += 2.0 * (d["vocab"] or 0) * (d["embed"] or 0) / max(facts.flops_per_token, 1.0)
     return model_flops * (1 + extra) / n
 
 

@@ -13,7 +13,7 @@ from meshpar.nn.stages import check_loss, lm_rows  # noqa: F401  (check_loss: th
 from meshpar.parallel import context
 
 
-def lm_loss(model, batch) -> tuple[jax.Array, dict]:
+def lm_loss(model, batch, chunks: int = 1) -> tuple[jax.Array, dict]:
     """Next-token cross-entropy of token rows [B, T+1] (the default loss), or of packed documents
     {"tokens", "segment_ids", "positions"} each [B, T+1]: the model gets `positions=` and
     `segment_ids=` of the inputs, and a target counts only inside its input's document.
@@ -21,20 +21,67 @@ def lm_loss(model, batch) -> tuple[jax.Array, dict]:
     The model maps tokens [B, T] to logits [B, T, V], or to (logits, aux) where aux values under the
     key `loss` (already weighted, e.g. MoE load balancing) are added to the loss and the rest are
     reported as metrics. With sequences split over `context`, rows are stored in the balanced order
-    (`meshpar.parallel.context`) and the model must take `positions=`."""
+    (`meshpar.parallel.context`) and the model must take `positions=`.
+
+    `chunks` > 1 (`train.loss_chunks`): the logits are computed and dropped in that many strided
+    token slices (`meshpar.core.precision.chunked_cross_entropy`); the model then splits its call
+    into `features(tokens, ...) -> (x [B, T, E], aux)` and `head(x, dtype) -> logits`, as
+    meshpar.models' decoders do."""
     rows = context.balance_rows(lm_rows(batch))
     cp = context.context_size()
     inputs, targets, weights = rows["inputs"], rows["targets"], rows.get("weights")
     positions, seg = rows.get("positions"), rows.get("segment_ids")
     kwargs = {k: v for k, v in (("positions", positions), ("segment_ids", seg)) if v is not None}
     _check_accepts(model, kwargs, cp)
-    with context.balanced(cp > 1):
-        out = model(inputs, **kwargs)
-    logits, aux = out if isinstance(out, tuple) else (out, {})
-    ce = precision_lib.cross_entropy(logits.astype(precision_lib.active_policy().output_dtype), targets, weights)
+    out_dtype = precision_lib.active_policy().output_dtype
+    if chunks > 1:
+        _check_splits(model)
+        dtype = precision_lib.compute_dtype()
+        with context.balanced(cp > 1):
+            out = model.features(inputs, dtype, **kwargs)
+        x, aux = out if isinstance(out, tuple) else (out, {})
+        ce = precision_lib.chunked_cross_entropy(_pinned_head(model, dtype, out_dtype), x, targets, weights, chunks)
+    else:
+        with context.balanced(cp > 1):
+            out = model(inputs, **kwargs)
+        logits, aux = out if isinstance(out, tuple) else (out, {})
+        ce = precision_lib.cross_entropy(logits.astype(out_dtype), targets, weights)
     aux = dict(aux)
     extra = jnp.sum(aux.pop("loss")) if "loss" in aux else 0.0
     return ce + extra, {"ce": ce, **aux}
+
+
+def _pinned_head(model, dtype, out_dtype):
+    """`model.head` for one token slice, its parameters read through `meshpar.core.rules.at_use`: a scan
+    accumulates the gradient of a weight it closes over in its carry, and left unpinned XLA held that
+    sum whole on every device (Llama 3's [E, V] head, 1 GiB, all-reduced per slice); pinned, each slice's
+    gradient is reduce-scattered into a sum split as the weight is."""
+    from flax import nnx
+
+    from meshpar.core.rules import at_use
+    from meshpar.core.sharding import logical_axes
+
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    is_var = lambda v: isinstance(v, nnx.Variable)     # noqa: E731
+
+    def pin(v):
+        names = logical_axes(v)
+        return v.replace(at_use(v[...], names, "parameter") if names else v[...])
+
+    def head(z):
+        pinned = nnx.merge(graphdef, jax.tree.map(pin, params, is_leaf=is_var), rest)
+        return pinned.head(z, dtype).astype(out_dtype)
+    return head
+
+
+def _check_splits(model) -> None:
+    """One line when a model cannot run its head chunk by chunk (`train.loss_chunks` > 1)."""
+    missing = [m for m in ("features", "head") if not callable(getattr(model, m, None))]
+    if missing:
+        raise ConfigError(f"train.loss_chunks > 1 runs the LM head chunk by chunk, and model {type(model).__name__} "
+                          f"has no {' or '.join('.' + m for m in missing)}; give it features(tokens, dtype, **kw) -> "
+                          "(x [B, T, E], aux) and head(x, dtype) -> logits (see meshpar.models.decoder), "
+                          "or set train.loss_chunks=1")
 
 
 def _check_accepts(model, kwargs: dict, cp: int) -> None:

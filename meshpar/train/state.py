@@ -91,7 +91,7 @@ class TrainSetup:
         check_platform(cfg.model, of_mesh(self.mesh))
         self.factory = self.model or default_model(cfg)
         if self.loss is None:
-            self.loss = loss_function(cfg.train.loss)
+            self.loss = loss_function(cfg.train.loss, cfg.train.loss_chunks)
         self.loss_name = getattr(self.loss, "__qualname__", repr(self.loss))
         self.spec = model_spec(self.factory, self.policy, cfg.train.require_annotations)
         check_batch(cfg.batch, self.layout)
@@ -135,7 +135,7 @@ class TrainSetup:
     def sharding_table(self) -> list[dict]:
         """The sharding table of this run: parameters, other state, batch leaves, and with the
         built-in LM loss its tokens' activations [batch, length] (`length` over `context`)."""
-        return sharding_table(self.spec, self.layout, self.batch_spec, _lm_activations(self) if self.loss is lm_loss else None)
+        return sharding_table(self.spec, self.layout, self.batch_spec, _lm_activations(self) if self.is_lm else None)
 
     def _names_used(self) -> set[str]:
         leaves = [*jax.tree.leaves(self.spec.logical, is_leaf=lambda x: isinstance(x, tuple)),
@@ -192,7 +192,7 @@ class TrainSetup:
     # -- facts for logs --------------------------------------------------------------------------
     @property
     def is_lm(self) -> bool:
-        return self.loss is lm_loss
+        return getattr(self.loss, "func", self.loss) is lm_loss      # (train.loss_chunks: a partial of it)
 
     def describe(self) -> dict:
         rows = self.cfg.batch.global_size
@@ -210,7 +210,7 @@ def _check_pipeline(setup: TrainSetup) -> None:
 
     from meshpar.parallel import pipeline
     from meshpar.nn.stages import check_protocol, check_state, stage_loss
-    if setup.loss not in (lm_loss, stage_loss):
+    if not setup.is_lm and setup.loss is not stage_loss:
         raise ConfigError(f"pipelining (mesh.pipeline > 1) cuts the loss into stages: train.loss=lm (a model with "
                           f"embed/layers/head) or train.loss=stages (a model with pre/layers/post/loss, see "
                           f"meshpar.nn.stages); {setup.loss_name} is neither. Set mesh.pipeline=1, or give the model "

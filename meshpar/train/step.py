@@ -71,7 +71,7 @@ class Trainer(TrainSetup):
         if self.pipelined:   # hand-written schedule (meshpar/parallel/pipeline.py)
             from meshpar.parallel import pipeline
             return pipeline.value_and_grad(self.spec, params, batch, self.cfg.pipeline, self.layout, self.policy, loss_scale,
-                                           vars, self.is_lm, self.batch_spec)
+                                           vars, self.is_lm, self.batch_spec, self.cfg.train.loss_chunks)
 
         def loss_fn(p, b):
             model = self.spec.merge(p, vars)

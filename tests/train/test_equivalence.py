@@ -59,3 +59,16 @@ def test_gradient_accumulation_equals_one_big_batch(reference):
                                                                                            "tensor": 2}), devices(8))
     assert abs(float(metrics["loss"]) - loss1) / loss1 <= 1e-5
     assert rel(params, params1) <= 1e-5
+
+
+@pytest.mark.parametrize("strategy", ["fsdp_tp_sp", "dp"])
+def test_loss_chunks_equal_the_whole_logits(strategy, reference):
+    """train.loss_chunks=4: the head and cross-entropy over four strided token slices, recomputed in the
+    backward (vocabulary tiling), give the step of the whole [B, T, V] logits, with the sequence and
+    the vocabulary split over `tensor` (fsdp_tp_sp) or not at all (dp, one device's layout)."""
+    loss1, grads1, params1, _ = reference
+    mesh = CASES[strategy]
+    loss, grads, params, metrics = one_step(make_cfg(f"strategy={strategy}", "train.loss_chunks=4", mesh=mesh), devices(8))
+    assert abs(loss - loss1) / loss1 <= 1e-5
+    assert rel(grads, grads1) <= 1e-5
+    assert rel(params, params1) <= 1e-5

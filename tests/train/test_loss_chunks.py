@@ -1,0 +1,86 @@
+"""Vocabulary tiling (`train.loss_chunks`): the LM head and cross-entropy over strided token slices,
+recomputed in the backward, equal the whole logits' loss and gradients, in the plain step (see
+test_equivalence.py for the sharded one) and in a pipeline's last stage; what a model lacks, or a
+config that cannot slice, is one line."""
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from meshpar.core.errors import ConfigError
+from meshpar.core.precision import chunked_cross_entropy, cross_entropy
+from meshpar.train.loss import lm_loss
+from tests.parallel.pipelines import check_equal, pp_cfg
+
+
+def test_slices_give_the_whole_logits_loss_and_gradients_with_weights():
+    k = jax.random.split(jax.random.key(0), 4)
+    x, w = jax.random.normal(k[0], (2, 16, 8)), jax.random.normal(k[1], (8, 50))
+    targets = jax.random.randint(k[2], (2, 16), 0, 50)
+    weights = (jax.random.uniform(k[3], (2, 16)) > 0.3).astype(jnp.float32)
+    whole = jax.value_and_grad(lambda x, w: cross_entropy(x @ w, targets, weights), (0, 1))(x, w)
+    for n in (2, 4, 16):
+        sliced = jax.value_and_grad(lambda x, w: chunked_cross_entropy(lambda z: z @ w, x, targets, weights, n),
+                                    (0, 1))(x, w)
+        assert float(jnp.abs(sliced[0] - whole[0])) <= 1e-6
+        assert all(float(jnp.max(jnp.abs(a - b))) <= 1e-6 for a, b in zip(sliced[1], whole[1]))
+
+
+def test_the_backward_recomputes_a_slice_instead_of_storing_the_logits():
+    """The scan saves no [B, T / n, V] slice of logits for its backward: its residuals are the inputs."""
+    x, w = jnp.ones((2, 16, 8)), jnp.ones((8, 1000))
+    targets = jnp.zeros((2, 16), jnp.int32)
+    jaxpr = str(jax.make_jaxpr(jax.grad(lambda x: chunked_cross_entropy(lambda z: z @ w, x, targets, None, 4)))(x))
+    assert "f32[4,2,4,1000]" not in jaxpr and "f32[2,16,1000]" not in jaxpr
+
+
+def test_a_pipeline_last_stage_slices_its_loss_too():
+    check_equal(pp_cfg("1f1b", 2, 2, 1, 4, None, "train.loss_chunks=4"), 2)
+
+
+def test_a_model_without_features_and_head_is_one_line():
+    class Plain(nnx.Module):
+        def __call__(self, tokens):
+            return jnp.zeros(tokens.shape + (8,))
+    with pytest.raises(ConfigError, match=r"train.loss_chunks > 1 .* model Plain has no .features or .head; .* "
+                                          r"or set train.loss_chunks=1"):
+        lm_loss(Plain(), jnp.zeros((1, 9), jnp.int32), chunks=4)
+
+
+def test_a_glu_projects_the_same_fused_or_split():
+    """`meshpar.gated_inputs`: one GEMM into [B, T, 2, F] (GPU, CPU) or two into [B, T, F] (TPU, where
+    libtpu packs the smaller buffers better) give the same gate and up projections."""
+    from meshpar.core.platform import compiling_for
+    from meshpar.nn.layers import gated_inputs
+    k = jax.random.split(jax.random.key(1), 2)
+    x, w = jax.random.normal(k[0], (2, 8, 16)), jax.random.normal(k[1], (16, 2, 32))
+    fused = gated_inputs(x, w)
+    assert "f32[2,8,2,32]" in str(jax.make_jaxpr(lambda *a: gated_inputs(*a))(x, w))   # one [B, T, 2, F] product
+    with compiling_for("tpu"):
+        split = gated_inputs(x, w)
+        assert "f32[2,8,2,32]" not in str(jax.make_jaxpr(lambda *a: gated_inputs(*a))(x, w))   # two [B, T, F] (traced anew)
+    for a, b, i in zip(fused, split, (0, 1)):
+        assert a.shape == (2, 8, 32) and float(jnp.max(jnp.abs(a - b))) <= 1e-5
+        assert float(jnp.max(jnp.abs(a - x @ w[:, i]))) <= 1e-4
+
+
+def test_the_planner_counts_one_slice_of_logits_and_the_head_once_more():
+    """`meshpar plan` under train.loss_chunks=4: a quarter of the logits held, the head's forward run
+    again (2 V E FLOPs per token), the rest of the step unchanged."""
+    from meshpar.core.config import load_config
+    from meshpar.plan.hardware import load_hardware
+    from meshpar.plan.search import estimate
+    base = ["model.size=125m", "batch.length=1024", "batch.global_size=8", "strategy=fsdp", "mesh.data=1",
+            "mesh.fsdp=8", "mesh.tensor=1", "precision=bf16"]
+    out = {}
+    for n in (1, 4):
+        cfg = load_config(None, base + [f"train.loss_chunks={n}"])
+        cfg.devices = 8
+        out[n] = estimate(cfg, load_hardware("h100"))
+    from meshpar.plan.costmodel import ModelFacts
+    facts = ModelFacts.from_config(cfg)
+    v, e = facts.dims["vocab"], facts.dims["embed"]
+    tokens = 8 * 1024 / 8
+    held = out[1]["memory"]["activations"] - out[4]["memory"]["activations"]
+    assert held == pytest.approx(0.75 * 2 * tokens * v, rel=1e-6)          # one bf16 [b s, V] buffer, 3/4 of it gone
+    assert out[4]["time"]["flops"] - out[1]["time"]["flops"] == pytest.approx(2 * v * e * tokens, rel=1e-6)
