@@ -100,7 +100,7 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array | No
 def chunked_cross_entropy(head, x: jax.Array, targets: jax.Array, weights: jax.Array | None = None,
                           chunks: int = 1, over: tuple[str, ...] = ()) -> jax.Array:
     """`cross_entropy(head(x), targets, weights, over)` with the logits never whole (vocabulary
-    tiling, as MaxText's `num_vocab_tiling`): the tokens are cut into `chunks` strided slices
+    tiling, as MaxText's `num_vocab_tiling`): the tokens are cut into n = `chunks` strided slices
     (slice j holds positions j, j + n, ...), and a scan computes each slice's logits and loss sums
     under `jax.checkpoint`, so the backward recomputes a slice's logits instead of storing them.
     Strided, so a slice keeps each device's share of a sequence split over devices.
@@ -112,6 +112,8 @@ def chunked_cross_entropy(head, x: jax.Array, targets: jax.Array, weights: jax.A
     if chunks <= 1:
         return cross_entropy(head(x), targets, weights, over)
     b, t = targets.shape
+    if t % chunks:
+        raise ValueError(f"chunked_cross_entropy: {chunks} slices do not divide the {t} tokens of a row; pick a divisor")
 
     def slices(a):          # [B, T, ...] -> [n, B, T / n, ...], slice j = positions j::n
         return jnp.moveaxis(a.reshape(b, t // chunks, chunks, *a.shape[2:]), 2, 0)

@@ -83,6 +83,8 @@ def candidates(facts: ModelFacts, cfg, n: int, hw, strategies) -> list[Candidate
             continue
         if s["context"] > 1 and (cfg.batch.length % (2 * s["context"]) or (s["pipeline"] > 1 and facts.moe)):
             continue                      # the balanced order's 2 x context chunks; MoE stages route whole sequences
+        if (cfg.batch.length // s["context"]) % cfg.train.loss_chunks:
+            continue                      # train.loss_chunks slices a device's share of a sequence
         dcn = split_ici_dcn(sizes, n, hw.domain)
         if dcn is None:
             continue

@@ -32,10 +32,11 @@ def lm_loss(model, batch, chunks: int = 1) -> tuple[jax.Array, dict]:
     inputs, targets, weights = rows["inputs"], rows["targets"], rows.get("weights")
     positions, seg = rows.get("positions"), rows.get("segment_ids")
     kwargs = {k: v for k, v in (("positions", positions), ("segment_ids", seg)) if v is not None}
-    _check_accepts(model, kwargs, cp)
-    out_dtype = precision_lib.active_policy().output_dtype
     if chunks > 1:
         _check_splits(model)
+    _check_accepts(model, kwargs, cp, "features" if chunks > 1 else "__call__")
+    out_dtype = precision_lib.active_policy().output_dtype
+    if chunks > 1:
         dtype = precision_lib.compute_dtype()
         with context.balanced(cp > 1):
             out = model.features(inputs, dtype, **kwargs)
@@ -84,10 +85,10 @@ def _check_splits(model) -> None:
                           "or set train.loss_chunks=1")
 
 
-def _check_accepts(model, kwargs: dict, cp: int) -> None:
-    """One line when the model cannot take the keywords packed documents or context parallelism need."""
+def _check_accepts(model, kwargs: dict, cp: int, method: str = "__call__") -> None:
+    """One line when the model's `method` cannot take the keywords packed documents or context parallelism need."""
     try:
-        params = inspect.signature(model.__call__).parameters
+        params = inspect.signature(getattr(model, method)).parameters
     except (TypeError, ValueError):
         return
     if any(p.kind == p.VAR_KEYWORD for p in params.values()):
@@ -97,5 +98,5 @@ def _check_accepts(model, kwargs: dict, cp: int) -> None:
         why = ("mesh.context > 1 stores each row in the balanced order" if cp > 1 and "positions" in missing
                else "the data are packed documents")
         raise ConfigError(f"model {type(model).__name__} takes no {', '.join(m + '=' for m in missing)} argument, and "
-                          f"{why}; add `{'=None, '.join(missing)}=None` to its __call__ (see meshpar.models.decoder), "
+                          f"{why}; add `{'=None, '.join(missing)}=None` to its {method} (see meshpar.models.decoder), "
                           "or set data.documents=false")

@@ -84,3 +84,28 @@ def test_the_planner_counts_one_slice_of_logits_and_the_head_once_more():
     held = out[1]["memory"]["activations"] - out[4]["memory"]["activations"]
     assert held == pytest.approx(0.75 * 2 * tokens * v, rel=1e-6)          # one bf16 [b s, V] buffer, 3/4 of it gone
     assert out[4]["time"]["flops"] - out[1]["time"]["flops"] == pytest.approx(2 * v * e * tokens, rel=1e-6)
+
+
+def test_a_trainer_given_a_loss_slices_the_built_in_one_and_refuses_any_other():
+    """Trainer(cfg, loss=lm_loss) under train.loss_chunks=4 slices it, as the config's own loss does; a
+    loss of the user's own is refused in one line, never run with the chunks silently ignored."""
+    from meshpar.nn.stages import stage_loss
+    from meshpar.train.step import Trainer
+    from tests.conftest import devices, make_cfg
+    cfg = make_cfg("train.loss_chunks=4", mesh={"data": 1, "fsdp": 1, "tensor": 1})
+    assert getattr(Trainer(cfg, loss=lm_loss, devices=devices(1)).loss, "keywords", {}) == {"chunks": 4}
+    with pytest.raises(ConfigError, match=r"train.loss_chunks=4 slices the built-in lm loss, and this Trainer's "
+                                          r"loss is stage_loss; set train.loss_chunks=1"):
+        Trainer(cfg, loss=stage_loss, devices=devices(1))
+
+
+def test_a_features_without_the_packing_arguments_is_one_line():
+    class Split(nnx.Module):
+        def features(self, tokens, dtype=None):
+            return jnp.zeros(tokens.shape + (4,))
+
+        def head(self, x, dtype):
+            return jnp.zeros(x.shape[:2] + (8,))
+    batch = {k: jnp.zeros((1, 9), jnp.int32) for k in ("tokens", "segment_ids", "positions")}
+    with pytest.raises(ConfigError, match=r"model Split takes no positions=, segment_ids= argument.*to its features"):
+        lm_loss(Split(), batch, chunks=2)
