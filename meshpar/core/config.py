@@ -474,7 +474,7 @@ def validate(cfg: Config) -> None:
                    ("profile.start_step", cfg.profile.start_step), ("profile.steps", cfg.profile.steps), ("eval.batches", cfg.eval.batches)]:
         if v < 1:
             raise ConfigError(f"config key '{key}' must be >= 1, got {v}")
-    precision.check_loss_chunks(cfg.train.loss_chunks, cfg.train.loss, cfg.batch.length, max(_axis_total(cfg, "context"), 1))
+    precision.check_loss_chunks(cfg.train.loss_chunks, cfg.batch.length, max(_axis_total(cfg, "context"), 1), cfg.train.loss != "lm" and f"train.loss is '{cfg.train.loss}'")
     if cfg.train.lr <= 0:
         raise ConfigError(f"config key 'train.lr' must be > 0, got {cfg.train.lr}")
     for key, v, least, null in (("serve.prefill_chunk", cfg.serve.prefill_chunk, 1, "prefill whole"),

@@ -127,12 +127,13 @@ def chunked_cross_entropy(head, x: jax.Array, targets: jax.Array, weights: jax.A
     return _mean(jnp.sum(num), jnp.sum(den), over)
 
 
-def check_loss_chunks(chunks: int, loss: str, length: int, context: int = 1) -> None:
+def check_loss_chunks(chunks: int, length: int, context: int = 1, other_loss: str | bool | None = None) -> None:
     """One line when `train.loss_chunks` cannot slice the run's loss: a loss other than the built-in
-    `lm`, or slices that do not divide the tokens a device holds of a sequence."""
+    `lm` (`other_loss` says which, "train.loss is 'stages'"), or slices that do not divide the tokens
+    a device holds of a sequence."""
     from meshpar.core.errors import ConfigError
-    if chunks > 1 and loss != "lm":
-        raise ConfigError(f"train.loss_chunks={chunks} slices the built-in lm loss, and train.loss is '{loss}'; set "
+    if chunks > 1 and other_loss:
+        raise ConfigError(f"train.loss_chunks={chunks} slices the built-in lm loss, and {other_loss}; set "
                           "train.loss_chunks=1 (a loss of your own can call meshpar.chunked_cross_entropy itself)")
     if (length // context) % chunks:
         where = (f"the {length // context} tokens a device holds of a sequence (mesh.context={context})" if context > 1

@@ -86,7 +86,7 @@ class TrainSetup:
         self.mesh = make_mesh(cfg.mesh, self.devices)
         if (cp := mesh_shape(self.mesh)["context"]) > 1:    # (validate said it if the mesh was cfg.devices')
             check_length(cfg.batch.length, cp)
-            precision_lib.check_loss_chunks(cfg.train.loss_chunks, "lm", cfg.batch.length, cp)
+            precision_lib.check_loss_chunks(cfg.train.loss_chunks, cfg.batch.length, cp)
         self.layout = Layout(self.mesh, get_strategy(cfg.strategy), parse_user_rules(cfg.rules))
         self.policy = precision_lib.get_policy(cfg.precision)
         check_platform(cfg.model, of_mesh(self.mesh))
@@ -94,10 +94,8 @@ class TrainSetup:
         if self.loss is None:
             self.loss = loss_function(cfg.train.loss, cfg.train.loss_chunks)
         elif cfg.train.loss_chunks > 1:       # a loss passed in: only the built-in one slices its logits
-            if self.loss is not lm_loss:
-                raise ConfigError(f"train.loss_chunks={cfg.train.loss_chunks} slices the built-in lm loss, and this "
-                                  f"Trainer's loss is {getattr(self.loss, '__qualname__', self.loss)}; set "
-                                  "train.loss_chunks=1 (a loss of your own can call meshpar.chunked_cross_entropy)")
+            precision_lib.check_loss_chunks(cfg.train.loss_chunks, cfg.batch.length, other_loss=None if self.loss is lm_loss
+                                            else f"this Trainer's loss is {getattr(self.loss, '__qualname__', self.loss)}")
             self.loss = loss_function("lm", cfg.train.loss_chunks)
         self.loss_name = getattr(self.loss, "__qualname__", repr(self.loss))
         self.spec = model_spec(self.factory, self.policy, cfg.train.require_annotations)
