@@ -34,6 +34,7 @@ COMMON = ["strategy=fsdp", "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "preci
           "batch.microbatches=1"]
 CASES = {   # name -> overrides; the largest Llama-3 8B that trains on one 80 GB device keeps 8 of its 32 layers
     "1b": ["model.size=1b", "batch.length=4096", "batch.global_size=8"],
+    "1b-v128k": ["model.size=1b", "model.vocab=128256", "batch.length=4096", "batch.global_size=8"],  # logits the peak
     "l3-8L": [*LLAMA3_8B, "model.layers=8", "batch.length=4096", "batch.global_size=4"],
     "l3-8L-8k": [*LLAMA3_8B, "model.layers=8", "batch.length=8192", "batch.global_size=2"],
     "tiny": ["model.size=tiny", "batch.length=256", "batch.global_size=4"],
