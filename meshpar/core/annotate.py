@@ -1,5 +1,5 @@
 """The resolved config as YAML that `--config` reads back, every key with the comment beside its
-field in `meshpar.core.config` (meaning, allowed values): what `meshpar config` prints."""
+field in `meshpar.core.config.schema` (meaning, allowed values): what `meshpar config` prints."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,12 +7,12 @@ from pathlib import Path
 
 import yaml
 
-from meshpar.core import config as config_lib
+from meshpar.core.config import schema as config_lib
 from meshpar.core.config import Config
 
 
 def field_comments() -> dict[tuple[str, str], str]:
-    """{(class, field): the comment beside that field in meshpar.core.config}: the meaning of every key."""
+    """{(class, field): the comment beside that field in meshpar.core.config.schema}: the meaning of every key."""
     import ast
     import io
     import tokenize

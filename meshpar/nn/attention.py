@@ -38,13 +38,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from meshpar.core.config.schema import ATTENTION
 from meshpar.core.errors import ConfigError, suggest
 from meshpar.core.platform import platform
 from meshpar.core.sequence import in_manual_region
 from meshpar.nn import flash as flash_lib
 from meshpar.nn import splash as splash_lib
 
-IMPLEMENTATIONS = ("auto", "xla", "flash", "cudnn", "splash")
+IMPLEMENTATIONS = ATTENTION     # model.attention's options, typed once in meshpar.core.config.schema
 AUTO_FLASH_FROM = 1024      # keys: below this the [T, S] scores are small and one fused product is fastest
 DEFAULT_BLOCK = 512
 MIN_AUTO_BLOCK = 64

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from meshpar.core.config.schema import REMAT
 from meshpar.core.errors import ConfigError
 from meshpar.core.platform import platform
 from meshpar.core.precision import param_dtype
@@ -95,6 +96,7 @@ REMAT_POLICIES = {
     "save_dots": lambda: jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     "offload": lambda: jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
 }
+assert tuple(REMAT_POLICIES) == REMAT, "one policy per option of model.remat"
 
 
 def gated_inputs(x, w, names=("batch", "seq", "mlp")):

@@ -44,18 +44,14 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from meshpar.core.config.checks import check_context_attention, check_length
+from meshpar.core.config.schema import CONTEXT_STRATEGIES
 from meshpar.core.errors import ConfigError, suggest
 from meshpar.core.precision import gather_dtype
 from meshpar.core.rules import active_layout, spec_axes
 from meshpar.core.sequence import AXIS, balanced, context_size, is_balanced, manual, order  # noqa: F401 (this module's API)
 from meshpar.nn import attention as attn_lib
 from meshpar.nn import flash as flash_lib
-
-
-def check_length(t: int, cp: int, what: str = "batch.length") -> None:
-    if t % (2 * cp):
-        raise ConfigError(f"{what}={t} is not divisible by 2 x mesh.context = {2 * cp} (the balanced order cuts a "
-                          f"sequence into 2 x context chunks); use a multiple of {2 * cp}")
 
 
 def balance(*rows):
@@ -221,9 +217,7 @@ def _ring(c: _Call):
     next hop's transfer issued before this hop's blocks are computed), partial results merged with
     the online-softmax weights; the backward sends K/V round again with their dK/dV accumulators,
     which reach their owner after one more hop. At hop h device d holds device (d - h)'s shard."""
-    if c.impl != "flash":
-        raise ConfigError("model.context_strategy=ring needs model.attention=flash (it merges partial results by "
-                          "their log-sum-exp); use flash, or context_strategy=all_gather")
+    check_context_attention("ring", c.impl)
     n, ring = c.cp, [(j, (j + 1) % c.cp) for j in range(c.cp)]
     src = [[(d - h) % n for h in range(n)] for d in range(n)]
     tables = flash_lib.pad_tiles([flash_lib.tiles(c.q_idx[d], c.k_idx[src[d][h]], c.kern.bq, c.kern.bk, c.mask.causal,
@@ -256,6 +250,7 @@ def _ring(c: _Call):
 
 
 STRATEGIES = {"all_gather": _all_gather, "ring": _ring}
+assert tuple(STRATEGIES) == CONTEXT_STRATEGIES, "one strategy per option of model.context_strategy"
 
 
 def _across(q, k, v, mask, q_seg, k_seg, implementation, block, cp, strategy):
@@ -278,8 +273,7 @@ def _across(q, k, v, mask, q_seg, k_seg, implementation, block, cp, strategy):
     impl = attn_lib.choose(implementation, q, whole_k, mask, q_seg is not None)
     if implementation == "auto" and (impl in ("cudnn", "splash") or strategy == "ring"):
         impl = "flash"              # what auto means across shards: cudnn and splash cannot, the ring merges lse
-    if impl in ("cudnn", "splash"):
-        raise ConfigError(f"model.attention={impl} cannot attend across mesh.context shards; use flash (or xla)")
+    check_context_attention(strategy, impl)
     unit_q = t // (2 * cp) if in_balanced else t // cp
     unit_k = s // (2 * cp) if in_balanced else s // cp
     kern = flash_lib.Kernel(mask.causal, mask.window, mask.softcap, 1.0 / float(np.sqrt(q.shape[-1])),

@@ -53,7 +53,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+from meshpar.core.config.schema import SCHEDULES as SCHEDULE_OPTIONS
+
+SCHEDULES = SCHEDULE_OPTIONS     # pipeline.schedule's options, typed once in meshpar.core.config.schema
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from meshpar.core.registry import default_model, loss_function
 from meshpar.core.rules import Layout, check_rule_names, get_strategy, parse_user_rules
 from meshpar.core.sharding import (batch_shardings, building, context_unsplit, model_spec, opt_state_shardings,
                                    param_shardings, sharding_table, state_shardings, unruled_batch_axes, var_shardings)
-from meshpar.parallel.context import check_length
+from meshpar.core.config.checks import check_length
 from meshpar.train.data import packs_documents
 from meshpar.train.loss import lm_loss
 from meshpar.train.optimizer import make_optimizer
