@@ -8,10 +8,11 @@ code that lowers a program for a mesh wraps its tracing in `compiling_for(of_mes
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from collections.abc import Iterator
 
-_TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("meshpar_platform", default=None)
+from meshpar.core import scopes
+
+_TARGET = scopes.PLATFORM
 _NAMES = {"cuda": "gpu", "rocm": "gpu", "gpu": "gpu", "tpu": "tpu", "cpu": "cpu"}
 
 

@@ -23,13 +23,13 @@ changed, for bf16/fp32), which keeps the state's structure independent of the po
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 
+from meshpar.core import scopes
 from meshpar.core.platform import platform
 
 
@@ -56,7 +56,7 @@ def get_policy(name: str) -> Policy:
     return POLICIES[name]
 
 
-_ACTIVE: contextvars.ContextVar[Policy] = contextvars.ContextVar("meshpar_policy", default=POLICIES["fp32"])
+_ACTIVE = scopes.POLICY
 
 
 @contextlib.contextmanager
@@ -71,15 +71,15 @@ def use_policy(policy: Policy) -> Iterator[Policy]:
 
 def active_policy() -> Policy:
     """The policy in force (fp32 outside meshpar's init and step)."""
-    return _ACTIVE.get()
+    return (_ACTIVE.get() or POLICIES["fp32"])
 
 
 def param_dtype() -> jnp.dtype:
-    return _ACTIVE.get().param_dtype
+    return (_ACTIVE.get() or POLICIES["fp32"]).param_dtype
 
 
 def compute_dtype() -> jnp.dtype:
-    return _ACTIVE.get().compute_dtype
+    return (_ACTIVE.get() or POLICIES["fp32"]).compute_dtype
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array | None = None,

@@ -39,13 +39,13 @@ replicate the state over data, replicate it over `context`.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import difflib
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+from meshpar.core import scopes
 from meshpar.core.errors import ShardingError, suggest
 from meshpar.core.mesh import MESH_AXES
 
@@ -371,7 +371,7 @@ def for_rows(layout: Layout, rows: int) -> Layout:
     return dataclasses.replace(layout, user_rules=table(batch=None, cache_batch=None, group=None) + layout.user_rules)
 
 
-_ACTIVE: contextvars.ContextVar[Layout | None] = contextvars.ContextVar("meshpar_layout", default=None)
+_ACTIVE = scopes.LAYOUT
 
 
 @contextlib.contextmanager

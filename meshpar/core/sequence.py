@@ -15,17 +15,17 @@ traced; everything else is in natural order.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from meshpar.core import scopes
 from meshpar.core.rules import active_layout
 
 AXIS = "context"
 
-_BALANCED: contextvars.ContextVar[bool] = contextvars.ContextVar("meshpar_context_balanced", default=False)
+_BALANCED = scopes.BALANCED
 
 
 @contextlib.contextmanager
@@ -45,13 +45,12 @@ def is_balanced() -> bool:
 
 def in_manual_region() -> bool:
     """Inside a shard_map manual over any mesh axis (a pipeline stage's: `pipeline`, maybe `data`)."""
-    return any(t == jax.sharding.AxisType.Manual for t in jax.sharding.get_abstract_mesh().axis_types)
+    return bool(scopes.manual_axes())
 
 
 def manual() -> bool:
     """Inside a shard_map manual over `context` (a pipeline stage): activations are local in length."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return any(a == AXIS and t == jax.sharding.AxisType.Manual for a, t in zip(mesh.axis_names, mesh.axis_types))
+    return AXIS in scopes.manual_axes()
 
 
 def context_size() -> int:

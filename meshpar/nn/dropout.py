@@ -30,13 +30,13 @@ anywhere else (the model called in train mode outside a train step, or the stack
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 from typing import Any, Iterator
 
 import jax
 from flax import nnx
 
+from meshpar.core import scopes
 from meshpar.core.errors import ConfigError
 
 DROPOUT = 0x44524F50     # folded in first: the stacked layers' keys are not the init's
@@ -55,7 +55,7 @@ class Draws:
     counts: dict | None = None  # draws so far per stream in this layer call
 
 
-_DRAWS: contextvars.ContextVar[Draws | None] = contextvars.ContextVar("meshpar_dropout_draws", default=None)
+_DRAWS = scopes.DRAWS
 
 
 @contextlib.contextmanager

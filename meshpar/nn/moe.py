@@ -54,7 +54,6 @@ Routing (scores, top-K, capacity slots, the auxiliary losses, the balancing bias
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -64,6 +63,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from meshpar.core import scopes
 from meshpar.core.config import top_k
 from meshpar.core.errors import ConfigError
 from meshpar.core.rules import active_layout, constrain
@@ -299,7 +299,7 @@ def _dropless_local(x, index, routed, gates, w_gate, w_up, w_down, ep_axes=(), e
     return jnp.einsum("nkm,nk->nm", per_assignment, gates.astype(dt))
 
 
-_BRANCHES: contextvars.ContextVar[bool] = contextvars.ContextVar("meshpar_moe_branches", default=False)
+_BRANCHES = scopes.BRANCHES
 
 
 @contextlib.contextmanager
@@ -368,7 +368,7 @@ def dropless(x, r: Routing, w_gate, w_up, w_down):
 # ----------------------------------------------------------------------------------------------
 # The layer
 
-_ROUTING_KEY: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar("meshpar_moe_key", default=None)
+_ROUTING_KEY = scopes.ROUTING_KEY
 
 
 @contextlib.contextmanager

@@ -51,7 +51,8 @@ from jax.sharding import PartitionSpec as P
 from meshpar.core.batch import is_leaf
 from meshpar.core.errors import ConfigError
 from meshpar.nn.layers import scan_layers
-from meshpar.nn.stages import check_protocol, layer_options, vary
+from meshpar.nn.stages import check_protocol, layer_options
+from meshpar.parallel.stage_model import vary
 
 AXIS = "pipeline"
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshpar.core.errors import ShardingError
-from meshpar.nn.stages import vary, zeros
+from meshpar.parallel.stage_model import vary, zeros
 
 
 class Residuals:

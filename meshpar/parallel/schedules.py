@@ -193,14 +193,20 @@ def one_f_one_b_program(p: int, m: int):
 BRANCH_SHARE = "meshpar_branch_share="
 
 
+POSITIONS = ("first", "middle", "last")
+# the 1F1B executor's switch branches, numbered by this one table: (position, ops), ops "" = idle
+ONE_F_ONE_B_BRANCHES = (("first", ""),) + tuple((q, ops) for q in POSITIONS for ops in ("F", "B", "FB"))
+
+
 def one_f_one_b_branches(f, b):
-    """[ticks, P] index of the 1F1B executor's switch branch at each (tick, stage), from the
-    program's f and b: 0 idle, then F, B, F+B for position 0 (first stage), 1 (middle), 2 (last)."""
+    """[ticks, P] index into `ONE_F_ONE_B_BRANCHES` of the 1F1B executor's switch branch at each
+    (tick, stage), from the program's f and b: idle, or F, B, F+B at the stage's position."""
     import numpy as np
     p = f.shape[1]
-    pos = np.array([0 if s == 0 else 2 if s == p - 1 else 1 for s in range(p)])
-    ops = (f >= 0).astype(int) + 2 * (b >= 0)          # 0 idle, 1 F, 2 B, 3 F+B
-    return np.where(ops == 0, 0, 3 * pos + ops)
+    pos = [POSITIONS[0 if s == 0 else 2 if s == p - 1 else 1] for s in range(p)]
+    ops = np.array(["", "F", "B", "FB"])[(f >= 0).astype(int) + 2 * (b >= 0)]
+    index = {key: i for i, key in enumerate(ONE_F_ONE_B_BRANCHES)}
+    return np.array([[index[(pos[s], o) if o else ONE_F_ONE_B_BRANCHES[0]] for s, o in enumerate(row)] for row in ops])
 
 
 def branch_shares(branches, n: int) -> list[float]:
