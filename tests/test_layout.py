@@ -106,6 +106,25 @@ def test_the_framework_keeps_its_layers():
     assert violations(REPO / "meshpar") == []
 
 
+def module_table(path: Path) -> list[str]:
+    """The modules docs/architecture.md's table names, as 'layer.module' ('core.config.schema')."""
+    import re
+    rows, layer = [], None
+    for lay, mod in re.findall(r"^\| *(\w*) *\| `([\w.]+)` \|", path.read_text(), re.M):
+        layer = lay or layer
+        rows.append(mod if mod == layer else f"{layer}.{mod}")
+    return rows
+
+
+def test_the_module_table_is_the_one_list_of_modules():
+    """docs/architecture.md's table names every module of the framework once, and nothing else."""
+    listed = module_table(REPO / "docs" / "architecture.md")
+    have = {m.split(".", 1)[1] for m, p in modules(REPO / "meshpar").items() if "." in m and p.name != "__init__.py"}
+    assert sorted(m for m in listed if listed.count(m) > 1) == []
+    assert sorted(have - set(listed)) == [], "modules missing from docs/architecture.md's table"
+    assert sorted(set(listed) - have) == [], "the table names modules that do not exist"
+
+
 def test_the_reference_models_keep_the_size_limits():
     mods = modules(REPO / "models")
     assert mods

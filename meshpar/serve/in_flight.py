@@ -29,16 +29,17 @@ def shardings(mesh) -> dict:
             "born": NamedSharding(mesh, P())}
 
 
-def state_shapes(engine) -> dict:
-    """The added state's shapes and dtypes (the activation's from an abstract embed of a group)."""
-    r = engine.slots // engine.stages
+def state_shapes(placement) -> dict:
+    """The added state's shapes and dtypes (the activation's from an abstract embed of a group) of a
+    `meshpar.serve.placement.Placement`."""
+    r = placement.slots // placement.stages
 
     def embed(w):
-        with use_layout(for_rows(engine.layout, r)), precision_lib.use_policy(engine.policy):
-            return engine._model(w).embed(jnp.zeros((r, 1), jnp.int32), engine.dtype)
-    x = jax.eval_shape(embed, engine.weight_shapes)
-    return {"flight": pipeline_decode.flight_shape(x, engine.stages), "tick": jax.ShapeDtypeStruct((), jnp.int32),
-            "born": jax.ShapeDtypeStruct((engine.slots,), jnp.int32)}
+        with use_layout(for_rows(placement.layout, r)), precision_lib.use_policy(placement.policy):
+            return placement.model(w).embed(jnp.zeros((r, 1), jnp.int32), placement.dtype)
+    x = jax.eval_shape(embed, placement.weight_shapes)
+    return {"flight": pipeline_decode.flight_shape(x, placement.stages), "tick": jax.ShapeDtypeStruct((), jnp.int32),
+            "born": jax.ShapeDtypeStruct((placement.slots,), jnp.int32)}
 
 
 def inserted(state, filled) -> dict:
@@ -47,16 +48,16 @@ def inserted(state, filled) -> dict:
     return {"born": jnp.where(filled, state["tick"], state["born"])}
 
 
-def generate(engine, weights, state):
-    """One decode call (module docstring) -> (state, next token per slot [B] or -1, logits [B, V]
-    (zeros where no token came out))."""
-    b, p = engine.slots, engine.stages
+def generate(placement, ticks: int, weights, state):
+    """One decode call of `ticks` ticks (module docstring) over a `Placement` -> (state, next token
+    per slot [B] or -1, logits [B, V] (zeros where no token came out))."""
+    b, p = placement.slots, placement.stages
 
     def one(carry, _):
         st, toks, lg = carry
-        pos = jnp.minimum(st["pos"], engine.length - 1)
-        logits, cache, flight = pipeline_decode.tick(engine.spec, engine.layout, engine.policy, weights, st["cache"],
-                                                     engine.cache_spec, st["flight"], st["tick"], st["token"], pos)
+        pos = jnp.minimum(st["pos"], placement.length - 1)
+        logits, cache, flight = pipeline_decode.tick(placement.spec, placement.layout, placement.policy, weights, st["cache"],
+                                                     placement.cache_spec, st["flight"], st["tick"], st["token"], pos)
         out = jnp.arange(b // p) * p + (st["tick"] + 1) % p                       # the group leaving [R]
         live = st["born"][out] <= st["tick"] - (p - 1)          # it entered after its slot was filled
         keys = jax.vmap(position_key)(st["key"][out], pos[out])
@@ -69,7 +70,7 @@ def generate(engine, weights, state):
         return (st, toks.at[out].set(jnp.where(live, nxt, toks[out])),
                 lg.at[out].set(jnp.where(live[:, None], logits, lg[out]))), None
 
-    carry = (state, jnp.full((b,), -1, jnp.int32), jnp.zeros((b, engine.vocab), jnp.float32))
-    with use_layout(engine.layout), precision_lib.use_policy(engine.policy):
-        carry, _ = jax.lax.scan(one, carry, None, length=engine.ticks)     # one loop: faster than unrolled
+    carry = (state, jnp.full((b,), -1, jnp.int32), jnp.zeros((b, placement.vocab), jnp.float32))
+    with use_layout(placement.layout), precision_lib.use_policy(placement.policy):
+        carry, _ = jax.lax.scan(one, carry, None, length=ticks)     # one loop: faster than unrolled
     return carry

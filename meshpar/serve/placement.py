@@ -33,9 +33,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from meshpar.core import precision as precision_lib
 from meshpar.core.batch import is_leaf
 from meshpar.core.errors import ConfigError
-from meshpar.core.mesh import make_mesh
 from meshpar.core.rules import BATCH_AXES, Layout, for_rows, get_strategy, parse_user_rules, spec_axes, table
-from meshpar.core.sharding import building, model_spec, param_shardings, path_name, var_shardings
+from meshpar.core.sharding import building, param_shardings, path_name, var_shardings
+from meshpar.runtime.placed import PlacedModel
 from meshpar.serve.sampling import ROW_KEYS
 
 
@@ -132,17 +132,12 @@ class Placement:
 
     def __init__(self, cfg, *, model: Callable | None = None, devices=None, weights=None,
                  info: Callable[[str], None] = print, device_memory: int | None = None):
-        from flax import nnx
-        from meshpar.core.registry import default_model
         self.cfg, self.info, self.device_memory = cfg, info, device_memory
-        self.mesh = make_mesh(cfg.mesh, devices)
+        self.placed = placed = PlacedModel.from_config(cfg, model, devices, strict=False)
+        self.mesh, self.policy, self.factory, self.spec = placed.mesh, placed.policy, placed.factory, placed.spec
         self.stages = dict(zip(self.mesh.axis_names, self.mesh.devices.shape)).get("pipeline", 1)
-        self.policy = precision_lib.get_policy(cfg.precision)
         self.dtype = self.policy.compute_dtype
-        self.factory = model or default_model(cfg)
-        self.spec = model_spec(self.factory, self.policy)
-        with building(self.policy):
-            self.abstract = abstract = nnx.eval_shape(lambda: self.factory(nnx.Rngs(0)))
+        self.abstract = abstract = placed.abstract
         name = type(abstract).__name__
         if not (callable(getattr(abstract, "decode", None)) and callable(getattr(abstract, "cache_spec", None))):
             raise ConfigError(f"model {name} cannot be served: it needs decode(tokens, positions, cache) and "
@@ -160,7 +155,7 @@ class Placement:
         self.vocab = self._vocab(abstract)
         self.layout, self.notes = serving_layout(self.mesh, cfg.serve.strategy, cfg.rules, one, self.slots)
         rep = NamedSharding(self.mesh, P())
-        params = jax.tree.map(lambda s: s.update(dtype=self._serve_dtype(s.dtype)), self.spec.shapes)
+        params = jax.tree.map(lambda s: s.update(dtype=self.serve_dtype(s.dtype)), self.spec.shapes)
         self.weight_shardings = {"params": param_shardings(self.spec, self.layout),
                                  "vars": var_shardings(self.spec, self.layout)}
         self.length = self._cache_length(one, params)
@@ -172,7 +167,7 @@ class Placement:
         cache_sh = jax.tree.map(lambda leaf: self.layout.sharding(leaf.axes, leaf.shape, "KV cache"),
                                 self.cache_spec, is_leaf=is_leaf)
         self.state_shardings = {"cache": cache_sh, **{k: rep for k in ("pos", "token", *ROW_KEYS, "counts")}}
-        self.weights, self.source = self._load(weights)
+        self.weights, self.source = _load(self, weights, cfg.checkpoint.dir, cfg.model.init_from, cfg.train.seed)
 
     # -- set-up ----------------------------------------------------------------------------------
     def _cache_length(self, one, params) -> int:
@@ -206,7 +201,7 @@ class Placement:
                 return m.decode(t, t, zeros(m.cache_spec(1, 1)))[0]
         return int(jax.eval_shape(one, jax.ShapeDtypeStruct((1, 1), jnp.int32)).shape[-1])
 
-    def _serve_dtype(self, dtype):
+    def serve_dtype(self, dtype):
         """Floating weights are served in the compute dtype (bf16 halves the bytes every step reads)."""
         return self.dtype if jnp.issubdtype(dtype, jnp.floating) else dtype
 
@@ -217,51 +212,29 @@ class Placement:
         return [f"warning: serve.strategy={self.cfg.serve.strategy} splits weights over {', '.join(sorted(split))}: "
                 "every decoded token all-gathers them; serve.strategy=serve_tp keeps them in place"]
 
-    def _load(self, weights):
-        """-> (weights in the serving layout and dtype, where they came from)."""
-        target = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                              {"params": self.spec.shapes, "vars": self.spec.var_shapes}, self.weight_shardings)
-        if isinstance(weights, str) and weights == ABSTRACT:
-            return target, "abstract: shapes and shardings only, nothing allocated"
-        source = "given"
-        if weights is None and self.cfg.checkpoint.dir:
-            from meshpar.io.checkpoint import restore_weights
-            found = restore_weights(self.cfg.checkpoint.dir, target, self.info)
-            if found is not None:
-                tree, step, _ = found
-                weights, source = {"params": tree["params"], "vars": tree.get("vars", {})}, f"checkpoint step {step}"
-            elif not self.cfg.model.init_from:
-                raise ConfigError(f"checkpoint.dir '{self.cfg.checkpoint.dir}' holds no checkpoint to serve; train "
-                                  "into it first, or leave checkpoint.dir unset to serve a fresh random init")
-        if weights is None and self.cfg.model.init_from:   # a Hugging Face model, read into the serving layout
-            from meshpar.io import hf
-            params = hf.load(self.cfg.model.init_from, self.abstract, self.weight_shardings["params"],
-                             self.weight_shapes["params"])
-            vars = jax.jit(lambda key: self._init_fn(key)["vars"], out_shardings=self.weight_shardings["vars"])(
-                jax.random.key(self.cfg.train.seed))
-            return {"params": params, "vars": vars}, self.cfg.model.init_from
-        if weights is None:                 # born in place, in the serving dtype: one compiled call
-            source = f"fresh init (train.seed={self.cfg.train.seed})"
-            init = jax.jit(lambda key: self._cast(self._init_fn(key)), out_shardings=self.weight_shardings)
-            return init(jax.random.key(self.cfg.train.seed)), source
-        if all(jnp.dtype(x.dtype) == jnp.dtype(self._serve_dtype(x.dtype)) for x in jax.tree.leaves(weights)):
-            return jax.device_put(weights, self.weight_shardings), source
-        return jax.jit(self._cast, out_shardings=self.weight_shardings)(weights), source
+    def cast(self, weights):
+        """Weights as served: floating ones in the compute dtype."""
+        return jax.tree.map(lambda x: x.astype(self.serve_dtype(x.dtype)), weights)
 
-    def _cast(self, weights):
-        return jax.tree.map(lambda x: x.astype(self._serve_dtype(x.dtype)), weights)
-
-    def _init_fn(self, key):
-        from flax import nnx
-        with building(self.policy):
-            model = self.factory(nnx.Rngs(key))
-        return {"params": nnx.to_pure_dict(nnx.state(model, nnx.Param)), "vars": self.spec.vars_of(model)}
-
-    def _model(self, weights):
-        model = self.spec.merge(weights["params"], weights["vars"])
+    def model(self, weights):
+        """The nnx.Module of served `weights` ({"params", "vars"}), in eval mode."""
+        model = self.placed.module(weights["params"], weights["vars"])
         if hasattr(model, "eval"):
             model.eval()                      # dropout off, running statistics used
         return model
+
+    def bucket(self, n: int) -> int:
+        """The prompt length compiled for n tokens: the first bucket >= n."""
+        return next(p for p in self.buckets if p >= n)
+
+    def can_extend(self, n: int, start: int) -> bool:
+        """Whether a prompt of n tokens can be prefilled from position `start` (its tail's bucket is
+        shorter than the cache: a bucket as long as the cache is a prefill from position 0)."""
+        return 0 < start < n and self.bucket(n - start) < self.length
+
+    def check_extend(self, n: int, start: int) -> None:
+        if not self.can_extend(n, start):
+            raise ConfigError(f"cannot extend a prompt of {n} tokens from position {start}")
 
     def bytes_per_device(self) -> dict:
         """Weight and KV-cache bytes one device holds (what a decode step reads)."""
@@ -270,3 +243,35 @@ class Placement:
         c = sum(bytes_per_device(leaf.shape, leaf.dtype, sh) for leaf, sh in zip(
             jax.tree.leaves(self.cache_spec, is_leaf=is_leaf), jax.tree.leaves(self.state_shardings["cache"])))
         return {"weights": int(w), "cache": int(c)}
+
+
+def _load(placement: "Placement", weights, checkpoint_dir: str | None, init_from: str | None, seed: int):
+    """A placement's weights in the serving layout and dtype, and where they came from: `weights`
+    given, else the newest checkpoint in `checkpoint_dir`, else `init_from`, else a fresh init from
+    `seed` (see `Placement`)."""
+    target = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                          {"params": placement.spec.shapes, "vars": placement.spec.var_shapes},
+                          placement.weight_shardings)
+    if isinstance(weights, str) and weights == ABSTRACT:
+        return target, "abstract: shapes and shardings only, nothing allocated"
+    source, shardings, cast = "given", placement.weight_shardings, placement.cast
+    if weights is None and checkpoint_dir:
+        from meshpar.io.checkpoint import restore_weights
+        found = restore_weights(checkpoint_dir, target, placement.info)
+        if found is not None:
+            tree, step, _ = found
+            weights, source = {"params": tree["params"], "vars": tree.get("vars", {})}, f"checkpoint step {step}"
+        elif not init_from:
+            raise ConfigError(f"checkpoint.dir '{checkpoint_dir}' holds no checkpoint to serve; train into it first, "
+                              "or leave checkpoint.dir unset to serve a fresh random init")
+    if weights is None and init_from:   # a Hugging Face model, read into the serving layout
+        params = placement.placed.pretrained(shardings["params"], placement.weight_shapes["params"])
+        vars = jax.jit(lambda key: placement.placed.init(key)["vars"], out_shardings=shardings["vars"])(
+            jax.random.key(seed))
+        return {"params": params, "vars": vars}, init_from
+    if weights is None:                 # born in place, in the serving dtype: one compiled call
+        init = jax.jit(lambda key: cast(placement.placed.init(key)), out_shardings=shardings)
+        return init(jax.random.key(seed)), f"fresh init (train.seed={seed})"
+    if all(jnp.dtype(x.dtype) == jnp.dtype(placement.serve_dtype(x.dtype)) for x in jax.tree.leaves(weights)):
+        return jax.device_put(weights, shardings), source
+    return jax.jit(cast, out_shardings=shardings)(weights), source

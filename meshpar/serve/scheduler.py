@@ -276,7 +276,7 @@ def _call(fn, *args) -> None:
 def run_all(engine, requests: list[Request], on_token: Callable[[int, int], None] | None = None) -> list[Completion]:
     """Every request decoded to its end (`cfg.serve`'s prefill batch and prefix cache);
     `on_token(request index, token)` streams. Sets `engine.decode_steps` and `engine.decode_s`."""
-    sched = Scheduler.for_config(engine, engine.cfg.serve)
+    sched = Scheduler.for_config(engine, engine.serve)
     tickets = [sched.submit(r, (lambda tok, i=i: on_token(i, tok)) if on_token else None)
                for i, r in enumerate(requests)]
     while sched.step():

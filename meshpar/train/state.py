@@ -19,15 +19,16 @@ from meshpar.core import precision as precision_lib
 from meshpar.core.batch import Leaf, check_batch_spec, is_leaf, lm_batch_spec
 from meshpar.core.config import BatchConfig, ModelConfig
 from meshpar.core.errors import ConfigError, ShardingError
-from meshpar.core.mesh import describe, make_mesh, mesh_shape
+from meshpar.core.mesh import describe, mesh_shape
 from meshpar.core.platform import of_mesh
-from meshpar.core.registry import default_model, loss_function
+from meshpar.core.registry import loss_function
 from meshpar.core.rules import Layout, check_rule_names, get_strategy, parse_user_rules
-from meshpar.core.sharding import (batch_shardings, building, context_unsplit, model_spec, opt_state_shardings,
+from meshpar.core.sharding import (batch_shardings, building, context_unsplit, opt_state_shardings,
                                    param_shardings, sharding_table, state_shardings, unruled_batch_axes, var_shardings)
 from meshpar.core.config.checks import check_length
 from meshpar.train.data import packs_documents
 from meshpar.train.loss import lm_loss
+from meshpar.runtime.placed import PlacedModel
 from meshpar.train.optimizer import make_optimizer
 
 
@@ -83,14 +84,13 @@ class TrainSetup:
 
     def __post_init__(self):
         cfg = self.cfg
-        self.mesh = make_mesh(cfg.mesh, self.devices)
+        self.placed = placed = PlacedModel.from_config(cfg, self.model, self.devices)
+        self.mesh, self.policy, self.factory, self.spec = placed.mesh, placed.policy, placed.factory, placed.spec
         if (cp := mesh_shape(self.mesh)["context"]) > 1:    # (validate said it if the mesh was cfg.devices')
             check_length(cfg.batch.length, cp)
             precision_lib.check_loss_chunks(cfg.train.loss_chunks, cfg.batch.length, cp)
         self.layout = Layout(self.mesh, get_strategy(cfg.strategy), parse_user_rules(cfg.rules))
-        self.policy = precision_lib.get_policy(cfg.precision)
         check_platform(cfg.model, of_mesh(self.mesh))
-        self.factory = self.model or default_model(cfg)
         if self.loss is None:
             self.loss = loss_function(cfg.train.loss, cfg.train.loss_chunks)
         elif cfg.train.loss_chunks > 1:       # a loss passed in: only the built-in one slices its logits
@@ -98,7 +98,6 @@ class TrainSetup:
                                             else f"this Trainer's loss is {getattr(self.loss, '__qualname__', self.loss)}")
             self.loss = loss_function("lm", cfg.train.loss_chunks)
         self.loss_name = getattr(self.loss, "__qualname__", repr(self.loss))
-        self.spec = model_spec(self.factory, self.policy, cfg.train.require_annotations)
         check_batch(cfg.batch, self.layout)
         self.batch_spec = (self.batch_spec if self.batch_spec is not None
                            else lm_batch_spec(cfg.batch.global_size, cfg.batch.length, packs_documents(cfg.data)))
@@ -150,12 +149,9 @@ class TrainSetup:
 
     # -- init ------------------------------------------------------------------------------------
     def _init_fn(self, key):
-        from flax import nnx
-        with building(self.policy):
-            model = self.factory(nnx.Rngs(key))
-        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-        return {"step": jnp.zeros((), jnp.int32), "params": params, "vars": self.spec.vars_of(model),
-                "opt": self.tx.init(params), "numerics": precision_lib.LOSS_SCALE.init(self.policy)}
+        born = self.placed.init(key)
+        return {"step": jnp.zeros((), jnp.int32), **born, "opt": self.tx.init(born["params"]),
+                "numerics": precision_lib.LOSS_SCALE.init(self.policy)}
 
     def init(self, seed: int | None = None):
         """Sharded init: the jitted constructor writes each variable straight into its shard. With
@@ -168,12 +164,7 @@ class TrainSetup:
 
     def load_pretrained(self, shardings=None, shapes=None, info=None):
         """`model.init_from`'s parameters, in `shardings` (default: this run's) and `shapes`' dtypes."""
-        from flax import nnx
-        from meshpar.io import hf
-        with building(self.policy):
-            abstract = nnx.eval_shape(lambda: self.factory(nnx.Rngs(0)))
-        return hf.load(self.cfg.model.init_from, abstract, shardings or self.param_shardings,
-                       shapes or self.spec.shapes, info)
+        return self.placed.pretrained(shardings or self.param_shardings, shapes or self.spec.shapes, info)
 
     def _init_from(self, params, key):
         """The train state around given parameters: fresh optimizer state and variables, step 0."""
@@ -211,8 +202,6 @@ def _check_pipeline(setup: TrainSetup) -> None:
     """A pipeline cuts the loss into stages (meshpar.nn.stages): the built-in LM loss of a model
     with embed/layers/head, or `stage_loss` of one with pre/layers/post/loss. Errors name the stack
     as its user wrote it: `model.layers=4`, `model.size=tiny`, or a user model's `MyModel.layers`."""
-    from flax import nnx
-
     from meshpar.parallel import pipeline
     from meshpar.nn.stages import check_protocol, check_state, stage_loss
     if not setup.is_lm and setup.loss is not stage_loss:
@@ -220,8 +209,8 @@ def _check_pipeline(setup: TrainSetup) -> None:
                           f"embed/layers/head) or train.loss=stages (a model with pre/layers/post/loss, see "
                           f"meshpar.nn.stages); {setup.loss_name} is neither. Set mesh.pipeline=1, or give the model "
                           "those parts and train it with train.loss=stages")
+    abstract = setup.placed.abstract
     with building(setup.policy):
-        abstract = nnx.eval_shape(lambda: setup.factory(nnx.Rngs(0)))
         check_protocol(abstract, lm=setup.is_lm)
     check_state(setup.spec)
     cfg, m = setup.cfg, setup.cfg.model

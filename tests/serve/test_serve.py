@@ -12,7 +12,7 @@ from meshpar.core.errors import ConfigError
 from meshpar.core.precision import POLICIES, use_policy
 from meshpar.serve.sampling import Sampling, sample
 from meshpar.serve.batching import Request
-from meshpar.serve.engine import Engine
+from meshpar.serve.engine import Engine, sampling_rows
 from meshpar.serve.placement import buckets
 from meshpar.core.batch import is_leaf
 
@@ -335,8 +335,8 @@ def test_pipelined_decoding_cuts_the_layers_over_stages_and_changes_no_token():
         assert [c.tokens for c in piped.run(reqs)] == want, kw
         if "data" in mesh:       # slots split over data: a group (a microbatch) of them is strided, no cache gathered
             shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), piped.weights)
-            prefill = piped._prefill.lower(shapes, np.zeros((4, 16), np.int32), np.full((4,), 3, np.int32),
-                                           piped._samplings([Sampling()] * 4, 4)).compile()
+            prefill = piped.programs.prefill.lower(shapes, np.zeros((4, 16), np.int32), np.full((4,), 3, np.int32),
+                                           sampling_rows([Sampling()] * 4, 4, piped.vocab)).compile()
             for compiled in (piped.compiled_generate(), prefill):
                 gathers = [op["bytes"] for op in collectives(compiled.as_text()) if op["kind"] == "all-gather"]
                 assert max(gathers, default=0) < piped.bytes_per_device()["cache"] / 4, gathers
