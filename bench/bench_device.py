@@ -110,7 +110,8 @@ def run_case(name: str, args) -> dict:
     from meshpar.plan.hardware import PRESETS
     from meshpar.plan.program import kernels
     from meshpar.plan.search import estimate
-    from meshpar.train.data import Batches, make_source
+    from meshpar.train.data import make_source
+    from meshpar.train.batches import Batches
     from meshpar.train.flops import model_flops_per_step
     from meshpar.train.step import trainer_for
 

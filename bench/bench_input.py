@@ -5,7 +5,7 @@ source, side by side in one process.
 
 Variants (same compiled step, same state shapes, default tiny config unless overridden):
   constant   one device batch reused every step: no host data work at all (the floor)
-  prefetch   meshpar.train.data.Prefetch(Batches(real source)): what `meshpar train` does now
+  prefetch   meshpar.train.batches.Prefetch(Batches(real source)): what `meshpar train` does now
   inline     Batches(real source) built between steps (what the loop did before issue 13)
 Each round runs `--steps` steps of every variant, dispatched back to back as the loop does (no
 host sync between steps), then waits for the last; step time = round wall time / steps. The
@@ -26,7 +26,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from meshpar.core.config import load_config  # noqa: E402
-from meshpar.train.data import Batches, Prefetch, make_source  # noqa: E402
+from meshpar.train.data import make_source  # noqa: E402
+from meshpar.train.batches import Batches, Prefetch
 from meshpar.train.step import Trainer  # noqa: E402
 
 

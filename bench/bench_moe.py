@@ -19,7 +19,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from meshpar.core.config import CONFIG_DIR, load_config  # noqa: E402
-from meshpar.train.data import Batches, make_source  # noqa: E402
+from meshpar.train.data import make_source  # noqa: E402
+from meshpar.train.batches import Batches
 from meshpar.plan.inspect import collectives, summarize  # noqa: E402
 from meshpar.train.step import Trainer  # noqa: E402
 

@@ -20,7 +20,8 @@ import jax
 import numpy as np
 
 from meshpar.core.config import load_config
-from meshpar.train.data import Batches, MarkovLanguage
+from meshpar.train.data import MarkovLanguage
+from meshpar.train.batches import Batches
 from meshpar.train.step import Trainer
 
 BASE = ["precision=fp32", "model.name=moe", "moe.every=1", "model.layers=2", "batch.length=64", "batch.global_size=8",

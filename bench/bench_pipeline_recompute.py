@@ -27,7 +27,8 @@ def run(schedule: str, remat: str, p: int, m: int, micro: int, steps: int, warmu
     import jax
 
     from meshpar.core.config import load_config
-    from meshpar.train.data import Batches, make_source
+    from meshpar.train.data import make_source
+    from meshpar.train.batches import Batches
     from meshpar.plan.inspect import memory
     from meshpar.train.step import Trainer
     cfg = load_config(None, MODEL + [f"mesh.pipeline={p}", "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1",

@@ -32,7 +32,8 @@ def main() -> None:
     fake_cpu_devices(8)
     import jax
     from meshpar.core.config import load_config
-    from meshpar.train.data import Batches, make_source
+    from meshpar.train.data import make_source
+    from meshpar.train.batches import Batches
     from meshpar.train.step import Trainer
 
     rows = []

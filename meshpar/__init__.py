@@ -39,9 +39,9 @@ _API = {
     "Config": "meshpar.core.config", "load_config": "meshpar.core.config", "from_dict": "meshpar.core.config",
     "make_mesh": "meshpar.core.mesh", "fake_cpu_devices": "meshpar.core.mesh",
     # logical axes and strategies
-    "PRESETS": "meshpar.core.rules", "LOGICAL_AXES": "meshpar.core.rules", "Layout": "meshpar.core.rules",
-    "get_strategy": "meshpar.core.rules", "parse_user_rules": "meshpar.core.rules", "constrain": "meshpar.core.rules",
-    "use_layout": "meshpar.core.rules",
+    "PRESETS": "meshpar.core.rules", "LOGICAL_AXES": "meshpar.core.rules", "Layout": "meshpar.core.layout",
+    "get_strategy": "meshpar.core.rules", "parse_user_rules": "meshpar.core.rules", "constrain": "meshpar.core.layout",
+    "use_layout": "meshpar.core.layout",
     # model-building helpers
     "attention": "meshpar.parallel.context",
     "param": "meshpar.nn.layers", "stacked": "meshpar.nn.layers", "scan_layers": "meshpar.nn.layers", "after": "meshpar.nn.layers",

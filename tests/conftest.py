@@ -92,7 +92,7 @@ def tiered(cases, fast, ids=None) -> list:
 def train_steps(trainer, source, cfg, steps: int):
     """`steps` optimizer steps of `trainer` from its init on `source`'s batches (as the loop builds
     them); the final state and each step's loss."""
-    from meshpar.train.data import Batches
+    from meshpar.train.batches import Batches
     data = Batches(source, trainer.batch_sharding, cfg.batch.global_size, cfg.batch.length, cfg.data.seed,
                    batch_spec=trainer.batch_spec)
     state, losses = trainer.init(), []

@@ -3,14 +3,14 @@ tracing it, declared here once, and the one probe of the enclosing `shard_map`'s
 
 Each variable is set with a `with` block by the module named first and read by the ones after it:
 
-    LAYOUT    the active `Layout` (mesh + rules)   set: core.rules.use_layout (Trainer, Engine, pipeline);
-              read: core.rules (constrain, at_use), nn layers through them
+    LAYOUT    the active `Layout` (mesh + rules)   set: core.layout.use_layout (Trainer, Engine, pipeline);
+              read: core.layout (constrain, at_use), nn layers through them
     POLICY    the precision `Policy`                set: core.precision.use_policy; read: core.precision
               (param_dtype, compute_dtype), nn layers
     BALANCED  sequences stored in the balanced      set: core.sequence.balanced (train.loss, pipeline);
               (zig-zag) order over `context`        read: core.sequence, parallel.context, nn.moe
-    BRANCHES  MoE layers run inside per-device      set: nn.moe.in_device_branches (the 1F1B pipeline);
-              branches (route replicated)           read: nn.moe
+    BRANCHES  MoE layers run inside per-device      set: nn.dropless.in_device_branches (1F1B);
+              branches (route replicated)           read: nn.dropless
     ROUTING_KEY  random routing's key of the step   set: nn.moe.routing_key (Trainer); read: nn.moe
     DRAWS     dropout's (seed, step, microbatch,    set: nn.dropout (Trainer, pipeline ticks);
               layer) key parts                      read: nn.dropout

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshpar.core import scopes
-from meshpar.core.rules import active_layout
+from meshpar.core.layout import active_layout
 
 AXIS = "context"
 

@@ -26,7 +26,8 @@ import numpy as np
 from flax import nnx
 
 from meshpar.core.errors import ConfigError, ShardingError
-from meshpar.core.rules import LOGICAL_AXES, Layout, spec_axes, uncovered
+from meshpar.core.rules import LOGICAL_AXES, spec_axes, uncovered
+from meshpar.core.layout import Layout
 
 
 def _is_var(x) -> bool:

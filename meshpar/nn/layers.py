@@ -22,7 +22,7 @@ from meshpar.core.config.schema import REMAT
 from meshpar.core.errors import ConfigError
 from meshpar.core.platform import platform
 from meshpar.core.precision import param_dtype
-from meshpar.core.rules import at_use, constrain
+from meshpar.core.layout import at_use, constrain
 from meshpar.core.sharding import logical_axes
 from meshpar.nn import dropout
 
@@ -130,7 +130,7 @@ def scan_layers(layers_mod, x, positions, remat: str = "full", scan: bool = True
     def pin(v):
         """One layer's weight slice, pinned to its at-rest layout (its logical axes minus `layers`).
         Under FSDP the weight stays sharded until use (an all-gather per layer; explicit where the
-        layout says so, `meshpar.core.rules.at_use`) and, by transposition, its gradient is
+        layout says so, `meshpar.core.layout.at_use`) and, by transposition, its gradient is
         reduce-scattered per layer inside the backward loop instead of all-reduced whole and sliced
         after the loop."""
         names = logical_axes(v)

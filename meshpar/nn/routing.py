@@ -22,6 +22,17 @@ from flax import nnx
 
 from meshpar.core.errors import ConfigError
 
+# the MoE tensors' logical axes (letters as above; M embed, H expert_mlp), named once for
+# `meshpar.nn.moe` (capacity mode) and `meshpar.nn.dropless`
+TOKENS = ("group", None, "embed")                         # GSM
+ROUTING = ("group", None, None)                           # GSE, GSK
+MASKS = ("group", None, None, None)                       # GSEC
+EXPERT_IN = ("expert", "group", "capacity", "embed")      # EGCM, experts split (compute layout)
+GROUPED = (None, "group", "capacity", "embed")            # EGCM, groups split (token layout)
+EXPERT_HIDDEN = ("expert", "group", "capacity", "expert_mlp")  # EGCH
+W_IN = ("expert", "embed", "expert_mlp")                  # EMH
+W_OUT = ("expert", "expert_mlp", "embed")                 # EHM
+
 
 def capacity(group_size: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
     """Slots per expert per group: C = ceil(K * S * capacity_factor / E) (GShard §2.2)."""

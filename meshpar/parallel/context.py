@@ -48,7 +48,8 @@ from meshpar.core.config.checks import check_context_attention, check_length
 from meshpar.core.config.schema import CONTEXT_STRATEGIES
 from meshpar.core.errors import ConfigError, suggest
 from meshpar.core.precision import gather_dtype
-from meshpar.core.rules import active_layout, spec_axes
+from meshpar.core.rules import spec_axes
+from meshpar.core.layout import active_layout
 from meshpar.core.sequence import AXIS, balanced, context_size, is_balanced, manual, order  # noqa: F401 (this module's API)
 from meshpar.nn import attention as attn_lib
 from meshpar.nn import flash as flash_lib

@@ -8,6 +8,7 @@ Shapes: P stages, M microbatches, b sequences per microbatch, Lc layers per stag
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -54,6 +55,73 @@ class Inbox(NamedTuple):
     res: list
 
 
+@dataclass
+class _StageOps:
+    """What a tick's branch runs on this stage: the forward (F), the backward (B) from the stash, and
+    the last stage's fused forward + post + loss + backward; over the step's loop invariants."""
+    model: StageModel
+    outer: Any
+    outer_e: Any            # the outer parameters as pre reads them (`StageModel.for_embed`)
+    layers: Any             # this stage's [Lc, ...]
+    mbs: Any                # the batch pytree [M, b, ...]
+    seed: Any               # the loss's cotangent
+    inv_m: float
+    zero_x: Any
+    residuals: Any = None   # `Residuals`, set once its structure is traced
+
+    def stage_only(self, lp, x, mb):
+        y, a_loss, met = self.model.stage(self.outer, lp, x, mb)
+        return (y, a_loss), met
+
+    def fwd(self, first: bool, c: Carry, ins: Inbox, mi) -> Carry:
+        """A stage before the last: microbatch mi's forward; its residuals (and the state `pre`
+        read) replace the slot `c.res`."""
+        before = c.vars
+        if first:
+            x, after = self.model.pre(self.outer_e, self.layers, before, microbatch(self.mbs, mi))
+            c = c._replace(vars=after)
+        else:
+            x = ins.x
+        (y, a_loss), pull, met = jax.vjp(partial(self.stage_only, mb=microbatch(self.mbs, mi)), self.layers, x,
+                                         has_aux=True)
+        return c._replace(send_f=vary(y), res=self.residuals.split(pull, self.layers) + jax.tree.leaves(before),
+                          aux_loss=c.aux_loss + a_loss, metrics=jax.tree.map(jnp.add, c.metrics, met))
+
+    def bwd(self, first: bool, c: Carry, ins: Inbox) -> Carry:
+        """A stage before the last: the backward of the microbatch whose residuals are `ins.res`."""
+        n_res = len(self.residuals.shapes)
+        d_lp, dx = carried(self.residuals.join(ins.res[:n_res], self.layers)((pulled(ins.dy), self.seed * self.inv_m)),
+                           (self.layers, self.zero_x))
+        # stage 0's dx is the embedding's cotangent: its backward runs after the switch (see the tick)
+        c = c._replace(dx0=dx) if first else c._replace(send_b=vary(dx))
+        return c._replace(d_layers=jax.tree.map(jnp.add, c.d_layers, d_lp))
+
+    def last(self, c: Carry, ins: Inbox, mi) -> Carry:
+        """The last stage: microbatch mi's forward, post, loss and backward in one go. Post reads the
+        outer parameters gathered over the batch axes, as pre does (the LM head explicitly, here), and
+        the protocol's post's weight gradient is taken after the switch (see the tick): XLA resharded
+        them in this branch with a collective-permute over all devices, which the other stages never
+        join (a hang, JAX 0.10 on CPU)."""
+        model, mb = self.model, microbatch(self.mbs, mi)
+        o = self.outer if model.lm else self.outer_e
+
+        def f(lp, o_, x_):
+            y_, a_, met_ = model.stage(o_, lp, x_, mb)
+            ce_, lm_, vars_ = model.post_loss(model.for_embed(o_), lp, c.vars, y_, mb)
+            return (ce_ + a_) * self.inv_m, (ce_, a_, met_, lm_, vars_, y_)
+        if model.lm:
+            _, vjp, (ce, a_loss, met, lm, vars_, y) = jax.vjp(f, self.layers, o, ins.x, has_aux=True)
+            d_lp, d_o, send_b = vjp(self.seed)
+            c = c._replace(d_outer=jax.tree.map(jnp.add, c.d_outer, d_o))
+        else:
+            _, vjp, (ce, a_loss, met, lm, vars_, y) = jax.vjp(lambda lp, x_: f(lp, o, x_), self.layers, ins.x,
+                                                              has_aux=True)
+            d_lp, send_b = vjp(self.seed)
+        return c._replace(send_b=vary(carried(send_b, self.zero_x)), y_last=vary(y), vars=vars_,
+                          d_layers=jax.tree.map(jnp.add, c.d_layers, d_lp), ce=c.ce + ce, aux_loss=c.aux_loss + a_loss,
+                          metrics=jax.tree.map(jnp.add, c.metrics, met), lmet=jax.tree.map(jnp.add, c.lmet, lm))
+
+
 def grads(model: StageModel, p: int, m: int, outer, layers, vars, mbs, seed):
     """Body of the pipeline's shard_map under 1F1B: layers [Lc, ...] (this stage), vars the model's
     non-Param state, mbs the batch pytree [M, b, ...], seed the loss's cotangent (1, or the fp16 loss
@@ -83,73 +151,26 @@ def grads(model: StageModel, p: int, m: int, outer, layers, vars, mbs, seed):
     bwd_perm = [(i + 1, i) for i in range(p - 1)]
     var_leaves, var_tree = jax.tree.flatten(vars)
 
-    def stage_only(lp, x, mb):
-        y, a_loss, met = model.stage(outer, lp, x, mb)
-        return (y, a_loss), met
-
+    ops = _StageOps(model, outer, outer_e, layers, mbs, seed, inv_m, zero_x)
     # the microbatch's rows are residuals too; typed as in the loop (picked by a stage-dependent index),
     # and so are the dropout keys' microbatch and first layer (meshpar.nn.dropout)
     with dropout.at(f_micro[0, s], s, layers):
-        residuals = Residuals(partial(stage_only, mb=vary_tree(mb0)), layers, x_spec)
-    n_res = len(residuals.shapes)
-
-    def fwd(first: bool, c: Carry, ins: Inbox, mi) -> Carry:
-        """A stage before the last: microbatch mi's forward; its residuals (and the state `pre`
-        read) replace the slot `c.res`."""
-        before = c.vars
-        if first:
-            x, after = model.pre(outer_e, layers, before, microbatch(mbs, mi))
-            c = c._replace(vars=after)
-        else:
-            x = ins.x
-        (y, a_loss), pull, met = jax.vjp(partial(stage_only, mb=microbatch(mbs, mi)), layers, x, has_aux=True)
-        return c._replace(send_f=vary(y), res=residuals.split(pull, layers) + jax.tree.leaves(before),
-                          aux_loss=c.aux_loss + a_loss, metrics=jax.tree.map(jnp.add, c.metrics, met))
-
-    def bwd(first: bool, c: Carry, ins: Inbox) -> Carry:
-        """A stage before the last: the backward of the microbatch whose residuals are `ins.res`."""
-        d_lp, dx = carried(residuals.join(ins.res[:n_res], layers)((pulled(ins.dy), seed_m)), (layers, zero_x))
-        # stage 0's dx is the embedding's cotangent: its backward runs after the switch (see tick)
-        c = c._replace(dx0=dx) if first else c._replace(send_b=vary(dx))
-        return c._replace(d_layers=jax.tree.map(jnp.add, c.d_layers, d_lp))
-
-    def last(c: Carry, ins: Inbox, mi) -> Carry:
-        """The last stage: microbatch mi's forward, post, loss and backward in one go. Post reads the
-        outer parameters gathered over the batch axes, as pre does (the LM head explicitly, here), and
-        the protocol's post's weight gradient is taken after the switch (see tick): XLA resharded them
-        in this branch with a collective-permute over all devices, which the other stages never join
-        (a hang, JAX 0.10 on CPU)."""
-        mb = microbatch(mbs, mi)
-        o = outer if model.lm else outer_e
-
-        def f(lp, o_, x_):
-            y_, a_, met_ = model.stage(o_, lp, x_, mb)
-            ce_, lm_, vars_ = model.post_loss(model.for_embed(o_), lp, c.vars, y_, mb)
-            return (ce_ + a_) * inv_m, (ce_, a_, met_, lm_, vars_, y_)
-        if model.lm:
-            _, vjp, (ce, a_loss, met, lm, vars_, y) = jax.vjp(f, layers, o, ins.x, has_aux=True)
-            d_lp, d_o, send_b = vjp(seed)
-            c = c._replace(d_outer=jax.tree.map(jnp.add, c.d_outer, d_o))
-        else:
-            _, vjp, (ce, a_loss, met, lm, vars_, y) = jax.vjp(lambda lp, x_: f(lp, o, x_), layers, ins.x, has_aux=True)
-            d_lp, send_b = vjp(seed)
-        return c._replace(send_b=vary(carried(send_b, zero_x)), y_last=vary(y), vars=vars_,
-                          d_layers=jax.tree.map(jnp.add, c.d_layers, d_lp), ce=c.ce + ce, aux_loss=c.aux_loss + a_loss,
-                          metrics=jax.tree.map(jnp.add, c.metrics, met), lmet=jax.tree.map(jnp.add, c.lmet, lm))
+        ops.residuals = Residuals(partial(ops.stage_only, mb=vary_tree(mb0)), layers, x_spec)
+    n_res = len(ops.residuals.shapes)
 
     def branch_fn(i: int):
         """Branch i of `ONE_F_ONE_B_BRANCHES`: a position's ops, scoped by tick share (`inspect`) and name."""
-        position, ops = ONE_F_ONE_B_BRANCHES[i]
+        position, what = ONE_F_ONE_B_BRANCHES[i]
 
         def run(c: Carry, ins: Inbox, mf, mb) -> Carry:
-            what = f"{position}_{ops or 'idle'}"
-            with jax.named_scope(f"{BRANCH_SHARE}{shares[i]:.6g}"), jax.named_scope(what), dropout.at(mf, s, layers):
+            with jax.named_scope(f"{BRANCH_SHARE}{shares[i]:.6g}"), jax.named_scope(f"{position}_{what or 'idle'}"), \
+                    dropout.at(mf, s, layers):
                 c = c._replace(send_f=vary(zero_x), send_b=vary(zero_x))
-                if position == POSITIONS[-1] and ops:
-                    c = last(c, ins, mf)
+                if position == POSITIONS[-1] and what:
+                    c = ops.last(c, ins, mf)
                 else:
-                    c = fwd(position == POSITIONS[0], c, ins, mf) if "F" in ops else c
-                    c = bwd(position == POSITIONS[0], c, ins) if "B" in ops else c
+                    c = ops.fwd(position == POSITIONS[0], c, ins, mf) if "F" in what else c
+                    c = ops.bwd(position == POSITIONS[0], c, ins) if "B" in what else c
                 return vary_tree(c)
         return run
 
@@ -185,7 +206,7 @@ def grads(model: StageModel, p: int, m: int, outer, layers, vars, mbs, seed):
 
     f32 = jax.ShapeDtypeStruct((), jnp.float32)
     carry = Carry(*zeros_like_varying((
-        [jax.ShapeDtypeStruct((k_res + 1,) + r.shape, r.dtype) for r in [*residuals.shapes, *var_leaves]],
+        [jax.ShapeDtypeStruct((k_res + 1,) + r.shape, r.dtype) for r in [*ops.residuals.shapes, *var_leaves]],
         x_spec, x_spec, x_spec, x_spec, layers, outer, outer, f32, f32, met_spec, lmet_spec)), vary_tree(vars))
     carry = carry._replace(d_embed=model.for_embed(carry.d_embed))
     c, _ = lax.scan(tick, carry, jnp.arange(n))

@@ -48,14 +48,15 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from meshpar.core.errors import ConfigError, ShardingError
-from meshpar.core.rules import BATCH_AXES, spec_axes, without
-from meshpar.nn import dropout, moe
+from meshpar.core.rules import BATCH_AXES, spec_axes
+from meshpar.core.layout import without
+from meshpar.nn import dropless, dropout
 from meshpar.nn.stages import lm_rows
 from meshpar.parallel import context, gpipe, one_f_one_b
 from meshpar.parallel.stage_model import AXIS, StageModel, split_params
 
 # the axes FSDP splits weights over; 1F1B's stages gather a layer's weights over them at use, before
-# the layer, explicitly (`meshpar.core.rules.at_use`): the reshards XLA chose inside a stage's branch
+# the layer, explicitly (`meshpar.core.layout.at_use`): the reshards XLA chose inside a stage's branch
 # joined the other stages' devices (a deadlock). Expert weights stay split over `expert`.
 FSDP_AXES = ("data", "fsdp")
 
@@ -116,7 +117,7 @@ def value_and_grad(spec, params: dict, batch, pc, layout, policy, loss_scale=Non
     model's non-Param state after the step. params, vars: pure dicts; batch: the batch pytree [B, ...]
     (`batch_spec` its leaves' logical axes); `pc`: the run's `cfg.pipeline`; `loss_chunks`: the LM head's token slices (`train.loss_chunks`). With `loss_scale` S (fp16) the grads are those of
     loss * S (the caller unscales); loss and aux are never scaled."""
-    from meshpar.core.rules import use_layout
+    from meshpar.core.layout import use_layout
     from meshpar.core.sharding import split_microbatches
 
     p = layout.shape[AXIS]
@@ -137,7 +138,7 @@ def value_and_grad(spec, params: dict, batch, pc, layout, policy, loss_scale=Non
         def run(*args):
             inner = layout.hiding(data + seq).gathering(FSDP_AXES if pc.schedule == "1f1b" else ())
             with use_layout(inner), context.balanced(bool(seq)), \
-                    moe.in_device_branches(pc.schedule == "1f1b"):
+                    dropless.in_device_branches(pc.schedule == "1f1b"):
                 return f(*args)
         return run
 

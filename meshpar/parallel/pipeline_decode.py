@@ -90,7 +90,7 @@ def decode(spec, layout, policy, weights, tokens, positions, cache, cache_spec, 
     (module docstring; a prefill, or with `Engine(flush=True)` a decode step).
     `weights` {"params", "vars"} (pure dicts, the layers' leaves [L, ...] split over `pipeline`);
     `cache` a tree of [L, B, ...] whose `cache_spec` leaves name the batch axis `cache_batch`."""
-    from meshpar.core.rules import for_rows, use_layout
+    from meshpar.core.layout import for_rows, use_layout
     from meshpar.core import precision as precision_lib
     p = layout.shape[AXIS]
     b = tokens.shape[0]
@@ -159,7 +159,7 @@ def tick(spec, layout, policy, weights, cache, cache_spec, flight, t, tokens, po
     (logits [R, V] of the group leaving the last stage, (t + 1) mod P; cache; flight).
     R = B / P rows per group; group g = slots g, g + P, ..."""
     from meshpar.core import precision as precision_lib
-    from meshpar.core.rules import for_rows, use_layout
+    from meshpar.core.layout import for_rows, use_layout
     p, b = layout.shape[AXIS], tokens.shape[0]
     r = b // p
     batch_dims = jax.tree.map(lambda leaf: leaf.axes.index("cache_batch"), cache_spec, is_leaf=is_leaf)

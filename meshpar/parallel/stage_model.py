@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from meshpar.core.errors import ConfigError
-from meshpar.core.rules import active_layout, constrain, use_layout
+from meshpar.core.layout import active_layout, constrain, use_layout
 from meshpar.core.scopes import manual_axes
 from meshpar.nn.layers import check_keeps
 from meshpar.nn.stages import SEQUENCE_AXES, apply_layers, check_activation, check_loss

@@ -15,7 +15,7 @@ Where the three numbers come from, first match wins:
 
 On CPU every process fakes `devices / num_processes` devices and collectives go over gloo (TCP), so
 `launch/local.sh 2` is a real two-process run on one machine. Each process builds only the rows of
-the batch its devices hold (meshpar.train.data.Batches) and only process 0 writes logs and metrics.
+the batch its devices hold (meshpar.train.batches.Batches) and only process 0 writes logs and metrics.
 
 Failure of a peer: every process bumps a counter in the coordination service's key-value store once
 a second; a watchdog thread in process 0 checks them all. A peer silent for `MESHPAR_PEER_TIMEOUT`

@@ -7,7 +7,7 @@ A real multi-process run without a cluster. Every process is `sys.executable -m 
 ...`, the interpreter that runs the launcher (never a `python` found on PATH, which on a fresh machine
 may not have jax). Process 0 hosts the coordination service on a free port (MESHPAR_PORT to choose
 one); `--devices D` (or the config's `devices`) counts all processes together, so with N=2 and 8
-devices each process fakes 4 (see cli._setup_devices).
+devices each process fakes 4 (see meshpar.cli._setup_devices).
 
 Contract, the same as `launch/local.sh` (now a thin wrapper around this module):
 - SIGTERM/SIGINT to the launcher go to every process (a preemption: they agree on a step, save a

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from meshpar.core import precision as precision_lib
-from meshpar.core.rules import for_rows, use_layout
+from meshpar.core.layout import for_rows, use_layout
 from meshpar.parallel import pipeline_decode
 from meshpar.serve.sampling import ROW_KEYS, adjust, position_key, sample
 

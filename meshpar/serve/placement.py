@@ -33,7 +33,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from meshpar.core import precision as precision_lib
 from meshpar.core.batch import is_leaf
 from meshpar.core.errors import ConfigError
-from meshpar.core.rules import BATCH_AXES, Layout, for_rows, get_strategy, parse_user_rules, spec_axes, table
+from meshpar.core.rules import BATCH_AXES, get_strategy, parse_user_rules, spec_axes, table
+from meshpar.core.layout import Layout, for_rows
 from meshpar.core.sharding import building, param_shardings, path_name, var_shardings
 from meshpar.runtime.placed import PlacedModel
 from meshpar.serve.sampling import ROW_KEYS

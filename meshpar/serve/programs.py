@@ -23,7 +23,7 @@ from meshpar.core import precision as precision_lib
 from meshpar.core.batch import is_leaf
 from meshpar.core.errors import ConfigError
 from meshpar.core.platform import compiling_for, of_mesh
-from meshpar.core.rules import active_layout, for_rows, use_layout
+from meshpar.core.layout import active_layout, for_rows, use_layout
 from meshpar.core.sharding import bytes_per_device
 from meshpar.parallel import pipeline_decode
 from meshpar.serve import in_flight

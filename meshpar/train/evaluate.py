@@ -25,8 +25,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from meshpar.core import precision as precision_lib
 from meshpar.core.config import BatchConfig, EvalConfig
-from meshpar.train.data import EVAL_STEP, Batches
-from meshpar.core.rules import use_layout
+from meshpar.train.data import EVAL_STEP
+from meshpar.train.batches import Batches
+from meshpar.core.layout import use_layout
 
 
 class Evaluator:

@@ -7,7 +7,7 @@ The step itself (grads, microbatches, the optimizer update) is `meshpar.train.st
 batches, logs what it returns and saves what it produces.
 
 The host never waits for the devices except where it must: batches are built `PREFETCH` steps
-ahead on a background thread (`meshpar.train.data.Prefetch`), and the loop reads device values (`_read`,
+ahead on a background thread (`meshpar.train.batches.Prefetch`), and the loop reads device values (`_read`,
 the one place it does) only at logging steps (`train.log_every`, the first and the last step), at
 evaluations, before a checkpoint is written and at the end. In between, steps are dispatched back
 to back. The non-finite flag of every step is kept on the device until then and checked in order,
@@ -77,7 +77,7 @@ def run(cfg, metrics_out: str | None = None, console=None, trainer: Trainer | No
     skips it); with `train.on_nan=stop` the loop raises naming the step before any later save.
     """
     from meshpar.io.checkpoint import Checkpointer
-    from meshpar.train.data import Batches, Prefetch
+    from meshpar.train.batches import Batches, Prefetch
     from meshpar.runtime.distributed import PreemptionGuard, progress, scheduler_job
     from meshpar.train.metrics import MetricsLogger
     from meshpar.train.profile import ProfileWindow

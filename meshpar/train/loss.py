@@ -53,13 +53,13 @@ def lm_loss(model, batch, chunks: int = 1) -> tuple[jax.Array, dict]:
 
 
 def _pinned_head(model, dtype, out_dtype):
-    """`model.head` for one token slice, its parameters read through `meshpar.core.rules.at_use`: a scan
+    """`model.head` for one token slice, its parameters read through `meshpar.core.layout.at_use`: a scan
     accumulates the gradient of a weight it closes over in its carry, and left unpinned XLA held that
     sum whole on every device (Llama 3's [E, V] head, 1 GiB, all-reduced per slice); pinned, each slice's
     gradient is reduce-scattered into a sum split as the weight is."""
     from flax import nnx
 
-    from meshpar.core.rules import at_use
+    from meshpar.core.layout import at_use
     from meshpar.core.sharding import logical_axes
 
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)

@@ -22,7 +22,8 @@ from meshpar.core.errors import ConfigError, ShardingError
 from meshpar.core.mesh import describe, mesh_shape
 from meshpar.core.platform import of_mesh
 from meshpar.core.registry import loss_function
-from meshpar.core.rules import Layout, check_rule_names, get_strategy, parse_user_rules
+from meshpar.core.rules import check_rule_names, get_strategy, parse_user_rules
+from meshpar.core.layout import Layout
 from meshpar.core.sharding import (batch_shardings, building, context_unsplit, opt_state_shardings,
                                    param_shardings, sharding_table, state_shardings, unruled_batch_axes, var_shardings)
 from meshpar.core.config.checks import check_length

@@ -42,7 +42,7 @@ from meshpar.core import precision as precision_lib
 from meshpar.core.batch import is_leaf
 from meshpar.core.platform import compiling_for, of_mesh
 from meshpar.core.registry import import_object
-from meshpar.core.rules import use_layout
+from meshpar.core.layout import use_layout
 from meshpar.core.sharding import split_microbatches
 from meshpar.nn import dropout
 from meshpar.train.loss import check_loss

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from tests.conftest import devices, make_cfg
-from meshpar.train.data import Batches, make_source
+from meshpar.train.data import make_source
+from meshpar.train.batches import Batches
 from meshpar.core.errors import MeshparError
 from meshpar.train.loop import run
 from meshpar.train.optimizer import lr_schedule

@@ -114,7 +114,7 @@ def test_the_train_state_is_split_over_context_as_over_the_data_axes(name):
     """`Strategy.rest`: ZeRO's state over data x fsdp x context and its master weights over context, FSDP's
     parameters over its axes x context; dp and tp replicate over context as over data. Activations (and
     weights at use) keep the data axes only: their `length` takes `context`."""
-    from meshpar.core.rules import Layout
+    from meshpar.core.layout import Layout
 
     class Mesh:
         axis_names, devices = tuple(CONTEXT_MESH), type("D", (), {"shape": tuple(CONTEXT_MESH.values())})
@@ -133,7 +133,7 @@ def test_a_state_dimension_context_does_not_divide_keeps_the_data_axes_split(nam
     """On data=2 x fsdp=2 x context=2 an `embed` the data axes divide and data x context does not (4;
     hsdp: 2 over fsdp x context) keeps the state split as before `context` joined: never an error a run
     without context did not have. One the data axes do not divide stays an error."""
-    from meshpar.core.rules import Layout
+    from meshpar.core.layout import Layout
 
     class Mesh:
         axis_names, devices = tuple(CONTEXT_MESH), type("D", (), {"shape": tuple(CONTEXT_MESH.values())})

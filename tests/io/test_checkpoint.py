@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from meshpar.io.checkpoint import CheckpointError, Checkpointer
-from meshpar.train.data import Batches, make_source
+from meshpar.train.data import make_source
+from meshpar.train.batches import Batches
 from meshpar.train.step import Trainer
 from tests.conftest import FAST, checkpoint_steps, devices, make_cfg, metrics_losses, metrics_records
 

@@ -23,7 +23,7 @@ from safetensors.numpy import save_file  # noqa: E402
 
 from meshpar.io import hf  # noqa: E402
 from meshpar.core.errors import ConfigError  # noqa: E402
-from meshpar.core.rules import use_layout  # noqa: E402
+from meshpar.core.layout import use_layout  # noqa: E402
 from meshpar.core import precision as precision_lib  # noqa: E402
 from meshpar.train.step import Trainer  # noqa: E402
 from tests.conftest import devices, make_cfg  # noqa: E402

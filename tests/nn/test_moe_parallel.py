@@ -100,11 +100,11 @@ def test_expert_parallel_equals_single_device_and_uses_all_to_all(setup, routing
 def test_the_packed_ragged_layout_equals_single_device(setup, monkeypatch):
     """GPU/TPU's dropless exchange (rows packed source after source, `ragged_all_to_all`'s offsets),
     run here over JAX's documented semantics (XLA:CPU has no ragged all-to-all): equal to one device."""
-    from meshpar.nn import moe
-    monkeypatch.setattr(moe, "EXCHANGE", "ragged")
-    monkeypatch.setattr(moe, "PACKED_WIRE", "padded")
+    from meshpar.nn import dropless
+    monkeypatch.setattr(dropless, "EXCHANGE", "ragged")
+    monkeypatch.setattr(dropless, "PACKED_WIRE", "padded")
     calls = []
-    monkeypatch.setattr(moe, "exchange", lambda *a, **k: calls.append(a[7]) or moe.exchange_lib.exchange(*a, **k))
+    monkeypatch.setattr(dropless, "exchange", lambda *a, **k: calls.append(a[7]) or dropless.exchange_lib.exchange(*a, **k))
     params, tokens, _ = setup
     ref_loss, _, ref_grads = _reference(setup, "dropless")
     cfg = make_cfg(*BASE, *ROUTINGS["dropless"], "strategy=dp", mesh=dict(expert=4, data=2))
@@ -174,12 +174,14 @@ def test_dropless_buffers_hold_the_worst_case_every_token_to_one_shard(exchange,
 
     from meshpar.core.config import MeshConfig
     from meshpar.core.mesh import make_mesh
-    from meshpar.core.rules import PRESETS, Layout, use_layout
+    from meshpar.core.rules import PRESETS
+    from meshpar.core.layout import Layout, use_layout
     from meshpar.nn import moe
     from meshpar.nn.routing import Routing
     if exchange == "ragged":
-        monkeypatch.setattr(moe, "EXCHANGE", "ragged")
-        monkeypatch.setattr(moe, "PACKED_WIRE", "padded")
+        from meshpar.nn import dropless
+        monkeypatch.setattr(dropless, "EXCHANGE", "ragged")
+        monkeypatch.setattr(dropless, "PACKED_WIRE", "padded")
     g, s, m, h, e, k = 8, 4, 8, 16, 4, 2
     keys = jax.random.split(jax.random.PRNGKey(0), 4)
     x = jax.random.normal(keys[0], (g, s, m))

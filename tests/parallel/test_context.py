@@ -13,7 +13,8 @@ import meshpar
 from meshpar.core.config import from_dict
 from meshpar.core.errors import ConfigError
 from meshpar.core.mesh import make_mesh, mesh_shape
-from meshpar.core.rules import Layout, get_strategy, use_layout
+from meshpar.core.rules import get_strategy
+from meshpar.core.layout import Layout, use_layout
 from meshpar.nn import flash as flash_lib
 from meshpar.parallel import context
 from meshpar.plan.inspect import collectives

@@ -3,7 +3,8 @@ a pure function of (seed, step, row), so any process split and any resume sees t
 import numpy as np
 import pytest
 
-from meshpar.train.data import Batches, MarkovLanguage, TextFiles, TokenFile
+from meshpar.train.data import MarkovLanguage, TextFiles, TokenFile
+from meshpar.train.batches import Batches
 from meshpar.core.config import top_k
 from meshpar.core.errors import ConfigError
 from tests.conftest import devices

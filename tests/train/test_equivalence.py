@@ -7,7 +7,8 @@ measure that flip, not the partitioning.
 import jax
 import pytest
 
-from meshpar.train.data import Batches, make_source
+from meshpar.train.data import make_source
+from meshpar.train.batches import Batches
 from meshpar.train.step import Trainer
 from tests.conftest import devices, make_cfg, rel, tiered
 

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from meshpar.train import loop as loop_lib
-from meshpar.train.data import EVAL_STEP, Batches, MarkovLanguage, Prefetch, make_eval_source, make_source
+from meshpar.train.data import EVAL_STEP, MarkovLanguage, make_eval_source, make_source
+from meshpar.train.batches import Batches, Prefetch
 from meshpar.core.errors import ConfigError, MeshparError
 from meshpar.train.loop import run
 from meshpar.train.step import Trainer
