@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import jax.numpy as jnp
 from flax import nnx
 
-from meshpar.core.rules import constrain
+from meshpar.core.layout import constrain
 from meshpar.nn.layers import after, param, scan_layers, stacked
 from meshpar.core.precision import compute_dtype
 from meshpar.core.batch import Leaf

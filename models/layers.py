@@ -1,5 +1,5 @@
 """Building blocks shared by the reference models. Every parameter carries `logical_axes` metadata
-and every key activation is pinned with `meshpar.core.rules.constrain`; no mesh axis is named here.
+and every key activation is pinned with `meshpar.core.layout.constrain`; no mesh axis is named here.
 
 Shapes use: B batch, T length, E embed (d_model), N query heads, K key/value heads, D head width,
 F feed-forward width, V vocabulary, S positions held by a KV cache.
@@ -18,7 +18,7 @@ from flax import nnx
 
 from meshpar.nn.layers import gated_inputs, param
 from meshpar.core.precision import attention_dtype
-from meshpar.core.rules import constrain
+from meshpar.core.layout import constrain
 from meshpar.parallel.context import attention
 
 

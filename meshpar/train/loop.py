@@ -78,7 +78,7 @@ def run(cfg, metrics_out: str | None = None, console=None, trainer: Trainer | No
     """
     from meshpar.io.checkpoint import Checkpointer
     from meshpar.train.batches import Batches, Prefetch
-    from meshpar.runtime.distributed import PreemptionGuard, progress, scheduler_job
+    from meshpar.runtime.distributed import PreemptionGuard, progress
     from meshpar.train.metrics import MetricsLogger
     from meshpar.train.profile import ProfileWindow
 
@@ -93,29 +93,15 @@ def run(cfg, metrics_out: str | None = None, console=None, trainer: Trainer | No
 
     def close_all():
         """Once: stop the profiler and the prefetch thread, finish the checkpoint writes in flight."""
-        if closed:
-            return
-        closed.append(True)
-        if profiler is not None:
-            profiler.stop()
-        if isinstance(data, Prefetch):
-            data.close()
-        if ckpt:
-            ckpt.close()     # they hold good states
+        if not closed:
+            closed.append(_close(profiler, data, ckpt))
 
     try:
         ckpt = Checkpointer(cfg.checkpoint, trainer, info=log.info) if cfg.checkpoint.dir else None
         found = ckpt.restore_latest() if ckpt else None
         resumed = {} if found is None else {"resumed_from": found.step, "resumed_path": found.path,
                                             "damaged_checkpoints": found.damaged}
-        peak, peak_src = peak_flops_per_device(cfg.train.peak_tflops)     # what MFU divides by (before compiling)
-        log.start({**facts, "processes": jax.process_count(), "scheduler": scheduler_job(), "entropy_floor": floor,
-                   "peak_flops_per_device": peak, "peak_source": peak_src, **resumed, "config": cfg},
-                  trainer)
-        for line in trainer.warnings():
-            log.info(line)
-        if found:
-            _report_resume(found, cfg, log.info)
+        peak, peak_src = _log_start(log, cfg, trainer, {**facts, "entropy_floor": floor, **resumed}, found)
 
         data = Batches(source, trainer.batch_sharding, cfg.batch.global_size, cfg.batch.length, cfg.data.seed,
                        batch_spec=trainer.batch_spec)
@@ -125,15 +111,10 @@ def run(cfg, metrics_out: str | None = None, console=None, trainer: Trainer | No
         t0 = time.perf_counter()
         compiled = trainer.compile()
         compile_s = time.perf_counter() - t0
-        state = found.state if found else trainer.init()
-        if found and found.meta.get("precision") != cfg.precision:   # the loss scale belongs to the old policy
-            state["numerics"] = jax.device_put(precision_lib.LOSS_SCALE.init(trainer.policy),
-                                               trainer.state_shardings["numerics"])
+        state = _first_state(trainer, found, cfg.precision)
         if PREFETCH:
             data = Prefetch(data, PREFETCH)
-        evaluate = None
-        if cfg.eval.every:
-            evaluate = make_evaluator(cfg, trainer, source)
+        evaluate = make_evaluator(cfg, trainer, source) if cfg.eval.every else None
         profiler = ProfileWindow(cfg.profile, info=log.info)
         step_flops, _ = model_flops_per_step(trainer)     # model FLOPs of one step (meshpar.train.flops)
         log.info(f"compiled train step in {compile_s:.1f}s; MFU against {peak / 1e12:.3g} TFLOP/s/device ({peak_src})")
@@ -172,11 +153,8 @@ def run(cfg, metrics_out: str | None = None, console=None, trainer: Trainer | No
                     progress["step"] = n
                     if n % cfg.train.log_every == 0 or n == cfg.steps or step == start:
                         metrics, flags = _read((metrics, [u[1:] for u in unchecked]))   # waits for step n
-                        dt = (time.perf_counter() - window_start) / window_steps
-                        rec = {"step": n, **{k: _jsonable(v) for k, v in metrics.items()}, "step_time_s": dt,
-                               "examples_per_s": facts["examples_per_step"] / dt,
-                               "tokens_per_s": facts["tokens_per_step"] / dt if facts["tokens_per_step"] else None,
-                               "mfu": step_flops / dt / (peak * facts["devices"])}
+                        rec = _record(n, metrics, (time.perf_counter() - window_start) / window_steps, facts,
+                                      step_flops / (peak * facts["devices"]))
                         first_loss = rec["loss"] if first_loss is None else first_loss
                         log.step(rec)
                         check_finite(flags)
@@ -209,15 +187,62 @@ def run(cfg, metrics_out: str | None = None, console=None, trainer: Trainer | No
     final = None if metrics is None else float(_read(metrics["loss"]))
     end = {"steps": cfg.steps, "initial_loss": first_loss, "final_loss": final,
            "entropy_floor": floor, "compile_s": compile_s, "wall_s": time.perf_counter() - t0, **resumed}
-    if floor is not None and first_loss is not None and final is not None:
-        from meshpar.train.data import floor_gap_closed
-        end["gap_closed"] = floor_gap_closed(first_loss, final, floor)
     return _finish(log, end, stop, ckpt)
 
 
+def _close(profiler, data, ckpt) -> bool:
+    """Stop the profiler and the prefetch thread, finish the checkpoint writes in flight (they hold
+    good states)."""
+    from meshpar.train.batches import Prefetch
+    if profiler is not None:
+        profiler.stop()
+    if isinstance(data, Prefetch):
+        data.close()
+    if ckpt:
+        ckpt.close()
+    return True
+
+
+def _log_start(log, cfg, trainer: Trainer, facts: dict, found) -> tuple[float, str]:
+    """The start record (the run's facts, the peak MFU divides by, measured before compiling), the
+    trainer's warnings and what a resume restored -> (peak FLOP/s per device, where it came from)."""
+    from meshpar.runtime.distributed import scheduler_job
+    peak, peak_src = peak_flops_per_device(cfg.train.peak_tflops)
+    log.start({**facts, "processes": jax.process_count(), "scheduler": scheduler_job(),
+               "peak_flops_per_device": peak, "peak_source": peak_src, "config": cfg}, trainer)
+    for line in trainer.warnings():
+        log.info(line)
+    if found:
+        _report_resume(found, cfg, log.info)
+    return peak, peak_src
+
+
+def _first_state(trainer: Trainer, found, precision: str):
+    """The state the loop starts from: the checkpoint's (with a fresh loss scale if it was saved under
+    another precision policy), else a sharded init."""
+    state = found.state if found else trainer.init()
+    if found and found.meta.get("precision") != precision:   # the loss scale belongs to the old policy
+        state["numerics"] = jax.device_put(precision_lib.LOSS_SCALE.init(trainer.policy),
+                                           trainer.state_shardings["numerics"])
+    return state
+
+
+def _record(n: int, metrics: dict, dt: float, facts: dict, mfu_per_s: float) -> dict:
+    """The logged record of step n: its metrics, the mean step time `dt` since the last record, the
+    rates, and MFU (`mfu_per_s`: the step's model FLOPs over the devices' peak, per second of step)."""
+    return {"step": n, **{k: _jsonable(v) for k, v in metrics.items()}, "step_time_s": dt,
+            "examples_per_s": facts["examples_per_step"] / dt,
+            "tokens_per_s": facts["tokens_per_step"] / dt if facts["tokens_per_step"] else None,
+            "mfu": mfu_per_s / dt}
+
+
 def _finish(log, end: dict, stop, ckpt) -> dict:
-    """Log the end record and return it; after SIGTERM/SIGINT (`stop`: the signal) raise `Preempted`
-    naming the step reached and the checkpoint that holds it."""
+    """Log the end record and return it (with the share of the gap to the entropy floor the run
+    closed); after SIGTERM/SIGINT (`stop`: the signal) raise `Preempted` naming the step reached and
+    the checkpoint that holds it."""
+    if None not in (end["entropy_floor"], end["initial_loss"], end["final_loss"]):
+        from meshpar.train.data import floor_gap_closed
+        end["gap_closed"] = floor_gap_closed(end["initial_loss"], end["final_loss"], end["entropy_floor"])
     if not stop:
         log.end(end)
         return end
