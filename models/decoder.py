@@ -94,7 +94,7 @@ class DecoderConfig:
             raise ConfigError(f"model.head_dim={base['head_dim']}{implied} must be even (rotary embedding)")
         scaling = getattr(m, "rope_scaling", None) or None
         if scaling:
-            from meshpar.models.hf_llama import rope_scaling
+            from meshpar.models.hf_rope import rope_scaling
             scaling = rope_scaling(scaling, "model.rope_scaling")
         return cls(**base, remat=m.remat, scan_layers=m.scan_layers, attention=m.attention,
                    window=getattr(m, "window", None), softcap=getattr(m, "softcap", None),

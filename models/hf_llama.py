@@ -49,7 +49,7 @@ RoPE layout, stated rather than guessed: HF Llama checkpoints store q/k rows for
 interleaved pairs (2i, 2i+1) permuted the rows once, in `convert_llama_weights_to_hf.py`).
 meshpar's `rope` is the same half-split form, so the row order within a head maps as the identity
 (`ROPE_ROWS`); a checkpoint in Meta's interleaved layout would need the permutation
-`interleaved_to_half` (kept here, tested to differ) and is not what `hf:` reads.
+`interleaved_to_half` (`meshpar.models.hf_rope`, tested to differ) and is not what `hf:` reads.
 """
 from __future__ import annotations
 
@@ -57,6 +57,7 @@ import numpy as np
 
 from meshpar.core.errors import ConfigError
 from meshpar.io.hf import Source, hf_path, read_config
+from meshpar.models.hf_rope import rope_of, rope_parameters
 
 # architecture -> family (its config.json's model_type)
 FAMILIES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
@@ -67,46 +68,6 @@ GEMMA = ("gemma2", "gemma3_text")
 WINDOWED = ("mistral", "mixtral", *GEMMA)   # families whose config.json's sliding_window is read
 ARCHITECTURES = tuple(FAMILIES)
 ROPE_ROWS = "identity"      # HF rotate_half rows == meshpar rope rows (see the module docstring)
-
-
-def interleaved_to_half(d: int) -> np.ndarray:
-    """Rows of a head in Meta's interleaved RoPE layout, reordered for the half-split form (the
-    permutation HF's conversion script applies): [0, 2, 4, ..., 1, 3, 5, ...]."""
-    return np.concatenate([np.arange(0, d, 2), np.arange(1, d, 2)])
-
-
-def rope_scaling(rs: dict, where: str) -> tuple:
-    """A rope scaling dict -> ("linear", factor) or ("llama3", factor, low_freq_factor,
-    high_freq_factor, original_max) (`meshpar.models.layers.rope_frequencies`)."""
-    kind = rs.get("rope_type", rs.get("type", "default"))
-    keys = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
-                                              "original_max_position_embeddings")}.get(kind)
-    if keys is None:
-        raise ConfigError(f"{where}: rope type '{kind}' is not implemented (default, linear and llama3 are)")
-    for k in keys:
-        if not isinstance(rs.get(k), (int, float)) or isinstance(rs.get(k), bool):
-            raise ConfigError(f"{where}: {kind} rope scaling needs a number for '{k}'")
-    return (kind, *(float(rs[k]) for k in keys))
-
-
-def rope_settings(rope: dict, where: str, theta: float = 10000.0) -> tuple:
-    """One RoPE dict (`rope_parameters`, or a layer type's in Gemma 3) -> (theta, scaling or None)."""
-    if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ConfigError(f"{where}: key 'partial_rotary_factor' is not 1; the decoder rotates whole heads")
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    return float(rope.get("rope_theta", theta)), None if kind in (None, "default") else rope_scaling(rope, where)
-
-
-def rope_parameters(theta: float, scaling: tuple | None) -> dict:
-    """(theta, scaling) -> its `rope_parameters` dict (the inverse of `rope_settings`)."""
-    out = {"rope_type": "default", "rope_theta": theta}
-    if scaling and scaling[0] == "linear":
-        out.update(rope_type="linear", factor=scaling[1])
-    elif scaling:
-        _, f, lo, hi, orig = scaling
-        out.update(rope_type="llama3", factor=f, low_freq_factor=lo, high_freq_factor=hi,
-                   original_max_position_embeddings=int(orig))
-    return out
 
 
 def decoder_config(m):
@@ -166,22 +127,6 @@ def decoder_config(m):
                          norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
                          tie_embeddings=bool(hf.get("tie_word_embeddings", False)), qkv_bias=family == "qwen2",
                          qk_norm=family in ("qwen3", "qwen3_moe", "gemma3_text"), family=family, **extra)
-
-
-def rope_of(hf: dict, where: str, family: str) -> tuple:
-    """config.json's RoPE -> ((theta, scaling) of the global layers, that of the local ones): one dict
-    for every layer (`rope_parameters` or 4's `rope_theta` + `rope_scaling`), or Gemma 3's per layer
-    type (5's `rope_parameters.{full,sliding}_attention`, 4's `rope_local_base_freq`)."""
-    rope = dict(hf.get("rope_parameters") or {})
-    if family == "gemma3_text" and ("full_attention" in rope or "sliding_attention" in rope):
-        return tuple(rope_settings({"rope_theta": t, **(rope.get(k) or {})}, f"{where}: key 'rope_parameters.{k}'")
-                     for k, t in (("full_attention", 1e6), ("sliding_attention", 1e4)))
-    rope.update(hf.get("rope_scaling") or {})
-    key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
-    theta = hf.get("rope_theta") or (1e6 if family == "gemma3_text" else 1e4)
-    glob = rope_settings({"rope_theta": theta, "partial_rotary_factor": hf.get("partial_rotary_factor") or 1.0, **rope},
-                         f"{where}: key '{key}'")
-    return glob, ((float(hf.get("rope_local_base_freq") or 1e4), None) if family == "gemma3_text" else glob)
 
 
 def gemma_options(hf: dict, where: str, family: str, window, glob: tuple, loc: tuple) -> dict:

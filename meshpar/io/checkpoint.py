@@ -44,7 +44,6 @@ What it guarantees:
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
 from dataclasses import dataclass
@@ -143,22 +142,33 @@ def tree_signature(abstract_state) -> dict[str, list]:
 
 # ----------------------------------------------------------------------------------------------
 
+def _restore_verified(ocp, manager, step: int, target, meta: dict):
+    """Checkpoint `step`'s state (into `target`'s shardings) and data position, its contents checked
+    against the fingerprint saved with them -> (state, data)."""
+    out = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
+                                                        data=ocp.args.JsonRestore()))
+    got = fingerprint(out["state"])
+    bad = [k for k, v in meta.get("fingerprint", {}).items() if got.get(k) != v]
+    if bad:
+        raise FingerprintMismatch(f"fingerprint mismatch: contents differ from the fingerprint saved with them "
+                                  f"(first: state{bad[0]})")
+    return out["state"], out["data"]
+
+
 class Checkpointer:
     """Save / restore the train state of one run (see the module docstring).
 
     `options`: the run's `cfg.checkpoint` (dir, every, keep). `trainer`: the run whose state it saves
-    (its abstract state is the restore target; its config and layout are saved in `meta`)."""
+    (its abstract state is the restore target; its `run_facts()`, the config and layout, go in `meta`)."""
 
     def __init__(self, options: CheckpointConfig, trainer, info: Callable[[str], None] = print):
         import orbax.checkpoint as ocp
         self.ocp = ocp
-        self.trainer, self.info = trainer, info
-        c = options
-        self.root = local_or_remote(c.dir)
+        self.trainer, self.info, self.every = trainer, info, options.every
+        self.root = local_or_remote(options.dir)
         self.directory = str(self.root)
-        self.every = c.every
-        options = ocp.CheckpointManagerOptions(max_to_keep=c.keep, create=True, enable_async_checkpointing=True)
-        self.manager = ocp.CheckpointManager(self.root, item_names=ITEMS, options=options)
+        self.manager = ocp.CheckpointManager(self.root, item_names=ITEMS, options=ocp.CheckpointManagerOptions(
+            max_to_keep=options.keep, create=True, enable_async_checkpointing=True))
         self.damaged_steps: set[int] = set()      # found damaged and still in place (could not be moved)
         self.target = trainer.abstract_state()          # shapes, dtypes and this run's shardings
         self.signature = tree_signature(self.target)
@@ -185,12 +195,9 @@ class Checkpointer:
             self._replace_damaged(step)
         if step in self.manager.all_steps():       # e.g. the end of a run that resumed at its last step
             return self.path(step)
-        ocp, cfg, facts = self.ocp, self.trainer.cfg, self.trainer.describe()
-        meta = {"format": FORMAT, "step": step, "time": time.time(), "config": dataclasses.asdict(cfg),
-                "rng": {"train.seed": cfg.train.seed, "data.seed": cfg.data.seed},
-                "mesh": facts["mesh"], "strategy": facts["strategy"],
-                "precision": facts["precision"], "processes": jax.process_count(),
-                "signature": self.signature,
+        ocp = self.ocp
+        meta = {"format": FORMAT, "step": step, "time": time.time(), **self.trainer.run_facts(),
+                "processes": jax.process_count(), "signature": self.signature,
                 "fingerprint": fingerprint(state), **(run or {})}
         try:
             self.manager.save(step, force=True, args=ocp.args.Composite(
@@ -221,18 +228,9 @@ class Checkpointer:
         return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
     def _restore_one(self, step: int):
-        ocp = self.ocp
         meta = self._restore_meta(step)
         check_fits(self.signature, meta, step, self.path(step))
-        out = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(self.target), data=ocp.args.JsonRestore()))
-        state, data = out["state"], out["data"]
-        got = fingerprint(state)
-        bad = [k for k, v in meta.get("fingerprint", {}).items() if got.get(k) != v]
-        if bad:
-            raise FingerprintMismatch(f"fingerprint mismatch: contents differ from the fingerprint saved with them "
-                                      f"(first: state{bad[0]})")
-        return state, data, meta
+        return (*_restore_verified(self.ocp, self.manager, step, self.target, meta), meta)
 
     def restore_latest(self) -> Restored | None:
         """Restore the newest usable checkpoint into this run's shardings; None if there is none.

@@ -47,6 +47,7 @@ Time per step (seconds).
 from __future__ import annotations
 
 import math
+from functools import partial
 
 from meshpar.core.errors import ShardingError
 from meshpar.core.mesh import MESH_AXES
@@ -64,19 +65,32 @@ def _batch_axes(shape: dict) -> list:
 
 
 def collectives(facts: ModelFacts, cand: Candidate, cfg, res: Resolver, c: int, g: int = 4, w: int = 4) -> list:
-    """Predicted collectives of one step: [{kind, axes, bytes (whole tensor, per step), overlap}],
-    bytes counted as `meshpar inspect` counts them. g, w: bytes of a gradient / weight element on
-    the wire (meshpar reduces gradients and gathers weights in the parameter dtype, fp32)."""
+    """Predicted collectives of one step: [{kind, axes, bytes (whole tensor, per step), overlap, count}],
+    bytes counted as `meshpar inspect` counts them: the weights' (gathers, gradient reductions) and
+    the activations' (tensor, context, pipeline and expert parallelism). g, w: bytes of a gradient /
+    weight element on the wire (meshpar reduces gradients and gathers weights in the parameter
+    dtype, fp32); c: bytes of an activation element."""
+    out: list = []
+    _weight_collectives(out, facts, cand, cfg, res, c, g, w)
+    if facts.dims.get("embed"):
+        _activation_collectives(out, facts, cand, cfg, res, c, g, w)
+    return out
+
+
+def _add(out: list, kind: str, axes, nbytes: float, overlap: bool, count: float = 1.0) -> None:
+    """One predicted collective (`count`: how many separate ones it stands for, each paying latency)."""
+    if nbytes > 0 and axes:
+        out.append({"kind": kind, "axes": sorted(axes, key=MESH_AXES.index), "bytes": float(nbytes),
+                    "overlap": overlap, "count": float(max(count, 1))})
+
+
+def _weight_collectives(out: list, facts: ModelFacts, cand: Candidate, cfg, res: Resolver, c: int, g: int, w: int):
+    """Per parameter: FSDP's gathers and reduce-scatters, ZeRO's, data parallelism's all-reduce, an
+    embedding lookup's rows over the batch axes."""
     shape, st = cand.shape, get_strategy(cand.strategy)
     batch_axes, ma = _batch_axes(shape), cand.microbatches
     zero1 = st.opt_state is not None and not st.shard_grads
-    out = []
-
-    def add(kind, axes, nbytes, overlap, count=1.0):      # count: separate collectives (each pays latency)
-        if nbytes > 0 and axes:
-            out.append({"kind": kind, "axes": sorted(axes, key=MESH_AXES.index), "bytes": float(nbytes),
-                        "overlap": overlap, "count": float(max(count, 1))})
-
+    add = partial(_add, out)
     remat_ag = 2                    # the forward and the backward layer loop each gather (none is kept)
     grad_times = 1 if zero1 else ma
     tokens = local_batch(cfg, cand) * cand.pp_microbatches * cfg.batch.length / shape["context"]   # per device, accumulation mb
@@ -126,9 +140,15 @@ def collectives(facts: ModelFacts, cand: Candidate, cfg, res: Resolver, c: int, 
             add("all-reduce", rest + ["pipeline"], g * local * grad_times, False, grad_times)
         else:
             add("all-reduce", rest, g * local * grad_times, True, per * grad_times)
+
+
+def _activation_collectives(out: list, facts: ModelFacts, cand: Candidate, cfg, res: Resolver, c: int, g: int, w: int):
+    """Per layer pass: tensor parallelism's all-reduces (or SP's gathers and reduce-scatters), context
+    parallelism's K/V gathers, the pipeline's permutes, expert parallelism's all-to-alls."""
+    shape, st = cand.shape, get_strategy(cand.strategy)
+    ma = cand.microbatches
+    add = partial(_add, out)
     d = facts.dims
-    if not d.get("embed"):
-        return out
     b, s, h = local_batch(cfg, cand), cfg.batch.length, d["embed"]
     n_mb = ma * cand.pp_microbatches
     layers = d["layers"] / shape["pipeline"]
@@ -188,7 +208,6 @@ def collectives(facts: ModelFacts, cand: Candidate, cfg, res: Resolver, c: int, 
         per = 4 + (2 if cand.remat == "full" else 0)
         buf = c * b * s * m["top_k"] * rows_factor(m, shape) * h
         add("all-to-all", ["expert"], buf * per * n_mb * layers / m["every"], False, per * n_mb * layers / m["every"])
-    return out
 
 
 def collective_time(op: dict, cand: Candidate, hw) -> float:

@@ -141,11 +141,10 @@ class Engine:
         self.serve = cfg.serve
         self.decode_steps, self.decode_s = 0, 0.0      # set by `run` (meshpar.serve.scheduler)
 
-    mesh, layout, policy, dtype, spec = (_placed(n) for n in ("mesh", "layout", "policy", "dtype", "spec"))
-    stages, slots, vocab, length, buckets = (_placed(n) for n in ("stages", "slots", "vocab", "length", "buckets"))
-    bucket, can_extend = _placed("bucket"), _placed("can_extend")
-    cache_spec, weight_shapes, weights = (_placed(n) for n in ("cache_spec", "weight_shapes", "weights"))
-    source, notes = _placed("source"), _placed("notes")
+    mesh, layout, policy, dtype, spec, stages, slots = (_placed(n) for n in (
+        "mesh", "layout", "policy", "dtype", "spec", "stages", "slots"))
+    vocab, length, buckets, bucket, can_extend, cache_spec, weight_shapes, weights, source, notes = (_placed(n) for n in (
+        "vocab", "length", "buckets", "bucket", "can_extend", "cache_spec", "weight_shapes", "weights", "source", "notes"))
     state_shardings, traces, in_flight, ticks = (_placed(n, "programs") for n in (
         "state_shardings", "traces", "in_flight", "ticks"))
     # the decode state (`DecodeState`): its shapes, an empty one, a cache tree of (rows, length), bytes per device
@@ -162,9 +161,8 @@ class Engine:
         return self.weights if params is None else params
 
     def prefill_batch(self, prompts: list, samplings: list | None = None, params=None, length: int = 0):
-        """n prompts (lists of ids) prefilled in one call, padded to the bucket of the longest (or of
-        `length`) -> (entry of rows padded to a power of two, first tokens [n] (device), their logits
-        [n, V]). Rows beyond n repeat the first prompt."""
+        """n prompts (lists of ids) prefilled in one call, padded to the bucket of the longest (or of `length`)
+        -> (entry of rows padded to a power of two, repeating the first, first tokens [n], their logits [n, V])."""
         samplings = samplings or [Sampling()] * len(prompts)
         for t, s in zip(prompts, samplings):
             self.check(Request(list(t), 1, s))
@@ -174,9 +172,8 @@ class Engine:
         return entry, tok[:len(prompts)], last[:len(prompts)]
 
     def prefill(self, tokens, true_length: int | None = None, sampling: Sampling | None = None, params=None):
-        """One prompt -> (entry, its first token (a device scalar), the logits that chose it [V]).
-
-        `tokens`: the prompt's ids, or ids already padded with `true_length` the real count."""
+        """One prompt (its ids, or ids padded with `true_length` the real count) -> (entry, its first
+        token (a device scalar), the logits that chose it [V])."""
         tokens = list(np.asarray(tokens).reshape(-1))
         n = len(tokens) if true_length is None else int(true_length)
         entry, tok, last = self.prefill_batch([tokens[:n]], [sampling or Sampling()], params, length=len(tokens))
@@ -241,8 +238,7 @@ class Engine:
         jax.block_until_ready(self.generate(state))
 
     def run(self, requests: list[Request], on_token: Callable[[int, int], None] | None = None) -> list[Completion]:
-        """Continuous batching: every request decoded to its end; `on_token(request index, token)`
-        streams (`meshpar.serve.scheduler`)."""
+        """Continuous batching to each request's end; `on_token(request index, token)` streams (`scheduler`)."""
         from meshpar.serve.scheduler import run_all
         return run_all(self, requests, on_token)
 

@@ -113,6 +113,15 @@ def _before(layout: Layout, rules) -> Layout:
     return dataclasses.replace(layout, strategy=dataclasses.replace(layout.strategy, params=rules + layout.strategy.params))
 
 
+def _gather_warning(strategy: str, param_shardings) -> list[str]:
+    """One line when the serving layout splits weights over the batch axes (gathered per token)."""
+    split = {a for s in jax.tree.leaves(param_shardings) for a in spec_axes(s.spec)} & set(BATCH_AXES)
+    if not split:
+        return []
+    return [f"warning: serve.strategy={strategy} splits weights over {', '.join(sorted(split))}: "
+            "every decoded token all-gathers them; serve.strategy=serve_tp keeps them in place"]
+
+
 def zeros(spec):
     """A tree of `Leaf` -> zero arrays of those shapes and dtypes (an empty cache)."""
     return jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype), spec, is_leaf=is_leaf)
@@ -163,7 +172,7 @@ class Placement:
         self.buckets = buckets(self.length, cfg.serve.min_bucket)
         with precision_lib.use_policy(self.policy):
             self.cache_spec = abstract.cache_spec(self.slots, self.length)
-        self.notes += self._gather_warning()
+        self.notes += _gather_warning(cfg.serve.strategy, self.weight_shardings["params"])
         self.weight_shapes = {"params": params, "vars": self.spec.var_shapes}
         cache_sh = jax.tree.map(lambda leaf: self.layout.sharding(leaf.axes, leaf.shape, "KV cache"),
                                 self.cache_spec, is_leaf=is_leaf)
@@ -205,13 +214,6 @@ class Placement:
     def serve_dtype(self, dtype):
         """Floating weights are served in the compute dtype (bf16 halves the bytes every step reads)."""
         return self.dtype if jnp.issubdtype(dtype, jnp.floating) else dtype
-
-    def _gather_warning(self) -> list[str]:
-        split = {a for s in jax.tree.leaves(self.weight_shardings["params"]) for a in spec_axes(s.spec)} & set(BATCH_AXES)
-        if not split:
-            return []
-        return [f"warning: serve.strategy={self.cfg.serve.strategy} splits weights over {', '.join(sorted(split))}: "
-                "every decoded token all-gathers them; serve.strategy=serve_tp keeps them in place"]
 
     def cast(self, weights):
         """Weights as served: floating ones in the compute dtype."""

@@ -92,35 +92,21 @@ class TrainSetup:
             precision_lib.check_loss_chunks(cfg.train.loss_chunks, cfg.batch.length, cp)
         self.layout = Layout(self.mesh, get_strategy(cfg.strategy), parse_user_rules(cfg.rules))
         check_platform(cfg.model, of_mesh(self.mesh))
-        if self.loss is None:
-            self.loss = loss_function(cfg.train.loss, cfg.train.loss_chunks)
-        elif cfg.train.loss_chunks > 1:       # a loss passed in: only the built-in one slices its logits
-            precision_lib.check_loss_chunks(cfg.train.loss_chunks, cfg.batch.length, other_loss=None if self.loss is lm_loss
-                                            else f"this Trainer's loss is {getattr(self.loss, '__qualname__', self.loss)}")
-            self.loss = loss_function("lm", cfg.train.loss_chunks)
+        self.loss = _loss_of(self.loss, cfg.train, cfg.batch.length)
         self.loss_name = getattr(self.loss, "__qualname__", repr(self.loss))
         check_batch(cfg.batch, self.layout)
         self.batch_spec = (self.batch_spec if self.batch_spec is not None
                            else lm_batch_spec(cfg.batch.global_size, cfg.batch.length, packs_documents(cfg.data)))
-        check_batch_spec(self.batch_spec)
-        self.batch_warnings = unruled_batch_axes(self.batch_spec, self.layout)
-        if self.batch_warnings and cfg.train.require_annotations:
-            raise ShardingError(f"{self.batch_warnings[0]} (train.require_annotations=true)")
-        self.batch_warnings += [] if self.is_lm else context_unsplit(self.batch_spec, self.layout)   # LM: rows split
-        self.idle_rules = check_rule_names(self.layout.user_rules, self._names_used())
+        self.batch_warnings = _batch_warnings(self.batch_spec, self.layout, cfg.train.require_annotations, self.is_lm)
+        self.idle_rules = check_rule_names(self.layout.user_rules, _names_used(self.spec, self.batch_spec))
         self.pipelined = self.layout.shape.get("pipeline", 1) > 1
         if self.pipelined:
             _check_pipeline(self)
         self.tx = make_optimizer(cfg.train, cfg.steps, self.spec)
-        replicated = NamedSharding(self.mesh, P())
         self.param_shardings = param_shardings(self.spec, self.layout)
         zero = self.layout.strategy.opt_state is not None
         self.grad_shardings = state_shardings(self.spec, self.layout) if zero else self.param_shardings
-        self.state_shardings = {"step": replicated, "params": self.param_shardings,
-                                "vars": var_shardings(self.spec, self.layout),
-                                "opt": opt_state_shardings(self.tx, self.spec, self.layout),
-                                "numerics": jax.tree.map(lambda _: replicated, jax.eval_shape(
-                                    lambda: precision_lib.LOSS_SCALE.init(self.policy)))}
+        self.state_shardings = _state_shardings(self, NamedSharding(self.mesh, P()))
         self.batch_sharding = batch_shardings(self.batch_spec, self.layout)
         self._init = jax.jit(self._init_fn, out_shardings=self.state_shardings)
 
@@ -141,12 +127,6 @@ class TrainSetup:
         """The sharding table of this run: parameters, other state, batch leaves, and with the
         built-in LM loss its tokens' activations [batch, length] (`length` over `context`)."""
         return sharding_table(self.spec, self.layout, self.batch_spec, _lm_activations(self) if self.is_lm else None)
-
-    def _names_used(self) -> set[str]:
-        leaves = [*jax.tree.leaves(self.spec.logical, is_leaf=lambda x: isinstance(x, tuple)),
-                  *jax.tree.leaves(self.spec.var_logical or {}, is_leaf=lambda x: isinstance(x, tuple)),
-                  *(leaf.axes for leaf in jax.tree.leaves(self.batch_spec, is_leaf=is_leaf))]
-        return {n for names in leaves if names for n in names if n}
 
     # -- init ------------------------------------------------------------------------------------
     def _init_fn(self, key):
@@ -191,12 +171,61 @@ class TrainSetup:
     def is_lm(self) -> bool:
         return getattr(self.loss, "func", self.loss) is lm_loss      # (train.loss_chunks: a partial of it)
 
+    def run_facts(self) -> dict:
+        """What a checkpoint keeps of the run that wrote it: its whole config, its seeds, its mesh,
+        strategy and precision (`meshpar.io.checkpoint`)."""
+        import dataclasses
+        facts = self.describe()
+        return {"config": dataclasses.asdict(self.cfg), "rng": {"train.seed": self.cfg.train.seed,
+                                                               "data.seed": self.cfg.data.seed},
+                **{k: facts[k] for k in ("mesh", "strategy", "precision")}}
+
     def describe(self) -> dict:
         rows = self.cfg.batch.global_size
         return {"mesh": mesh_shape(self.mesh), "mesh_str": describe(self.mesh), "strategy": self.cfg.strategy,
                 "precision": self.cfg.precision, "devices": self.mesh.devices.size,
                 "params": self.spec.num_params, "examples_per_step": rows,
                 "tokens_per_step": rows * self.cfg.batch.length if self.is_lm else None}
+
+
+def _batch_warnings(batch_spec, layout: Layout, strict: bool, is_lm: bool) -> list[str]:
+    """A batch spec checked (one line per fault) -> its warnings: batch axes no rule maps (an error
+    when `strict`), and for a loss of the user's a `context` axis that splits no leaf (the built-in
+    LM's rows are split over it)."""
+    check_batch_spec(batch_spec)
+    found = unruled_batch_axes(batch_spec, layout)
+    if found and strict:
+        raise ShardingError(f"{found[0]} (train.require_annotations=true)")
+    return found + ([] if is_lm else context_unsplit(batch_spec, layout))
+
+
+def _names_used(spec, batch_spec) -> set[str]:
+    """The logical names a model's parameters, variables and batch leaves use."""
+    leaves = [*jax.tree.leaves(spec.logical, is_leaf=lambda x: isinstance(x, tuple)),
+              *jax.tree.leaves(spec.var_logical or {}, is_leaf=lambda x: isinstance(x, tuple)),
+              *(leaf.axes for leaf in jax.tree.leaves(batch_spec, is_leaf=is_leaf))]
+    return {n for names in leaves if names for n in names if n}
+
+
+def _loss_of(loss, train, length: int):
+    """The loss a run trains: `loss` given, else `train.loss`; with `train.loss_chunks` > 1 the
+    built-in LM loss over that many token slices (a loss passed in cannot be sliced: one line)."""
+    if loss is None:
+        return loss_function(train.loss, train.loss_chunks)
+    if train.loss_chunks > 1:
+        precision_lib.check_loss_chunks(train.loss_chunks, length, other_loss=None if loss is lm_loss
+                                        else f"this Trainer's loss is {getattr(loss, '__qualname__', loss)}")
+        return loss_function("lm", train.loss_chunks)
+    return loss
+
+
+def _state_shardings(setup: TrainSetup, replicated) -> dict:
+    """Where each part of the train state lives: step and numerics replicated, params as the layout
+    puts them, the other variables, the optimizer state (sharded under ZeRO)."""
+    return {"step": replicated, "params": setup.param_shardings, "vars": var_shardings(setup.spec, setup.layout),
+            "opt": opt_state_shardings(setup.tx, setup.spec, setup.layout),
+            "numerics": jax.tree.map(lambda _: replicated, jax.eval_shape(
+                lambda: precision_lib.LOSS_SCALE.init(setup.policy)))}
 
 
 def _check_pipeline(setup: TrainSetup) -> None:

@@ -87,14 +87,7 @@ class Trainer(TrainSetup):
         mbs = split_microbatches(batch, m, self.layout, self.batch_spec)
         strategy = self.layout.strategy
         replicas = batch_axes_of(self.layout)
-        # ZeRO-1's per-replica accumulation needs a model without non-Param state: under the vmap every
-        # replica would draw the same dropout masks (and keep its own counters), so such a model
-        # takes the general path (gradients reduced per microbatch), which matches any mesh; so do
-        # sequences split over `context`: their attention's shard_map (manual over `context`) cannot sit
-        # under the replicas' vmap, whose spmd axes JAX would make varying inside it (a ValueError)
-        local = (strategy.opt_state is not None and not strategy.shard_grads and replicas and not self.pipelined
-                 and not jax.tree.leaves(vars) and not dropout.draws(self.spec.graphdef)
-                 and self.layout.shape["context"] == 1)
+        local = _per_replica(self, replicas, vars)
         if local:   # ZeRO-1: per-replica gradients [R, ...], reduced once after the loop
             r = math.prod(self.layout.shape[a] for a in replicas)
             inner = self.layout.hiding(replicas)
@@ -118,12 +111,7 @@ class Trainer(TrainSetup):
             v = a.pop("vars")
             return (jax.tree.map(jnp.add, total, (l, a, pin(g))), v), None
 
-        first = jax.tree.map(lambda x: x[0], mbs)
-        (l0, a0), g0 = jax.eval_shape(grads_fn, params, first, vars)
-        a0 = dict(a0)
-        a0.pop("vars")
-        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (l0, a0, g0))
-        zeros = (zeros[0], zeros[1], pin(zeros[2]))
+        zeros = _zero_sums(grads_fn, params, jax.tree.map(lambda x: x[0], mbs), vars, pin)
         ((loss, aux, grads), vars), _ = jax.lax.scan(acc, (zeros, vars), (mbs, jnp.arange(m)))
         if local:   # sum the replicas' partial sums: one reduce(-scatter) per optimizer step
             loss, aux, grads = jax.tree.map(lambda x: jnp.sum(x, axis=0) / r, (loss, aux, grads))
@@ -181,6 +169,27 @@ class Trainer(TrainSetup):
 
     def step(self, state, batch):
         return self.compile()(state, batch)
+
+
+def _per_replica(trainer: "Trainer", replicas: tuple, vars) -> bool:
+    """Whether ZeRO-1 accumulates per data-parallel replica (a `vmap` over the replicas, reduced once
+    per step). It needs a model without non-Param state: under the vmap every replica would draw the
+    same dropout masks (and keep its own counters), so such a model takes the general path
+    (gradients reduced per microbatch), which matches any mesh; so do sequences split over
+    `context`: their attention's shard_map (manual over `context`) cannot sit under the replicas'
+    vmap, whose spmd axes JAX would make varying inside it (a ValueError)."""
+    strategy = trainer.layout.strategy
+    return bool(strategy.opt_state is not None and not strategy.shard_grads and replicas and not trainer.pipelined
+                and not jax.tree.leaves(vars) and not dropout.draws(trainer.spec.graphdef)
+                and trainer.layout.shape["context"] == 1)
+
+
+def _zero_sums(grads_fn, params, mb, vars, pin):
+    """Zeros shaped as (loss, aux without "vars", grads) of one microbatch: the accumulation's start."""
+    (l0, a0), g0 = jax.eval_shape(grads_fn, params, mb, vars)
+    a0 = {k: v for k, v in dict(a0).items() if k != "vars"}
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (l0, a0, g0))
+    return zeros[0], zeros[1], pin(zeros[2])
 
 
 def user_source(cfg):

@@ -134,7 +134,7 @@ def test_logits_equal_transformers_on_1_and_8_devices(tmp_path, kv, tied, llama3
 def test_rope_row_layout_is_checked_by_the_long_prompt(tmp_path):
     """Reordering q/k rows within each head (Meta's interleaved layout read as if half-split) leaves
     attention without RoPE unchanged, so only RoPE can tell: the 300-token logits must move."""
-    from meshpar.models.hf_llama import interleaved_to_half
+    from meshpar.models.hf_rope import interleaved_to_half
     m = save_llama(tmp_path / "a", kv=2)
     t = tensors_of(tmp_path / "a")
     perm = interleaved_to_half(16)
