@@ -112,7 +112,6 @@ def run_case(name: str, args) -> dict:
     from meshpar.plan.search import estimate
     from meshpar.train.data import make_source
     from meshpar.train.batches import Batches
-    from meshpar.train.flops import model_flops_per_step
     from meshpar.train.step import trainer_for
 
     dev = jax.devices()[0]
@@ -129,7 +128,7 @@ def run_case(name: str, args) -> dict:
     ca = (ca[0] if ca else {}) if isinstance(ca, (list, tuple)) else (ca or {})
     hlo = compiled.as_text()
     state = tr.init()
-    data = Batches(make_source(cfg.data, cfg.batch, cfg.eval, tr.spec.cfg.vocab), tr.batch_sharding, cfg.batch.global_size,
+    data = Batches(make_source(cfg.data, cfg.batch, cfg.eval, tr.spec.model_config.vocab), tr.batch_sharding, cfg.batch.global_size,
                    cfg.batch.length, cfg.data.seed)
     batches = [next(data) for _ in range(args.warmup + args.steps)]
     for b in batches[:args.warmup]:
@@ -142,7 +141,7 @@ def run_case(name: str, args) -> dict:
     step_s = (time.perf_counter() - t0) / args.steps
     out = {"case": name, "overrides": CASES[name], "device": dev.device_kind, "jax": jax.__version__,
            "compile_s": round(compile_s, 1), "step_s": step_s, "loss": float(m["loss"]),
-           "model_flops": model_flops_per_step(tr)[0], "hlo_flops": ca.get("flops"), "hlo_bytes": ca.get("bytes accessed"),
+           "model_flops": tr.model_flops()[0], "hlo_flops": ca.get("flops"), "hlo_bytes": ca.get("bytes accessed"),
            "peak_flops": hw.peak_flops, "hbm_bw": (hw.target or {}).get("memory_bandwidth"),
            "compiled_peak": mem.get("peak_estimate"), "compiled_memory": mem,
            "runtime_peak": (dev.memory_stats() or {}).get("peak_bytes_in_use"),

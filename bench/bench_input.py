@@ -40,7 +40,7 @@ def main() -> None:
     cfg = load_config(None, args.overrides)
     tr = Trainer(cfg)
     step = tr.compile()
-    source = make_source(cfg.data, cfg.batch, cfg.eval, tr.spec.cfg.vocab)
+    source = make_source(cfg.data, cfg.batch, cfg.eval, tr.spec.model_config.vocab)
 
     def batches(start):
         return Batches(source, tr.batch_sharding, cfg.batch.global_size, cfg.batch.length, cfg.data.seed, step=start)

@@ -34,7 +34,7 @@ def timed_steps(tr, rows: int, length: int, steps: int = 5) -> tuple[float, int,
     t0 = time.perf_counter()
     temp = tr.compile().memory_analysis().temp_size_in_bytes
     comp = time.perf_counter() - t0
-    src, state = MarkovLanguage(tr.spec.cfg.vocab, 4, 1), tr.init()
+    src, state = MarkovLanguage(tr.spec.model_config.vocab, 4, 1), tr.init()
     batches = [jax.device_put(src.rows(0, i, range(rows), length), tr.batch_sharding) for i in range(steps + 1)]
     state, m = tr.step(state, batches[0])
     jax.block_until_ready(m["loss"])
@@ -115,7 +115,7 @@ def long() -> None:
     tr = Trainer(cfg, devices=jax.devices()[:8])
     temp = tr.compile().memory_analysis().temp_size_in_bytes
     print(f"compiled: temp {temp / MiB:.1f} MiB vs {temp_one / MiB:.1f} MiB", file=sys.stderr, flush=True)
-    src, state, losses = MarkovLanguage(tr.spec.cfg.vocab, 4, 1), tr.init(), []
+    src, state, losses = MarkovLanguage(tr.spec.model_config.vocab, 4, 1), tr.init(), []
     t0 = time.perf_counter()
     for i in range(20):
         state, m = tr.step(state, jax.device_put(src.rows(0, i, range(1), 32768), tr.batch_sharding))

@@ -40,7 +40,7 @@ def bench(name: str, overrides: list[str], steps: int) -> dict:
     compile_s = time.perf_counter() - t0
     coll = summarize(collectives(compiled.as_text(), tr.describe()["mesh"]))
     state = tr.init()
-    source = make_source(cfg.data, cfg.batch, cfg.eval, tr.spec.cfg.vocab)
+    source = make_source(cfg.data, cfg.batch, cfg.eval, tr.spec.model_config.vocab)
     data = Batches(source, tr.batch_sharding, cfg.batch.global_size, cfg.batch.length, cfg.data.seed)
     times, metrics = [], None
     for i in range(steps):

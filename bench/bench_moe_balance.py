@@ -56,7 +56,7 @@ def load_ratio(tr, state, tokens) -> float:
 def run(extra, steps):
     cfg = load_config(None, BASE + extra)
     tr = Trainer(cfg, devices=jax.devices()[:1])
-    source = MarkovLanguage(tr.spec.cfg.vocab, 4, 1)
+    source = MarkovLanguage(tr.spec.model_config.vocab, 4, 1)
     data = Batches(source, tr.batch_sharding, cfg.batch.global_size, cfg.batch.length, cfg.data.seed,
                    batch_spec=tr.batch_spec)
     held_out = np.asarray(source.rows(seed=123, step=0, rows=range(64), length=cfg.batch.length))[:, :-1]

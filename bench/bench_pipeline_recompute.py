@@ -38,7 +38,7 @@ def run(schedule: str, remat: str, p: int, m: int, micro: int, steps: int, warmu
     step = tr.compile()
     temp = memory(step)["temp"]
     state = tr.init()
-    data = Batches(make_source(cfg.data, cfg.batch, cfg.eval, tr.spec.cfg.vocab), tr.batch_sharding, cfg.batch.global_size,
+    data = Batches(make_source(cfg.data, cfg.batch, cfg.eval, tr.spec.model_config.vocab), tr.batch_sharding, cfg.batch.global_size,
                    cfg.batch.length, cfg.data.seed)
     batches = [next(data) for _ in range(warmup + steps)]
     for b in batches[:warmup]:

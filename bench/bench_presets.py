@@ -45,7 +45,7 @@ def main() -> None:
         step = tr.compile()
         compile_s = time.perf_counter() - t0
         state = tr.init()
-        data = Batches(make_source(cfg.data, cfg.batch, cfg.eval, tr.spec.cfg.vocab), tr.batch_sharding, cfg.batch.global_size,
+        data = Batches(make_source(cfg.data, cfg.batch, cfg.eval, tr.spec.model_config.vocab), tr.batch_sharding, cfg.batch.global_size,
                        cfg.batch.length, cfg.data.seed)
         batches = [next(data) for _ in range(args.warmup + args.steps)]
         for b in batches[:args.warmup]:

@@ -6,7 +6,7 @@ import numpy as np, jax
 from meshpar.core.config import load_config
 from meshpar.serve.engine import Engine
 from meshpar.serve.scheduler import Scheduler
-from meshpar.serve.batching import Request
+from meshpar.serve.requests import Request
 from meshpar.serve.sampling import Sampling
 print(jax.__version__, jax.devices())
 cfg = load_config(None, ["model.size=tiny", "model.vocab=256", "serve.slots=4", "serve.cache_length=256",

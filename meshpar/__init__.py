@@ -60,7 +60,7 @@ _API = {
     "Trainer": "meshpar.train.step", "lm_loss": "meshpar.train.loss", "run": "meshpar.train.loop",
     "Checkpointer": "meshpar.io.checkpoint", "report": "meshpar.plan.inspect",
     # serving
-    "Engine": "meshpar.serve.engine", "Request": "meshpar.serve.batching", "Completion": "meshpar.serve.batching",
+    "Engine": "meshpar.serve.engine", "Request": "meshpar.serve.requests", "Completion": "meshpar.serve.requests",
     "Sampling": "meshpar.serve.sampling",
     # errors
     "MeshparError": "meshpar.core.errors", "ConfigError": "meshpar.core.errors", "ShardingError": "meshpar.core.errors",

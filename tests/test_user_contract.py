@@ -139,10 +139,9 @@ def test_the_encoder_decoder_trains_from_a_source_that_uses_its_length_and_count
     for rec in steps:           # MFU = model FLOPs per step / step time / (1 TFLOP/s x 8 devices)
         assert rec["mfu"] == pytest.approx(flops["model_per_step"] / rec["step_time_s"] / 8e12, rel=1e-9)
     declared = meshpar.load_config(REPO / "examples" / "reverse.yaml", ["train.flops_per_example=1e6"])
-    from meshpar.train.flops import model_flops_per_step
     tr = meshpar.Trainer(declared, model=lambda rngs: reverse_example.reverser(declared, rngs), loss=reverse_example.loss,
                          batch_spec=src.batch_spec(declared.batch.global_size, declared.batch.length))
-    assert model_flops_per_step(tr) == (1e6 * 32, "train.flops_per_example")
+    assert tr.model_flops() == (1e6 * 32, "train.flops_per_example")
 
 
 def test_a_batch_axis_no_rule_covers_is_a_note_a_warning_with_a_suggestion_or_an_error(capsys):

@@ -118,7 +118,7 @@ def _plan_estimate(cfg, target=None) -> str:
 def _generate(cfg, args) -> None:
     """`meshpar generate`: prompts -> Engine.run, streamed (one prompt) or as JSON."""
     from meshpar.serve.sampling import Sampling
-    from meshpar.serve.batching import Request
+    from meshpar.serve.requests import Request
     from meshpar.serve.engine import Engine
     from meshpar.io.tokenizer import ByteTokenizer, HFTokenizer
     texts = bool(args.prompt) or cfg.data.kind == "text" or bool(cfg.data.tokenizer)

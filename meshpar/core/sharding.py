@@ -65,7 +65,7 @@ class ModelSpec:
     treedef: Any           # tree structure of the NNX Param state
     shapes: dict           # params: pure dict path -> jax.ShapeDtypeStruct
     logical: dict          # params: pure dict path -> tuple of logical names (None: replicated)
-    cfg: Any               # the model's own config, if it keeps one as `.cfg` (e.g. DecoderConfig)
+    model_config: Any      # the model's own config, if it keeps one as `.cfg` (e.g. DecoderConfig); not the run config
     var_treedef: Any = None
     var_shapes: dict = field(default_factory=dict)   # non-Param variables, same layout as above
     var_logical: dict = field(default_factory=dict)

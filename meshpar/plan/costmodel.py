@@ -117,7 +117,7 @@ class ModelFacts:
         names = jax.tree.leaves(spec.logical, is_leaf=lambda x: isinstance(x, tuple))
         leaves = [Leaf(path_name(p), tuple(s.shape), tuple(n), bool(n) and n[0] == "layers")
                   for (p, s), n in zip(jax.tree_util.tree_leaves_with_path(spec.shapes), names)]
-        m = spec.cfg
+        m = spec.model_config
         dims = {k: getattr(m, k, None) for k in ("layers", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab")}
         moe = {}
         if any("expert" in lf.names for lf in leaves):

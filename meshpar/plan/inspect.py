@@ -280,14 +280,13 @@ def flops(compiled) -> float | None:
 def report(cfg, trainer=None) -> dict:
     """Compile one train step of `cfg` (no run) and describe it: the `meshpar inspect` JSON (for a
     deviceless target: `meshpar.plan.program.report`)."""
-    from meshpar.train.flops import model_flops_per_step
     from meshpar.train.step import trainer_for
 
     trainer = trainer or trainer_for(cfg)
     compiled = trainer.compile()
     shape = trainer.describe()["mesh"]
     ops = collectives(compiled.as_text(), shape)
-    model_flops, counted = model_flops_per_step(trainer)
+    model_flops, counted = trainer.model_flops()
     out = {
         "mesh": shape, "strategy": cfg.strategy, "precision": cfg.precision, "warnings": trainer.warnings(),
         "params": trainer.sharding_table(),

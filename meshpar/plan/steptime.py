@@ -183,7 +183,7 @@ def _activation_collectives(out: list, facts: ModelFacts, cand: Candidate, cfg, 
         ent_f, ex_f = (f + regather) * (1 + dense + moe * kc), f * (1 + dense + moe * kc) - dead
         ent_b, ex_b = 1 + dense + 2 * moe * kc, 1 + dense + moe * kc
         # the head's input (and its gradient) and the lookup's output; under SP (no pipeline: see
-        # `_Model.for_embed`) a lookup table split over tensor is gathered whole instead
+        # `StageModel.for_embed`) a lookup table split over tensor is gathered whole instead
         table_numel = sum(lf.numel for lf in facts.leaves if lf.path in facts.lookups and sp and p == 1
                           and "tensor" in _axes(res.spec(lf, cand.strategy, shape, "params")))
         for kind, per_layer in ((("all-gather", ent_f + ex_b), ("reduce-scatter", ex_f + ent_b)) if sp else

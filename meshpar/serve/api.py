@@ -41,7 +41,7 @@ from fastapi.responses import JSONResponse
 
 from meshpar.core.errors import ConfigError
 from meshpar.serve import completions as completions_lib
-from meshpar.serve.batching import Request
+from meshpar.serve.requests import Request
 from meshpar.serve.detokenizer import Detokenizer
 from meshpar.serve.fields import Fields
 from meshpar.serve.guard import APIError, Guard, api_keys, exposed

@@ -40,7 +40,7 @@ import numpy as np
 
 from meshpar.core import precision as precision_lib
 from meshpar.core.errors import ConfigError
-from meshpar.serve.batching import Completion, Request
+from meshpar.serve.requests import Completion, Request
 from meshpar.serve.placement import Placement
 from meshpar.serve.programs import DecodePrograms
 from meshpar.serve.sampling import Sampling
@@ -110,7 +110,7 @@ def precheck(cfg, requests, model: Callable | None = None) -> int | None:
     from meshpar.core.sharding import model_spec
     from meshpar.serve.placement import cache_length
     length = cache_length(cfg)
-    vocab = getattr(model_spec(model or default_model(cfg), precision_lib.get_policy(cfg.precision)).cfg, "vocab", None)
+    vocab = getattr(model_spec(model or default_model(cfg), precision_lib.get_policy(cfg.precision)).model_config, "vocab", None)
     vocab = vocab if isinstance(vocab, int) and vocab > 0 else None
     for r in requests:
         _check_length(r, length)

@@ -10,7 +10,7 @@ import uuid
 from typing import Any
 
 from meshpar.core.errors import ConfigError
-from meshpar.serve.batching import Request
+from meshpar.serve.requests import Request
 from meshpar.serve.guard import APIError, invalid_text
 from meshpar.serve.sampling import TOP_LOGPROBS, Sampling
 

@@ -21,7 +21,7 @@ import json
 
 import numpy as np
 
-from meshpar.serve.batching import Completion, Request
+from meshpar.serve.requests import Completion, Request
 from meshpar.serve.sampling import Sampling
 
 

@@ -45,7 +45,7 @@ def _share(ticket) -> tuple:
 
 
 class Prefills:
-    """The admission half of `meshpar.serve.scheduler.Ticks` (its engine, slots, prefix cache and
+    """The admission half of `meshpar.serve.scheduler.TickLoop` (its engine, slots, prefix cache and
     `prefill_chunk`); `partial` holds, per slot, a prompt still being prefilled: [ticket, where its
     cache so far is (a cache tree and its row) or None, positions done]."""
 

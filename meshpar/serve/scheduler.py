@@ -30,7 +30,7 @@ from typing import Callable
 
 import numpy as np
 
-from meshpar.serve.batching import Completion, Request
+from meshpar.serve.requests import Completion, Request
 from meshpar.serve.prefill import Prefills
 from meshpar.serve.prefix import PrefixCache
 
@@ -52,7 +52,7 @@ class Ticket:
     cut: str | None = None          # why it was cut short (`Scheduler.cut`), None if it was not
 
 
-class Ticks(Prefills):
+class TickLoop(Prefills):
     """The tick of the module docstring, on one thread: queue, slots, admission (`Prefills`), emission.
     `prefill_batch`: prompts per prefill call; `prefix`: a PrefixCache or None; `max_waiting`: queue
     bound (None: unbounded); `replicas`: a `meshpar.serve.multihost.Replicas` that shares each tick's
@@ -167,8 +167,8 @@ class Ticks(Prefills):
             _call(t.on_done, t.completion)
 
 
-class Scheduler(Ticks):
-    """Requests -> an engine's slots (see the module docstring): `Ticks` plus what other threads call
+class Scheduler(TickLoop):
+    """Requests -> an engine's slots (see the module docstring): `TickLoop` plus what other threads call
     (submit, cancel) and the loops a server runs (`serve` on process 0, `follow` elsewhere)."""
 
     @classmethod

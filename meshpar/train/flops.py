@@ -10,7 +10,6 @@ import math
 
 import jax
 
-from meshpar.core import config as config_lib
 from meshpar.core.sharding import ModelSpec
 
 
@@ -85,8 +84,9 @@ def matmul_flops(jaxpr) -> float:
     return total
 
 
-def loss_forward_flops(trainer) -> float:
-    """Matmul FLOPs of `trainer.loss` on the whole global batch, forward only (traced, not compiled)."""
+def loss_forward_flops(trainer, seed: int = 0) -> float:
+    """Matmul FLOPs of `trainer.loss` on the whole global batch, forward only (traced, not compiled;
+    the dropout of stacked layers drawn from `seed`, as the step draws it)."""
     from meshpar.core.batch import is_leaf
     from meshpar.core.precision import use_policy
     from meshpar.nn import dropout
@@ -95,21 +95,21 @@ def loss_forward_flops(trainer) -> float:
                          is_leaf=is_leaf)
 
     def forward(params, vars, b):   # traced as the train step traces it (dropout of stacked layers drawn)
-        with use_policy(trainer.policy), dropout.training(trainer.cfg.train.seed, 0):
+        with use_policy(trainer.policy), dropout.training(seed, 0):
             return trainer.loss(spec.merge(params, vars), b)[0]
     return matmul_flops(jax.make_jaxpr(forward)(spec.shapes, spec.var_shapes or {}, batch))
 
 
-def model_flops_per_step(trainer) -> tuple[float, str]:
+def model_flops_per_step(trainer, batch, train, experts_per_token: int) -> tuple[float, str]:
     """Model FLOPs of one optimizer step, what MFU divides, and how they were counted: the built-in
     LM loss by PaLM's per-token formula; another loss by `train.flops_per_example` if set, else as 3 x
     the matmul FLOPs of its forward over the global batch (forward + backward, the 6N = 3 x 2N of
-    Kaplan et al. 2020: the same count for any model, tokens or not). The batch and `moe.routing`
-    are the trainer's run's."""
-    b, t = trainer.cfg.batch, trainer.cfg.train
+    Kaplan et al. 2020: the same count for any model, tokens or not). `batch`, `train`: the run's
+    `cfg.batch` and `cfg.train`; `experts_per_token`: its MoE top-K (`TrainSetup.model_flops`)."""
+    b, t = batch, train
     if trainer.is_lm:
-        per_token = flops_per_token(trainer.spec.cfg, active_params(trainer.spec, config_lib.top_k(trainer.cfg.moe)), b.length)
+        per_token = flops_per_token(trainer.spec.model_config, active_params(trainer.spec, experts_per_token), b.length)
         return per_token * b.global_size * b.length, "6N + 12LHQT per token (PaLM)"
     if t.flops_per_example:
         return t.flops_per_example * b.global_size, "train.flops_per_example"
-    return 3.0 * loss_forward_flops(trainer), "3 x the loss's forward matmuls"
+    return 3.0 * loss_forward_flops(trainer, t.seed), "3 x the loss's forward matmuls"

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from meshpar.core import precision as precision_lib
-from meshpar.train.flops import model_flops_per_step, peak_flops_per_device
+from meshpar.train.flops import peak_flops_per_device
 from meshpar.train.step import Trainer, trainer_for, user_source
 
 PREFETCH = 2          # batches built ahead of the step that consumes them (0: build in the loop)
@@ -65,7 +65,7 @@ def make_evaluator(cfg, trainer: Trainer, source):
 
 def _vocab(cfg, trainer: Trainer) -> int | None:
     """The vocabulary size: the model's own config, else `model.vocab` / `model.args.vocab`."""
-    return getattr(trainer.spec.cfg, "vocab", None) or cfg.model.vocab or cfg.model.args.get("vocab")
+    return getattr(trainer.spec.model_config, "vocab", None) or cfg.model.vocab or cfg.model.args.get("vocab")
 
 
 def run(cfg, metrics_out: str | None = None, console=None, trainer: Trainer | None = None, source=None) -> dict:
@@ -116,7 +116,7 @@ def run(cfg, metrics_out: str | None = None, console=None, trainer: Trainer | No
             data = Prefetch(data, PREFETCH)
         evaluate = make_evaluator(cfg, trainer, source) if cfg.eval.every else None
         profiler = ProfileWindow(cfg.profile, info=log.info)
-        step_flops, _ = model_flops_per_step(trainer)     # model FLOPs of one step (meshpar.train.flops)
+        step_flops, _ = trainer.model_flops()     # model FLOPs of one step (meshpar.train.flops)
         log.info(f"compiled train step in {compile_s:.1f}s; MFU against {peak / 1e12:.3g} TFLOP/s/device ({peak_src})")
 
         start = int(_read(state["step"]))

@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from meshpar.core import precision as precision_lib
 from meshpar.core.batch import Leaf, check_batch_spec, is_leaf, lm_batch_spec
-from meshpar.core.config import BatchConfig, ModelConfig
+from meshpar.core.config import BatchConfig, ModelConfig, top_k
 from meshpar.core.errors import ConfigError, ShardingError
 from meshpar.core.mesh import describe, mesh_shape
 from meshpar.core.platform import of_mesh
@@ -101,7 +101,7 @@ class TrainSetup:
         self.idle_rules = check_rule_names(self.layout.user_rules, _names_used(self.spec, self.batch_spec))
         self.pipelined = self.layout.shape.get("pipeline", 1) > 1
         if self.pipelined:
-            _check_pipeline(self)
+            _check_pipeline(self, cfg.model, cfg.pipeline, cfg.batch)
         self.tx = make_optimizer(cfg.train, cfg.steps, self.spec)
         self.param_shardings = param_shardings(self.spec, self.layout)
         zero = self.layout.strategy.opt_state is not None
@@ -120,13 +120,13 @@ class TrainSetup:
         if self.idle_rules:
             out.append(f"warning: {', '.join(self.idle_rules)} name no parameter, variable or batch leaf of this "
                        "model: they apply only to activations constrained with those names")
-        return (out + _dropless_note(self.cfg, self.layout) + _staged_attention_note(self)
+        return (out + _dropless_note(self.cfg, self.layout) + _staged_attention_note(self.pipelined, self.mesh, self.cfg.model.attention)
                 + [f"warning: {w}" for w in self.batch_warnings])
 
     def sharding_table(self) -> list[dict]:
         """The sharding table of this run: parameters, other state, batch leaves, and with the
         built-in LM loss its tokens' activations [batch, length] (`length` over `context`)."""
-        return sharding_table(self.spec, self.layout, self.batch_spec, _lm_activations(self) if self.is_lm else None)
+        return sharding_table(self.spec, self.layout, self.batch_spec, _lm_activations(self.cfg.batch, self.policy.compute_dtype) if self.is_lm else None)
 
     # -- init ------------------------------------------------------------------------------------
     def _init_fn(self, key):
@@ -170,6 +170,11 @@ class TrainSetup:
     @property
     def is_lm(self) -> bool:
         return getattr(self.loss, "func", self.loss) is lm_loss      # (train.loss_chunks: a partial of it)
+
+    def model_flops(self) -> tuple[float, str]:
+        """Model FLOPs of one optimizer step and how they were counted (`meshpar.train.flops`)."""
+        from meshpar.train.flops import model_flops_per_step
+        return model_flops_per_step(self, self.cfg.batch, self.cfg.train, top_k(self.cfg.moe))
 
     def run_facts(self) -> dict:
         """What a checkpoint keeps of the run that wrote it: its whole config, its seeds, its mesh,
@@ -228,10 +233,11 @@ def _state_shardings(setup: TrainSetup, replicated) -> dict:
                 lambda: precision_lib.LOSS_SCALE.init(setup.policy)))}
 
 
-def _check_pipeline(setup: TrainSetup) -> None:
+def _check_pipeline(setup: TrainSetup, m, pc, batch) -> None:
     """A pipeline cuts the loss into stages (meshpar.nn.stages): the built-in LM loss of a model
     with embed/layers/head, or `stage_loss` of one with pre/layers/post/loss. Errors name the stack
-    as its user wrote it: `model.layers=4`, `model.size=tiny`, or a user model's `MyModel.layers`."""
+    as its user wrote it: `model.layers=4`, `model.size=tiny`, or a user model's `MyModel.layers`.
+    m, pc, batch: the run's `cfg.model`, `cfg.pipeline` and `cfg.batch`."""
     from meshpar.parallel import pipeline
     from meshpar.nn.stages import check_protocol, check_state, stage_loss
     if not setup.is_lm and setup.loss is not stage_loss:
@@ -243,25 +249,23 @@ def _check_pipeline(setup: TrainSetup) -> None:
     with building(setup.policy):
         check_protocol(abstract, lm=setup.is_lm)
     check_state(setup.spec)
-    cfg, m = setup.cfg, setup.cfg.model
     reference = setup.model is None and ":" not in m.name        # a meshpar.models model, sized by model.*
     stack = (f"{type(abstract).__name__}.layers" if not reference else
              f"model.layers={m.layers}" if m.layers else f"model.size={m.size}")
-    pipeline.check(cfg.pipeline, cfg.batch, setup.layout, setup.spec.shapes, stack,
+    pipeline.check(pc, batch, setup.layout, setup.spec.shapes, stack,
                    loss=None if setup.is_lm else setup.loss_name)
 
 
-def _lm_activations(setup) -> dict:
-    """The built-in LM's token activations [batch, length], a row of the sharding table."""
-    b = setup.cfg.batch
-    return {"activations": Leaf((b.global_size, b.length), setup.policy.compute_dtype, ("batch", "length"))}
+def _lm_activations(b, dtype) -> dict:
+    """The built-in LM's token activations [batch, length] (`b`: the run's `cfg.batch`), a row of the sharding table."""
+    return {"activations": Leaf((b.global_size, b.length), dtype, ("batch", "length"))}
 
 
-def _staged_attention_note(setup) -> list[str]:
+def _staged_attention_note(pipelined: bool, mesh, attention: str) -> list[str]:
     """A pipeline on GPU or TPU with model.attention=auto: its stages attend with flash (one line why)."""
     from meshpar.nn.attention import AUTO_FLASH_FROM
-    where = of_mesh(setup.mesh)
-    if not setup.pipelined or where == "cpu" or setup.cfg.model.attention != "auto":
+    where = of_mesh(mesh)
+    if not pipelined or where == "cpu" or attention != "auto":
         return []
     kernel = "cuDNN" if where == "gpu" else "splash"
     return [f"note: model.attention=auto inside pipeline stages uses flash (xla below {AUTO_FLASH_FROM} keys), not "

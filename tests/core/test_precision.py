@@ -22,7 +22,7 @@ from meshpar.train.step import Trainer
 def _setup(*overrides):
     cfg = make_cfg(*overrides)
     tr = Trainer(cfg, devices=devices(8))
-    return tr, lambda: Batches(make_source(cfg.data, cfg.batch, cfg.eval, tr.spec.cfg.vocab), tr.batch_sharding, cfg.batch.global_size,
+    return tr, lambda: Batches(make_source(cfg.data, cfg.batch, cfg.eval, tr.spec.model_config.vocab), tr.batch_sharding, cfg.batch.global_size,
                                cfg.batch.length, cfg.data.seed)
 
 
@@ -131,7 +131,7 @@ def test_fp16_trains_like_bf16():
     for prec in ("bf16", "fp16"):
         cfg = make_cfg(f"precision={prec}", "steps=40", "train.log_every=40", fast=False)
         tr = Trainer(cfg, devices=devices(8))
-        data = Batches(make_source(cfg.data, cfg.batch, cfg.eval, tr.spec.cfg.vocab), tr.batch_sharding, cfg.batch.global_size,
+        data = Batches(make_source(cfg.data, cfg.batch, cfg.eval, tr.spec.model_config.vocab), tr.batch_sharding, cfg.batch.global_size,
                        cfg.batch.length, cfg.data.seed)
         state, losses = tr.init(), []
         for _ in range(cfg.steps):

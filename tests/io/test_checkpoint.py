@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _batches(cfg, tr):
-    return Batches(make_source(cfg.data, cfg.batch, cfg.eval, tr.spec.cfg.vocab), tr.batch_sharding, cfg.batch.global_size,
+    return Batches(make_source(cfg.data, cfg.batch, cfg.eval, tr.spec.model_config.vocab), tr.batch_sharding, cfg.batch.global_size,
                    cfg.batch.length, cfg.data.seed)
 
 

@@ -92,7 +92,7 @@ _REF: dict = {}
 def _train(extra, mesh, n):
     cfg = make_cfg(*COMMON, *extra, mesh=mesh)
     tr = Trainer(cfg, devices=devices(n))
-    state, losses = train_steps(tr, MarkovLanguage(tr.spec.cfg.vocab, 4, 1), cfg, 3)
+    state, losses = train_steps(tr, MarkovLanguage(tr.spec.model_config.vocab, 4, 1), cfg, 3)
     return losses, jax.device_get(state["vars"])
 
 

@@ -32,7 +32,7 @@ def reference(layers: int):
 
 def pipelined(cfg, n):
     tr = Trainer(cfg, devices=devices(n))
-    params, tokens, _, _ = reference(tr.spec.cfg.layers)
+    params, tokens, _, _ = reference(tr.spec.model_config.layers)
     params = jax.device_put(params, tr.param_shardings)
     tokens = jax.device_put(tokens, tr.batch_sharding)
     (loss, aux), grads = jax.jit(tr._grads)(params, tokens)

@@ -31,7 +31,7 @@ def losses(extra, mesh, n, docs=False, trainer=False):
     cfg = make_cfg(*COMMON, *extra, mesh=mesh)
     spec = lm_batch_spec(cfg.batch.global_size, cfg.batch.length, documents=True) if docs else None
     tr = Trainer(cfg, devices=devices(n), batch_spec=spec)
-    vocab = tr.spec.cfg.vocab
+    vocab = tr.spec.model_config.vocab
     source = packed_source(vocab) if docs else MarkovLanguage(vocab, 4, 1)
     got = train_steps(tr, source, cfg, 3)[1]
     return (got, tr) if trainer else got

@@ -352,8 +352,8 @@ def test_embed_and_heads_imply_head_dim_for_every_command():
     assert abs(implied.params / 1e9 - 0.0991) < 5e-4          # the issue's `meshpar plan` figure
     for name in ("decoder", "moe"):
         cfg = load_config(None, ["model.name=" + name, "model.embed=96", "model.heads=4", "model.kv_heads=2"])
-        assert model_spec(default_model(cfg), get_policy(cfg.precision)).cfg.head_dim == 24, name
+        assert model_spec(default_model(cfg), get_policy(cfg.precision)).model_config.head_dim == 24, name
     wide = load_config(None, ["model.embed=96", "model.heads=4", "model.kv_heads=2", "model.head_dim=8"])
-    assert model_spec(default_model(wide), get_policy(wide.precision)).cfg.head_dim == 8
+    assert model_spec(default_model(wide), get_policy(wide.precision)).model_config.head_dim == 8
     with pytest.raises(ConfigError, match="model.embed=100 is not a multiple of model.heads=8: set model.head_dim"):
         ModelFacts.from_config(load_config(None, ["model.embed=100"]))

@@ -11,7 +11,7 @@ from tests.conftest import devices, make_cfg
 from meshpar.core.errors import ConfigError
 from meshpar.core.precision import POLICIES, use_policy
 from meshpar.serve.sampling import Sampling, sample
-from meshpar.serve.batching import Request
+from meshpar.serve.requests import Request
 from meshpar.serve.engine import Engine, sampling_rows
 from meshpar.serve.placement import buckets
 from meshpar.core.batch import is_leaf

@@ -30,7 +30,7 @@ CASES = {
 def one_step(cfg, devs):
     tr = Trainer(cfg, devices=devs)
     state = tr.init()
-    batch = next(Batches(make_source(cfg.data, cfg.batch, cfg.eval, tr.spec.cfg.vocab), tr.batch_sharding, cfg.batch.global_size,
+    batch = next(Batches(make_source(cfg.data, cfg.batch, cfg.eval, tr.spec.model_config.vocab), tr.batch_sharding, cfg.batch.global_size,
                          cfg.batch.length, seed=0))
     (loss, _), grads = jax.jit(tr._grads)(state["params"], batch)
     grads = jax.device_get(grads)

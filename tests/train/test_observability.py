@@ -76,11 +76,10 @@ def test_device_values_are_read_only_at_logging_and_eval_steps(observed):
 def test_the_start_record_holds_the_peak_mfu_divides_by(observed):
     """On CPU: the host's matmul rate (measured once per machine) over the fake devices, said in the
     start record and used by every step's MFU."""
-    from meshpar.train.flops import model_flops_per_step
     start = observed["records"][0]
     peak = start["peak_flops_per_device"]
     assert peak > 0 and start["peak_source"].startswith("host matmul ") and "8 fake devices" in start["peak_source"]
-    flops = model_flops_per_step(observed["trainer"])[0]
+    flops = observed["trainer"].model_flops()[0]
     for rec in [r for r in observed["records"] if r["event"] == "step"]:
         assert rec["mfu"] == pytest.approx(flops / rec["step_time_s"] / (peak * 8), rel=1e-9)
 
@@ -129,7 +128,7 @@ def test_prefetch_gives_the_same_bits_and_resumes_where_training_stopped(monkeyp
     assert sorted(a) == [1, 2, 3, 4, 5] and a == b and with_prefetch["final_loss"] == without["final_loss"]
 
     # the iterator: state() is what was consumed, not what was built ahead; restore drops the rest
-    src = make_source(cfg.data, cfg.batch, cfg.eval, tr.spec.cfg.vocab)
+    src = make_source(cfg.data, cfg.batch, cfg.eval, tr.spec.model_config.vocab)
     plain = Batches(src, tr.batch_sharding, cfg.batch.global_size, cfg.batch.length, cfg.data.seed)
     want = [np.asarray(next(plain)) for _ in range(6)]
     it = Prefetch(Batches(src, tr.batch_sharding, cfg.batch.global_size, cfg.batch.length, cfg.data.seed), depth=3)
@@ -192,9 +191,9 @@ def test_eval_records_every_n_steps_close_to_the_training_loss(observed):
 def test_eval_stream_is_disjoint_from_training(observed, tmp_path):
     from meshpar.train.loop import make_evaluator
     cfg, tr = observed["cfg"], observed["trainer"]
-    ev = make_evaluator(cfg, tr, make_source(cfg.data, cfg.batch, cfg.eval, tr.spec.cfg.vocab))
+    ev = make_evaluator(cfg, tr, make_source(cfg.data, cfg.batch, cfg.eval, tr.spec.model_config.vocab))
     held = np.concatenate([np.asarray(b) for b in ev._held_out()])
-    vocab, b, t = tr.spec.cfg.vocab, cfg.batch.global_size, cfg.batch.length
+    vocab, b, t = tr.spec.model_config.vocab, cfg.batch.global_size, cfg.batch.length
     data = Batches(make_source(cfg.data, cfg.batch, cfg.eval, vocab), tr.batch_sharding, b, t, cfg.data.seed)
     trained = np.concatenate([np.asarray(next(data)) for _ in range(STEPS)])
     assert not {r.tobytes() for r in held} & {r.tobytes() for r in trained}

@@ -101,8 +101,7 @@ def test_dropout_in_stacked_layers_trains_and_changes_the_loss(one_device, no_dr
     off, _, _ = _run(no_dropout)
     assert all(np.isfinite(losses)) and abs(losses[0] - off[0]) > 1e-3, (losses, off)
     assert not jax.tree.leaves(tr.spec.var_shapes), "the stacked layers' streams should not be carried state"
-    from meshpar.train.flops import model_flops_per_step
-    assert model_flops_per_step(tr)[0] > 0         # the loop's MFU traces the loss as the step does
+    assert tr.model_flops()[0] > 0         # the loop's MFU traces the loss as the step does
 
 
 def test_same_seed_same_run_and_each_step_draws_new_masks(one_device):
