@@ -19,6 +19,7 @@ Each case runs in its own process, so each runtime peak is its own. A bf16 matmu
 gives the peak this device reaches. Needs an accelerator: on CPU it says so and exits 0 (the GPU
 issue's checks are run on a lent machine; `--allow-cpu` with `--cases tiny` rehearses the script).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,9 +31,16 @@ import time
 from collections import defaultdict
 
 LLAMA3_8B = ["model.size=7b", "model.kv_heads=8", "model.mlp=14336", "model.vocab=128256", "model.rope_theta=500000"]
-COMMON = ["strategy=fsdp", "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "precision=bf16", "model.remat=full",
-          "batch.microbatches=1"]
-CASES = {   # name -> overrides; the largest Llama-3 8B that trains on one 80 GB device keeps 8 of its 32 layers
+COMMON = [
+    "strategy=fsdp",
+    "mesh.data=1",
+    "mesh.fsdp=1",
+    "mesh.tensor=1",
+    "precision=bf16",
+    "model.remat=full",
+    "batch.microbatches=1",
+]
+CASES = {  # name -> overrides; the largest Llama-3 8B that trains on one 80 GB device keeps 8 of its 32 layers
     "1b": ["model.size=1b", "batch.length=4096", "batch.global_size=8"],
     "1b-v128k": ["model.size=1b", "model.vocab=128256", "batch.length=4096", "batch.global_size=8"],  # logits the peak
     "l3-8L": [*LLAMA3_8B, "model.layers=8", "batch.length=4096", "batch.global_size=4"],
@@ -68,7 +76,7 @@ def peak_matmul(jax, jnp) -> float:
     for _ in range(10):
         out = f(a, b)
     out.block_until_ready()
-    return 2 * n ** 3 * 10 / (time.perf_counter() - t0) / 1e12
+    return 2 * n**3 * 10 / (time.perf_counter() - t0) / 1e12
 
 
 def profile_summary(trace_dir: str, steps: int, top: int = 25) -> dict:
@@ -76,6 +84,7 @@ def profile_summary(trace_dir: str, steps: int, top: int = 25) -> dict:
     import glob
 
     from jax.profiler import ProfileData
+
     files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
     if not files:
         return {"error": f"no .xplane.pb under {trace_dir}"}
@@ -97,8 +106,13 @@ def profile_summary(trace_dir: str, steps: int, top: int = 25) -> dict:
                     by_kernel[e.name] += e.duration_ns
                     by_kind[kind_of(e.name)] += e.duration_ns
     ms = lambda d: {k: round(v / 1e6 / steps, 3) for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:top]}  # noqa: E731
-    return {"lines": lines_seen, "kernel_ms_per_step": round(sum(by_kernel.values()) / 1e6 / steps, 2),
-            "by_kind_ms": ms(by_kind), "top_kernels_ms": ms(by_kernel), "top_ops_ms": ms(by_op)}
+    return {
+        "lines": lines_seen,
+        "kernel_ms_per_step": round(sum(by_kernel.values()) / 1e6 / steps, 2),
+        "by_kind_ms": ms(by_kind),
+        "top_kernels_ms": ms(by_kernel),
+        "top_ops_ms": ms(by_op),
+    }
 
 
 def run_case(name: str, args) -> dict:
@@ -110,8 +124,8 @@ def run_case(name: str, args) -> dict:
     from meshpar.plan.hardware import PRESETS
     from meshpar.plan.program import kernels
     from meshpar.plan.search import estimate
-    from meshpar.train.data import make_source
     from meshpar.train.batches import Batches
+    from meshpar.train.data import make_source
     from meshpar.train.step import trainer_for
 
     dev = jax.devices()[0]
@@ -128,26 +142,45 @@ def run_case(name: str, args) -> dict:
     ca = (ca[0] if ca else {}) if isinstance(ca, (list, tuple)) else (ca or {})
     hlo = compiled.as_text()
     state = tr.init()
-    data = Batches(make_source(cfg.data, cfg.batch, cfg.eval, tr.spec.model_config.vocab), tr.batch_sharding, cfg.batch.global_size,
-                   cfg.batch.length, cfg.data.seed)
+    data = Batches(
+        make_source(cfg.data, cfg.batch, cfg.eval, tr.spec.model_config.vocab),
+        tr.batch_sharding,
+        cfg.batch.global_size,
+        cfg.batch.length,
+        cfg.data.seed,
+    )
     batches = [next(data) for _ in range(args.warmup + args.steps)]
-    for b in batches[:args.warmup]:
+    for b in batches[: args.warmup]:
         state, m = tr.step(state, b)
     jax.block_until_ready(m)
     t0 = time.perf_counter()
-    for b in batches[args.warmup:]:
+    for b in batches[args.warmup :]:
         state, m = tr.step(state, b)
     jax.block_until_ready(m)
     step_s = (time.perf_counter() - t0) / args.steps
-    out = {"case": name, "overrides": CASES[name], "device": dev.device_kind, "jax": jax.__version__,
-           "compile_s": round(compile_s, 1), "step_s": step_s, "loss": float(m["loss"]),
-           "model_flops": tr.model_flops()[0], "hlo_flops": ca.get("flops"), "hlo_bytes": ca.get("bytes accessed"),
-           "peak_flops": hw.peak_flops, "hbm_bw": (hw.target or {}).get("memory_bandwidth"),
-           "compiled_peak": mem.get("peak_estimate"), "compiled_memory": mem,
-           "runtime_peak": (dev.memory_stats() or {}).get("peak_bytes_in_use"),
-           "pred_total": pred["memory"]["total"], "pred_memory": pred["memory"],
-           "pred_step_s": pred["time"]["step_s"], "pred_mfu": pred["time"]["mfu"], "efficiency": hw.efficiency,
-           "kernels": kernels(hlo)}
+    out = {
+        "case": name,
+        "overrides": CASES[name],
+        "device": dev.device_kind,
+        "jax": jax.__version__,
+        "compile_s": round(compile_s, 1),
+        "step_s": step_s,
+        "loss": float(m["loss"]),
+        "model_flops": tr.model_flops()[0],
+        "hlo_flops": ca.get("flops"),
+        "hlo_bytes": ca.get("bytes accessed"),
+        "peak_flops": hw.peak_flops,
+        "hbm_bw": (hw.target or {}).get("memory_bandwidth"),
+        "compiled_peak": mem.get("peak_estimate"),
+        "compiled_memory": mem,
+        "runtime_peak": (dev.memory_stats() or {}).get("peak_bytes_in_use"),
+        "pred_total": pred["memory"]["total"],
+        "pred_memory": pred["memory"],
+        "pred_step_s": pred["time"]["step_s"],
+        "pred_mfu": pred["time"]["mfu"],
+        "efficiency": hw.efficiency,
+        "kernels": kernels(hlo),
+    }
     out["mfu"] = out["model_flops"] / (step_s * hw.peak_flops)
     out["pred_compute_s"] = pred["time"]["compute_s"]
     out["pred_flops"] = pred["time"]["flops"]
@@ -171,11 +204,14 @@ def roofline_s(r: dict) -> float:
 
 
 def table(rows: list[dict], peak_tflops: float | None) -> str:
-    gib = 2 ** 30
-    lines = [f"Measured bf16 matmul 8192^3: {peak_tflops:.0f} TFLOP/s" if peak_tflops else "",
-             "", "| case | step (ms) | MFU | planner step (ms) | measured/planner | roofline (ms) | runtime peak (GiB) "
-             "| compiled peak (GiB) | runtime/compiled | planner total (GiB) | planner/runtime | compile (s) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    gib = 2**30
+    lines = [
+        f"Measured bf16 matmul 8192^3: {peak_tflops:.0f} TFLOP/s" if peak_tflops else "",
+        "",
+        "| case | step (ms) | MFU | planner step (ms) | measured/planner | roofline (ms) | runtime peak (GiB) "
+        "| compiled peak (GiB) | runtime/compiled | planner total (GiB) | planner/runtime | compile (s) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['case']} | failed: {r['error']} |")
@@ -185,7 +221,8 @@ def table(rows: list[dict], peak_tflops: float | None) -> str:
             f"| {r['case']} | {r['step_s'] * 1e3:.1f} | {r['mfu']:.3f} | {r['pred_step_s'] * 1e3:.1f} | "
             f"{r['step_s'] / r['pred_step_s']:.2f} | {roofline_s(r) * 1e3:.1f} | {rt / gib:.2f} | {cp / gib:.2f} | "
             f"{rt / cp if cp else 0:.3f} | {r['pred_total'] / gib:.2f} | {r['pred_total'] / rt if rt else 0:.2f} | "
-            f"{r['compile_s']} |")
+            f"{r['compile_s']} |"
+        )
     return "\n".join(lines)
 
 
@@ -200,7 +237,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=int, default=300, help="seconds per case")
     ap.add_argument("--allow-cpu", action="store_true")
     ap.add_argument("--table", metavar="JSON", help="print the table of an earlier run's --json and exit")
-    ap.add_argument("--case", help=argparse.SUPPRESS)       # the child process's one case
+    ap.add_argument("--case", help=argparse.SUPPRESS)  # the child process's one case
     ap.add_argument("overrides", nargs="*", help="extra KEY=VALUE config overrides for every case")
     args = ap.parse_args()
     if args.table:
@@ -211,10 +248,16 @@ def main() -> None:
     if args.case == "probe":
         import jax
         import jax.numpy as jnp
+
         dev = jax.devices()[0]
         peak = peak_matmul(jax, jnp) if dev.platform != "cpu" else None
-        print("ROW " + json.dumps({"platform": dev.platform, "device": dev.device_kind, "jax": jax.__version__,
-                                   "matmul_tflops": peak}), flush=True)
+        print(
+            "ROW "
+            + json.dumps(
+                {"platform": dev.platform, "device": dev.device_kind, "jax": jax.__version__, "matmul_tflops": peak}
+            ),
+            flush=True,
+        )
         return
     if args.case:
         print("ROW " + json.dumps(run_case(args.case, args)), flush=True)
@@ -223,8 +266,21 @@ def main() -> None:
     env = {**os.environ, "XLA_PYTHON_CLIENT_MEM_FRACTION": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")}
 
     def child(name: str) -> dict:
-        cmd = [sys.executable, __file__, "--case", name, "--steps", str(args.steps), "--warmup", str(args.warmup),
-               "--profile", args.profile, "--trace-dir", args.trace_dir, *args.overrides]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--case",
+            name,
+            "--steps",
+            str(args.steps),
+            "--warmup",
+            str(args.warmup),
+            "--profile",
+            args.profile,
+            "--trace-dir",
+            args.trace_dir,
+            *args.overrides,
+        ]
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
             row = next((json.loads(x[4:]) for x in p.stdout.splitlines() if x.startswith("ROW ")), None)
@@ -235,12 +291,17 @@ def main() -> None:
 
     probe = child("probe")
     if probe.get("platform", "cpu") == "cpu" and not args.allow_cpu:
-        print(f"bench_device: no accelerator here ({probe.get('error') or 'jax sees only CPU devices'}); "
-              "run it where a GPU or TPU is")
+        print(
+            f"bench_device: no accelerator here ({probe.get('error') or 'jax sees only CPU devices'}); "
+            "run it where a GPU or TPU is"
+        )
         return
     peak = probe.get("matmul_tflops")
-    print(f"{probe['device']}, jax {probe['jax']}, python {sys.version.split()[0]}"
-          + (f"; bf16 matmul 8192^3: {peak:.0f} TFLOP/s" if peak else ""), flush=True)
+    print(
+        f"{probe['device']}, jax {probe['jax']}, python {sys.version.split()[0]}"
+        + (f"; bf16 matmul 8192^3: {peak:.0f} TFLOP/s" if peak else ""),
+        flush=True,
+    )
     rows = []
     for name in args.cases.split(","):
         row = child(name)

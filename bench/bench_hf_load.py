@@ -8,6 +8,7 @@ shards (~312 MB) with an index, then in this process loads it with meshpar into 
 weights' bytes, the process's resident memory before, at its peak (ru_maxrss) and after loading,
 and tracemalloc's transient peak (numpy blocks alive beyond what stays as weights).
 """
+
 import argparse
 import json
 import os
@@ -22,11 +23,20 @@ from pathlib import Path
 def build(d: Path) -> None:
     import torch
     import transformers
+
     torch.manual_seed(0)
-    c = transformers.LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
-                                 num_attention_heads=16, num_key_value_heads=4, torch_dtype="bfloat16")
-    transformers.LlamaForCausalLM(c).to(torch.bfloat16).save_pretrained(d, safe_serialization=True,
-                                                                          max_shard_size="200MB")
+    c = transformers.LlamaConfig(
+        vocab_size=32000,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        torch_dtype="bfloat16",
+    )
+    transformers.LlamaForCausalLM(c).to(torch.bfloat16).save_pretrained(
+        d, safe_serialization=True, max_shard_size="200MB"
+    )
 
 
 def rss() -> int:
@@ -42,18 +52,31 @@ def main() -> None:
     d = Path(args.dir)
     if not (d / "config.json").exists():
         # built in a child process, so torch's memory is not this process's
-        subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
-                        f"import bench_hf_load as b; from pathlib import Path; b.build(Path({str(d)!r}))"], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+                f"import bench_hf_load as b; from pathlib import Path; b.build(Path({str(d)!r}))",
+            ],
+            check=True,
+        )
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
+
     from meshpar.core.config import load_config
     from meshpar.train.step import Trainer
-    mesh = ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "strategy=dp"] if args.devices == 1 else \
-        ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "strategy=fsdp_tp"]
-    cfg = load_config(None, [f"model.init_from=hf:{d}", "precision=fp32", f"devices={args.devices}",
-                             "batch.global_size=8", *mesh])
-    tr = Trainer(cfg, devices=jax.devices()[:args.devices])
+
+    mesh = (
+        ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "strategy=dp"]
+        if args.devices == 1
+        else ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "strategy=fsdp_tp"]
+    )
+    cfg = load_config(
+        None, [f"model.init_from=hf:{d}", "precision=fp32", f"devices={args.devices}", "batch.global_size=8", *mesh]
+    )
+    tr = Trainer(cfg, devices=jax.devices()[: args.devices])
     ckpt = sum(f.stat().st_size for f in d.glob("*.safetensors"))
     before = rss()
     tracemalloc.start()
@@ -65,10 +88,22 @@ def main() -> None:
     after = rss()
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     weights = sum(x.nbytes for x in jax.tree.leaves(params))
-    print(json.dumps({"devices": args.devices, "checkpoint_bytes": ckpt, "weights_bytes": weights,
-                      "rss_before": before, "rss_peak": maxrss, "rss_after": after,
-                      "peak_growth": maxrss - before, "transient_beyond_weights": maxrss - after,
-                      "tracemalloc_transient": peak - kept, "load_s": round(seconds, 2)}))
+    print(
+        json.dumps(
+            {
+                "devices": args.devices,
+                "checkpoint_bytes": ckpt,
+                "weights_bytes": weights,
+                "rss_before": before,
+                "rss_peak": maxrss,
+                "rss_after": after,
+                "peak_growth": maxrss - before,
+                "transient_beyond_weights": maxrss - after,
+                "tracemalloc_transient": peak - kept,
+                "load_s": round(seconds, 2),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ host sync between steps), then waits for the last; step time = round wall time /
 variants alternate within each round so load from other processes hits them alike. Printed:
 median step time per variant and its ratio to `constant`, plus the host time to build one batch.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,8 +27,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from meshpar.core.config import load_config  # noqa: E402
+from meshpar.train.batches import Batches, Prefetch  # noqa: E402
 from meshpar.train.data import make_source  # noqa: E402
-from meshpar.train.batches import Batches, Prefetch
 from meshpar.train.step import Trainer  # noqa: E402
 
 
@@ -66,11 +67,27 @@ def main() -> None:
     floor = float(np.median(times["constant"]))
     for name, ts in times.items():
         med = float(np.median(ts))
-        print(json.dumps({"variant": name, "step_ms_median": round(1e3 * med, 2),
-                          "step_ms_min_max": [round(1e3 * min(ts), 2), round(1e3 * max(ts), 2)],
-                          "vs_constant": round(med / floor, 3)}), flush=True)
-    print(json.dumps({"host_build_ms_per_batch": round(build_ms, 2), "batch": [cfg.batch.global_size,
-                      cfg.batch.length + 1], "mesh": tr.describe()["mesh_str"], "strategy": cfg.strategy}))
+        print(
+            json.dumps(
+                {
+                    "variant": name,
+                    "step_ms_median": round(1e3 * med, 2),
+                    "step_ms_min_max": [round(1e3 * min(ts), 2), round(1e3 * max(ts), 2)],
+                    "vs_constant": round(med / floor, 3),
+                }
+            ),
+            flush=True,
+        )
+    print(
+        json.dumps(
+            {
+                "host_build_ms_per_batch": round(build_ms, 2),
+                "batch": [cfg.batch.global_size, cfg.batch.length + 1],
+                "mesh": tr.describe()["mesh_str"],
+                "strategy": cfg.strategy,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@
 Runs configs/moe-tiny.yaml (expert=4 x data=2, dp preset) with top2, top1 and dropless routing, and
 the dense decoder of the same size on the same mesh. CPU timings are only comparable to each other.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,9 +20,9 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from meshpar.core.config import CONFIG_DIR, load_config  # noqa: E402
-from meshpar.train.data import make_source  # noqa: E402
-from meshpar.train.batches import Batches
 from meshpar.plan.inspect import collectives, summarize  # noqa: E402
+from meshpar.train.batches import Batches  # noqa: E402
+from meshpar.train.data import make_source  # noqa: E402
 from meshpar.train.step import Trainer  # noqa: E402
 
 VARIANTS = {
@@ -48,14 +49,19 @@ def bench(name: str, overrides: list[str], steps: int) -> dict:
         t = time.perf_counter()
         state, metrics = compiled(state, batch)
         jax.block_until_ready(metrics)
-        if i >= 2:                                   # skip warm-up steps
+        if i >= 2:  # skip warm-up steps
             times.append(time.perf_counter() - t)
     m = jax.device_get(metrics)
-    return {"variant": name, "params": tr.spec.num_params, "compile_s": round(compile_s, 2),
-            "step_ms_median": round(1e3 * float(np.median(times)), 1), "final_loss": round(float(m["loss"]), 4),
-            "drop_fraction": np.asarray(m.get("drop_fraction", [])).round(4).tolist(),
-            "collective_bytes": {k: v["bytes"] for k, v in coll.items()},
-            "collective_axes": {k: v["axes"] for k, v in coll.items()}}
+    return {
+        "variant": name,
+        "params": tr.spec.num_params,
+        "compile_s": round(compile_s, 2),
+        "step_ms_median": round(1e3 * float(np.median(times)), 1),
+        "final_loss": round(float(m["loss"]), 4),
+        "drop_fraction": np.asarray(m.get("drop_fraction", [])).round(4).tolist(),
+        "collective_bytes": {k: v["bytes"] for k, v in coll.items()},
+        "collective_axes": {k: v["axes"] for k, v in coll.items()},
+    }
 
 
 def main() -> None:

@@ -11,6 +11,7 @@ bias (`moe.balance=bias`, aux loss off) at two rates. Printed per run: max/min e
 worse of the two layers) on a fixed held-out batch of 64 x 64 tokens (8,192 assignments, so
 sampling noise is ~3%) at steps 0, 10, 50, 100 and the end, and the final training loss.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,13 +21,28 @@ import jax
 import numpy as np
 
 from meshpar.core.config import load_config
-from meshpar.train.data import MarkovLanguage
 from meshpar.train.batches import Batches
+from meshpar.train.data import MarkovLanguage
 from meshpar.train.step import Trainer
 
-BASE = ["precision=fp32", "model.name=moe", "moe.every=1", "model.layers=2", "batch.length=64", "batch.global_size=8",
-        "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "moe.num_experts=8", "moe.top_k=2", "moe.score=sigmoid",
-        "moe.shared_experts=1", "moe.expert_mlp=64", "moe.capacity_factor=null", "train.warmup_steps=10"]
+BASE = [
+    "precision=fp32",
+    "model.name=moe",
+    "moe.every=1",
+    "model.layers=2",
+    "batch.length=64",
+    "batch.global_size=8",
+    "mesh.data=1",
+    "mesh.fsdp=1",
+    "mesh.tensor=1",
+    "moe.num_experts=8",
+    "moe.top_k=2",
+    "moe.score=sigmoid",
+    "moe.shared_experts=1",
+    "moe.expert_mlp=64",
+    "moe.capacity_factor=null",
+    "train.warmup_steps=10",
+]
 RUNS = {
     "no balancing": ["moe.balance=aux", "moe.aux_loss_weight=0"],
     "aux loss 0.01": ["moe.balance=aux", "moe.aux_loss_weight=0.01"],
@@ -47,6 +63,7 @@ def skew(state):
 def load_ratio(tr, state, tokens) -> float:
     """max/min expert load on `tokens`, the worse MoE layer, with the state's parameters and bias."""
     from meshpar.core.precision import use_policy
+
     model = tr.spec.merge(jax.device_get(state["params"]), jax.device_get(state["vars"]))
     with use_policy(tr.policy):
         _, aux = model(tokens)
@@ -57,8 +74,9 @@ def run(extra, steps):
     cfg = load_config(None, BASE + extra)
     tr = Trainer(cfg, devices=jax.devices()[:1])
     source = MarkovLanguage(tr.spec.model_config.vocab, 4, 1)
-    data = Batches(source, tr.batch_sharding, cfg.batch.global_size, cfg.batch.length, cfg.data.seed,
-                   batch_spec=tr.batch_spec)
+    data = Batches(
+        source, tr.batch_sharding, cfg.batch.global_size, cfg.batch.length, cfg.data.seed, batch_spec=tr.batch_spec
+    )
     held_out = np.asarray(source.rows(seed=123, step=0, rows=range(64), length=cfg.batch.length))[:, :-1]
     state = skew(tr.init())
     at, loss = {0: load_ratio(tr, state, held_out)}, None

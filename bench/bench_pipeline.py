@@ -8,6 +8,7 @@ GPipe stashes one stage input [b, T, E] per microbatch (M of them) while 1F1B ho
 flight, so 1F1B's temporary memory should barely move with M and GPipe's should grow ~linearly.
 Nothing runs: every number is from compiling one train step on fake CPU devices.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,27 +22,51 @@ os.environ["XLA_FLAGS"] = " ".join(_flags + ["--xla_force_host_platform_device_c
 
 import jax  # noqa: E402
 
-from meshpar.parallel import schedules  # noqa: E402
 from meshpar.core.config import load_config  # noqa: E402
+from meshpar.parallel import schedules  # noqa: E402
 from meshpar.plan.inspect import memory  # noqa: E402
 from meshpar.train.step import Trainer  # noqa: E402
 
-MODEL = ["model.layers=8", "model.embed=128", "model.mlp=512", "model.heads=4", "model.kv_heads=4",
-         "model.head_dim=32", "model.vocab=256", "batch.length=128", "precision=fp32", "strategy=fsdp_tp"]
+MODEL = [
+    "model.layers=8",
+    "model.embed=128",
+    "model.mlp=512",
+    "model.heads=4",
+    "model.kv_heads=4",
+    "model.head_dim=32",
+    "model.vocab=256",
+    "batch.length=128",
+    "precision=fp32",
+    "strategy=fsdp_tp",
+]
 
 
 def measure(schedule: str, p: int, m: int, micro: int, v: int) -> dict:
-    overrides = MODEL + [f"mesh.pipeline={p}", "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "mesh.expert=1",
-                         f"pipeline.schedule={schedule}", f"pipeline.microbatches={m}",
-                         f"pipeline.virtual_stages={v if schedule == 'interleaved' else 1}",
-                         f"batch.global_size={m * micro}"]
+    overrides = MODEL + [
+        f"mesh.pipeline={p}",
+        "mesh.data=1",
+        "mesh.fsdp=1",
+        "mesh.tensor=1",
+        "mesh.expert=1",
+        f"pipeline.schedule={schedule}",
+        f"pipeline.microbatches={m}",
+        f"pipeline.virtual_stages={v if schedule == 'interleaved' else 1}",
+        f"batch.global_size={m * micro}",
+    ]
     cfg = load_config(None, overrides)
     trainer = Trainer(cfg, devices=jax.devices()[:p])
     mem = memory(trainer.compile())
     table = schedules.schedule_table(schedule, p, m, v if schedule == "interleaved" else 1)
-    return {"schedule": schedule, "P": p, "M": m, "v": v if schedule == "interleaved" else 1, "micro": micro,
-            "temp_bytes": mem["temp"], "bubble": schedules.bubble_fraction(table),
-            "max_in_flight": max(schedules.in_flight(table))}
+    return {
+        "schedule": schedule,
+        "P": p,
+        "M": m,
+        "v": v if schedule == "interleaved" else 1,
+        "micro": micro,
+        "temp_bytes": mem["temp"],
+        "bubble": schedules.bubble_fraction(table),
+        "max_in_flight": max(schedules.in_flight(table)),
+    }
 
 
 def main(argv=None) -> int:
@@ -65,8 +90,10 @@ def main(argv=None) -> int:
     base = {(r["P"], r["schedule"]): r["temp_bytes"] for r in rows if r["M"] == 4 * r["P"]}
     for r in rows:
         b = base[(r["P"], r["schedule"])]
-        print(f"| {r['P']} | {r['M']} | {r['schedule']} | {r['v']} | {r['bubble']:.3f} | {r['max_in_flight']} | "
-              f"{r['temp_bytes'] / 2**20:.2f} | {r['temp_bytes'] / b:.2f} | {(r['temp_bytes'] - b) / 2**20:+.2f} |")
+        print(
+            f"| {r['P']} | {r['M']} | {r['schedule']} | {r['v']} | {r['bubble']:.3f} | {r['max_in_flight']} | "
+            f"{r['temp_bytes'] / 2**20:.2f} | {r['temp_bytes'] / b:.2f} | {(r['temp_bytes'] - b) / 2**20:+.2f} |"
+        )
     return 0
 
 

@@ -11,6 +11,7 @@ GPipe does one more forward of the layers than 1F1B (4 passes against 3 under `n
 under `full`), and 1F1B's temporaries grow with what the policy saves, times up to 2P - 1
 microbatches in flight.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,27 +20,55 @@ import time
 
 from meshpar.core.mesh import fake_cpu_devices
 
-MODEL = ["model.layers=8", "model.embed=128", "model.mlp=512", "model.heads=4", "model.kv_heads=4",
-         "model.head_dim=32", "model.vocab=256", "batch.length=128", "precision=fp32", "strategy=dp"]
+MODEL = [
+    "model.layers=8",
+    "model.embed=128",
+    "model.mlp=512",
+    "model.heads=4",
+    "model.kv_heads=4",
+    "model.head_dim=32",
+    "model.vocab=256",
+    "batch.length=128",
+    "precision=fp32",
+    "strategy=dp",
+]
 
 
 def run(schedule: str, remat: str, p: int, m: int, micro: int, steps: int, warmup: int) -> dict:
     import jax
 
     from meshpar.core.config import load_config
-    from meshpar.train.data import make_source
-    from meshpar.train.batches import Batches
     from meshpar.plan.inspect import memory
+    from meshpar.train.batches import Batches
+    from meshpar.train.data import make_source
     from meshpar.train.step import Trainer
-    cfg = load_config(None, MODEL + [f"mesh.pipeline={p}", "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1",
-                                     "mesh.expert=1", f"model.remat={remat}", f"pipeline.schedule={schedule}",
-                                     f"pipeline.microbatches={m}", f"batch.global_size={m * micro}"])
+
+    cfg = load_config(
+        None,
+        MODEL
+        + [
+            f"mesh.pipeline={p}",
+            "mesh.data=1",
+            "mesh.fsdp=1",
+            "mesh.tensor=1",
+            "mesh.expert=1",
+            f"model.remat={remat}",
+            f"pipeline.schedule={schedule}",
+            f"pipeline.microbatches={m}",
+            f"batch.global_size={m * micro}",
+        ],
+    )
     tr = Trainer(cfg, devices=jax.devices()[:p])
     step = tr.compile()
     temp = memory(step)["temp"]
     state = tr.init()
-    data = Batches(make_source(cfg.data, cfg.batch, cfg.eval, tr.spec.model_config.vocab), tr.batch_sharding, cfg.batch.global_size,
-                   cfg.batch.length, cfg.data.seed)
+    data = Batches(
+        make_source(cfg.data, cfg.batch, cfg.eval, tr.spec.model_config.vocab),
+        tr.batch_sharding,
+        cfg.batch.global_size,
+        cfg.batch.length,
+        cfg.data.seed,
+    )
     batches = [next(data) for _ in range(warmup + steps)]
     for b in batches[:warmup]:
         state, met = step(state, b)
@@ -48,8 +77,13 @@ def run(schedule: str, remat: str, p: int, m: int, micro: int, steps: int, warmu
     for b in batches[warmup:]:
         state, met = step(state, b)
     jax.block_until_ready(met)
-    return {"schedule": schedule, "remat": remat, "step_s": (time.perf_counter() - t0) / steps, "temp": temp,
-            "loss": float(met["loss"])}
+    return {
+        "schedule": schedule,
+        "remat": remat,
+        "step_s": (time.perf_counter() - t0) / steps,
+        "temp": temp,
+        "loss": float(met["loss"]),
+    }
 
 
 def main(argv=None) -> int:
@@ -66,14 +100,20 @@ def main(argv=None) -> int:
         pair = [run(s, remat, p, m, args.micro, args.steps, args.warmup) for s in ("gpipe", "1f1b")]
         rows.append(pair)
         for r in pair:
-            print(f"{r['schedule']:6s} {remat:9s} {r['step_s'] * 1e3:8.1f} ms/step  temp {r['temp'] / 2**20:7.2f} MiB"
-                  f"  loss {r['loss']:.4f}", file=sys.stderr, flush=True)
+            print(
+                f"{r['schedule']:6s} {remat:9s} {r['step_s'] * 1e3:8.1f} ms/step  temp {r['temp'] / 2**20:7.2f} MiB"
+                f"  loss {r['loss']:.4f}",
+                file=sys.stderr,
+                flush=True,
+            )
     print(f"P={p}, M={m}, {args.micro} sequences per microbatch, {args.steps} timed steps after {args.warmup}\n")
     print("| remat | GPipe ms/step | 1F1B ms/step | 1F1B / GPipe time | GPipe temp MiB | 1F1B temp MiB |")
     print("|---|---:|---:|---:|---:|---:|")
     for g, f in rows:
-        print(f"| {g['remat']} | {g['step_s'] * 1e3:.1f} | {f['step_s'] * 1e3:.1f} | {f['step_s'] / g['step_s']:.2f} | "
-              f"{g['temp'] / 2**20:.2f} | {f['temp'] / 2**20:.2f} |")
+        print(
+            f"| {g['remat']} | {g['step_s'] * 1e3:.1f} | {f['step_s'] * 1e3:.1f} | {f['step_s'] / g['step_s']:.2f} | "
+            f"{g['temp'] / 2**20:.2f} | {f['temp'] / 2**20:.2f} |"
+        )
     return 0
 
 

@@ -9,6 +9,7 @@ no sequence parallelism or sharded state). Each winner is given with its predict
 no recompute) beside the paper layout's, so the winners compare on useful work, and the search's
 wall time. The hardware is the `a100-80g` preset (the paper's DGX A100 80GB).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,8 +19,11 @@ import time
 def layout(c: dict) -> str:
     m = " ".join(f"{a[0]}{v}" for a, v in c["mesh"].items() if v > 1)
     pp = c["pipeline"]
-    sched = f" {pp['schedule']} M={pp['microbatches']}" + (f" v={pp['virtual_stages']}" if pp["virtual_stages"] > 1 else "") \
-        if pp else (f" acc={c['microbatches']}" if c["microbatches"] > 1 else "")
+    sched = (
+        f" {pp['schedule']} M={pp['microbatches']}" + (f" v={pp['virtual_stages']}" if pp["virtual_stages"] > 1 else "")
+        if pp
+        else (f" acc={c['microbatches']}" if c["microbatches"] > 1 else "")
+    )
     return f"{c['strategy']} {m} {c['remat']}{sched}"
 
 
@@ -27,6 +31,7 @@ def search(run, strategies=None) -> tuple[dict, float]:
     from meshpar.core.config import load_config
     from meshpar.plan.hardware import load_hardware
     from meshpar.plan.search import plan
+
     cfg = load_config(None, [o for o in run.overrides() if not o.startswith(("mesh.", "strategy=", "pipeline."))])
     cfg.devices = run.gpus
     start = time.perf_counter()
@@ -36,27 +41,35 @@ def search(run, strategies=None) -> tuple[dict, float]:
 
 def main() -> None:
     from meshpar.plan.papers import SOURCE, TABLE1, TABLE2, cost
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--no-search", action="store_true", help="cost the papers' layouts only")
     ap.add_argument("--rows", help="comma-separated row names (default: all)")
     ap.add_argument("--out", help="also write the markdown table here")
     args = ap.parse_args()
     runs = [r for r in TABLE1 + TABLE2 if not args.rows or r.name in args.rows.split(",")]
-    lines = [f"Source: {SOURCE}, Tables 1 and 2; hardware `a100-80g`. HFU: eq. 3 of the paper over the step "
-             f"(recompute counted); MFU: model FLOPs only.", "",
-             "| row | GPUs | paper layout | measured HFU | predicted HFU | ratio | predicted MFU | GiB |"
-             + ("" if args.no_search else " winner (every preset) | MFU | winner (`tp` only) | MFU | search s |"),
-             "|---|---:|---|---:|---:|---:|---:|---:|" + ("" if args.no_search else "---|---:|---|---:|---:|")]
+    lines = [
+        f"Source: {SOURCE}, Tables 1 and 2; hardware `a100-80g`. HFU: eq. 3 of the paper over the step "
+        f"(recompute counted); MFU: model FLOPs only.",
+        "",
+        "| row | GPUs | paper layout | measured HFU | predicted HFU | ratio | predicted MFU | GiB |"
+        + ("" if args.no_search else " winner (every preset) | MFU | winner (`tp` only) | MFU | search s |"),
+        "|---|---:|---|---:|---:|---:|---:|---:|" + ("" if args.no_search else "---|---:|---|---:|---:|"),
+    ]
     for run in runs:
         c = cost(run)
         mfu = c["time"]["mfu"]
-        row = (f"| {run.name} | {run.gpus} | t{run.tensor} p{run.pipeline} d{run.data} {run.strategy} | "
-               f"{c['measured_hfu']:.3f} | {c['hfu']:.3f} | {c['ratio']:.3f} | {mfu:.3f} | {c['memory_gib']:.1f} |")
+        row = (
+            f"| {run.name} | {run.gpus} | t{run.tensor} p{run.pipeline} d{run.data} {run.strategy} | "
+            f"{c['measured_hfu']:.3f} | {c['hfu']:.3f} | {c['ratio']:.3f} | {mfu:.3f} | {c['memory_gib']:.1f} |"
+        )
         if not args.no_search:
             best, secs = search(run)
             tp, secs_tp = search(run, ["tp"])
-            row += (f" {layout(best)} | {best['time']['mfu']:.3f} | {layout(tp)} | {tp['time']['mfu']:.3f} | "
-                    f"{secs:.0f} / {secs_tp:.0f} |")
+            row += (
+                f" {layout(best)} | {best['time']['mfu']:.3f} | {layout(tp)} | {tp['time']['mfu']:.3f} | "
+                f"{secs:.0f} / {secs_tp:.0f} |"
+            )
         print(row, flush=True)
         lines.append(row)
     if args.out:

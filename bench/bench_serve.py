@@ -9,6 +9,7 @@ so achieved bytes/s per device = (weight bytes + cache bytes per device) / step 
 hold against the device's memory bandwidth (H100 SXM 3.35 TB/s, H200 4.8 TB/s).
 Prints one JSON object per measurement and a Markdown table.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,21 +29,35 @@ def main() -> None:
     p.add_argument("overrides", nargs="*", help="config overrides (default: tensor=8, a 4-layer 256-wide model)")
     args = p.parse_args()
     if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
+        os.environ["XLA_FLAGS"] = (
+            os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
+        )
     import jax
     import numpy as np
+
     from meshpar.core.config import load_config
     from meshpar.serve.engine import Engine
 
     base = ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=8", "precision=bf16"]
-    if not any(o.startswith("model.size=") for o in args.overrides):     # a small model unless a size is named
-        base += ["model.layers=4", "model.embed=256", "model.heads=8", "model.kv_heads=8", "model.head_dim=32",
-                 "model.mlp=1024", "model.vocab=1024"]
+    if not any(o.startswith("model.size=") for o in args.overrides):  # a small model unless a size is named
+        base += [
+            "model.layers=4",
+            "model.embed=256",
+            "model.heads=8",
+            "model.kv_heads=8",
+            "model.head_dim=32",
+            "model.mlp=1024",
+            "model.vocab=1024",
+        ]
     rows, weights = [], None
     for slots in [int(s) for s in args.slots.split(",")]:
-        cfg = load_config(None, base + list(args.overrides) + [f"serve.slots={slots}", f"serve.cache_length={args.cache}",
-                                                              "serve.min_bucket=16"])
-        eng = Engine(cfg, devices=jax.devices()[:args.devices], weights=weights, info=lambda m: None)
+        cfg = load_config(
+            None,
+            base
+            + list(args.overrides)
+            + [f"serve.slots={slots}", f"serve.cache_length={args.cache}", "serve.min_bucket=16"],
+        )
+        eng = Engine(cfg, devices=jax.devices()[: args.devices], weights=weights, info=lambda m: None)
         weights = weights or jax.tree.map(np.asarray, eng.weights)
         # time to first token per bucket (compiled first; median of 5 prefills + inserts)
         ttft = {}
@@ -67,23 +82,36 @@ def main() -> None:
         for _ in range(args.steps):
             t = time.perf_counter()
             state, toks, _ = eng.generate(state)
-            np.asarray(toks)                               # the host reads each step's tokens, as `run` does
+            np.asarray(toks)  # the host reads each step's tokens, as `run` does
             times.append(time.perf_counter() - t)
         step = statistics.median(times)
         b = eng.bytes_per_device()
-        row = {"slots": slots, "ttft_s": ttft, "decode_step_s": step, "tokens_per_s": slots / step,
-               "weight_bytes_per_device": b["weights"], "cache_bytes_per_device": b["cache"],
-               "bytes_per_s_per_device": (b["weights"] + b["cache"]) / step, "traces": dict(eng.traces),
-               "device": jax.devices()[0].device_kind, "mesh": dict(zip(eng.mesh.axis_names, eng.mesh.devices.shape))}
+        row = {
+            "slots": slots,
+            "ttft_s": ttft,
+            "decode_step_s": step,
+            "tokens_per_s": slots / step,
+            "weight_bytes_per_device": b["weights"],
+            "cache_bytes_per_device": b["cache"],
+            "bytes_per_s_per_device": (b["weights"] + b["cache"]) / step,
+            "traces": dict(eng.traces),
+            "device": jax.devices()[0].device_kind,
+            "mesh": dict(zip(eng.mesh.axis_names, eng.mesh.devices.shape)),
+        }
         print(json.dumps(row, default=str), flush=True)
         rows.append(row)
-    print("\n| slots | TTFT by bucket (ms) | decode step (ms) | tokens/s | weights + cache per device (MB) | bytes/s per device (GB/s) |")
+    print(
+        "\n| slots | TTFT by bucket (ms) | decode step (ms) | tokens/s | weights + cache per device (MB) "
+        "| bytes/s per device (GB/s) |"
+    )
     print("|---:|---|---:|---:|---:|---:|")
     for r in rows:
         tt = ", ".join(f"{k}: {v * 1e3:.1f}" for k, v in r["ttft_s"].items())
         mb = (r["weight_bytes_per_device"] + r["cache_bytes_per_device"]) / 1e6
-        print(f"| {r['slots']} | {tt} | {r['decode_step_s'] * 1e3:.2f} | {r['tokens_per_s']:,.0f} | {mb:.2f} | "
-              f"{r['bytes_per_s_per_device'] / 1e9:.3f} |")
+        print(
+            f"| {r['slots']} | {tt} | {r['decode_step_s'] * 1e3:.2f} | {r['tokens_per_s']:,.0f} | {mb:.2f} | "
+            f"{r['bytes_per_s_per_device'] / 1e9:.3f} |"
+        )
 
 
 if __name__ == "__main__":

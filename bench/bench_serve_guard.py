@@ -2,13 +2,14 @@
 
     python bench/bench_serve_guard.py [--chars 3900000] [--work DIR]
 
-Trains (once, in --work) a tiny byte-level checkpoint on the repeated alphabet, serves it on 8 fake CPU
-devices with a Hugging Face tokenizer whose tokens are single characters (the `tokenizers` library:
-a 10 MB text takes seconds to tokenize), then posts one completion whose prompt is `--chars` characters (under serve.max_body_bytes,
-so the body is read) while a client polls GET /health every 10 ms. Prints the refusal's status and
-seconds, the slowest /health answer during it, and the server's RSS before and after (MiB). The
-server is the `meshpar` importable here (PYTHONPATH picks another checkout to compare).
+Trains (once, in --work) a tiny byte-level checkpoint on the repeated alphabet, serves it on 8 fake CPU devices with
+a Hugging Face tokenizer whose tokens are single characters (the `tokenizers` library: a 10 MB text takes seconds to
+tokenize), then posts one completion whose prompt is `--chars` characters (under serve.max_body_bytes, so the body
+is read) while a client polls GET /health every 10 ms. Prints the refusal's status and seconds, the slowest /health
+answer during it, and the server's RSS before and after (MiB). The server is the `meshpar` importable here
+(PYTHONPATH picks another checkout to compare).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,6 +33,7 @@ def rss_mib(pid: int) -> float:
 def char_tokenizer(d: Path) -> Path:
     """A `tokenizers` WordLevel tokenizer of single ASCII characters (ids = their bytes)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
     if (d / "tokenizer.json").exists():
         return d
     vocab = {chr(i): i for i in range(32, 127)} | {"\n": 10, "<unk>": 0}
@@ -53,13 +55,42 @@ def main() -> None:
     ck = work / "ck"
     if not ck.exists():
         (work / "abc.txt").write_text("abcdefghijklmnopqrstuvwxyz" * 200)
-        subprocess.run([sys.executable, "-m", "meshpar.cli", "train", "steps=20", "train.log_every=20",
-                        "data.kind=text", f"data.path={work / 'abc.txt'}", "model.vocab=256", "batch.length=32",
-                        f"checkpoint.dir={ck}"], check=True, capture_output=True)
-    proc = subprocess.Popen([sys.executable, "-m", "meshpar.cli", "serve", f"checkpoint.dir={ck}", "--devices", "8",
-                             "--port", "0", "--model-name", "abc", "serve.cache_length=256",
-                             f"data.tokenizer={char_tokenizer(work / 'tok')}"],
-                            stderr=subprocess.PIPE, text=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "meshpar.cli",
+                "train",
+                "steps=20",
+                "train.log_every=20",
+                "data.kind=text",
+                f"data.path={work / 'abc.txt'}",
+                "model.vocab=256",
+                "batch.length=32",
+                f"checkpoint.dir={ck}",
+            ],
+            check=True,
+            capture_output=True,
+        )
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "meshpar.cli",
+            "serve",
+            f"checkpoint.dir={ck}",
+            "--devices",
+            "8",
+            "--port",
+            "0",
+            "--model-name",
+            "abc",
+            "serve.cache_length=256",
+            f"data.tokenizer={char_tokenizer(work / 'tok')}",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     url = None
     while url is None:
         line = proc.stderr.readline()
@@ -75,8 +106,9 @@ def main() -> None:
 
         def send():
             t = time.perf_counter()
-            req = urllib.request.Request(url + "/v1/completions", data=body,
-                                         headers={"Content-Type": "application/json"})
+            req = urllib.request.Request(
+                url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
+            )
             try:
                 with urllib.request.urlopen(req, timeout=600) as r:
                     result["status"] = r.status
@@ -95,9 +127,19 @@ def main() -> None:
             time.sleep(0.01)
         sender.join()
         time.sleep(1.0)
-        print(json.dumps({"chars": args.chars, "body_bytes": len(body), **result, "health_polls": polls,
-                          "health_slowest_s": round(slowest, 3), "rss_before_mib": round(before),
-                          "rss_after_mib": round(rss_mib(proc.pid))}))
+        print(
+            json.dumps(
+                {
+                    "chars": args.chars,
+                    "body_bytes": len(body),
+                    **result,
+                    "health_polls": polls,
+                    "health_slowest_s": round(slowest, 3),
+                    "rss_before_mib": round(before),
+                    "rss_after_mib": round(rss_mib(proc.pid)),
+                }
+            )
+        )
     finally:
         proc.terminate()
         proc.wait(60)

@@ -8,6 +8,7 @@ Reports per launcher: seconds from submission (`sbatch` returning / `meshpar lau
 first step record in the metrics file, and the median step time of steps 3.. (what training costs
 once compiled), medians over rounds.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,19 +57,36 @@ def main() -> None:
             d.mkdir()
             m = d / "slurm.jsonl"
             t0 = time.monotonic()
-            job = cluster.sbatch(["--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0", "--cpus-per-task=1",
-                                  f"--output={d / 'slurm.out'}", str(REPO / "launch" / "slurm.sbatch"), *train,
-                                  f"--metrics-out={m}"], cwd=REPO, env={**env, "PYTHON": sys.executable})
-            first = _first_step_s(m, t0, lambda: cluster.job(job)["JobState"] in ("PENDING", "RUNNING", "CONFIGURING"))
+            job = cluster.sbatch(
+                [
+                    "--nodes=1",
+                    "--ntasks-per-node=2",
+                    "--gpus-per-node=0",
+                    "--cpus-per-task=1",
+                    f"--output={d / 'slurm.out'}",
+                    str(REPO / "launch" / "slurm.sbatch"),
+                    *train,
+                    f"--metrics-out={m}",
+                ],
+                cwd=REPO,
+                env={**env, "PYTHON": sys.executable},
+            )
+            alive = ("PENDING", "RUNNING", "CONFIGURING")
+            first = _first_step_s(m, t0, lambda job=job, alive=alive: cluster.job(job)["JobState"] in alive)
             info = cluster.wait(job, ("COMPLETED", "FAILED", "CANCELLED"), 600)
             assert info["JobState"] == "COMPLETED", (d / "slurm.out").read_text()[-2000:]
             results["slurm"].append((first, _median_step(m)))
 
             m = d / "launch.jsonl"
             t0 = time.monotonic()
-            p = subprocess.Popen([sys.executable, "-m", "meshpar.cli", "launch", "2", *train, f"--metrics-out={m}"],
-                                 cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            first = _first_step_s(m, t0, lambda: p.poll() is None)
+            p = subprocess.Popen(
+                [sys.executable, "-m", "meshpar.cli", "launch", "2", *train, f"--metrics-out={m}"],
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            first = _first_step_s(m, t0, lambda p=p: p.poll() is None)
             assert p.wait() == 0
             results["launch"].append((first, _median_step(m)))
             print(f"round {r}: slurm {results['slurm'][-1]}, launch {results['launch'][-1]}", flush=True)
@@ -76,8 +94,10 @@ def main() -> None:
         cluster.stop()
     print("\n| launcher | submit -> first step (s) | step time (ms, median of steps 3..) |")
     print("|---|---|---|")
-    for name, label in (("slurm", "`sbatch launch/slurm.sbatch` (2 tasks x 4 devices)"),
-                        ("launch", "`meshpar launch 2` (2 processes x 4 devices)")):
+    for name, label in (
+        ("slurm", "`sbatch launch/slurm.sbatch` (2 tasks x 4 devices)"),
+        ("launch", "`meshpar launch 2` (2 processes x 4 devices)"),
+    ):
         firsts, steps = zip(*results[name])
         print(f"| {label} | {statistics.median(firsts):.1f} | {1e3 * statistics.median(steps):.1f} |")
 

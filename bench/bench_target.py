@@ -17,6 +17,7 @@ Per configuration (bf16, full remat), one deviceless compile by the target's com
     (`meshpar/plan/hardware.py`), and its MFU (model FLOPs over that step at peak); beside it the
     planner's own step (`meshpar.plan.search.estimate`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,17 @@ import time
 
 LLAMA2_7B = ["model.size=7b"]
 LLAMA3_8B = ["model.size=7b", "model.kv_heads=8", "model.mlp=14336", "model.vocab=128256", "model.rope_theta=500000"]
-MIXTRAL = ["model.name=moe", "model.size=7b", "model.kv_heads=8", "model.mlp=14336", "model.vocab=32000",
-           "moe.num_experts=8", "moe.top_k=2", "moe.every=1", "moe.capacity_factor=null"]
+MIXTRAL = [
+    "model.name=moe",
+    "model.size=7b",
+    "model.kv_heads=8",
+    "model.mlp=14336",
+    "model.vocab=32000",
+    "moe.num_experts=8",
+    "moe.top_k=2",
+    "moe.every=1",
+    "moe.capacity_factor=null",
+]
 
 
 def mesh(**axes) -> list[str]:
@@ -45,12 +55,19 @@ def maxtext_overrides(name: str, n: int, overrides: list[str]) -> list[str] | No
     ov = dict(o.split("=", 1) for o in overrides)
     model = {"llama2-7b": "llama2-7b", "llama3-8b": "llama3-8b", "mixtral-8x7b": "mixtral-8x7b"}.get(name.split()[0])
     if model is None or "context" in name or name.endswith(" fsdp_tp"):
-        return None     # MaxText's fsdp x tensor splits the residual stream over tensor: the fsdp_tp_sp row
+        return None  # MaxText's fsdp x tensor splits the residual stream over tensor: the fsdp_tp_sp row
     per_device = int(ov["batch.global_size"]) / n
-    out = [f"model_name={model}", f"compile_topology=v5p-{2 * n}", "compile_topology_num_slices=1",
-           f"per_device_batch_size={per_device:g}", f"max_target_length={ov['batch.length']}", "remat_policy=full",
-           f"ici_fsdp_parallelism={ov.get('mesh.fsdp', 1)}", f"ici_tensor_parallelism={ov.get('mesh.tensor', 1)}",
-           f"ici_expert_parallelism={ov.get('mesh.expert', 1)}"]
+    out = [
+        f"model_name={model}",
+        f"compile_topology=v5p-{2 * n}",
+        "compile_topology_num_slices=1",
+        f"per_device_batch_size={per_device:g}",
+        f"max_target_length={ov['batch.length']}",
+        "remat_policy=full",
+        f"ici_fsdp_parallelism={ov.get('mesh.fsdp', 1)}",
+        f"ici_tensor_parallelism={ov.get('mesh.tensor', 1)}",
+        f"ici_expert_parallelism={ov.get('mesh.expert', 1)}",
+    ]
     if int(ov.get("train.loss_chunks", 1)) > 1:
         out.append(f"num_vocab_tiling={ov['train.loss_chunks']}")
     if model == "mixtral-8x7b":
@@ -63,11 +80,16 @@ def maxtext_row(name: str, n: int, python: str, overrides: list[str], hw) -> dic
     import os
     import subprocess
     import tempfile
+
     from meshpar.plan import inspect, program
+
     base = os.path.join(tempfile.mkdtemp(), "maxtext")
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "maxtext", "compile_maxtext.py")
-    env = {k: v for k, v in os.environ.items()      # its own jax and libtpu, not the ones meshpar's process loaded
-           if k not in ("XLA_FLAGS", "PYTHONPATH", "JAX_PLATFORMS", "TPU_LIBRARY_PATH")}
+    env = {
+        k: v
+        for k, v in os.environ.items()  # its own jax and libtpu, not the ones meshpar's process loaded
+        if k not in ("XLA_FLAGS", "PYTHONPATH", "JAX_PLATFORMS", "TPU_LIBRARY_PATH")
+    }
     start = time.perf_counter()
     proc = subprocess.run([python, script, base, *overrides], capture_output=True, text=True, env=env, timeout=1800)
     if proc.returncode:
@@ -77,23 +99,37 @@ def maxtext_row(name: str, n: int, python: str, overrides: list[str], hw) -> dic
     hlo = open(base + ".hlo").read()
     summary = inspect.summarize(inspect.collectives(hlo, meta["mesh"]))
     ov = program.overlap(hlo)
-    return {"name": name, "target": hw.name, "framework": "maxtext", "devices": n,
-            "peak_gib": meta["peak_bytes"] / 2 ** 30, "hbm_gib": hw.memory_bytes / 2 ** 30,
-            "xla_flops": meta["cost"]["flops"], "xla_bytes": meta["cost"]["bytes_accessed"],
-            "collectives": {k: {"bytes": v["bytes"], "axes": v.get("axes")} for k, v in summary.items()},
-            "hidden_bytes": ov["hidden_bytes"], "exposed_bytes": ov["exposed_bytes"],
-            "compile_s": round(time.perf_counter() - start, 1), "kernels": sorted(program.kernels(hlo)),
-            "overrides": overrides}
+    return {
+        "name": name,
+        "target": hw.name,
+        "framework": "maxtext",
+        "devices": n,
+        "peak_gib": meta["peak_bytes"] / 2**30,
+        "hbm_gib": hw.memory_bytes / 2**30,
+        "xla_flops": meta["cost"]["flops"],
+        "xla_bytes": meta["cost"]["bytes_accessed"],
+        "collectives": {k: {"bytes": v["bytes"], "axes": v.get("axes")} for k, v in summary.items()},
+        "hidden_bytes": ov["hidden_bytes"],
+        "exposed_bytes": ov["exposed_bytes"],
+        "compile_s": round(time.perf_counter() - start, 1),
+        "kernels": sorted(program.kernels(hlo)),
+        "overrides": overrides,
+    }
 
 
 def maxtext_libtpu(python: str) -> str:
     """The libtpu.so of MaxText's venv: meshpar's rows are compiled by it too, so that a difference
     between the two programs is the frameworks', not two compiler versions'."""
     import subprocess
-    out = subprocess.run([python, "-c", "import libtpu; print(libtpu.get_library_path())"], capture_output=True,
-                         text=True, timeout=120)
+
+    out = subprocess.run(
+        [python, "-c", "import libtpu; print(libtpu.get_library_path())"], capture_output=True, text=True, timeout=120
+    )
     if out.returncode:
-        sys.exit(f"bench_target: {python} has no libtpu ({out.stderr.strip().splitlines()[-1:]}); see bench/maxtext/README.md")
+        sys.exit(
+            f"bench_target: {python} has no libtpu ({out.stderr.strip().splitlines()[-1:]}); "
+            "see bench/maxtext/README.md"
+        )
     return out.stdout.strip()
 
 
@@ -102,23 +138,72 @@ def configs() -> list[tuple[str, str, int, list[str]]]:
     out = []
     for model, base in (("llama2-7b", LLAMA2_7B), ("llama3-8b", LLAMA3_8B)):
         for length in (4096, 8192):
-            tokens = [f"batch.length={length}", "batch.global_size=64"]          # one sequence per device
-            out += [(f"{model} {length} fsdp", "tpu-v5p", 64, base + tokens + ["strategy=fsdp"] + mesh(fsdp=64)),
-                    (f"{model} {length} fsdp_tp_sp", "tpu-v5p", 64, base + tokens + ["strategy=fsdp_tp_sp"] + mesh(fsdp=16, tensor=4)),
-                    (f"{model} {length} fsdp_tp", "tpu-v5p", 64, base + tokens + ["strategy=fsdp_tp"] + mesh(fsdp=16, tensor=4)),
-                    (f"{model} {length} fsdp", "h100", 64, base + tokens + ["strategy=fsdp"] + mesh(fsdp=64)),
-                    (f"{model} {length} fsdp_tp_sp", "h100", 64, base + tokens + ["strategy=fsdp_tp_sp"] + mesh(fsdp=8, tensor=8)),
-                    (f"{model} {length} fsdp_tp", "h100", 64, base + tokens + ["strategy=fsdp_tp"] + mesh(fsdp=8, tensor=8)),
-                    (f"{model} {length} pipeline x fsdp_tp", "h100", 64, base + tokens + [
-                        "strategy=fsdp_tp", "pipeline.schedule=1f1b", "pipeline.microbatches=8"]
-                     + mesh(pipeline=4, fsdp=4, tensor=4))]
-    out += [("mixtral-8x7b dropless ep8", "h100", 64, MIXTRAL + ["batch.length=4096", "batch.global_size=64",
-                                                              "strategy=fsdp"] + mesh(fsdp=8, expert=8)),
-            ("mixtral-8x7b dropless ep8", "tpu-v5p", 128, MIXTRAL + ["batch.length=4096", "batch.global_size=128",
-                                                                  "strategy=fsdp"] + mesh(fsdp=16, expert=8)),
-            ("llama3-8b 128k context", "h100", 64, LLAMA3_8B + ["batch.length=131072", "batch.global_size=2",
-                                                              "strategy=fsdp", "model.attention=flash",
-                                                              "model.context_strategy=ring"] + mesh(fsdp=2, context=32))]
+            tokens = [f"batch.length={length}", "batch.global_size=64"]  # one sequence per device
+            out += [
+                (f"{model} {length} fsdp", "tpu-v5p", 64, base + tokens + ["strategy=fsdp"] + mesh(fsdp=64)),
+                (
+                    f"{model} {length} fsdp_tp_sp",
+                    "tpu-v5p",
+                    64,
+                    base + tokens + ["strategy=fsdp_tp_sp"] + mesh(fsdp=16, tensor=4),
+                ),
+                (
+                    f"{model} {length} fsdp_tp",
+                    "tpu-v5p",
+                    64,
+                    base + tokens + ["strategy=fsdp_tp"] + mesh(fsdp=16, tensor=4),
+                ),
+                (f"{model} {length} fsdp", "h100", 64, base + tokens + ["strategy=fsdp"] + mesh(fsdp=64)),
+                (
+                    f"{model} {length} fsdp_tp_sp",
+                    "h100",
+                    64,
+                    base + tokens + ["strategy=fsdp_tp_sp"] + mesh(fsdp=8, tensor=8),
+                ),
+                (
+                    f"{model} {length} fsdp_tp",
+                    "h100",
+                    64,
+                    base + tokens + ["strategy=fsdp_tp"] + mesh(fsdp=8, tensor=8),
+                ),
+                (
+                    f"{model} {length} pipeline x fsdp_tp",
+                    "h100",
+                    64,
+                    base
+                    + tokens
+                    + ["strategy=fsdp_tp", "pipeline.schedule=1f1b", "pipeline.microbatches=8"]
+                    + mesh(pipeline=4, fsdp=4, tensor=4),
+                ),
+            ]
+    out += [
+        (
+            "mixtral-8x7b dropless ep8",
+            "h100",
+            64,
+            MIXTRAL + ["batch.length=4096", "batch.global_size=64", "strategy=fsdp"] + mesh(fsdp=8, expert=8),
+        ),
+        (
+            "mixtral-8x7b dropless ep8",
+            "tpu-v5p",
+            128,
+            MIXTRAL + ["batch.length=4096", "batch.global_size=128", "strategy=fsdp"] + mesh(fsdp=16, expert=8),
+        ),
+        (
+            "llama3-8b 128k context",
+            "h100",
+            64,
+            LLAMA3_8B
+            + [
+                "batch.length=131072",
+                "batch.global_size=2",
+                "strategy=fsdp",
+                "model.attention=flash",
+                "model.context_strategy=ring",
+            ]
+            + mesh(fsdp=2, context=32),
+        ),
+    ]
     return out
 
 
@@ -131,6 +216,7 @@ def row(name: str, target, overrides: list[str]) -> dict:
     from meshpar.core.config import load_config
     from meshpar.plan.program import report
     from meshpar.plan.search import estimate
+
     cfg = load_config(None, ["precision=bf16", "model.remat=full"] + overrides)
     cfg.devices = len(target.devices)
     start = time.perf_counter()
@@ -143,27 +229,44 @@ def row(name: str, target, overrides: list[str]) -> dict:
     summary = rep["collectives"]["summary"]
     from meshpar.core.mesh import MESH_AXES
     from meshpar.plan.search import split_ici_dcn
+
     sizes = tuple(rep["mesh"].get(a, 1) for a in MESH_AXES)
     dcn = dict(zip(MESH_AXES, split_ici_dcn(sizes, cfg.devices, hw.domain) or (1,) * len(sizes)))
-    exposed_s = sum(d["exposed_bytes"] / (_link(hw, summary.get(kind, {}).get("axes", []), dcn) * hw.comm_efficiency)
-                    for kind, d in t["overlap"]["by_kind"].items())
+    exposed_s = sum(
+        d["exposed_bytes"] / (_link(hw, summary.get(kind, {}).get("axes", []), dcn) * hw.comm_efficiency)
+        for kind, d in t["overlap"]["by_kind"].items()
+    )
     flops = pred["time"]["flops"] if pred else 0.0
     model_flops = rep["flops"]["model_per_step"] / cfg.devices
     ca = t["cost"] or {}
     from meshpar.plan.costmodel import ModelFacts
-    layers = ModelFacts.from_config(cfg).dims.get("layers") or 1    # the layer loop's trip count
+
+    layers = ModelFacts.from_config(cfg).dims.get("layers") or 1  # the layer loop's trip count
     memory_s = (ca.get("bytes_accessed") or 0) * layers / hw.hbm_bw if hw.hbm_bw else 0.0
     roof = max(flops / hw.peak_flops, memory_s) + exposed_s
-    return {"name": name, "target": hw.name, "devices": cfg.devices, "peak_gib": t["peak_bytes"] / 2 ** 30,
-            "hbm_gib": hw.memory_bytes / 2 ** 30, "fits": t["fits"], "xla_flops": ca.get("flops"),
-            "xla_bytes": ca.get("bytes_accessed"), "executed_flops": flops, "model_flops": model_flops,
-            "collectives": {k: {"bytes": v["bytes"], "axes": v.get("axes")} for k, v in summary.items()},
-            "hidden_bytes": t["overlap"]["hidden_bytes"], "exposed_bytes": t["overlap"]["exposed_bytes"],
-            "roofline_s": roof, "roofline_mfu": model_flops / (roof * hw.peak_flops) if roof else None,
-            "planner_s": pred["time"]["step_s"] if pred else None, "planner_mfu": pred["time"]["mfu"] if pred else None,
-            "planner_gib": pred["memory"]["total"] / 2 ** 30 if pred else None,
-            "compile_s": round(time.perf_counter() - start, 1), "kernels": sorted(t["kernels"]),
-            "peak_buffers": t.get("peak_buffers")}
+    return {
+        "name": name,
+        "target": hw.name,
+        "devices": cfg.devices,
+        "peak_gib": t["peak_bytes"] / 2**30,
+        "hbm_gib": hw.memory_bytes / 2**30,
+        "fits": t["fits"],
+        "xla_flops": ca.get("flops"),
+        "xla_bytes": ca.get("bytes_accessed"),
+        "executed_flops": flops,
+        "model_flops": model_flops,
+        "collectives": {k: {"bytes": v["bytes"], "axes": v.get("axes")} for k, v in summary.items()},
+        "hidden_bytes": t["overlap"]["hidden_bytes"],
+        "exposed_bytes": t["overlap"]["exposed_bytes"],
+        "roofline_s": roof,
+        "roofline_mfu": model_flops / (roof * hw.peak_flops) if roof else None,
+        "planner_s": pred["time"]["step_s"] if pred else None,
+        "planner_mfu": pred["time"]["mfu"] if pred else None,
+        "planner_gib": pred["memory"]["total"] / 2**30 if pred else None,
+        "compile_s": round(time.perf_counter() - start, 1),
+        "kernels": sorted(t["kernels"]),
+        "peak_buffers": t.get("peak_buffers"),
+    }
 
 
 def line(r: dict) -> str:
@@ -173,18 +276,24 @@ def line(r: dict) -> str:
     gb = 1e9
     coll = ", ".join(f"{k} {v['bytes'] / gb:.1f}" for k, v in sorted(r["collectives"].items()))
     if who == "maxtext":
-        return (f"| {r['target']} x{r['devices']} | {r['name']} | maxtext | {r['peak_gib']:.1f} / {r['hbm_gib']:.0f} | - | "
-                f"{(r['xla_flops'] or 0) / 1e12:.1f} / - | {coll} | {r['exposed_bytes'] / gb:.2f} | - | - | - | - | "
-                f"{r['compile_s']:.0f} |")
-    return (f"| {r['target']} x{r['devices']} | {r['name']} | meshpar | {r['peak_gib']:.1f} / {r['hbm_gib']:.0f} | "
-            f"{r['planner_gib']:.1f} | {(r['xla_flops'] or 0) / 1e12:.1f} / {r['executed_flops'] / 1e12:.0f} | "
-            f"{coll} | {r['exposed_bytes'] / gb:.2f} | {r['roofline_s']:.3f} | {r['roofline_mfu']:.3f} | "
-            f"{r['planner_s']:.3f} | {r['planner_mfu']:.3f} | {r['compile_s']:.0f} |")
+        return (
+            f"| {r['target']} x{r['devices']} | {r['name']} | maxtext | {r['peak_gib']:.1f} / {r['hbm_gib']:.0f} | - | "
+            f"{(r['xla_flops'] or 0) / 1e12:.1f} / - | {coll} | {r['exposed_bytes'] / gb:.2f} | - | - | - | - | "
+            f"{r['compile_s']:.0f} |"
+        )
+    return (
+        f"| {r['target']} x{r['devices']} | {r['name']} | meshpar | {r['peak_gib']:.1f} / {r['hbm_gib']:.0f} | "
+        f"{r['planner_gib']:.1f} | {(r['xla_flops'] or 0) / 1e12:.1f} / {r['executed_flops'] / 1e12:.0f} | "
+        f"{coll} | {r['exposed_bytes'] / gb:.2f} | {r['roofline_s']:.3f} | {r['roofline_mfu']:.3f} | "
+        f"{r['planner_s']:.3f} | {r['planner_mfu']:.3f} | {r['compile_s']:.0f} |"
+    )
 
 
-HEADER = ["| target | config | framework | peak / HBM (GiB) | planner (GiB) | XLA / executed TFLOP per device "
-          "| collectives (GB by kind) | exposed (GB) | roofline s | roofline MFU | planner s | planner MFU | compile s |",
-          "|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+HEADER = [
+    "| target | config | framework | peak / HBM (GiB) | planner (GiB) | XLA / executed TFLOP per device "
+    "| collectives (GB by kind) | exposed (GB) | roofline s | roofline MFU | planner s | planner MFU | compile s |",
+    "|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+]
 
 
 def main() -> int:
@@ -193,18 +302,33 @@ def main() -> int:
     ap.add_argument("--targets", default="h100,tpu-v5p")
     ap.add_argument("--out", help="append the markdown table here")
     ap.add_argument("--json", help="write the rows here")
-    ap.add_argument("--maxtext", metavar="PYTHON", help="MaxText venv's python (bench/maxtext/README.md): compile each "
-                    "TPU row with MaxText too, side by side")
-    ap.add_argument("--vocab-tiles", type=int, default=1, metavar="N", help="the LM head and loss in N token slices on "
-                    "both sides: meshpar's train.loss_chunks=N, MaxText's num_vocab_tiling=N (default 1: whole logits)")
-    ap.add_argument("--own-libtpu", action="store_true", help="with --maxtext, compile meshpar's rows with meshpar's "
-                    "own libtpu (jax's pin), not MaxText's: by default both sides use the one compiler")
+    ap.add_argument(
+        "--maxtext",
+        metavar="PYTHON",
+        help="MaxText venv's python (bench/maxtext/README.md): compile each TPU row with MaxText too, side by side",
+    )
+    ap.add_argument(
+        "--vocab-tiles",
+        type=int,
+        default=1,
+        metavar="N",
+        help="the LM head and loss in N token slices on "
+        "both sides: meshpar's train.loss_chunks=N, MaxText's num_vocab_tiling=N (default 1: whole logits)",
+    )
+    ap.add_argument(
+        "--own-libtpu",
+        action="store_true",
+        help="with --maxtext, compile meshpar's rows with meshpar's "
+        "own libtpu (jax's pin), not MaxText's: by default both sides use the one compiler",
+    )
     args = ap.parse_args()
     import os
+
     if args.maxtext and not args.own_libtpu and "tpu" in args.targets:
         os.environ["TPU_LIBRARY_PATH"] = maxtext_libtpu(args.maxtext)
     from meshpar.plan.target import resolve
     from meshpar.runtime import compilers
+
     rows, lines = [], list(HEADER)
     if "tpu" in args.targets:
         compilers.load("tpu")

@@ -8,6 +8,7 @@ beside the planner's total (`meshpar.plan.search.estimate` for the same hardware
 compile time and the kernels that matter. bf16, remat full, as `meshpar plan` costs them. Run once
 `meshpar compilers --install` first.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,16 +18,31 @@ import time
 LLAMA3_8B = ["model.size=7b", "model.kv_heads=8", "model.mlp=14336", "model.vocab=128256", "model.rope_theta=500000"]
 SIZES = {"125m": ["model.size=125m"], "1b": ["model.size=1b"], "7b": ["model.size=7b"], "8b": LLAMA3_8B}
 MESH = {  # per preset, for 8 devices (64: the data-like axis x 8)
-    "dp": {"data": 8}, "zero1": {"data": 8}, "fsdp": {"fsdp": 8}, "fsdp_tp": {"fsdp": 2, "tensor": 4},
+    "dp": {"data": 8},
+    "zero1": {"data": 8},
+    "fsdp": {"fsdp": 8},
+    "fsdp_tp": {"fsdp": 2, "tensor": 4},
     "tp_sp": {"data": 2, "tensor": 4},
 }
 EXTRA = {  # name -> (preset, mesh, overrides)
-    "gpipe": ("fsdp_tp", {"pipeline": 2, "fsdp": 2, "tensor": 2}, ["pipeline.schedule=gpipe", "pipeline.microbatches=4"]),
+    "gpipe": (
+        "fsdp_tp",
+        {"pipeline": 2, "fsdp": 2, "tensor": 2},
+        ["pipeline.schedule=gpipe", "pipeline.microbatches=4"],
+    ),
     "1f1b": ("fsdp_tp", {"pipeline": 2, "fsdp": 2, "tensor": 2}, ["pipeline.schedule=1f1b", "pipeline.microbatches=4"]),
-    "context all_gather": ("fsdp", {"context": 4, "fsdp": 2}, ["model.context_strategy=all_gather", "model.attention=flash"]),
+    "context all_gather": (
+        "fsdp",
+        {"context": 4, "fsdp": 2},
+        ["model.context_strategy=all_gather", "model.attention=flash"],
+    ),
     "context ring": ("fsdp", {"context": 4, "fsdp": 2}, ["model.context_strategy=ring", "model.attention=flash"]),
     "moe capacity": ("fsdp", {"data": 1, "expert": 8}, ["model.name=moe", "moe.num_experts=8"]),
-    "moe dropless": ("fsdp", {"data": 1, "expert": 8}, ["model.name=moe", "moe.num_experts=8", "moe.capacity_factor=null"]),
+    "moe dropless": (
+        "fsdp",
+        {"data": 1, "expert": 8},
+        ["model.name=moe", "moe.num_experts=8", "moe.capacity_factor=null"],
+    ),
 }
 
 
@@ -41,6 +57,7 @@ def row(target, name: str, overrides: list[str]) -> dict:
     from meshpar.core.config import load_config
     from meshpar.plan.program import report
     from meshpar.plan.search import estimate
+
     start = time.perf_counter()
     try:
         cfg = load_config(None, overrides)
@@ -50,10 +67,23 @@ def row(target, name: str, overrides: list[str]) -> dict:
     except Exception as e:  # noqa: BLE001 - a row that does not compile says why and the sweep goes on
         return {"name": name, "error": str(e).splitlines()[0][:120]}
     t = rep["target"]
-    kernels = ", ".join(sorted({k.split(":")[0] + (":" + k.split(":")[1].split("_")[0] if ":" in k else "")
-                                for k in t["kernels"] if not k.startswith("custom:")}))
-    return {"name": name, "peak": t["peak_bytes"], "pred": pred["memory"]["total"] if pred else None,
-            "compile_s": time.perf_counter() - start, "kernels": kernels, "fits": t["fits"]}
+    kernels = ", ".join(
+        sorted(
+            {
+                k.split(":")[0] + (":" + k.split(":")[1].split("_")[0] if ":" in k else "")
+                for k in t["kernels"]
+                if not k.startswith("custom:")
+            }
+        )
+    )
+    return {
+        "name": name,
+        "peak": t["peak_bytes"],
+        "pred": pred["memory"]["total"] if pred else None,
+        "compile_s": time.perf_counter() - start,
+        "kernels": kernels,
+        "fits": t["fits"],
+    }
 
 
 def main() -> None:
@@ -66,18 +96,26 @@ def main() -> None:
     ap.add_argument("--out")
     args = ap.parse_args()
     from meshpar.plan.target import resolve
+
     sizes = ["125m", "1b"] if args.quick else list(SIZES)
     counts = [8] if args.quick else [int(n) for n in args.devices.split(",")]
-    lines = [f"| target | devices | config | planner GiB | compiled peak GiB | planner / compiled | compile s | kernels |",
-             "|---|---|---|---|---|---|---|---|"]
-    gib = 2 ** 30
+    lines = [
+        "| target | devices | config | planner GiB | compiled peak GiB | planner / compiled | compile s | kernels |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    gib = 2**30
     for hw in args.targets.split(","):
         for n in counts:
             target = resolve(hw, n)
-            cases = [(f"{size} {p}", SIZES[size] + [f"strategy={p}"] + mesh_overrides(MESH[p], n))
-                     for size in sizes for p in MESH]
-            cases += [(f"1b {name}", SIZES["1b"] + [f"strategy={p}"] + mesh_overrides(mesh, n) + extra)
-                      for name, (p, mesh, extra) in EXTRA.items()]
+            cases = [
+                (f"{size} {p}", SIZES[size] + [f"strategy={p}"] + mesh_overrides(MESH[p], n))
+                for size in sizes
+                for p in MESH
+            ]
+            cases += [
+                (f"1b {name}", SIZES["1b"] + [f"strategy={p}"] + mesh_overrides(mesh, n) + extra)
+                for name, (p, mesh, extra) in EXTRA.items()
+            ]
             for name, ov in cases:
                 if args.only and name not in args.only.split(","):
                     continue
@@ -87,8 +125,10 @@ def main() -> None:
                     line = f"| {hw} | {n} | {name} | - | - | - | - | refused: {r['error']} |"
                 else:
                     ratio = f"{r['pred'] / r['peak']:.2f}" if r["pred"] and r["peak"] else "-"
-                    line = (f"| {hw} | {n} | {name} | {(r['pred'] or 0) / gib:.2f} | {r['peak'] / gib:.2f} | {ratio} | "
-                            f"{r['compile_s']:.1f} | {r['kernels']} |")
+                    line = (
+                        f"| {hw} | {n} | {name} | {(r['pred'] or 0) / gib:.2f} | {r['peak'] / gib:.2f} | {ratio} | "
+                        f"{r['compile_s']:.1f} | {r['kernels']} |"
+                    )
                 print(line, flush=True)
                 lines.append(line)
     if args.out:

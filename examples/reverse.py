@@ -13,6 +13,7 @@ src. Their second axis is named `length`, meshpar's name for positions.
 src -> embed + positions -> L x encoder block -> memory;  tgt_in -> embed + positions -> L x
 decoder block (causal self-attention, cross-attention to memory) -> logits [B, T, V].
 """
+
 from __future__ import annotations
 
 import jax
@@ -52,22 +53,29 @@ class Attention(nnx.Module):
 
 class MLP(nnx.Module):
     def __init__(self, width: int, rngs: nnx.Rngs):
-        self.up, self.down = weight(rngs, (width, 4 * width), ("embed", "mlp")), weight(rngs, (4 * width, width),
-                                                                                            ("mlp", "embed"))
+        self.up, self.down = (
+            weight(rngs, (width, 4 * width), ("embed", "mlp")),
+            weight(rngs, (4 * width, width), ("mlp", "embed")),
+        )
 
     def __call__(self, x):
         return nnx.gelu(x @ self.up[...]) @ self.down[...]
 
 
 def norm(width, rngs):
-    return nnx.LayerNorm(width, scale_metadata={"out_sharding": ("norm",)},
-                         bias_metadata={"out_sharding": ("norm",)}, rngs=rngs)
+    return nnx.LayerNorm(
+        width, scale_metadata={"out_sharding": ("norm",)}, bias_metadata={"out_sharding": ("norm",)}, rngs=rngs
+    )
 
 
 class EncoderBlock(nnx.Module):
     def __init__(self, width, heads, rngs):
-        self.n1, self.n2, self.attn, self.mlp = norm(width, rngs), norm(width, rngs), Attention(width, heads, rngs), \
-            MLP(width, rngs)
+        self.n1, self.n2, self.attn, self.mlp = (
+            norm(width, rngs),
+            norm(width, rngs),
+            Attention(width, heads, rngs),
+            MLP(width, rngs),
+        )
 
     def __call__(self, x):
         h = self.n1(x)
@@ -78,8 +86,11 @@ class EncoderBlock(nnx.Module):
 class DecoderBlock(nnx.Module):
     def __init__(self, width, heads, rngs):
         self.n1, self.n2, self.n3 = norm(width, rngs), norm(width, rngs), norm(width, rngs)
-        self.self_attn, self.cross, self.mlp = Attention(width, heads, rngs), Attention(width, heads, rngs), \
-            MLP(width, rngs)
+        self.self_attn, self.cross, self.mlp = (
+            Attention(width, heads, rngs),
+            Attention(width, heads, rngs),
+            MLP(width, rngs),
+        )
 
     def __call__(self, x, memory):
         h = self.n1(x)
@@ -91,7 +102,7 @@ class DecoderBlock(nnx.Module):
 class Reverser(nnx.Module):
     def __init__(self, vocab: int, length: int, width: int, heads: int, layers: int, rngs: nnx.Rngs):
         self.embed = weight(rngs, (vocab, width), ("vocab", "embed"))
-        self.pos = weight(rngs, (length, width), ("positions", "embed"))      # a name of its own, with a rule
+        self.pos = weight(rngs, (length, width), ("positions", "embed"))  # a name of its own, with a rule
         self.encoder = nnx.List([EncoderBlock(width, heads, rngs) for _ in range(layers)])
         self.decoder = nnx.List([DecoderBlock(width, heads, rngs) for _ in range(layers)])
         self.out = norm(width, rngs)
@@ -148,11 +159,16 @@ def source(cfg) -> Reversals:
 if __name__ == "__main__":
     import os
     import sys
-    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")   # fake devices on a laptop
+
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")  # fake devices on a laptop
 
     cfg = meshpar.load_config(os.path.join(os.path.dirname(os.path.abspath(__file__)), "reverse.yaml"), sys.argv[1:])
     data = source(cfg)
-    trainer = meshpar.Trainer(cfg, model=lambda rngs: reverser(cfg, rngs), loss=loss,
-                              batch_spec=data.batch_spec(cfg.batch.global_size, cfg.batch.length))
+    trainer = meshpar.Trainer(
+        cfg,
+        model=lambda rngs: reverser(cfg, rngs),
+        loss=loss,
+        batch_spec=data.batch_spec(cfg.batch.global_size, cfg.batch.length),
+    )
     end = meshpar.run(cfg, trainer=trainer, source=data)
     print(f"loss {end['initial_loss']:.3f} -> {end['final_loss']:.3f}")

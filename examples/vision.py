@@ -13,6 +13,7 @@ Everything meshpar needs is named here, nothing in meshpar is edited:
 images [B, H, W, C] -> patches [B, N, P*P*C] -> stem -> L x (token mixing over N, channel mixing
 over D) -> LayerNorm -> mean over N -> logits [B, K]. N = (H/P)(W/P) patches, D width.
 """
+
 from __future__ import annotations
 
 import jax
@@ -27,9 +28,9 @@ class MLP(nnx.Module):
     """x [..., I] -> gelu(x W1 + b1) W2 + b2 [..., I]; W1 [I, H] named (inner, hidden)."""
 
     def __init__(self, width: int, hidden: int, inner: str, hidden_name: str, rngs: nnx.Rngs):
-        self.w1 = meshpar.param(rngs, (width, hidden), (inner, hidden_name), width ** -0.5)
+        self.w1 = meshpar.param(rngs, (width, hidden), (inner, hidden_name), width**-0.5)
         self.b1 = meshpar.param(rngs, (hidden,), (hidden_name,), init="zeros")
-        self.w2 = meshpar.param(rngs, (hidden, width), (hidden_name, inner), hidden ** -0.5)
+        self.w2 = meshpar.param(rngs, (hidden, width), (hidden_name, inner), hidden**-0.5)
         self.b2 = meshpar.param(rngs, (width,), (inner,), init="zeros")
 
     def __call__(self, x):
@@ -66,14 +67,15 @@ class MixerBlock(nnx.Module):
 
 
 class Mixer(nnx.Module):
-    def __init__(self, image: int, channels: int, patch: int, width: int, layers: int, classes: int,
-                 rngs: nnx.Rngs):
+    def __init__(self, image: int, channels: int, patch: int, width: int, layers: int, classes: int, rngs: nnx.Rngs):
         self.patch = patch
         n = (image // patch) ** 2
-        self.stem = meshpar.param(rngs, (patch * patch * channels, width), (None, "embed"), (patch * patch * channels) ** -0.5)
+        self.stem = meshpar.param(
+            rngs, (patch * patch * channels, width), (None, "embed"), (patch * patch * channels) ** -0.5
+        )
         self.blocks = nnx.List([MixerBlock(n, width, 2 * n, 4 * width, rngs) for _ in range(layers)])
         self.norm = LayerNorm(width, rngs)
-        self.head = meshpar.param(rngs, (width, classes), ("embed", "classes"), width ** -0.5)
+        self.head = meshpar.param(rngs, (width, classes), ("embed", "classes"), width**-0.5)
 
     def __call__(self, images):
         """images [B, H, W, C] -> logits [B, K], in the policy's compute dtype."""
@@ -109,8 +111,10 @@ class SyntheticImages:
         self.templates = np.random.default_rng(seed).standard_normal((classes, *self.shape)).astype(np.float32)
 
     def batch_spec(self, global_size: int, length: int):
-        return {"images": meshpar.Leaf((global_size, *self.shape), np.float32, ("batch", None, None, None)),
-                "labels": meshpar.Leaf((global_size,), np.int32, ("batch",))}
+        return {
+            "images": meshpar.Leaf((global_size, *self.shape), np.float32, ("batch", None, None, None)),
+            "labels": meshpar.Leaf((global_size,), np.int32, ("batch",)),
+        }
 
     def rows(self, seed: int, step: int, rows: range, length: int):
         out = {"images": np.empty((len(rows), *self.shape), np.float32), "labels": np.empty(len(rows), np.int32)}
@@ -131,11 +135,16 @@ def source(cfg) -> SyntheticImages:
 if __name__ == "__main__":
     import os
     import sys
-    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")   # fake devices on a laptop
+
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")  # fake devices on a laptop
 
     cfg = meshpar.load_config(os.path.join(os.path.dirname(os.path.abspath(__file__)), "vision.yaml"), sys.argv[1:])
     data = source(cfg)
-    trainer = meshpar.Trainer(cfg, model=lambda rngs: mixer(cfg, rngs), loss=classification_loss,
-                              batch_spec=data.batch_spec(cfg.batch.global_size, cfg.batch.length))
+    trainer = meshpar.Trainer(
+        cfg,
+        model=lambda rngs: mixer(cfg, rngs),
+        loss=classification_loss,
+        batch_spec=data.batch_spec(cfg.batch.global_size, cfg.batch.length),
+    )
     end = meshpar.run(cfg, trainer=trainer, source=data)
     print(f"loss {end['initial_loss']:.3f} -> {end['final_loss']:.3f}")

@@ -19,6 +19,7 @@ The BatchNorm's running mean/variance and the dropout's RNG stream are non-Param
 (meshpar carries them in the train state and checkpoints them); the stacked blocks hold parameters
 only, as a pipeline needs. The images and labels come from examples/vision.py's synthetic source.
 """
+
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -39,13 +40,21 @@ class Block(nnx.Module):
         self.ln1 = nnx.LayerNorm(width, scale_init=named(ones, "norm"), bias_init=named(zeros, "norm"), rngs=rngs)
         self.ln2 = nnx.LayerNorm(width, scale_init=named(ones, "norm"), bias_init=named(zeros, "norm"), rngs=rngs)
         self.attn = nnx.MultiHeadAttention(
-            heads, width, decode=False, rngs=rngs, kernel_init=named(normal, "embed", "heads", "kv"),
-            bias_init=named(zeros, "heads", "kv"), out_kernel_init=named(normal, "heads", "kv", "embed"),
-            out_bias_init=named(zeros, "embed"))
-        self.up = nnx.Linear(width, 4 * width, kernel_init=named(normal, "embed", "mlp"),
-                             bias_init=named(zeros, "mlp"), rngs=rngs)
-        self.down = nnx.Linear(4 * width, width, kernel_init=named(normal, "mlp", "embed"),
-                               bias_init=named(zeros, "embed"), rngs=rngs)
+            heads,
+            width,
+            decode=False,
+            rngs=rngs,
+            kernel_init=named(normal, "embed", "heads", "kv"),
+            bias_init=named(zeros, "heads", "kv"),
+            out_kernel_init=named(normal, "heads", "kv", "embed"),
+            out_bias_init=named(zeros, "embed"),
+        )
+        self.up = nnx.Linear(
+            width, 4 * width, kernel_init=named(normal, "embed", "mlp"), bias_init=named(zeros, "mlp"), rngs=rngs
+        )
+        self.down = nnx.Linear(
+            4 * width, width, kernel_init=named(normal, "mlp", "embed"), bias_init=named(zeros, "embed"), rngs=rngs
+        )
 
     def __call__(self, x):
         x = x + self.attn(self.ln1(x))
@@ -53,25 +62,42 @@ class Block(nnx.Module):
 
 
 class ViT(nnx.Module):
-    def __init__(self, image: int, channels: int, patch: int, width: int, heads: int, layers: int, classes: int,
-                 dropout: float, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        image: int,
+        channels: int,
+        patch: int,
+        width: int,
+        heads: int,
+        layers: int,
+        classes: int,
+        dropout: float,
+        rngs: nnx.Rngs,
+    ):
         import meshpar
+
         self.patch, n = patch, (image // patch) ** 2
-        self.stem = nnx.BatchNorm(channels, scale_init=named(ones, "norm"), bias_init=named(zeros, "norm"),
-                                  rngs=rngs)
-        self.embed = nnx.Linear(patch * patch * channels, width, kernel_init=named(normal, "pixels", "embed"),
-                                bias_init=named(zeros, "embed"), rngs=rngs)
+        self.stem = nnx.BatchNorm(channels, scale_init=named(ones, "norm"), bias_init=named(zeros, "norm"), rngs=rngs)
+        self.embed = nnx.Linear(
+            patch * patch * channels,
+            width,
+            kernel_init=named(normal, "pixels", "embed"),
+            bias_init=named(zeros, "embed"),
+            rngs=rngs,
+        )
         self.cls = nnx.Param(zeros(rngs.params(), (1, 1, width)), out_sharding=(None, None, "embed"))
         self.pos = nnx.Param(normal(rngs.params(), (n + 1, width)), out_sharding=("pos", "embed"))
         self.drop = nnx.Dropout(dropout, rngs=rngs)
         self.layers = meshpar.stacked(lambda r: Block(width, heads, r), layers, rngs)
         self.norm = nnx.LayerNorm(width, scale_init=named(ones, "norm"), bias_init=named(zeros, "norm"), rngs=rngs)
-        self.head = nnx.Linear(width, classes, kernel_init=named(normal, "embed", "classes"),
-                               bias_init=named(zeros, "classes"), rngs=rngs)
+        self.head = nnx.Linear(
+            width, classes, kernel_init=named(normal, "embed", "classes"), bias_init=named(zeros, "classes"), rngs=rngs
+        )
 
     def pre(self, batch):
         """{images [b, H, W, C], ...} -> x [b, N+1, E]: normalised pixels, patch embeddings, class token."""
         import meshpar
+
         x = self.stem(batch["images"])
         b, h, w, c = x.shape
         p = self.patch
@@ -93,28 +119,44 @@ class ViT(nnx.Module):
     def __call__(self, images):
         """images [B, H, W, C] -> logits [B, K] (evaluation and serving use the whole model)."""
         import meshpar
+
         return self.post(meshpar.apply_layers(self, self.pre({"images": images}))[0])
 
 
 def vit(cfg, rngs: nnx.Rngs) -> ViT:
     """The factory `model.name: examples.vit:vit` names: sizes from `model.args`."""
-    a = {"image": 16, "channels": 3, "patch": 4, "width": 32, "heads": 4, "layers": 2, "classes": 10,
-         "dropout": 0.1, **cfg.model.args}
-    return ViT(a["image"], a["channels"], a["patch"], a["width"], a["heads"], a["layers"], a["classes"],
-               a["dropout"], rngs)
+    a = {
+        "image": 16,
+        "channels": 3,
+        "patch": 4,
+        "width": 32,
+        "heads": 4,
+        "layers": 2,
+        "classes": 10,
+        "dropout": 0.1,
+        **cfg.model.args,
+    }
+    return ViT(
+        a["image"], a["channels"], a["patch"], a["width"], a["heads"], a["layers"], a["classes"], a["dropout"], rngs
+    )
 
 
 if __name__ == "__main__":
     import os
     import sys
-    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")   # fake devices on a laptop
+
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")  # fake devices on a laptop
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import meshpar
     from examples.vision import source
 
     cfg = meshpar.load_config(os.path.join(os.path.dirname(os.path.abspath(__file__)), "vit.yaml"), sys.argv[1:])
     data = source(cfg)
-    trainer = meshpar.Trainer(cfg, model=lambda rngs: vit(cfg, rngs), loss=meshpar.stage_loss,
-                              batch_spec=data.batch_spec(cfg.batch.global_size, cfg.batch.length))
+    trainer = meshpar.Trainer(
+        cfg,
+        model=lambda rngs: vit(cfg, rngs),
+        loss=meshpar.stage_loss,
+        batch_spec=data.batch_spec(cfg.batch.global_size, cfg.batch.length),
+    )
     end = meshpar.run(cfg, trainer=trainer, source=data)
     print(f"loss {end['initial_loss']:.3f} -> {end['final_loss']:.3f}")

@@ -7,26 +7,12 @@ The public API (imported lazily, so `import meshpar` stays cheap and sets up no 
     trainer = meshpar.Trainer(cfg, model=my_factory, loss=my_loss, batch_spec=my_batch_spec)
     meshpar.run(cfg, trainer=trainer, source=my_source)
 
-The folders are the layers, lowest first; each imports only from those below it (tests/test_layout.py
-checks it; docs/architecture.md has one line per module):
-  core/      errors, config (schema, YAML, overrides), annotate (`meshpar config`), registry (config names ->
-             code), mesh, rules (logical names -> mesh axes, strategy presets, `constrain`), precision, batch
-             (`Leaf`), sharding
-  nn/        layers (`param`, `stacked`, `scan_layers`), dropout (the stacked layers' keys), attention (the mask,
-             xla/cudnn), flash (blockwise attention, O(S) memory), moe (routing, dispatch/combine), stages (the
-             stage protocol)
-  parallel/  schedules (tick tables), residuals (1F1B's stash), pipeline (shard_map over `pipeline`),
-             context (sequences split over `context`; `meshpar.attention`)
-  io/        checkpoint (Orbax), hf (Hugging Face safetensors), tokenizer
-  runtime/   distributed (jax.distributed, preemption, watchdog), launch (`meshpar launch`), slurm
-  train/     optimizer, loss, state (shardings, sharded init), step (the jitted step), data, evaluate,
-             metrics, profile, flops (MFU), loop (wires a run), plot
-  serve/     sampling, placement (serving layout, weights), engine (prefill/extend/insert/generate), prefix cache,
-             scheduler (continuous batching), api (`meshpar serve`), multihost
-  plan/      hardware, costmodel (memory), steptime (collectives, time), search (`meshpar plan`), inspect (compiled HLO), dryrun
-  cli.py     `meshpar train|inspect|launch|plan|generate|export|plot|config`
+The folders are the layers, lowest first (core, nn, parallel, io, runtime, train, serve, plan, cli); each
+imports only from those below it. docs/architecture.md's table is the one list of the modules, a line each
+(tests/test_layout.py checks both).
 The reference models (`meshpar.models`, the repo's `models/`) use this API like any user model.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -36,34 +22,60 @@ __version__ = "0.1.0"
 # name -> module that defines it
 _API = {
     # configuration and the mesh
-    "Config": "meshpar.core.config", "load_config": "meshpar.core.config", "from_dict": "meshpar.core.config",
-    "make_mesh": "meshpar.core.mesh", "fake_cpu_devices": "meshpar.core.mesh",
+    "Config": "meshpar.core.config",
+    "load_config": "meshpar.core.config",
+    "from_dict": "meshpar.core.config",
+    "make_mesh": "meshpar.core.mesh",
+    "fake_cpu_devices": "meshpar.core.mesh",
     # logical axes and strategies
-    "PRESETS": "meshpar.core.rules", "LOGICAL_AXES": "meshpar.core.rules", "Layout": "meshpar.core.layout",
-    "get_strategy": "meshpar.core.rules", "parse_user_rules": "meshpar.core.rules", "constrain": "meshpar.core.layout",
+    "PRESETS": "meshpar.core.rules",
+    "LOGICAL_AXES": "meshpar.core.rules",
+    "Layout": "meshpar.core.layout",
+    "get_strategy": "meshpar.core.rules",
+    "parse_user_rules": "meshpar.core.rules",
+    "constrain": "meshpar.core.layout",
     "use_layout": "meshpar.core.layout",
     # model-building helpers
     "attention": "meshpar.parallel.context",
-    "param": "meshpar.nn.layers", "stacked": "meshpar.nn.layers", "scan_layers": "meshpar.nn.layers", "after": "meshpar.nn.layers",
+    "param": "meshpar.nn.layers",
+    "stacked": "meshpar.nn.layers",
+    "scan_layers": "meshpar.nn.layers",
+    "after": "meshpar.nn.layers",
     "gated_inputs": "meshpar.nn.layers",
-    "stage_loss": "meshpar.nn.stages", "apply_layers": "meshpar.nn.stages",
-    "use_policy": "meshpar.core.precision", "get_policy": "meshpar.core.precision", "compute_dtype": "meshpar.core.precision",
-    "param_dtype": "meshpar.core.precision", "cross_entropy": "meshpar.core.precision",
+    "stage_loss": "meshpar.nn.stages",
+    "apply_layers": "meshpar.nn.stages",
+    "use_policy": "meshpar.core.precision",
+    "get_policy": "meshpar.core.precision",
+    "compute_dtype": "meshpar.core.precision",
+    "param_dtype": "meshpar.core.precision",
+    "cross_entropy": "meshpar.core.precision",
     "chunked_cross_entropy": "meshpar.core.precision",
     # shardings of a model
-    "model_spec": "meshpar.core.sharding", "building": "meshpar.core.sharding", "logical_axes": "meshpar.core.sharding",
-    "param_shardings": "meshpar.core.sharding", "sharding_table": "meshpar.core.sharding",
+    "model_spec": "meshpar.core.sharding",
+    "building": "meshpar.core.sharding",
+    "logical_axes": "meshpar.core.sharding",
+    "param_shardings": "meshpar.core.sharding",
+    "sharding_table": "meshpar.core.sharding",
     "render_sharding_table": "meshpar.core.sharding",
     # batches and data
-    "Leaf": "meshpar.core.batch", "lm_batch_spec": "meshpar.core.batch", "Batches": "meshpar.train.data",
+    "Leaf": "meshpar.core.batch",
+    "lm_batch_spec": "meshpar.core.batch",
+    "Batches": "meshpar.train.data",
     # training
-    "Trainer": "meshpar.train.step", "lm_loss": "meshpar.train.loss", "run": "meshpar.train.loop",
-    "Checkpointer": "meshpar.io.checkpoint", "report": "meshpar.plan.inspect",
+    "Trainer": "meshpar.train.step",
+    "lm_loss": "meshpar.train.loss",
+    "run": "meshpar.train.loop",
+    "Checkpointer": "meshpar.io.checkpoint",
+    "report": "meshpar.plan.inspect",
     # serving
-    "Engine": "meshpar.serve.engine", "Request": "meshpar.serve.requests", "Completion": "meshpar.serve.requests",
+    "Engine": "meshpar.serve.engine",
+    "Request": "meshpar.serve.requests",
+    "Completion": "meshpar.serve.requests",
     "Sampling": "meshpar.serve.sampling",
     # errors
-    "MeshparError": "meshpar.core.errors", "ConfigError": "meshpar.core.errors", "ShardingError": "meshpar.core.errors",
+    "MeshparError": "meshpar.core.errors",
+    "ConfigError": "meshpar.core.errors",
+    "ShardingError": "meshpar.core.errors",
 }
 
 __all__ = sorted(_API)
@@ -79,6 +91,7 @@ def _models_beside_the_package() -> None:
     import importlib.util
     import os
     import sys
+
     here = os.path.dirname(os.path.abspath(__file__))
     beside = os.path.join(os.path.dirname(here), "models")
     if os.path.isdir(os.path.join(here, "models")) or not os.path.isfile(os.path.join(beside, "__init__.py")):
@@ -88,8 +101,10 @@ def _models_beside_the_package() -> None:
         def find_spec(self, name, path=None, target=None):
             if name != "meshpar.models":
                 return None
-            return importlib.util.spec_from_file_location(name, os.path.join(beside, "__init__.py"),
-                                                          submodule_search_locations=[beside])
+            return importlib.util.spec_from_file_location(
+                name, os.path.join(beside, "__init__.py"), submodule_search_locations=[beside]
+            )
+
     sys.meta_path.insert(0, BesideFinder())
 
 

@@ -9,6 +9,7 @@ and `decode(tokens [B, T], positions [B, T], cache) -> (logits [B, T, V], cache)
 on new tokens at their positions, reading and writing the cache (prefill: T = the prompt bucket;
 generate: T = 1).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,11 +19,11 @@ from dataclasses import dataclass
 import jax.numpy as jnp
 from flax import nnx
 
-from meshpar.core.layout import constrain
-from meshpar.nn.layers import after, param, scan_layers, stacked
-from meshpar.core.precision import compute_dtype
 from meshpar.core.batch import Leaf
+from meshpar.core.layout import constrain
+from meshpar.core.precision import compute_dtype
 from meshpar.models.layers import CACHE_AXES, RESIDUAL, Block, Pattern, RMSNorm
+from meshpar.nn.layers import after, param, scan_layers, stacked
 
 # name: (layers, embed, heads, kv_heads, head_dim, mlp, vocab)
 SIZES = {
@@ -45,35 +46,37 @@ class DecoderConfig:
     remat: str = "full"
     scan_layers: bool = True
     attention: str = "auto"
-    window: int | None = None          # sliding-window attention (keys a token sees), None: all before it
-    softcap: float | None = None       # attention scores c*tanh(s/c) (Gemma 2)
-    context_strategy: str = "all_gather"   # sequences split over `context`: all_gather | ring
+    window: int | None = None  # sliding-window attention (keys a token sees), None: all before it
+    softcap: float | None = None  # attention scores c*tanh(s/c) (Gemma 2)
+    context_strategy: str = "all_gather"  # sequences split over `context`: all_gather | ring
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
-    tie_embeddings: bool = False       # logits = x @ embedding.T (no separate lm_head)
+    tie_embeddings: bool = False  # logits = x @ embedding.T (no separate lm_head)
     rope_scaling: tuple | None = None  # ("linear", factor) | ("llama3", factor, low, high, original_max_positions)
-    qkv_bias: bool = False             # biases on q, k, v (Qwen2)
-    qk_norm: bool = False              # RMSNorm of each q and k head before RoPE (Qwen3)
-    family: str = "llama"              # the Hugging Face family export writes (meshpar.models.hf_llama.FAMILIES)
+    qkv_bias: bool = False  # biases on q, k, v (Qwen2)
+    qk_norm: bool = False  # RMSNorm of each q and k head before RoPE (Qwen3)
+    family: str = "llama"  # the Hugging Face family export writes (meshpar.models.hf_llama.FAMILIES)
     # Gemma 2/3: RMSNorm x (1 + w), norms after attention and MLP too, GeGLU, scores / sqrt(query_scale),
     # embeddings x sqrt(E), logits soft-capped, local (window) and global layers in groups of p
     norm_offset: float = 0.0
     post_norms: bool = False
-    mlp_act: str = "silu"              # silu | gelu_tanh
+    mlp_act: str = "silu"  # silu | gelu_tanh
     query_scale: float | None = None
     embed_scale: bool = False
     final_softcap: float | None = None
-    local_global: int | None = None    # p: groups of p layers, p - 1 with the window, then one without
-    local_rope: tuple | None = None    # (theta, scaling) of the windowed layers of a group, when not the global
-                                       # layers' rope_theta/rope_scaling (Gemma 3)
+    local_global: int | None = None  # p: groups of p layers, p - 1 with the window, then one without
+    local_rope: tuple | None = None  # (theta, scaling) of the windowed layers of a group, when not the global
+    # layers' rope_theta/rope_scaling (Gemma 3)
 
     @classmethod
-    def from_config(cls, m) -> "DecoderConfig":
+    def from_config(cls, m) -> DecoderConfig:
         """From a `meshpar.core.config.ModelConfig`: size preset, then explicit fields; with
         `model.init_from=hf:DIR`, the dimensions of DIR/config.json (see `meshpar.models.hf_llama`)."""
         from meshpar.core.errors import ConfigError, suggest
+
         if getattr(m, "init_from", None):
             from meshpar.models.hf_llama import decoder_config
+
             return decoder_config(m)
         if m.size not in SIZES:
             raise ConfigError(f"unknown model size '{m.size}'" + suggest(m.size, SIZES))
@@ -84,10 +87,12 @@ class DecoderConfig:
                 base[k] = v
         if base["heads"] % base["kv_heads"]:
             raise ConfigError(f"model.heads={base['heads']} must be a multiple of model.kv_heads={base['kv_heads']}")
-        if m.head_dim is None and (m.embed is not None or m.heads is not None):   # "None: embed / heads"
+        if m.head_dim is None and (m.embed is not None or m.heads is not None):  # "None: embed / heads"
             if base["embed"] % base["heads"]:
-                raise ConfigError(f"model.embed={base['embed']} is not a multiple of model.heads={base['heads']}: "
-                                  f"set model.head_dim explicitly")
+                raise ConfigError(
+                    f"model.embed={base['embed']} is not a multiple of model.heads={base['heads']}: "
+                    f"set model.head_dim explicitly"
+                )
             base["head_dim"] = base["embed"] // base["heads"]
         if base["head_dim"] % 2:
             implied = " (model.embed / model.heads)" if m.head_dim is None else ""
@@ -95,14 +100,23 @@ class DecoderConfig:
         scaling = getattr(m, "rope_scaling", None) or None
         if scaling:
             from meshpar.models.hf_rope import rope_scaling
-            scaling = rope_scaling(scaling, "model.rope_scaling")
-        return cls(**base, remat=m.remat, scan_layers=m.scan_layers, attention=m.attention,
-                   window=getattr(m, "window", None), softcap=getattr(m, "softcap", None),
-                   context_strategy=getattr(m, "context_strategy", "all_gather"),
-                   rope_theta=m.rope_theta, norm_eps=m.norm_eps,
-                   tie_embeddings=getattr(m, "tie_embeddings", False), rope_scaling=scaling)
 
-    def replace(self, **kw) -> "DecoderConfig":
+            scaling = rope_scaling(scaling, "model.rope_scaling")
+        return cls(
+            **base,
+            remat=m.remat,
+            scan_layers=m.scan_layers,
+            attention=m.attention,
+            window=getattr(m, "window", None),
+            softcap=getattr(m, "softcap", None),
+            context_strategy=getattr(m, "context_strategy", "all_gather"),
+            rope_theta=m.rope_theta,
+            norm_eps=m.norm_eps,
+            tie_embeddings=getattr(m, "tie_embeddings", False),
+            rope_scaling=scaling,
+        )
+
+    def replace(self, **kw) -> DecoderConfig:
         return dataclasses.replace(self, **kw)
 
 
@@ -120,6 +134,7 @@ class Decoder(nnx.Module):
         groups, rest = divmod(cfg.layers, p)
         if groups == 0:
             from meshpar.core.errors import ConfigError
+
             raise ConfigError(f"model.layers={cfg.layers} is fewer than the local/global pattern's {p} layers")
         default = (lambda r: Pattern(cfg, r)) if p > 1 else (lambda r: Block(cfg, r))
         self.layers = stacked(block or default, groups, rngs)
@@ -131,17 +146,17 @@ class Decoder(nnx.Module):
     def embed(self, tokens, dtype):
         """tokens [B, T] int -> [B, T, E] (row gather of a vocab-parallel table)."""
         x = jnp.take(self.embedding[...].astype(dtype), tokens, axis=0)
-        if self.cfg.embed_scale:                     # Gemma: x sqrt(E), the factor rounded to the compute dtype
+        if self.cfg.embed_scale:  # Gemma: x sqrt(E), the factor rounded to the compute dtype
             x = x * jnp.asarray(math.sqrt(self.cfg.embed), dtype)
         return constrain(x, RESIDUAL)
 
     def head(self, x, dtype):
         """[B, T, E] -> logits [B, T, V] (vocab-parallel LM head under TP)."""
         table = self.embedding if self.cfg.tie_embeddings else self.lm_head
-        x, w = after(x, table[...])                  # its gather here, not before the layers
+        x, w = after(x, table[...])  # its gather here, not before the layers
         x = self.final_norm(x)
         logits = jnp.einsum("bte,ve->btv" if self.cfg.tie_embeddings else "bte,ev->btv", x, w.astype(dtype))
-        if self.cfg.final_softcap:                   # Gemma 2: c tanh(logits / c)
+        if self.cfg.final_softcap:  # Gemma 2: c tanh(logits / c)
             c = self.cfg.final_softcap
             logits = (c * jnp.tanh(logits.astype(jnp.float32) / c)).astype(logits.dtype)
         return constrain(logits, ("batch", "seq", "vocab"))
@@ -151,13 +166,15 @@ class Decoder(nnx.Module):
         if self.tail is None:
             return None
         p = self.cfg.local_global
-        return (f"its {self.cfg.layers} layers are {self.cfg.layers // p} scanned groups of {p} plus a tail of "
-                f"{len(self.tail.blocks)} local layers after them, which no stage holds")
+        return (
+            f"its {self.cfg.layers} layers are {self.cfg.layers // p} scanned groups of {p} plus a tail of "
+            f"{len(self.tail.blocks)} local layers after them, which no stage holds"
+        )
 
     def __call__(self, tokens, dtype=None, *, positions=None, segment_ids=None):
         """tokens [B, T] -> (logits [B, T, V], aux). Packed documents: positions [B, T] (RoPE restarts
         at each document; default 0..T-1) and segment_ids [B, T] (a token sees its own document only)."""
-        dtype = dtype or compute_dtype()   # the active precision policy's
+        dtype = dtype or compute_dtype()  # the active precision policy's
         x, aux = self.features(tokens, dtype, positions=positions, segment_ids=segment_ids)
         return self.head(x, dtype), aux
 
@@ -203,13 +220,16 @@ class Decoder(nnx.Module):
         """{parameter path: meshpar.io.hf.Source}: how each parameter reads from / writes to the HF
         tensors of its family (meshpar.models.hf_llama)."""
         from meshpar.models.hf_llama import tensors
+
         return tensors(self.cfg)
 
     def hf_config(self) -> dict:
         """The `config.json` of this model in its family's format (`meshpar.models.hf_llama.FAMILIES`)."""
         from meshpar.models.hf_llama import hf_config
+
         return hf_config(self.cfg)
 
     def hf_ignorable(self, name: str) -> bool:
         from meshpar.models.hf_llama import ignorable
+
         return ignorable(name)

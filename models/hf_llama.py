@@ -51,6 +51,7 @@ meshpar's `rope` is the same half-split form, so the row order within a head map
 (`ROPE_ROWS`); a checkpoint in Meta's interleaved layout would need the permutation
 `interleaved_to_half` (`meshpar.models.hf_rope`, tested to differ) and is not what `hf:` reads.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -60,19 +61,27 @@ from meshpar.io.hf import Source, hf_path, read_config
 from meshpar.models.hf_rope import rope_of, rope_parameters
 
 # architecture -> family (its config.json's model_type)
-FAMILIES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-            "Qwen3ForCausalLM": "qwen3", "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe",
-            "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text"}
-MOE = ("mixtral", "qwen3_moe")      # their experts: meshpar.models.hf_moe
+FAMILIES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3_text",
+}
+MOE = ("mixtral", "qwen3_moe")  # their experts: meshpar.models.hf_moe
 GEMMA = ("gemma2", "gemma3_text")
-WINDOWED = ("mistral", "mixtral", *GEMMA)   # families whose config.json's sliding_window is read
+WINDOWED = ("mistral", "mixtral", *GEMMA)  # families whose config.json's sliding_window is read
 ARCHITECTURES = tuple(FAMILIES)
-ROPE_ROWS = "identity"      # HF rotate_half rows == meshpar rope rows (see the module docstring)
+ROPE_ROWS = "identity"  # HF rotate_half rows == meshpar rope rows (see the module docstring)
 
 
 def decoder_config(m):
     """`model.init_from=hf:DIR` (a `meshpar.core.config.ModelConfig`) -> DecoderConfig from DIR/config.json."""
     from meshpar.models.decoder import DecoderConfig
+
     hf = read_config(m.init_from)
     where = str(hf_path(m.init_from) / "config.json")
 
@@ -81,52 +90,84 @@ def decoder_config(m):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ConfigError(f"{where}: key '{key}' must be a positive integer, got {v!r}")
         return v
+
     archs = hf.get("architectures") or [hf.get("model_type", "?")]
     family = next((FAMILIES[a] for a in archs if a in FAMILIES), None)
     if family is None:
         vlm = next((a for a in archs if a.endswith("ForConditionalGeneration")), None)
-        raise ConfigError(f"{where}: key 'architectures' is {archs}; meshpar implements {', '.join(ARCHITECTURES)}"
-                          + (f" ({vlm} has a vision tower: read its text model's ...ForCausalLM checkpoint)" if vlm else ""))
+        raise ConfigError(
+            f"{where}: key 'architectures' is {archs}; meshpar implements {', '.join(ARCHITECTURES)}"
+            + (f" ({vlm} has a vision tower: read its text model's ...ForCausalLM checkpoint)" if vlm else "")
+        )
     gemma = family in GEMMA
     act_key = "hidden_activation" if gemma else "hidden_act"
     act = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}.get(hf.get(act_key) or "silu")
     if act is None or gemma != (act == "gelu_tanh"):
-        raise ConfigError(f"{where}: key '{act_key}' is {hf.get(act_key)!r}; the decoder's MLP is SwiGLU (silu), "
-                          "or GeGLU (gelu_pytorch_tanh) for Gemma")
+        raise ConfigError(
+            f"{where}: key '{act_key}' is {hf.get(act_key)!r}; the decoder's MLP is SwiGLU (silu), "
+            "or GeGLU (gelu_pytorch_tanh) for Gemma"
+        )
     for key in ("attention_bias", "mlp_bias", "use_bidirectional_attention"):
         if hf.get(key):
-            raise ConfigError(f"{where}: key '{key}' is true; " + (
-                "the decoder is causal" if key == "use_bidirectional_attention" else
-                "the decoder has no biases" + (" but Qwen2's q/k/v biases" if family == "qwen2" else "")))
+            raise ConfigError(
+                f"{where}: key '{key}' is true; "
+                + (
+                    "the decoder is causal"
+                    if key == "use_bidirectional_attention"
+                    else "the decoder has no biases" + (" but Qwen2's q/k/v biases" if family == "qwen2" else "")
+                )
+            )
     if family in MOE and getattr(m, "name", "moe") != "moe":
-        raise ConfigError(f"{where}: key 'architectures' is {archs}, a mixture of experts: model.name=moe reads it "
-                          "(leave model.name unset: load_config sets it and the moe.* keys from config.json)")
+        raise ConfigError(
+            f"{where}: key 'architectures' is {archs}, a mixture of experts: model.name=moe reads it "
+            "(leave model.name unset: load_config sets it and the moe.* keys from config.json)"
+        )
     if family in ("qwen2", "qwen3", "qwen3_moe") and hf.get("use_sliding_window"):
-        raise ConfigError(f"{where}: key 'use_sliding_window' is true; a window on some layers only (Qwen's "
-                          "max_window_layers) is not implemented: set it false to read the model without windows")
+        raise ConfigError(
+            f"{where}: key 'use_sliding_window' is true; a window on some layers only (Qwen's "
+            "max_window_layers) is not implemented: set it false to read the model without windows"
+        )
     window = hf.get("sliding_window") if family in WINDOWED else None
     if window is not None and (not isinstance(window, int) or window < 1):
         raise ConfigError(f"{where}: key 'sliding_window' must be a positive integer or null, got {window!r}")
     glob, loc = rope_of(hf, where, family)
-    extra = (gemma_options(hf, where, family, window, glob, loc) if gemma else
-             {"window": window, "rope_theta": glob[0], "rope_scaling": glob[1]})
+    extra = (
+        gemma_options(hf, where, family, window, glob, loc)
+        if gemma
+        else {"window": window, "rope_theta": glob[0], "rope_scaling": glob[1]}
+    )
     heads = need("num_attention_heads")
-    dims = {"layers": need("num_hidden_layers"), "embed": need("hidden_size"), "heads": heads,
-            "kv_heads": need("num_key_value_heads", heads), "mlp": need("intermediate_size"),
-            "vocab": need("vocab_size")}
+    dims = {
+        "layers": need("num_hidden_layers"),
+        "embed": need("hidden_size"),
+        "heads": heads,
+        "kv_heads": need("num_key_value_heads", heads),
+        "mlp": need("intermediate_size"),
+        "vocab": need("vocab_size"),
+    }
     dims["head_dim"] = need("head_dim", hf.get("head_dim") or dims["embed"] // heads)
     if heads % dims["kv_heads"]:
-        raise ConfigError(f"{where}: key 'num_key_value_heads'={dims['kv_heads']} does not divide "
-                          f"num_attention_heads={heads}")
+        raise ConfigError(
+            f"{where}: key 'num_key_value_heads'={dims['kv_heads']} does not divide num_attention_heads={heads}"
+        )
     for k, v in dims.items():
         mine = getattr(m, k, None)
         if mine is not None and mine != v:
-            raise ConfigError(f"model.{k}={mine} disagrees with {where} ({v}); drop it: model.init_from sets the "
-                              "dimensions")
-    return DecoderConfig(**dims, remat=m.remat, scan_layers=m.scan_layers, attention=m.attention,
-                         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-                         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), qkv_bias=family == "qwen2",
-                         qk_norm=family in ("qwen3", "qwen3_moe", "gemma3_text"), family=family, **extra)
+            raise ConfigError(
+                f"model.{k}={mine} disagrees with {where} ({v}); drop it: model.init_from sets the dimensions"
+            )
+    return DecoderConfig(
+        **dims,
+        remat=m.remat,
+        scan_layers=m.scan_layers,
+        attention=m.attention,
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=family == "qwen2",
+        qk_norm=family in ("qwen3", "qwen3_moe", "gemma3_text"),
+        family=family,
+        **extra,
+    )
 
 
 def gemma_options(hf: dict, where: str, family: str, window, glob: tuple, loc: tuple) -> dict:
@@ -135,21 +176,33 @@ def gemma_options(hf: dict, where: str, family: str, window, glob: tuple, loc: t
     4's `sliding_window_pattern`) with the RoPE (theta, scaling) of its global and local layers."""
     layers = hf.get("num_hidden_layers") or 0
     every = hf.get("sliding_window_pattern") or (2 if family == "gemma2" else 6)
-    types = hf.get("layer_types") or ["full_attention" if (i + 1) % every == 0 else "sliding_attention"
-                                      for i in range(layers)]
+    types = hf.get("layer_types") or [
+        "full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(layers)
+    ]
     p = types.index("full_attention") + 1 if "full_attention" in types else None
     if types != layer_types(p, layers):
-        raise ConfigError(f"{where}: key 'layer_types' must repeat (sliding_attention x p-1, full_attention), the "
-                          "last group maybe cut short (Gemma 2: p = 2; Gemma 3: 6); other patterns are not implemented")
-    if p is None:                               # every layer sliding: one kind of layer, the local one
+        raise ConfigError(
+            f"{where}: key 'layer_types' must repeat (sliding_attention x p-1, full_attention), the "
+            "last group maybe cut short (Gemma 2: p = 2; Gemma 3: 6); other patterns are not implemented"
+        )
+    if p is None:  # every layer sliding: one kind of layer, the local one
         glob = loc
-    elif p == 1:                                # every layer full: no window anywhere
+    elif p == 1:  # every layer full: no window anywhere
         p, window = None, None
-    return {"norm_offset": 1.0, "post_norms": True, "mlp_act": "gelu_tanh", "embed_scale": True,
-            "query_scale": hf.get("query_pre_attn_scalar") or hf.get("head_dim") or 256,
-            "softcap": hf.get("attn_logit_softcapping"), "final_softcap": hf.get("final_logit_softcapping"),
-            "local_global": p, "window": window, "rope_theta": glob[0], "rope_scaling": glob[1],
-            "local_rope": loc if p and loc != glob else None}
+    return {
+        "norm_offset": 1.0,
+        "post_norms": True,
+        "mlp_act": "gelu_tanh",
+        "embed_scale": True,
+        "query_scale": hf.get("query_pre_attn_scalar") or hf.get("head_dim") or 256,
+        "softcap": hf.get("attn_logit_softcapping"),
+        "final_softcap": hf.get("final_logit_softcapping"),
+        "local_global": p,
+        "window": window,
+        "rope_theta": glob[0],
+        "rope_scaling": glob[1],
+        "local_rope": loc if p and loc != glob else None,
+    }
 
 
 def layer_types(p: int | None, layers: int) -> list[str]:
@@ -162,14 +215,25 @@ def gemma_config(c, family: str) -> dict:
     """The Gemma-only keys of config.json (`gemma_options` read back)."""
     p = c.local_global
     kinds = layer_types(p, c.layers) if c.window is not None else ["full_attention"] * c.layers
-    out = {"hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": c.query_scale or c.head_dim,
-           "attn_logit_softcapping": c.softcap, "final_logit_softcapping": c.final_softcap,
-           "sliding_window": c.window, "layer_types": kinds}
+    out = {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": c.query_scale or c.head_dim,
+        "attn_logit_softcapping": c.softcap,
+        "final_logit_softcapping": c.final_softcap,
+        "sliding_window": c.window,
+        "layer_types": kinds,
+    }
     if family == "gemma3_text":
         loc = c.local_rope or (c.rope_theta, c.rope_scaling)
-        out.update(use_bidirectional_attention=False, rope_local_base_freq=loc[0],
-                   rope_parameters={"full_attention": rope_parameters(c.rope_theta, c.rope_scaling),
-                                    "sliding_attention": rope_parameters(*loc)}, **({"sliding_window_pattern": p} if p else {}))
+        out.update(
+            use_bidirectional_attention=False,
+            rope_local_base_freq=loc[0],
+            rope_parameters={
+                "full_attention": rope_parameters(c.rope_theta, c.rope_scaling),
+                "sliding_attention": rope_parameters(*loc),
+            },
+            **({"sliding_window_pattern": p} if p else {}),
+        )
     return out
 
 
@@ -188,23 +252,43 @@ def hf_config(c) -> dict:
     rope = rope_parameters(c.rope_theta, c.rope_scaling)
     family = family_of(c)
     if c.softcap is not None and family not in GEMMA:
-        raise ConfigError("model.softcap: attention soft-capping has no place in the Llama, Mistral or Qwen formats; "
-                          "export a model without it")
+        raise ConfigError(
+            "model.softcap: attention soft-capping has no place in the Llama, Mistral or Qwen formats; "
+            "export a model without it"
+        )
     if c.window is not None and family not in ("mistral", *GEMMA):
-        raise ConfigError(f"model.window: the {family} format has no window for every layer; a windowed decoder "
-                          "exports as Mistral (a model read from Mistral does)")
+        raise ConfigError(
+            f"model.window: the {family} format has no window for every layer; a windowed decoder "
+            "exports as Mistral (a model read from Mistral does)"
+        )
     arch = next(a for a, f in FAMILIES.items() if f == family)
     no_window = {"use_sliding_window": False, "sliding_window": None, "max_window_layers": c.layers}
-    extra = gemma_config(c, family) if family in GEMMA else {
-        "mistral": {"sliding_window": c.window}, "qwen2": no_window, "qwen3": no_window}.get(family, {})
+    extra = (
+        gemma_config(c, family)
+        if family in GEMMA
+        else {"mistral": {"sliding_window": c.window}, "qwen2": no_window, "qwen3": no_window}.get(family, {})
+    )
     act = "gelu_pytorch_tanh" if c.mlp_act == "gelu_tanh" else "silu"
-    return {"architectures": [arch], "model_type": family, "hidden_act": act,
-            "hidden_size": c.embed, "intermediate_size": c.mlp, "num_hidden_layers": c.layers,
-            "num_attention_heads": c.heads, "num_key_value_heads": c.kv_heads, "head_dim": c.head_dim,
-            "vocab_size": c.vocab, "rms_norm_eps": c.norm_eps, "tie_word_embeddings": c.tie_embeddings,
-            "attention_bias": False, "mlp_bias": False, "rope_parameters": rope, "rope_theta": c.rope_theta,
-            **({"rope_scaling": {k: v for k, v in rope.items() if k != "rope_theta"}} if c.rope_scaling else {}),
-            **extra}
+    return {
+        "architectures": [arch],
+        "model_type": family,
+        "hidden_act": act,
+        "hidden_size": c.embed,
+        "intermediate_size": c.mlp,
+        "num_hidden_layers": c.layers,
+        "num_attention_heads": c.heads,
+        "num_key_value_heads": c.kv_heads,
+        "head_dim": c.head_dim,
+        "vocab_size": c.vocab,
+        "rms_norm_eps": c.norm_eps,
+        "tie_word_embeddings": c.tie_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "rope_parameters": rope,
+        "rope_theta": c.rope_theta,
+        **({"rope_scaling": {k: v for k, v in rope.items() if k != "rope_theta"}} if c.rope_scaling else {}),
+        **extra,
+    }
 
 
 def _r(a, b):
@@ -229,13 +313,18 @@ def layered(ids, shapes: dict, read_one, write_one) -> Source:
         for i in range(len(ids)):
             out.update({names[s][i]: t for s, t in write_one(a[i]).items()})
         return out
+
     return Source({names[s][i]: shape for s, shape in shapes.items() for i in range(len(ids))}, read, write)
 
 
 def one_per_layer(ids, suffix, shape, read_one, write_one) -> Source:
     """`layered` for a parameter made of one tensor per layer."""
-    return layered(ids, {suffix: shape}, lambda get_l, box: read_one(lambda *r: get_l(suffix, *r), box),
-                   lambda a: {suffix: write_one(a)})
+    return layered(
+        ids,
+        {suffix: shape},
+        lambda get_l, box: read_one(lambda *r: get_l(suffix, *r), box),
+        lambda a: {suffix: write_one(a)},
+    )
 
 
 def tensors(c, blocks: dict | None = None) -> dict:
@@ -244,13 +333,17 @@ def tensors(c, blocks: dict | None = None) -> dict:
     otherwise (meshpar.models.hf_moe); default {("layers",): (all layers, True)}."""
     E, V = c.embed, c.vocab
     out = {
-        ("embedding",): Source({"model.embed_tokens.weight": (V, E)}, lambda get, b: get("model.embed_tokens.weight", *b),
-                               lambda a: {"model.embed_tokens.weight": a}),
-        ("final_norm", "scale"): Source({"model.norm.weight": (E,)}, lambda get, b: get("model.norm.weight", *b),
-                                        lambda a: {"model.norm.weight": a}),
+        ("embedding",): Source(
+            {"model.embed_tokens.weight": (V, E)},
+            lambda get, b: get("model.embed_tokens.weight", *b),
+            lambda a: {"model.embed_tokens.weight": a},
+        ),
+        ("final_norm", "scale"): Source(
+            {"model.norm.weight": (E,)}, lambda get, b: get("model.norm.weight", *b), lambda a: {"model.norm.weight": a}
+        ),
     }
     p = c.local_global or 1
-    if blocks is None and p > 1:                      # Pattern groups (models/layers.Pattern), then the tail
+    if blocks is None and p > 1:  # Pattern groups (models/layers.Pattern), then the tail
         blocks = {("layers", "blocks", str(i)): (ids, True) for i, ids in enumerate(grouped(p, c.layers // p))}
         for i in range(c.layers % p):
             tail = block_tensors(c, [c.layers - c.layers % p + i])
@@ -258,8 +351,11 @@ def tensors(c, blocks: dict | None = None) -> dict:
     for prefix, (ids, mlp) in (blocks or {("layers",): (range(c.layers), True)}).items():
         out.update({(*prefix, *path): src for path, src in block_tensors(c, ids, mlp).items()})
     if not c.tie_embeddings:
-        out[("lm_head",)] = Source({"lm_head.weight": (V, E)}, lambda get, b: get("lm_head.weight", b[1], b[0]).T,
-                                   lambda a: {"lm_head.weight": a.T})
+        out[("lm_head",)] = Source(
+            {"lm_head.weight": (V, E)},
+            lambda get, b: get("lm_head.weight", b[1], b[0]).T,
+            lambda a: {"lm_head.weight": a.T},
+        )
     return out
 
 
@@ -295,50 +391,80 @@ def block_tensors(c, ids, mlp: bool = True) -> dict:
             out.append(parts)
         return out
 
-    def qkv_read(get_l, box):           # [E_s, K_s, J_s, D_s]
+    def qkv_read(get_l, box):  # [E_s, K_s, J_s, D_s]
         (e0, e1), ks, js, (d0, d1) = box
         rows = head_rows(get_l, "weight", ks, js, d0, d1, (e0, e1))
         return np.stack([np.stack([r.T for r in parts], 1) for parts in rows], 1)
 
-    def qkv_write(a):                   # [E, K, G+2, D] -> q [N*D, E], k/v [K*D, E]
-        return {"self_attn.q_proj.weight": a[:, :, :G].reshape(E, N * D).T,
-                "self_attn.k_proj.weight": a[:, :, G].reshape(E, K * D).T,
-                "self_attn.v_proj.weight": a[:, :, G + 1].reshape(E, K * D).T}
+    def qkv_write(a):  # [E, K, G+2, D] -> q [N*D, E], k/v [K*D, E]
+        return {
+            "self_attn.q_proj.weight": a[:, :, :G].reshape(E, N * D).T,
+            "self_attn.k_proj.weight": a[:, :, G].reshape(E, K * D).T,
+            "self_attn.v_proj.weight": a[:, :, G + 1].reshape(E, K * D).T,
+        }
 
-    def wo_read(get_l, box):            # o_proj [E, N*D] -> [N_s, D_s, E_s]
+    def wo_read(get_l, box):  # o_proj [E, N*D] -> [N_s, D_s, E_s]
         (n0, n1), (d0, d1), (e0, e1) = box
         w = get_l("self_attn.o_proj.weight", (e0, e1), (n0 * D, n1 * D)).reshape(e1 - e0, n1 - n0, D)
         return w[:, :, d0:d1].transpose(1, 2, 0)
 
-    post = c.post_norms                         # Gemma: post_attention_layernorm follows attention
+    post = c.post_norms  # Gemma: post_attention_layernorm follows attention
     out = {
         ("attn_norm", "scale"): vector("input_layernorm.weight", E),
-        ("ffn_norm", "scale"): vector("pre_feedforward_layernorm.weight" if post else "post_attention_layernorm.weight", E),
-        ("attn", "wqkv"): layered(ids, {"self_attn.q_proj.weight": (N * D, E), "self_attn.k_proj.weight": (K * D, E),
-                                        "self_attn.v_proj.weight": (K * D, E)}, qkv_read, qkv_write),
-        ("attn", "wo"): layered(ids, {"self_attn.o_proj.weight": (E, N * D)}, wo_read,
-                                lambda a: {"self_attn.o_proj.weight": a.reshape(N * D, E).T}),
+        ("ffn_norm", "scale"): vector(
+            "pre_feedforward_layernorm.weight" if post else "post_attention_layernorm.weight", E
+        ),
+        ("attn", "wqkv"): layered(
+            ids,
+            {
+                "self_attn.q_proj.weight": (N * D, E),
+                "self_attn.k_proj.weight": (K * D, E),
+                "self_attn.v_proj.weight": (K * D, E),
+            },
+            qkv_read,
+            qkv_write,
+        ),
+        ("attn", "wo"): layered(
+            ids,
+            {"self_attn.o_proj.weight": (E, N * D)},
+            wo_read,
+            lambda a: {"self_attn.o_proj.weight": a.reshape(N * D, E).T},
+        ),
     }
     if mlp:
-        def w_in_read(get_l, box):      # gate/up [F, E] -> [E_s, C_s, F_s]
+
+        def w_in_read(get_l, box):  # gate/up [F, E] -> [E_s, C_s, F_s]
             (e0, e1), cs, fs = box
             return np.stack([get_l(f"mlp.{('gate_proj', 'up_proj')[c]}.weight", fs, (e0, e1)).T for c in _r(*cs)], 1)
-        out[("ffn", "w_in")] = layered(ids, {"mlp.gate_proj.weight": (F, E), "mlp.up_proj.weight": (F, E)}, w_in_read,
-                                       lambda a: {"mlp.gate_proj.weight": a[:, 0].T, "mlp.up_proj.weight": a[:, 1].T})
-        out[("ffn", "w_down")] = one_per_layer(ids, "mlp.down_proj.weight", (E, F), lambda g, b: g(b[1], b[0]).T,
-                                               lambda a: a.T)
+
+        out[("ffn", "w_in")] = layered(
+            ids,
+            {"mlp.gate_proj.weight": (F, E), "mlp.up_proj.weight": (F, E)},
+            w_in_read,
+            lambda a: {"mlp.gate_proj.weight": a[:, 0].T, "mlp.up_proj.weight": a[:, 1].T},
+        )
+        out[("ffn", "w_down")] = one_per_layer(
+            ids, "mlp.down_proj.weight", (E, F), lambda g, b: g(b[1], b[0]).T, lambda a: a.T
+        )
     if post:
         out[("post_attn_norm", "scale")] = vector("post_attention_layernorm.weight", E)
         out[("post_ffn_norm", "scale")] = vector("post_feedforward_layernorm.weight", E)
     if c.qkv_bias:
-        def bias_read(get_l, box):      # q/k/v biases [N*D], [K*D] -> [K_s, J_s, D_s]
+
+        def bias_read(get_l, box):  # q/k/v biases [N*D], [K*D] -> [K_s, J_s, D_s]
             ks, js, (d0, d1) = box
             return np.stack([np.stack(parts, 0) for parts in head_rows(get_l, "bias", ks, js, d0, d1)], 0)
+
         out[("attn", "bqkv")] = layered(
-            ids, {"self_attn.q_proj.bias": (N * D,), "self_attn.k_proj.bias": (K * D,), "self_attn.v_proj.bias": (K * D,)},
-            bias_read, lambda a: {"self_attn.q_proj.bias": a[:, :G].reshape(N * D),
-                                  "self_attn.k_proj.bias": a[:, G].reshape(K * D),
-                                  "self_attn.v_proj.bias": a[:, G + 1].reshape(K * D)})
+            ids,
+            {"self_attn.q_proj.bias": (N * D,), "self_attn.k_proj.bias": (K * D,), "self_attn.v_proj.bias": (K * D,)},
+            bias_read,
+            lambda a: {
+                "self_attn.q_proj.bias": a[:, :G].reshape(N * D),
+                "self_attn.k_proj.bias": a[:, G].reshape(K * D),
+                "self_attn.v_proj.bias": a[:, G + 1].reshape(K * D),
+            },
+        )
     if c.qk_norm:
         out[("attn", "q_norm", "scale")] = vector("self_attn.q_norm.weight", D)
         out[("attn", "k_norm", "scale")] = vector("self_attn.k_norm.weight", D)

@@ -1,6 +1,7 @@
 """RoPE as a Hugging Face config.json states it (transformers 5's `rope_parameters`, or 4's
 `rope_theta` + `rope_scaling`; Gemma 3's per layer type) <-> the reference decoder's (theta, scaling),
 and the row order of a head's q/k features (`interleaved_to_half`, see `meshpar.models.hf_llama`)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -18,8 +19,10 @@ def rope_scaling(rs: dict, where: str) -> tuple:
     """A rope scaling dict -> ("linear", factor) or ("llama3", factor, low_freq_factor,
     high_freq_factor, original_max) (`meshpar.models.layers.rope_frequencies`)."""
     kind = rs.get("rope_type", rs.get("type", "default"))
-    keys = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
-                                              "original_max_position_embeddings")}.get(kind)
+    keys = {
+        "linear": ("factor",),
+        "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    }.get(kind)
     if keys is None:
         raise ConfigError(f"{where}: rope type '{kind}' is not implemented (default, linear and llama3 are)")
     for k in keys:
@@ -43,8 +46,13 @@ def rope_parameters(theta: float, scaling: tuple | None) -> dict:
         out.update(rope_type="linear", factor=scaling[1])
     elif scaling:
         _, f, lo, hi, orig = scaling
-        out.update(rope_type="llama3", factor=f, low_freq_factor=lo, high_freq_factor=hi,
-                   original_max_position_embeddings=int(orig))
+        out.update(
+            rope_type="llama3",
+            factor=f,
+            low_freq_factor=lo,
+            high_freq_factor=hi,
+            original_max_position_embeddings=int(orig),
+        )
     return out
 
 
@@ -54,11 +62,15 @@ def rope_of(hf: dict, where: str, family: str) -> tuple:
     type (5's `rope_parameters.{full,sliding}_attention`, 4's `rope_local_base_freq`)."""
     rope = dict(hf.get("rope_parameters") or {})
     if family == "gemma3_text" and ("full_attention" in rope or "sliding_attention" in rope):
-        return tuple(rope_settings({"rope_theta": t, **(rope.get(k) or {})}, f"{where}: key 'rope_parameters.{k}'")
-                     for k, t in (("full_attention", 1e6), ("sliding_attention", 1e4)))
+        return tuple(
+            rope_settings({"rope_theta": t, **(rope.get(k) or {})}, f"{where}: key 'rope_parameters.{k}'")
+            for k, t in (("full_attention", 1e6), ("sliding_attention", 1e4))
+        )
     rope.update(hf.get("rope_scaling") or {})
     key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
     theta = hf.get("rope_theta") or (1e6 if family == "gemma3_text" else 1e4)
-    glob = rope_settings({"rope_theta": theta, "partial_rotary_factor": hf.get("partial_rotary_factor") or 1.0, **rope},
-                         f"{where}: key '{key}'")
+    glob = rope_settings(
+        {"rope_theta": theta, "partial_rotary_factor": hf.get("partial_rotary_factor") or 1.0, **rope},
+        f"{where}: key '{key}'",
+    )
     return glob, ((float(hf.get("rope_local_base_freq") or 1e4), None) if family == "gemma3_text" else glob)

@@ -8,6 +8,7 @@ Decoding with a KV cache (`meshpar.serve.engine`): a block called with `cache` (
 [B, K, S, D], logical axes `CACHE_AXES` minus `layers`) writes this call's keys and values at their
 positions [B, T] and attends to every cached position <= its own; it returns the cache too.
 """
+
 from __future__ import annotations
 
 import math
@@ -16,9 +17,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from meshpar.nn.layers import gated_inputs, param
-from meshpar.core.precision import attention_dtype
 from meshpar.core.layout import constrain
+from meshpar.core.precision import attention_dtype
+from meshpar.nn.layers import gated_inputs, param
 from meshpar.parallel.context import attention
 
 
@@ -48,7 +49,7 @@ def rope_frequencies(d: int, theta: float, scaling: tuple | None = None):
     Llama 3.1's rescaling, wavelengths longer than original/low_freq_factor divided by `factor`, shorter
     than original/high_freq_factor kept, and those between interpolated smoothly (the formulas of HF's
     `_compute_llama3_parameters`)."""
-    freqs = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))          # [D/2]
+    freqs = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))  # [D/2]
     if scaling is None:
         return freqs
     if scaling[0] == "linear":
@@ -68,10 +69,10 @@ def rope(x, positions, theta: float, scaling: tuple | None = None):
     pairs). x [B, T, N, D], positions [T] (shared by every row) or [B, T] (each row its own, as
     in decoding). `scaling`: see `rope_frequencies`."""
     d = x.shape[-1]
-    freqs = rope_frequencies(d, theta, scaling)                                     # [D/2]
+    freqs = rope_frequencies(d, theta, scaling)  # [D/2]
     pos = positions.astype(jnp.float32)
-    pos = pos[None] if pos.ndim == 1 else pos                                        # [B or 1, T]
-    angles = pos[..., None] * freqs                                                  # [B or 1, T, D/2]
+    pos = pos[None] if pos.ndim == 1 else pos  # [B or 1, T]
+    angles = pos[..., None] * freqs  # [B or 1, T, D/2]
     sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -94,9 +95,9 @@ class Attention(nnx.Module):
         e, n, k, d = cfg.embed, cfg.heads, cfg.kv_heads, cfg.head_dim
         self.wqkv = param(rngs, (e, k, n // k + 2, d), ("embed", "kv_heads", None, "kv"), 1.0 / math.sqrt(e))
         self.wo = param(rngs, (n, d, e), ("heads", "kv", "embed"), 1.0 / math.sqrt(n * d * 2 * cfg.layers))
-        if getattr(cfg, "qkv_bias", False):          # Qwen2: biases on q, k and v (not on wo)
+        if getattr(cfg, "qkv_bias", False):  # Qwen2: biases on q, k and v (not on wo)
             self.bqkv = param(rngs, (k, n // k + 2, d), ("kv_heads", None, "kv"), init="zeros")
-        if getattr(cfg, "qk_norm", False):           # Qwen3: RMSNorm over D of each q and k head, before RoPE
+        if getattr(cfg, "qk_norm", False):  # Qwen3: RMSNorm over D of each q and k head, before RoPE
             self.q_norm = RMSNorm(d, cfg.norm_eps, rngs, getattr(cfg, "norm_offset", 0.0))
             self.k_norm = RMSNorm(d, cfg.norm_eps, rngs, getattr(cfg, "norm_offset", 0.0))
         self.cfg = cfg
@@ -108,26 +109,33 @@ class Attention(nnx.Module):
         cfg, dt = self.cfg, x.dtype
         b, t, _ = x.shape
         g = cfg.heads // cfg.kv_heads
-        qkv = jnp.einsum("bte,ekgd->btkgd", x, self.wqkv[...].astype(dt))              # [B, T, K, G+2, D]
+        qkv = jnp.einsum("bte,ekgd->btkgd", x, self.wqkv[...].astype(dt))  # [B, T, K, G+2, D]
         if getattr(cfg, "qkv_bias", False):
             qkv = qkv + self.bqkv[...].astype(dt)
         qkv = constrain(qkv, ("batch", "seq", "kv_heads", None, "kv"))
-        q = qkv[:, :, :, :g].reshape(b, t, cfg.heads, cfg.head_dim)                     # head n = k*G + j
-        k, v = qkv[:, :, :, g], qkv[:, :, :, g + 1]                                     # [B, T, K, D]
+        q = qkv[:, :, :, :g].reshape(b, t, cfg.heads, cfg.head_dim)  # head n = k*G + j
+        k, v = qkv[:, :, :, g], qkv[:, :, :, g + 1]  # [B, T, K, D]
         if getattr(cfg, "qk_norm", False):
             q, k = self.q_norm(q), self.k_norm(k)
         scaling = getattr(cfg, "rope_scaling", None)
         q, k = rope(q, positions, cfg.rope_theta, scaling), rope(k, positions, cfg.rope_theta, scaling)
-        if getattr(cfg, "query_scale", None):       # scores q.k / sqrt(query_scale), not / sqrt(D) (Gemma 2)
+        if getattr(cfg, "query_scale", None):  # scores q.k / sqrt(query_scale), not / sqrt(D) (Gemma 2)
             q = (q.astype(jnp.float32) * math.sqrt(cfg.head_dim / cfg.query_scale)).astype(q.dtype)
-        adt = attention_dtype(dt)   # = dt, except fp16 on CPU (see meshpar.core.precision.attention_dtype)
+        adt = attention_dtype(dt)  # = dt, except fp16 on CPU (see meshpar.core.precision.attention_dtype)
         masks = dict(window=cfg.window, softcap=cfg.softcap)
         if cache is not None:
             cache = self._write(k, v, positions, cache)
-        if cache is None or t == cache["k"].shape[2] > 1:     # training, or a prefill that fills its whole cache
-            o = attention(q.astype(adt), k.astype(adt), v.astype(adt), causal=True, segment_ids=segment_ids,
-                          implementation=cfg.attention, context_strategy=cfg.context_strategy,
-                          **masks).astype(dt)                                           # [B, T, N, D]
+        if cache is None or t == cache["k"].shape[2] > 1:  # training, or a prefill that fills its whole cache
+            o = attention(
+                q.astype(adt),
+                k.astype(adt),
+                v.astype(adt),
+                causal=True,
+                segment_ids=segment_ids,
+                implementation=cfg.attention,
+                context_strategy=cfg.context_strategy,
+                **masks,
+            ).astype(dt)  # [B, T, N, D]
         else:
             o = self._attend_cache(q, positions, cache, adt, **masks)
         o = constrain(o, ("batch", "seq", "heads", "kv"))
@@ -141,10 +149,12 @@ class Attention(nnx.Module):
         (`attention`, flash for long prompts), not over the cache."""
         b, t = positions.shape
         kv = cache["k"].shape[1]
-        at = (jnp.arange(b)[:, None, None], jnp.arange(kv)[None, None, :], positions[:, :, None])   # [B, T, K] each
+        at = (jnp.arange(b)[:, None, None], jnp.arange(kv)[None, None, :], positions[:, :, None])  # [B, T, K] each
         names = CACHE_AXES[1:]
-        return {"k": constrain(cache["k"].at[at].set(k.astype(cache["k"].dtype)), names),
-                "v": constrain(cache["v"].at[at].set(v.astype(cache["v"].dtype)), names)}
+        return {
+            "k": constrain(cache["k"].at[at].set(k.astype(cache["k"].dtype)), names),
+            "v": constrain(cache["v"].at[at].set(v.astype(cache["v"].dtype)), names),
+        }
 
     @staticmethod
     def _attend_cache(q, positions, cache, adt, window=None, softcap=None):
@@ -154,11 +164,11 @@ class Attention(nnx.Module):
         b, t = positions.shape
         kc, vc = cache["k"], cache["v"]
         kv, d = kc.shape[1], kc.shape[3]
-        qg = q.reshape(b, t, kv, -1, d).astype(adt)                                     # [B, T, K, G, D]
+        qg = q.reshape(b, t, kv, -1, d).astype(adt)  # [B, T, K, G, D]
         s = jnp.einsum("btkgd,bksd->bkgts", qg, kc.astype(adt)).astype(jnp.float32) / jnp.sqrt(jnp.float32(d))
         if softcap is not None:
             s = softcap * jnp.tanh(s / softcap)
-        mask = jnp.arange(kc.shape[2])[None, None, :] <= positions[:, :, None]          # [B, T, S]
+        mask = jnp.arange(kc.shape[2])[None, None, :] <= positions[:, :, None]  # [B, T, S]
         if window is not None:
             mask &= positions[:, :, None] - jnp.arange(kc.shape[2])[None, None, :] < window
         p = jax.nn.softmax(jnp.where(mask[:, None, None], s, -jnp.inf), axis=-1)
@@ -177,11 +187,11 @@ class MLP(nnx.Module):
         e, f = cfg.embed, cfg.mlp
         self.w_in = param(rngs, (e, 2, f), ("embed", None, "mlp"), 1.0 / math.sqrt(e))
         self.w_down = param(rngs, (f, e), ("mlp", "embed"), 1.0 / math.sqrt(f * 2 * cfg.layers))
-        self.act = getattr(cfg, "mlp_act", "silu")        # silu (SwiGLU) | gelu_tanh (GeGLU, Gemma)
+        self.act = getattr(cfg, "mlp_act", "silu")  # silu (SwiGLU) | gelu_tanh (GeGLU, Gemma)
 
     def __call__(self, x):
         dt = x.dtype
-        g, u = gated_inputs(x, self.w_in[...].astype(dt))    # [B, T, F] each, pinned (or SP may gather Wg|Wu instead)
+        g, u = gated_inputs(x, self.w_in[...].astype(dt))  # [B, T, F] each, pinned (or SP may gather Wg|Wu instead)
         gate = jax.nn.silu(g) if self.act == "silu" else jax.nn.gelu(g, approximate=True)
         h = constrain(gate * u, ("batch", "seq", "mlp"))
         return jnp.einsum("btf,fe->bte", h, self.w_down[...].astype(dt))
@@ -232,8 +242,12 @@ class Pattern(nnx.Module):
     def __init__(self, cfg, rngs: nnx.Rngs, count: int | None = None):
         p = cfg.local_global
         local = cfg.replace(rope_theta=cfg.local_rope[0], rope_scaling=cfg.local_rope[1]) if cfg.local_rope else cfg
-        self.blocks = nnx.List([Block(local if i < p - 1 else cfg.replace(window=None), rngs)
-                                for i in range(p if count is None else count)])
+        self.blocks = nnx.List(
+            [
+                Block(local if i < p - 1 else cfg.replace(window=None), rngs)
+                for i in range(p if count is None else count)
+            ]
+        )
 
     def __call__(self, x, positions, cache=None, segment_ids=None):
         """-> (x, {}); with `cache` (a list: one {"k", "v"} per block, decoding) -> (x, {}, cache)."""

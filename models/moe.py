@@ -13,6 +13,7 @@ Decoding (`decode`, `cache_spec`: see `meshpar.models.decoder`) routes dropless 
 `moe.capacity_factor` says: with capacity, whether a token is dropped depends on the other tokens
 of its group, so a request's output would change with the batch it is served in.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -24,16 +25,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from meshpar.core.batch import Leaf
+from meshpar.core.precision import compute_dtype
+from meshpar.models.decoder import Decoder, DecoderConfig
+from meshpar.models.layers import CACHE_AXES, MLP, Block, RMSNorm, in_order
 from meshpar.nn import moe as moe_lib
 from meshpar.nn import routing
-from meshpar.models.decoder import Decoder, DecoderConfig
 from meshpar.nn.layers import param, scan_layers, stacked
-from meshpar.core.precision import compute_dtype
-from meshpar.core.batch import Leaf
-from meshpar.models.layers import CACHE_AXES, MLP, Block, RMSNorm, in_order
 
-
-_DECODING = contextvars.ContextVar("moe_decoding", default=False)   # set while tracing `MoEDecoder.decode`
+_DECODING = contextvars.ContextVar("moe_decoding", default=False)  # set while tracing `MoEDecoder.decode`
 
 
 class MoEFFN(nnx.Module):
@@ -56,8 +56,9 @@ class MoEFFN(nnx.Module):
     def __call__(self, x):
         settings = dataclasses.replace(self.moe, capacity_factor=None) if _DECODING.get() else self.moe
         bias = None if self.expert_bias is None else self.expert_bias[...]
-        y, aux = moe_lib.moe_ffn(x, self.router[...], self.w_gate[...], self.w_up[...], self.w_down[...], settings,
-                                 bias)
+        y, aux = moe_lib.moe_ffn(
+            x, self.router[...], self.w_gate[...], self.w_up[...], self.w_down[...], settings, bias
+        )
         return (y if self.shared is None else y + self.shared(x)), aux
 
 
@@ -78,9 +79,12 @@ class MoEDecoder(Decoder):
 
     def __init__(self, cfg: DecoderConfig, moe: moe_lib.MoESettings, rngs: nnx.Rngs, seed: int = 0):
         from meshpar.core.errors import ConfigError
+
         if cfg.layers % moe.every:
-            raise ConfigError(f"model.layers={cfg.layers} is not a multiple of moe.every={moe.every} "
-                              "(an MoE feed-forward every k-th layer); change one of them")
+            raise ConfigError(
+                f"model.layers={cfg.layers} is not a multiple of moe.every={moe.every} "
+                "(an MoE feed-forward every k-th layer); change one of them"
+            )
         self.cfg = cfg
         self.moe_settings = moe
         self.seed = seed
@@ -92,7 +96,7 @@ class MoEDecoder(Decoder):
 
     def features(self, tokens, dtype=None, *, positions=None, segment_ids=None):
         """tokens [B, T] (positions, segment_ids [B, T]: as `Decoder`) -> (x [B, T, E] before `head`, aux)."""
-        dtype = dtype or compute_dtype()   # the active precision policy's
+        dtype = dtype or compute_dtype()  # the active precision policy's
         positions = jnp.arange(tokens.shape[1]) if positions is None else positions
         x = self.embed(tokens, dtype)
         key = None
@@ -104,30 +108,35 @@ class MoEDecoder(Decoder):
             salt = jnp.sum(tokens.astype(jnp.int32) * (where.astype(jnp.int32) % 65521 + 1))
             key = jax.random.fold_in(jax.random.key(self.seed), salt)
         with moe_lib.routing_key(key):
-            x, aux = scan_layers(self.layers, x, positions, self.cfg.remat, self.cfg.scan_layers,
-                                 segment_ids=segment_ids)
+            x, aux = scan_layers(
+                self.layers, x, positions, self.cfg.remat, self.cfg.scan_layers, segment_ids=segment_ids
+            )
         aux = dict(aux)
-        load = aux.pop("expert_load", None)              # [L / k, E]: the bias moves after the forward
+        load = aux.pop("expert_load", None)  # [L / k, E]: the bias moves after the forward
         if load is not None and not _DECODING.get():
             ffn = self.layers.moe.ffn
             ffn.expert_bias.set_value(routing.updated_bias(ffn.expert_bias[...], load, self.moe_settings.bias_rate))
         return x, aux
 
-
     def cache_spec(self, batch: int, length: int, dtype=None) -> list:
         """One {"k", "v"} [L / k, B, K, S, D] per position inside a super-block (k of them)."""
         c = self.cfg
-        leaf = Leaf((c.layers // self.moe_settings.every, batch, c.kv_heads, length, c.head_dim),
-                    dtype or compute_dtype(), CACHE_AXES)
+        leaf = Leaf(
+            (c.layers // self.moe_settings.every, batch, c.kv_heads, length, c.head_dim),
+            dtype or compute_dtype(),
+            CACHE_AXES,
+        )
         return [{"k": leaf, "v": leaf} for _ in range(self.moe_settings.every)]
 
     # -- Hugging Face format (meshpar.io.hf): Mixtral and Qwen3-MoE (meshpar.models.hf_moe) ----------------
     def hf_tensors(self) -> dict:
         from meshpar.models.hf_moe import family_of, moe_tensors
+
         return moe_tensors(self.cfg, self.moe_settings, family_of(self.cfg, self.moe_settings))
 
     def hf_config(self) -> dict:
         from meshpar.models.hf_moe import moe_config
+
         return moe_config(self.cfg, self.moe_settings)
 
     def decode(self, tokens, positions, cache, dtype=None):
@@ -151,6 +160,8 @@ def build(cfg, rngs: nnx.Rngs) -> MoEDecoder:
     Mixtral/Qwen3-MoE `model.init_from`'s config.json: `meshpar.models.hf_moe.check_settings`)."""
     if cfg.model.init_from:
         from meshpar.models.hf_moe import check_settings
+
         check_settings(cfg)
-    return MoEDecoder(DecoderConfig.from_config(cfg.model), moe_lib.MoESettings.from_config(cfg.moe), rngs,
-                      seed=cfg.train.seed)
+    return MoEDecoder(
+        DecoderConfig.from_config(cfg.model), moe_lib.MoESettings.from_config(cfg.moe), rngs, seed=cfg.train.seed
+    )

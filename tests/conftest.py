@@ -16,23 +16,37 @@ Compiling is most of the suite's time (bench/RESULTS.md, "Suite time"), so:
 - a worker that dies (an abort in XLA, say) fails the run at once (`--max-worker-restart=0`), and
   its fatal-error stacks, all threads, are kept in a file the summary names and prints.
 """
+
 import os
 import shutil
 import tempfile
 
 from meshpar.core.mesh import fake_cpu_flags, xla_knows
 
-
 # How XLA:CPU generates machine code, not what it partitions: fewer LLVM passes and its classic
 # fusion emitter compile in about half the time (bench/RESULTS.md, "Suite time").
-FAST_CODEGEN = [f"--{name}={value}" for name, value in (("xla_backend_optimization_level", 0),
-                                                         ("xla_llvm_disable_expensive_passes", "true"),
-                                                         ("xla_cpu_use_fusion_emitters", "false")) if xla_knows(name)]
+FAST_CODEGEN = [
+    f"--{name}={value}"
+    for name, value in (
+        ("xla_backend_optimization_level", 0),
+        ("xla_llvm_disable_expensive_passes", "true"),
+        ("xla_cpu_use_fusion_emitters", "false"),
+    )
+    if xla_knows(name)
+]
 # 8 fake devices whose collectives wait out a busy machine (meshpar.core.mesh.fake_cpu_flags: XLA's
 # own 60 s limit aborted a worker, issue 46)
-os.environ["XLA_FLAGS"] = fake_cpu_flags(8, " ".join(
-    [f for f in os.environ.get("XLA_FLAGS", "").split()
-     if not any(f.split("=")[0] == g.split("=")[0] for g in FAST_CODEGEN)] + FAST_CODEGEN))
+os.environ["XLA_FLAGS"] = fake_cpu_flags(
+    8,
+    " ".join(
+        [
+            f
+            for f in os.environ.get("XLA_FLAGS", "").split()
+            if not any(f.split("=")[0] == g.split("=")[0] for g in FAST_CODEGEN)
+        ]
+        + FAST_CODEGEN
+    ),
+)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import json  # noqa: E402
@@ -44,23 +58,33 @@ import pytest  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-XLA_CACHE = os.environ.get("MESHPAR_TEST_XLA_CACHE_DIR")      # set: a session above this one made it
+XLA_CACHE = os.environ.get("MESHPAR_TEST_XLA_CACHE_DIR")  # set: a session above this one made it
 _OWN_CACHE = XLA_CACHE is None and os.environ.get("MESHPAR_TEST_XLA_CACHE", "1") != "0"
 if _OWN_CACHE:
     XLA_CACHE = os.environ["MESHPAR_TEST_XLA_CACHE_DIR"] = tempfile.mkdtemp(prefix="meshpar-tests-xla-cache-")
 if XLA_CACHE:
-    for option, value in (("jax_compilation_cache_dir", XLA_CACHE), ("jax_persistent_cache_min_compile_time_secs", 0),
-                          ("jax_persistent_cache_min_entry_size_bytes", 0)):
+    for option, value in (
+        ("jax_compilation_cache_dir", XLA_CACHE),
+        ("jax_persistent_cache_min_compile_time_secs", 0),
+        ("jax_persistent_cache_min_entry_size_bytes", 0),
+    ):
         jax.config.update(option, value)
-        os.environ[option.upper()] = str(value)      # subprocesses and xdist's workers read the same settings
+        os.environ[option.upper()] = str(value)  # subprocesses and xdist's workers read the same settings
 
 from meshpar.core.config import load_config  # noqa: E402
 
-pytest_plugins = ("tests.suite_watch",)      # each file's time and programs; a dead worker's stacks
+pytest_plugins = ("tests.suite_watch",)  # each file's time and programs; a dead worker's stacks
 
 # Small, fast settings shared by the tests: fp32 for exactness, 2 layers, short sequences.
-FAST = ["precision=fp32", "model.layers=2", "batch.global_size=16", "batch.length=16", "steps=4",
-        "train.warmup_steps=1", "train.log_every=1"]
+FAST = [
+    "precision=fp32",
+    "model.layers=2",
+    "batch.global_size=16",
+    "batch.length=16",
+    "steps=4",
+    "train.warmup_steps=1",
+    "train.log_every=1",
+]
 
 
 def make_cfg(*overrides: str, mesh: dict | None = None, fast: bool = True):
@@ -93,8 +117,15 @@ def train_steps(trainer, source, cfg, steps: int):
     """`steps` optimizer steps of `trainer` from its init on `source`'s batches (as the loop builds
     them); the final state and each step's loss."""
     from meshpar.train.batches import Batches
-    data = Batches(source, trainer.batch_sharding, cfg.batch.global_size, cfg.batch.length, cfg.data.seed,
-                   batch_spec=trainer.batch_spec)
+
+    data = Batches(
+        source,
+        trainer.batch_sharding,
+        cfg.batch.global_size,
+        cfg.batch.length,
+        cfg.data.seed,
+        batch_spec=trainer.batch_spec,
+    )
     state, losses = trainer.init(), []
     for _ in range(steps):
         state, m = trainer.step(state, next(data))
@@ -105,8 +136,9 @@ def train_steps(trainer, source, cfg, steps: int):
 def stacked_stages(make, depth: int, name: str = "Stages"):
     """A user model class of the stage protocol and nothing more: `depth` stacked `make(rngs)` blocks
     between an identity `pre` and `post`, and the mean as its loss; named `name` (messages name it)."""
-    import meshpar
     from flax import nnx
+
+    import meshpar
 
     class Stages(nnx.Module):
         def __init__(self, rngs):
@@ -120,14 +152,17 @@ def stacked_stages(make, depth: int, name: str = "Stages"):
 
         def loss(self, outputs, batch):
             return outputs.mean(), {}
+
     Stages.__name__ = Stages.__qualname__ = name
     return Stages
 
 
 def rel(a, b) -> float:
     """Norm-wise relative error ||a - b|| / ||b|| over all leaves of two pytrees (in float64)."""
-    num = sum(float(np.sum((np.asarray(x, np.float64) - np.asarray(y, np.float64)) ** 2))
-              for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    num = sum(
+        float(np.sum((np.asarray(x, np.float64) - np.asarray(y, np.float64)) ** 2))
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+    )
     den = sum(float(np.sum(np.asarray(y, np.float64) ** 2)) for y in jax.tree.leaves(b))
     return (num / den) ** 0.5
 
@@ -154,7 +189,7 @@ def pytest_xdist_auto_num_workers(config):
     holds 8 fake devices' programs and buffers) and at most 8."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     try:
-        memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
+        memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     except (ValueError, OSError, AttributeError):
         memory_gib = 4.0 * cores
     return max(1, min(cores, int(memory_gib // 4), 8))

@@ -17,6 +17,7 @@ stacks of a worker that dies. A pytest plugin (tests/conftest.py loads it).
   the test it was running beside it; the summary names the files of processes that died and prints
   their stacks, and keeps them (the folder is removed when nothing died).
 """
+
 import faulthandler
 import os
 import shutil
@@ -34,23 +35,24 @@ STRICT = os.environ.get("MESHPAR_STRICT_SUITE_TIME", "0") not in ("", "0")
 # seconds the calibration workload takes on the idle 2-core machine the budget was measured on
 REFERENCE_S = 0.20
 
-_XLA_KEY = "xla_programs"              # (compiled, compile s, trace + lower s, cache hits) of one report
+_XLA_KEY = "xla_programs"  # (compiled, compile s, trace + lower s, cache hits) of one report
 _BACKEND = "/jax/core/compile/backend_compile_duration"
 _FRONT = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration")
 _HIT = "/jax/compilation_cache/cache_hits"
-_phase = [0, 0.0, 0.0, 0]              # counts since the last report, in this process
+_phase = [0, 0.0, 0.0, 0]  # counts since the last report, in this process
 _file_seconds: dict[str, float] = {}
 _file_xla: dict[str, list] = {}
-_slowdown = [1.0]                      # this machine against the reference, measured at session start
+_slowdown = [1.0]  # this machine against the reference, measured at session start
 
-_fault_dir = []                        # the session's fatal-error folder: made by the controller (or the
-_fault_file = []                       # only process), read by xdist's workers; this process's open log
+_fault_dir = []  # the session's fatal-error folder: made by the controller (or the
+_fault_file = []  # only process), read by xdist's workers; this process's open log
 
 
 def calibrate() -> float:
     """Seconds of a fixed single-core workload (Python loops and small numpy matmuls, the median of 3):
     how fast this machine runs now, against REFERENCE_S."""
     import numpy as np
+
     a = np.random.default_rng(0).standard_normal((96, 96))
 
     def work():
@@ -61,6 +63,7 @@ def calibrate() -> float:
         for _ in range(1200):
             a @ a
         return time.perf_counter() - t
+
     return statistics.median(work() for _ in range(3))
 
 
@@ -85,18 +88,19 @@ def _on_event(event: str, **_):
         _phase[3] += 1
 
 
-@pytest.hookimpl(trylast=True)          # after pytest's own faulthandler plugin, which writes to stderr
+@pytest.hookimpl(trylast=True)  # after pytest's own faulthandler plugin, which writes to stderr
 def pytest_configure(config):
     import jax
+
     jax.monitoring.register_event_duration_secs_listener(_on_duration)
     jax.monitoring.register_event_listener(_on_event)
-    if hasattr(config, "workerinput"):              # a worker: the controller made the folder
+    if hasattr(config, "workerinput"):  # a worker: the controller made the folder
         _fault_dir.append(Path(config.workerinput.get("meshpar_fault_dir") or tempfile.mkdtemp()))
         name = config.workerinput["workerid"]
     else:
         _fault_dir.append(Path(tempfile.mkdtemp(prefix="meshpar-tests-faults-")))
         name = "main"
-        fixed = os.environ.get("MESHPAR_TEST_BUDGET_SCALE")       # a fixed scale (this suite's own tests)
+        fixed = os.environ.get("MESHPAR_TEST_BUDGET_SCALE")  # a fixed scale (this suite's own tests)
         _slowdown[0] = float(fixed) if fixed else max(1.0, calibrate() / REFERENCE_S)
     _fault_file.append(open(_fault_dir[0] / f"{name}-{os.getpid()}.log", "w"))
     faulthandler.enable(file=_fault_file[0], all_threads=True)
@@ -157,7 +161,7 @@ def pytest_sessionfinish(session, exitstatus):
     if hasattr(session.config, "workerinput"):
         return
     if STRICT and over_budget() and session.exitstatus == 0:
-        session.exitstatus = 1          # strict: a file grew past its budget
+        session.exitstatus = 1  # strict: a file grew past its budget
 
 
 def pytest_unconfigure(config):
@@ -175,24 +179,34 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         lines = log.read_text().splitlines()
         at = next((i for i, line in enumerate(lines) if line.startswith("Current thread")), 0)
         tr.write_line(f"{lines[0]}; the dying thread's stack (every thread's: {log}):")
-        for line in lines[at:at + 40]:
+        for line in lines[at : at + 40]:
             tr.write_line("    " + line)
     if not _file_seconds:
         return
     scaled = f", x{_slowdown[0]:.2f} for this machine's speed" if _slowdown[0] > 1 else ""
     tr.write_sep("=", f"seconds per test file (budget {_seconds(budget_s())} s each{scaled})")
-    tr.write_line(f"{'seconds':>8}  {'compiled':>8}  {'cached':>6}  {'compile':>8}  {'trace':>8}  file   "
-                  "(in-process programs: compiled, taken from the session's cache; seconds compiling, tracing + lowering)")
+    tr.write_line(
+        f"{'seconds':>8}  {'compiled':>8}  {'cached':>6}  {'compile':>8}  {'trace':>8}  file   "
+        "(in-process programs: compiled, taken from the session's cache; seconds compiling, tracing + lowering)"
+    )
     total = [0, 0.0, 0.0, 0]
     for path, seconds in sorted(_file_seconds.items(), key=lambda kv: -kv[1]):
         row = _file_xla.get(path, (0, 0.0, 0.0, 0))
         total = [a + b for a, b in zip(total, row)]
         tr.write_line(f"{seconds:8.1f}  {row[0]:8d}  {row[3]:6d}  {row[1]:8.1f}  {row[2]:8.1f}  {path}")
-    tr.write_line(f"{sum(_file_seconds.values()):8.1f}  {total[0]:8d}  {total[3]:6d}  {total[1]:8.1f}  {total[2]:8.1f}  total")
+    tr.write_line(
+        f"{sum(_file_seconds.values()):8.1f}  {total[0]:8d}  {total[3]:6d}  {total[1]:8.1f}  {total[2]:8.1f}  total"
+    )
     for path, seconds in over_budget().items():
         if STRICT:
-            tr.write_line(f"FAILED suite time: {path} took {seconds:.0f} s, over the {_seconds(budget_s())} s a test file may "
-                          "take; share its compiled steps (module fixtures) or split it", red=True)
+            tr.write_line(
+                f"FAILED suite time: {path} took {seconds:.0f} s, over the {_seconds(budget_s())} s a test file may "
+                "take; share its compiled steps (module fixtures) or split it",
+                red=True,
+            )
         else:
-            tr.write_line(f"suite time: {path} took {seconds:.0f} s, over the {_seconds(budget_s())} s budget (a report: "
-                          "MESHPAR_STRICT_SUITE_TIME=1 fails the run on it)", yellow=True)
+            tr.write_line(
+                f"suite time: {path} took {seconds:.0f} s, over the {_seconds(budget_s())} s budget (a report: "
+                "MESHPAR_STRICT_SUITE_TIME=1 fails the run on it)",
+                yellow=True,
+            )

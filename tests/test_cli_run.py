@@ -1,5 +1,6 @@
 """The CLI contract end to end: `meshpar train` of the shipped configs (the default, the GPT-2
 example) trains well, `meshpar inspect --json` has its keys, Ctrl-C while compiling exits 130."""
+
 import json
 import os
 import subprocess
@@ -18,8 +19,14 @@ REPO = Path(__file__).resolve().parent.parent
 def test_default_train_closes_90_percent_of_the_gap_to_the_entropy_floor(tmp_path):
     out = tmp_path / "m.jsonl"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    proc = subprocess.run([sys.executable, "-m", "meshpar.cli", "train", "--metrics-out", str(out)],
-                          capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-m", "meshpar.cli", "train", "--metrics-out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     recs = [json.loads(line) for line in out.read_text().splitlines()]
     start, steps, end = recs[0], recs[1:-1], recs[-1]
@@ -41,8 +48,14 @@ def test_the_gpt2_example_trains_well_with_its_own_settings(tmp_path):
     its last loss rose): most of the way to the entropy floor, still falling at the end."""
     out = tmp_path / "m.jsonl"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    proc = subprocess.run([sys.executable, "-m", "meshpar.cli", "train", "--config", "examples/gpt2.yaml",
-                           "--metrics-out", str(out)], capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+    proc = subprocess.run(
+        [sys.executable, "-m", "meshpar.cli", "train", "--config", "examples/gpt2.yaml", "--metrics-out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=REPO,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     end, loss, steps = metrics_records(out)[-1], metrics_losses(out), 120
     assert end["event"] == "end" and end["steps"] == steps
@@ -69,11 +82,31 @@ def test_inspect_json_lists_the_warnings_of_its_set_up():
     """`inspect --json --devices 1`: the mesh-collapse warning is in the JSON's warnings (it was on
     stderr only, beside `"warnings": []`). A process of its own: one device, a one-layer step."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    proc = subprocess.run([sys.executable, "-m", "meshpar.cli", "inspect", "--json", "--devices", "1", "model.layers=1",
-                           "batch.global_size=2", "batch.length=8", "precision=fp32", "model.remat=none"],
-                          capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "meshpar.cli",
+            "inspect",
+            "--json",
+            "--devices",
+            "1",
+            "model.layers=1",
+            "batch.global_size=2",
+            "batch.length=8",
+            "precision=fp32",
+            "model.remat=none",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=REPO,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    warning = "warning: one device: the mesh (data=2 fsdp=2 tensor=2) collapses to a single device; fsdp_tp runs unsharded"
+    warning = (
+        "warning: one device: the mesh (data=2 fsdp=2 tensor=2) collapses to a single device; fsdp_tp runs unsharded"
+    )
     assert json.loads(proc.stdout)["warnings"] == [warning] and warning not in proc.stderr
 
 
@@ -84,10 +117,22 @@ def _sigint_while_compiling(tmp_path, delay: float) -> tuple[int, str]:
     import select
     import signal
     import time
-    env = {k: v for k, v in os.environ.items()        # no XLA_FLAGS, and a compile the session's cache
-           if k != "XLA_FLAGS" and not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))}   # cannot skip
-    argv = [sys.executable, "-m", "meshpar.cli", "train", "steps=50", f"checkpoint.dir={tmp_path / 'ck'}",
-            "--metrics-out", str(tmp_path / "m.jsonl")]
+
+    env = {
+        k: v
+        for k, v in os.environ.items()  # no XLA_FLAGS, and a compile the session's cache
+        if k != "XLA_FLAGS" and not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))
+    }  # cannot skip
+    argv = [
+        sys.executable,
+        "-m",
+        "meshpar.cli",
+        "train",
+        "steps=50",
+        f"checkpoint.dir={tmp_path / 'ck'}",
+        "--metrics-out",
+        str(tmp_path / "m.jsonl"),
+    ]
     # Popen, not pty.fork(): this process runs XLA's threads, and a forked copy of it that runs Python
     # before its exec can deadlock or die on a lock another thread held at the fork
     fd, tty = pty.openpty()
@@ -124,7 +169,7 @@ def test_ctrl_c_while_compiling_exits_130_with_nothing_written_half_way(tmp_path
         code, out = _sigint_while_compiling(d, delay)
         assert code == 130, (delay, code, out[-1500:])
         assert "meshpar: interrupted" in out and "compiled train step" not in out, out[-1500:]
-        hidden = out.rfind("\x1b[?25l")                  # the progress bar hides the cursor ...
-        assert hidden < 0 or out.rfind("\x1b[?25h") > hidden, out[-500:]   # ... and gives it back
+        hidden = out.rfind("\x1b[?25l")  # the progress bar hides the cursor ...
+        assert hidden < 0 or out.rfind("\x1b[?25h") > hidden, out[-500:]  # ... and gives it back
         assert not [p for p in (d / "ck").iterdir() if p.name[0].isdigit()] if (d / "ck").exists() else True
         assert all(json.loads(x)["event"] == "start" for x in (d / "m.jsonl").read_text().splitlines())

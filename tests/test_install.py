@@ -5,6 +5,7 @@ One wheel and one virtual environment serve the module. The environment sees the
 environment's packages (jax, flax, ...) through a `.pth` line, but not its editable meshpar (an
 editable install is a finder that `.pth` lines do not start), so `meshpar` there is the wheel's.
 """
+
 import os
 import re
 import subprocess
@@ -22,16 +23,33 @@ REPO = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
     d = tmp_path_factory.mktemp("install")
-    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(d), str(REPO)],
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(d), str(REPO)],
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     wheel = next(d.glob("meshpar-*.whl"))
     venv = d / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     site = next(venv.glob("lib/python*/site-packages"))
     (site / "test_env.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    out = subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "-q",
-                          "--no-deps", "--no-index", str(wheel)], capture_output=True, text=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(venv / "bin" / "python"),
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-index",
+            str(wheel),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     return {"wheel": wheel, "bin": venv / "bin", "site": site}
 
@@ -56,7 +74,7 @@ def test_reference_models_install_as_meshpar_models_only(installed, tmp_path):
     """)
     run = _run(installed, [str(installed["bin"] / "python"), "-c", code], tmp_path)
     assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.strip().startswith(str(installed["site"]))          # the wheel's meshpar
+    assert run.stdout.strip().startswith(str(installed["site"]))  # the wheel's meshpar
 
 
 @pytest.mark.slow
@@ -81,10 +99,11 @@ def test_every_entry_point_runs_from_the_repository_root_and_elsewhere(installed
     assert "step     2/2" in run.stdout and "Gloo" not in both and "peer ranks" not in both
     assert not [ln for ln in both.splitlines() if re.fullmatch(r"(\[process \d+\] )?\s*\d+\s*", ln)]
     # launch/local.sh, with an error: one whole line per process, the second one prefixed
-    run = _run(installed, [str(REPO / "launch" / "local.sh"), "2", "steps=1", "model.name=nope"], tmp_path,
-               PYTHON=python)
+    run = _run(
+        installed, [str(REPO / "launch" / "local.sh"), "2", "steps=1", "model.name=nope"], tmp_path, PYTHON=python
+    )
     assert run.returncode == 2
-    errors = sorted(ln for ln in run.stderr.splitlines() if "error:" in ln)          # in either order
+    errors = sorted(ln for ln in run.stderr.splitlines() if "error:" in ln)  # in either order
     assert len(errors) == 2 and errors[1].startswith("meshpar: error: unknown model.name 'nope'"), run.stderr
     assert errors[0].startswith("[process 1] meshpar: error: unknown model.name 'nope'"), run.stderr
     # a user script from elsewhere
@@ -98,7 +117,13 @@ def test_the_checkout_s_reference_models_win_over_an_editable_install_of_another
     checkout's models are the ones its tests and its `python -m meshpar.cli` run."""
     code = "import meshpar.models, sys; sys.stdout.write(meshpar.models.__file__)"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120,
-                         env={**env, "PYTHONPATH": str(REPO)})
+    run = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+        env={**env, "PYTHONPATH": str(REPO)},
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     assert Path(run.stdout) == REPO / "models" / "__init__.py", run.stdout

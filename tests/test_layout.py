@@ -5,6 +5,7 @@ models, and nothing grows past 400 lines a module (250 in the config package) or
 The checks read the source (ast), so a violation anywhere, in a function body too, fails here
 before it can hide behind a lazy import.
 """
+
 import ast
 from pathlib import Path
 
@@ -15,14 +16,17 @@ REPO = Path(__file__).resolve().parent.parent
 # lowest first: a module may import its own layer and the ones before it
 LAYERS = ("core", "nn", "parallel", "io", "runtime", "train", "serve", "plan", "cli")
 MAX_MODULE_LINES, MAX_DEFINITION_LINES = 400, 120
-MAX_CONFIG_LINES = 250       # each file of the config package (`meshpar/core/config/`)
+MAX_CONFIG_LINES = 250  # each file of the config package (`meshpar/core/config/`)
 
 
 def modules(package: Path) -> dict[str, Path]:
     """'meshpar.core.mesh' -> its file, for every module of the framework (not the reference models or
     configs that the install puts beside it)."""
-    return {".".join((package.name, *p.relative_to(package).with_suffix("").parts)).removesuffix(".__init__"): p
-            for p in sorted(package.rglob("*.py")) if "__pycache__" not in p.parts}
+    return {
+        ".".join((package.name, *p.relative_to(package).with_suffix("").parts)).removesuffix(".__init__"): p
+        for p in sorted(package.rglob("*.py"))
+        if "__pycache__" not in p.parts
+    }
 
 
 def layer_of(module: str) -> str | None:
@@ -41,7 +45,7 @@ def imports_of(path: Path, module: str) -> list[tuple[int, str]]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                here = module.split(".")[:-node.level + (path.name == "__init__.py") or None]
+                here = module.split(".")[: -node.level + (path.name == "__init__.py") or None]
                 base = ".".join([*here, base] if base else here)
             out += [(node.lineno, f"{base}.{a.name}") for a in node.names]
     return out
@@ -63,8 +67,14 @@ def violations(package: Path) -> list[str]:
             if target.split(".")[0] != name:
                 continue
             # the longest module prefix of the target (a name imported from a module is that module)
-            dep = next((".".join(target.split(".")[:k]) for k in range(target.count(".") + 1, 0, -1)
-                        if ".".join(target.split(".")[:k]) in mods), None)
+            dep = next(
+                (
+                    ".".join(target.split(".")[:k])
+                    for k in range(target.count(".") + 1, 0, -1)
+                    if ".".join(target.split(".")[:k]) in mods
+                ),
+                None,
+            )
             if dep is None or dep == mod:
                 continue
             if dep == name and target != f"{name}.__version__":
@@ -80,10 +90,12 @@ def violations(package: Path) -> list[str]:
         cap = MAX_CONFIG_LINES if mod.startswith(f"{name}.core.config") else MAX_MODULE_LINES
         if n > cap:
             found.append(f"{mod}: {n} lines (at most {cap}); split it along an idea")
-        found += [f"{mod}:{d.lineno} {d.name}: {d.end_lineno - d.lineno + 1} lines (at most {MAX_DEFINITION_LINES})"
-                  for d in ast.walk(ast.parse(path.read_text()))
-                  if isinstance(d, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
-                  and d.end_lineno - d.lineno + 1 > MAX_DEFINITION_LINES]
+        found += [
+            f"{mod}:{d.lineno} {d.name}: {d.end_lineno - d.lineno + 1} lines (at most {MAX_DEFINITION_LINES})"
+            for d in ast.walk(ast.parse(path.read_text()))
+            if isinstance(d, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+            and d.end_lineno - d.lineno + 1 > MAX_DEFINITION_LINES
+        ]
     return found
 
 
@@ -94,10 +106,11 @@ def cycles(graph: dict[str, set]) -> list[str]:
         state[n] = "open"
         for m in sorted(graph[n]):
             if state.get(m) == "open":
-                found.append("import cycle: " + " -> ".join(stack[stack.index(m):] + [m]))
+                found.append("import cycle: " + " -> ".join(stack[stack.index(m) :] + [m]))
             elif m not in state:
                 visit(m, stack + [m])
         state[n] = "done"
+
     for n in sorted(graph):
         if n not in state:
             visit(n, [n])
@@ -111,6 +124,7 @@ def test_the_framework_keeps_its_layers():
 def module_table(path: Path) -> list[str]:
     """The modules docs/architecture.md's table names, as 'layer.module' ('core.config.schema')."""
     import re
+
     rows, layer = [], None
     for lay, mod in re.findall(r"^\| *(\w*) *\| `([\w.]+)` \|", path.read_text(), re.M):
         layer = lay or layer
@@ -137,20 +151,36 @@ def test_the_reference_models_keep_the_size_limits():
                 assert d.end_lineno - d.lineno + 1 <= MAX_DEFINITION_LINES, f"{mod}.{d.name}"
 
 
-@pytest.mark.parametrize("module, text, expected", [
-    ("core/mesh2.py", "from meshpar.train.step import Trainer\n", "layer 'core' must not import the higher layer 'train'"),
-    ("nn/late.py", "def f():\n    from meshpar.serve import engine\n", "layer 'nn' must not import the higher layer 'serve'"),
-    ("io/rel.py", "from ..plan import inspect\n", "layer 'io' must not import the higher layer 'plan'"),
-    ("core/api.py", "from meshpar import Trainer\n", "imports the public API (meshpar.Trainer)"),
-    ("train/ref.py", "import meshpar.models.decoder\n", "imports the reference models"),
-    ("flat.py", "x = 1\n", "meshpar.flat: not in a layer"),
-    ("core/a.py", "from meshpar.core import b\n", "import cycle: meshpar.core.a -> meshpar.core.b -> meshpar.core.a"),
-    ("core/long.py", "def f():\n" + "    x = 1\n" * 121, "f: 122 lines (at most 120)"),
-    ("core/config/big.py", "x = 1\n" * 251, "meshpar.core.config.big: 251 lines (at most 250)"),
-])
+@pytest.mark.parametrize(
+    "module, text, expected",
+    [
+        (
+            "core/mesh2.py",
+            "from meshpar.train.step import Trainer\n",
+            "layer 'core' must not import the higher layer 'train'",
+        ),
+        (
+            "nn/late.py",
+            "def f():\n    from meshpar.serve import engine\n",
+            "layer 'nn' must not import the higher layer 'serve'",
+        ),
+        ("io/rel.py", "from ..plan import inspect\n", "layer 'io' must not import the higher layer 'plan'"),
+        ("core/api.py", "from meshpar import Trainer\n", "imports the public API (meshpar.Trainer)"),
+        ("train/ref.py", "import meshpar.models.decoder\n", "imports the reference models"),
+        ("flat.py", "x = 1\n", "meshpar.flat: not in a layer"),
+        (
+            "core/a.py",
+            "from meshpar.core import b\n",
+            "import cycle: meshpar.core.a -> meshpar.core.b -> meshpar.core.a",
+        ),
+        ("core/long.py", "def f():\n" + "    x = 1\n" * 121, "f: 122 lines (at most 120)"),
+        ("core/config/big.py", "x = 1\n" * 251, "meshpar.core.config.big: 251 lines (at most 250)"),
+    ],
+)
 def test_each_rule_catches_its_violation(tmp_path, module, text, expected):
     """The checker itself: a copy of the package with one violation added reports exactly that one."""
     import shutil
+
     pkg = tmp_path / "meshpar"
     shutil.copytree(REPO / "meshpar", pkg, ignore=shutil.ignore_patterns("__pycache__", "models", "configs"))
     (pkg / "core" / "b.py").write_text("from meshpar.core import a\n" if module == "core/a.py" else "")

@@ -2,6 +2,7 @@
 a file over its budget fails the run only when asked to (MESHPAR_STRICT_SUITE_TIME=1), so a slow or
 busy machine passes by its tests alone; a worker that dies fails the run at once, naming its test,
 with its stacks kept."""
+
 import os
 import shlex
 import shutil
@@ -16,16 +17,29 @@ ADDOPTS = shlex.split(tomllib.loads((REPO / "pyproject.toml").read_text())["tool
 
 
 def _pytest(tmp_path, budget: str, *args: str, strict: bool = False, env: dict | None = None):
-    (tmp_path / "conftest.py").write_text(f"import sys\nsys.path.insert(0, {str(REPO)!r})\n"
-                                          "pytest_plugins = ('tests.suite_watch',)\n")
+    (tmp_path / "conftest.py").write_text(
+        f"import sys\nsys.path.insert(0, {str(REPO)!r})\npytest_plugins = ('tests.suite_watch',)\n"
+    )
     (tmp_path / "test_sleepy.py").write_text("import time\n\ndef test_sleeps():\n    time.sleep(1.0)\n")
     (tmp_path / "test_compiles.py").write_text(
         "import jax\n\ndef test_compiles_two_programs():\n"
-        "    assert jax.jit(lambda x: x + 1)(1) == 2 and jax.jit(lambda x: x * 3)(1) == 3\n")
-    env = {**os.environ, "MESHPAR_TEST_FILE_BUDGET_S": budget, "MESHPAR_STRICT_SUITE_TIME": "1" if strict else "0",
-           "MESHPAR_TEST_BUDGET_SCALE": "1", **(env or {})}   # the budget as given, however busy the machine
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *args,
-                           str(tmp_path)], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+        "    assert jax.jit(lambda x: x + 1)(1) == 2 and jax.jit(lambda x: x * 3)(1) == 3\n"
+    )
+    env = {
+        **os.environ,
+        "MESHPAR_TEST_FILE_BUDGET_S": budget,
+        "MESHPAR_STRICT_SUITE_TIME": "1" if strict else "0",
+        "MESHPAR_TEST_BUDGET_SCALE": "1",
+        **(env or {}),
+    }  # the budget as given, however busy the machine
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *args, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=120,
+    )
 
 
 def _row(stdout: str, name: str) -> list[str]:
@@ -41,12 +55,13 @@ def test_a_file_over_its_budget_is_reported_and_fails_the_run_only_when_strict(t
     assert "2 passed" in report.stdout and "seconds per test file (budget 0.5 s each" in report.stdout
     assert "suite time: test_sleepy.py took 1 s, over the 0.5 s budget (a report" in report.stdout
     assert "FAILED" not in report.stdout
-    assert int(_row(report.stdout, "test_compiles.py")[1]) >= 2       # its two programs (and any JAX adds)
+    assert int(_row(report.stdout, "test_compiles.py")[1]) >= 2  # its two programs (and any JAX adds)
     strict = _pytest(tmp_path, "0.5", strict=True)
     assert strict.returncode == 1, strict.stdout[-2000:]
     assert [line for line in strict.stdout.splitlines() if line.startswith("FAILED suite time")] == [
         "FAILED suite time: test_sleepy.py took 1 s, over the 0.5 s a test file may take; share its compiled "
-        "steps (module fixtures) or split it"]
+        "steps (module fixtures) or split it"
+    ]
     for args in ((), ("-n", "2", "--dist", "loadfile")):
         within = _pytest(tmp_path, "30", *args, strict=True)
         assert within.returncode == 0 and "suite time:" not in within.stdout, within.stdout[-2000:]
@@ -59,6 +74,7 @@ def test_the_budget_scales_with_a_slower_machine():
     cores) takes longer, so a loaded machine's budget grows with it."""
     sys.path.insert(0, str(REPO))
     from tests.suite_watch import calibrate
+
     idle = calibrate()
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 * (os.cpu_count() or 1))]
     try:
@@ -73,19 +89,25 @@ def test_the_budget_scales_with_a_slower_machine():
 def test_a_worker_that_dies_fails_the_run_at_once_naming_its_test_with_its_stacks(tmp_path):
     """The repo's own addopts (xdist, --max-worker-restart=0): a test that aborts its process ends the
     run within a minute, non-zero, naming the test; its fault log holds the stack down to the abort."""
-    (tmp_path / "test_aborts.py").write_text("import os\n\ndef test_aborts_its_process():\n"
-                                             "    if os.environ.get('MESHPAR_TEST_ABORT'):\n        os.abort()\n")
+    (tmp_path / "test_aborts.py").write_text(
+        "import os\n\ndef test_aborts_its_process():\n"
+        "    if os.environ.get('MESHPAR_TEST_ABORT'):\n        os.abort()\n"
+    )
     t = time.monotonic()
     run = _pytest(tmp_path, "30", *ADDOPTS, env={"MESHPAR_TEST_ABORT": "1"})
     assert time.monotonic() - t < 60
     assert run.returncode not in (0, 5), run.stdout[-3000:]
     assert "crashed while running 'test_aborts.py::test_aborts_its_process'" in run.stdout, run.stdout[-3000:]
     assert "a test process died while running test_aborts.py::test_aborts_its_process" in run.stdout
-    assert "Fatal Python error: Aborted" in run.stdout and 'test_aborts.py", line 5 in test_aborts_its_process' in run.stdout
+    assert (
+        "Fatal Python error: Aborted" in run.stdout
+        and 'test_aborts.py", line 5 in test_aborts_its_process' in run.stdout
+    )
     assert "--max-worker-restart=0" in ADDOPTS
-    kept = next(line.split("every thread's: ")[1].rstrip("):") for line in run.stdout.splitlines()
-                if "every thread's: " in line)
-    shutil.rmtree(Path(kept).parent)                # the folder kept for the dead process's stacks
+    kept = next(
+        line.split("every thread's: ")[1].rstrip("):") for line in run.stdout.splitlines() if "every thread's: " in line
+    )
+    shutil.rmtree(Path(kept).parent)  # the folder kept for the dead process's stacks
 
 
 def test_a_fault_folder_removed_under_the_running_session_does_not_end_it(tmp_path):
@@ -94,7 +116,8 @@ def test_a_fault_folder_removed_under_the_running_session_does_not_end_it(tmp_pa
     (tmp_path / "test_removes.py").write_text(
         "import shutil, sys\n\ndef test_removes_the_fault_folder():\n"
         "    watch = sys.modules['tests.suite_watch']\n    shutil.rmtree(watch._fault_dir[0])\n\n"
-        "def test_after_it():\n    pass\n")
+        "def test_after_it():\n    pass\n"
+    )
     run = _pytest(tmp_path, "30", "-p", "no:randomly", str(tmp_path / "test_removes.py"))
     assert run.returncode == 0 and "INTERNALERROR" not in run.stdout + run.stderr, run.stdout[-3000:]
     assert "4 passed" in run.stdout, run.stdout[-2000:]

@@ -9,6 +9,7 @@ applied to the base.yml MaxText ships. Writes OUT.json (memory analysis, cost an
 seconds) and OUT.hlo (the optimized, scheduled program text), which `bench/bench_target.py` reads with
 meshpar's own HLO readers, so both frameworks' programs are measured by the same code.
 """
+
 import json
 import os
 import sys
@@ -43,9 +44,20 @@ def main() -> None:
     peak = m["argument_size_in_bytes"] + m["output_size_in_bytes"] + m["temp_size_in_bytes"] - m["alias_size_in_bytes"]
     with open(out + ".json", "w") as f:
         import libtpu
-        json.dump({"overrides": overrides, "compiler": f"libtpu {libtpu.__version__}", "memory": m, "peak_bytes": peak, "mesh": captured["mesh"],
-                   "compile_s": round(captured["seconds"], 1),
-                   "cost": {"flops": ca.get("flops"), "bytes_accessed": ca.get("bytes accessed")}}, f, indent=1)
+
+        json.dump(
+            {
+                "overrides": overrides,
+                "compiler": f"libtpu {libtpu.__version__}",
+                "memory": m,
+                "peak_bytes": peak,
+                "mesh": captured["mesh"],
+                "compile_s": round(captured["seconds"], 1),
+                "cost": {"flops": ca.get("flops"), "bytes_accessed": ca.get("bytes accessed")},
+            },
+            f,
+            indent=1,
+        )
     with open(out + ".hlo", "w") as f:
         f.write(compiled.as_text())
 

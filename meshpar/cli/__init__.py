@@ -6,7 +6,8 @@
     meshpar launch N [train arguments...]        # N loopback processes (meshpar/runtime/launch.py)
     meshpar launch --print-slurm [--nodes N --gpus-per-node G ...] [train arguments...]   # meshpar/runtime/slurm.py
     meshpar plot RUN.jsonl [RUN2.jsonl ...] [-o out.png] [--size 1200x800]   # meshpar/train/plot.py
-    meshpar generate [--config FILE] [--devices N] [--prompt TEXT [--chat] | --prompt-ids 1,2,3] [--json] [KEY=VALUE ...]
+    meshpar generate [--config FILE] [--devices N] [--prompt TEXT [--chat] | --prompt-ids 1,2,3] [--json]
+                     [KEY=VALUE ...]
     meshpar serve [--host 127.0.0.1] [--port 8000] [--model-name NAME] [--api-key KEY] [--config FILE] [KEY=VALUE ...]
     meshpar plan [--config FILE] --devices N --hardware h100 [--top K] [--strategies a,b] [--all] [--json]
                  [--bytes-per-param W,G,O] [--out plan.yaml] [--verify K [--target HW]] [KEY=VALUE ...]
@@ -40,6 +41,7 @@ from meshpar.core.errors import MeshparError
 def _check_outputs(args) -> None:
     """The files and folders this command will write can be written (one line naming the flag if not)."""
     from meshpar.core.paths import check_output_dir, check_output_file
+
     if getattr(args, "metrics_out", None):
         check_output_file("--metrics-out", args.metrics_out)
     if args.command == "plan" and args.out != "-":
@@ -53,6 +55,7 @@ def _setup_devices(cfg, devices_flag: int | None, processes: int = 1, planning: 
     all processes together; each of `processes` fakes its share. One device (not for `plan`, which
     searches meshes of `devices` itself) collapses the configured mesh. -> the warnings to show."""
     from meshpar.core.mesh import fake_cpu_devices
+
     n = devices_flag if devices_flag is not None else cfg.devices
     if n < 1:
         raise MeshparError(f"--devices must be >= 1, got {n}")
@@ -68,19 +71,23 @@ def _setup_devices(cfg, devices_flag: int | None, processes: int = 1, planning: 
 def _one_device(cfg) -> str | None:
     """On one device every mesh axis is 1, whatever the config asked for (said in one line)."""
     from meshpar.core.mesh import MESH_AXES
+
     asked = [f"{a}={getattr(cfg.mesh, a)}" for a in MESH_AXES if getattr(cfg.mesh, a) != 1]
     asked += [f"dcn.{a}={v}" for a, v in cfg.mesh.dcn.items() if v != 1]
     for a in MESH_AXES:
         setattr(cfg.mesh, a, 1)
     cfg.mesh.dcn = {}
     if asked:
-        return (f"warning: one device: the mesh ({' '.join(asked)}) collapses to a single device; "
-                f"{cfg.strategy} runs unsharded")
+        return (
+            f"warning: one device: the mesh ({' '.join(asked)}) collapses to a single device; "
+            f"{cfg.strategy} runs unsharded"
+        )
     return None
 
 
 def _has_accelerator() -> bool:
     import importlib.util
+
     return any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "libtpu"))
 
 
@@ -88,15 +95,19 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["launch"]:
         from meshpar.runtime.launch import main as launch_main
+
         return launch_main(argv[1:])
-    if argv[:1] == ["compilers"]:                # no devices, no config: the target compilers' folder
+    if argv[:1] == ["compilers"]:  # no devices, no config: the target compilers' folder
         from meshpar.runtime.compilers import main as compilers_main
+
         return compilers_main(argv[1:])
-    if argv[:1] == ["plot"]:                     # no devices, no config: files in, a PNG out
+    if argv[:1] == ["plot"]:  # no devices, no config: files in, a PNG out
         from meshpar.train.plot import main as plot_main
+
         return plot_main(argv[1:])
     args = _parse(argv)
     from meshpar.runtime.distributed import interrupts_exit
+
     with interrupts_exit():
         return _run(args)
 
@@ -105,30 +116,39 @@ def _run(args) -> int:
     """One parsed command; user errors become one line and exit status 2."""
     try:
         from meshpar.core.config import load_config
+
         cfg = load_config(args.config, args.overrides)
-        if args.command == "config":             # no devices: the configuration only
+        if args.command == "config":  # no devices: the configuration only
             from meshpar.core.annotate import annotated_yaml
+
             cfg.devices = args.devices if args.devices is not None else cfg.devices
             sys.stdout.write(annotated_yaml(cfg))
             return 0
         from meshpar.runtime import distributed
-        multi = distributed.resolve(getattr(args, "coordinator", None), getattr(args, "num_processes", None),
-                                    getattr(args, "process_id", None))
-        if multi is None or not multi.process_id:   # process 0 writes the files: their folders, before any work
+
+        multi = distributed.resolve(
+            getattr(args, "coordinator", None), getattr(args, "num_processes", None), getattr(args, "process_id", None)
+        )
+        if multi is None or not multi.process_id:  # process 0 writes the files: their folders, before any work
             _check_outputs(args)
         if args.command == "serve" and (multi is None or not multi.process_id):
-            from meshpar.serve.api import listen     # before the processes meet: a port in use fails process 0 alone
+            from meshpar.serve.api import listen  # before the processes meet: a port in use fails process 0 alone
+
             args.socket = listen(args.host, args.port)
         target = None
         if getattr(args, "target", None):
             from meshpar.plan.target import resolve
+
             cfg.devices = args.devices if args.devices is not None else cfg.devices
             target = resolve(args.target, cfg.devices, args.topology, args.slices)
         elif getattr(args, "topology", None) or getattr(args, "slices", None):
             raise MeshparError("--topology and --slices describe a --target; add --target HW (h100, tpu-v5p, ...)")
-        notes = [] if target else _setup_devices(cfg, args.devices, (multi.num_processes or 1) if multi else 1,
-                                                 args.command == "plan")
-        if args.command != "inspect":            # inspect reports them among its warnings (--json: in its list)
+        notes = (
+            []
+            if target
+            else _setup_devices(cfg, args.devices, (multi.num_processes or 1) if multi else 1, args.command == "plan")
+        )
+        if args.command != "inspect":  # inspect reports them among its warnings (--json: in its list)
             for line in notes:
                 print(line, file=sys.stderr)
         if multi:
@@ -137,15 +157,17 @@ def _run(args) -> int:
             # read after the devices are faked: Orbax initialises JAX (before: one device, and the run refused)
             devices, mesh = cfg.devices, cfg.mesh
             cfg = _with_saved_settings(cfg, args)
-            cfg.devices, cfg.mesh = devices, mesh             # the mesh is not a saved setting
+            cfg.devices, cfg.mesh = devices, mesh  # the mesh is not a saved setting
         import jax
-        planning = args.command == "plan" and not args.verify      # a plan without --verify uses no devices
+
+        planning = args.command == "plan" and not args.verify  # a plan without --verify uses no devices
         if jax.device_count() < cfg.devices and jax.default_backend() == "cpu" and not planning and not target:
             raise MeshparError(f"asked for {cfg.devices} devices but JAX already initialised with {jax.device_count()}")
         if args.command == "train":
             from meshpar.train.loop import run
+
             estimate = _plan_estimate(cfg)
-            if "warning:" in estimate:       # said only when the planner expects the step not to fit
+            if "warning:" in estimate:  # said only when the planner expects the step not to fit
                 print(estimate, file=sys.stderr)
             run(cfg, metrics_out=args.metrics_out)
         elif args.command == "generate":
@@ -157,12 +179,18 @@ def _run(args) -> int:
         elif args.command == "export":
             _export(cfg, args)
         else:
-            from meshpar.plan.inspect import render_report, report
             from meshpar.plan import program
+            from meshpar.plan.inspect import render_report, report
             from meshpar.plan.target import compile_errors
+
             with compile_errors(target, args.overrides):
-                rep = (program.serve_report(cfg, target) if args.serve else
-                       program.report(cfg, target) if target else report(cfg))
+                rep = (
+                    program.serve_report(cfg, target)
+                    if args.serve
+                    else program.report(cfg, target)
+                    if target
+                    else report(cfg)
+                )
             rep["warnings"] = notes + rep["warnings"]
             if not args.serve:
                 rep["plan_estimate"] = _plan_estimate(cfg, target)
@@ -171,6 +199,7 @@ def _run(args) -> int:
                 sys.stdout.write("\n")
             else:
                 from meshpar.train.metrics import make_console
+
                 console = make_console()
                 if args.serve:
                     program.render_serve(rep, console)
@@ -181,7 +210,8 @@ def _run(args) -> int:
                     program.render_target(rep["target"], console)
     except MeshparError as e:
         from meshpar.runtime.distributed import Preempted
-        if isinstance(e, Preempted):     # saved and stopped on SIGTERM/SIGINT: 128 + signal, like a shell
+
+        if isinstance(e, Preempted):  # saved and stopped on SIGTERM/SIGINT: 128 + signal, like a shell
             print(f"meshpar: {e}", file=sys.stderr)
             return 128 + e.signum
         print(f"meshpar: error: {e}", file=sys.stderr)

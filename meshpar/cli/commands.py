@@ -1,5 +1,6 @@
 """The commands that are more than a call into a layer: `generate`, `serve`, `plan`, `export`, and the
 settings a checkpoint carries (`generate`/`serve`/`export` read them back)."""
+
 from __future__ import annotations
 
 import json
@@ -7,15 +8,15 @@ import sys
 
 from meshpar.core.errors import MeshparError
 
-
 SAVED_SETTINGS = ("model", "data", "precision", "rules", "batch.length")
 
 
 def _with_saved_settings(cfg, args):
     """`generate` / `export`: the settings checkpoint.dir's newest checkpoint was trained with
     (`SAVED_SETTINGS`, kept in its meta), under the --config file and KEY=VALUE overrides given now."""
-    from meshpar.io.checkpoint import saved_config
     from meshpar.core.config import load_config
+    from meshpar.io.checkpoint import saved_config
+
     found = saved_config(cfg.checkpoint.dir)
     if found is None:
         return cfg
@@ -32,31 +33,42 @@ def _export(cfg, args) -> None:
     time, as a Hugging Face directory (meshpar/io/hf.py)."""
     from flax import nnx
 
-    from meshpar.io import hf
     from meshpar.core.sharding import building
+    from meshpar.io import hf
     from meshpar.train.step import trainer_for
+
     trainer = trainer_for(cfg)
     with building(trainer.policy):
         abstract = nnx.eval_shape(lambda: trainer.factory(nnx.Rngs(0)))
-    hf.hf_sources(abstract, export=True)        # what the model lacks, before any weights are read
+    hf.hf_sources(abstract, export=True)  # what the model lacks, before any weights are read
     source, params = None, None
     if cfg.checkpoint.dir:
         import jax
+
         from meshpar.io.checkpoint import restore_weights
-        target = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                              {"params": trainer.spec.shapes}, {"params": trainer.param_shardings})
+
+        target = jax.tree.map(
+            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+            {"params": trainer.spec.shapes},
+            {"params": trainer.param_shardings},
+        )
         found = restore_weights(cfg.checkpoint.dir, target, lambda m: print(m, file=sys.stderr))
         if found is not None:
             params, source = found[0]["params"], f"checkpoint step {found[1]} in {cfg.checkpoint.dir}"
     if params is None and cfg.model.init_from:
         params, source = trainer.load_pretrained(), cfg.model.init_from
     if params is None:
-        where = f"checkpoint.dir '{cfg.checkpoint.dir}' holds no checkpoint" if cfg.checkpoint.dir else "no checkpoint.dir"
+        where = (
+            f"checkpoint.dir '{cfg.checkpoint.dir}' holds no checkpoint" if cfg.checkpoint.dir else "no checkpoint.dir"
+        )
         raise MeshparError(f"nothing to export: {where} and model.init_from is not set")
     extra, generation = hf.provenance(cfg.model.init_from, cfg.data.tokenizer)
     out = hf.export(params, abstract, args.out, args.dtype, args.max_shard_size, extra, generation)
-    print(f"exported {source} to {args.out}: {out['tensors']} tensors, {out['bytes'] / 2**20:.1f} MiB in "
-          f"{len(out['files'])} file(s) ({args.dtype})", file=sys.stderr)
+    print(
+        f"exported {source} to {args.out}: {out['tensors']} tensors, {out['bytes'] / 2**20:.1f} MiB in "
+        f"{len(out['files'])} file(s) ({args.dtype})",
+        file=sys.stderr,
+    )
 
 
 def _plan(cfg, args, target=None) -> None:
@@ -65,13 +77,22 @@ def _plan(cfg, args, target=None) -> None:
     compiler, on its devices; the plan is then made for the target's hardware)."""
     from meshpar.plan.hardware import load_hardware
     from meshpar.plan.search import parse_bytes_per_param, plan, render, winner_yaml
+
     hw = target.hardware if target else load_hardware(args.hardware)
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()] if args.strategies else None
-    result = plan(cfg, cfg.devices, hw, strategies, parse_bytes_per_param(args.bytes_per_param, cfg) if
-                  args.bytes_per_param else None, keep_all=args.all, top=max(args.top, args.verify))
+    result = plan(
+        cfg,
+        cfg.devices,
+        hw,
+        strategies,
+        parse_bytes_per_param(args.bytes_per_param, cfg) if args.bytes_per_param else None,
+        keep_all=args.all,
+        top=max(args.top, args.verify),
+    )
     best, why = next((c for c in result["candidates"] if c["fits"]), None), ""
     if args.verify:
         from meshpar.plan.dryrun import verify
+
         result["verify"] = verify(result, args.config, args.overrides, args.verify, target)
         ok = [r["rank"] for r in result["verify"] if r["fits_compiled"]]
         best = result["candidates"][ok[0] - 1] if ok else None
@@ -82,14 +103,18 @@ def _plan(cfg, args, target=None) -> None:
         sys.stdout.write("\n")
     else:
         from meshpar.train.metrics import make_console
+
         console = make_console()
         render(result, console, args.top)
         if args.verify:
             from meshpar.plan.dryrun import render as render_verify
+
             render_verify(result["verify"], console)
     if best is None and args.verify:
-        print(f"none of the top {args.verify} plans fits once compiled: nothing written (try a larger --verify)",
-              file=sys.stderr)
+        print(
+            f"none of the top {args.verify} plans fits once compiled: nothing written (try a larger --verify)",
+            file=sys.stderr,
+        )
     elif best is not None and args.out != "-":
         with open(args.out, "w") as f:
             f.write(winner_yaml(result, args.config, args.overrides, best))
@@ -100,14 +125,19 @@ def _plan_estimate(cfg, target=None) -> str:
     """`train`/`inspect`: the planner's per-device estimate for this config, warning when it exceeds
     the device's memory (known on GPU/TPU and for a --target; fake CPU devices have no limit)."""
     import jax
+
     from meshpar.plan.search import estimate
+
     ev = estimate(cfg, target.hardware if target else None)
-    if ev is None:                       # a tensor that does not divide its axes: the run itself will say so
+    if ev is None:  # a tensor that does not divide its axes: the run itself will say so
         return "planner estimate: none (a tensor does not divide its mesh axes)"
     m = ev["memory"]
-    line = (f"planner estimate per device: {m['total'] / 2**30:.3f} GiB (params {m['params'] / 2**30:.3f}, grads "
-            f"{m['grads'] / 2**30:.3f}, optimizer {m['optimizer'] / 2**30:.3f}, activations {m['activations'] / 2**30:.3f}, "
-            f"workspace {m['workspace'] / 2**30:.3f})")
+    line = (
+        f"planner estimate per device: {m['total'] / 2**30:.3f} GiB (params {m['params'] / 2**30:.3f}, grads "
+        f"{m['grads'] / 2**30:.3f}, optimizer {m['optimizer'] / 2**30:.3f}, "
+        f"activations {m['activations'] / 2**30:.3f}, "
+        f"workspace {m['workspace'] / 2**30:.3f})"
+    )
     stats = getattr(jax.local_devices()[0], "memory_stats", lambda: None)() or {}
     limit = target.hardware.memory_bytes if target else stats.get("bytes_limit")
     if limit and m["total"] > limit:
@@ -117,18 +147,21 @@ def _plan_estimate(cfg, target=None) -> str:
 
 def _generate(cfg, args) -> None:
     """`meshpar generate`: prompts -> Engine.run, streamed (one prompt) or as JSON."""
-    from meshpar.serve.sampling import Sampling
-    from meshpar.serve.requests import Request
-    from meshpar.serve.engine import Engine
     from meshpar.io.tokenizer import ByteTokenizer, HFTokenizer
+    from meshpar.serve.engine import Engine
+    from meshpar.serve.requests import Request
+    from meshpar.serve.sampling import Sampling
+
     texts = bool(args.prompt) or cfg.data.kind == "text" or bool(cfg.data.tokenizer)
     hf_tok = HFTokenizer(cfg.data.tokenizer) if cfg.data.tokenizer else None
     if args.chat and not hf_tok:
-        raise MeshparError("--chat needs data.tokenizer=DIR (a tokenizer whose tokenizer_config.json has a chat_template)")
+        raise MeshparError(
+            "--chat needs data.tokenizer=DIR (a tokenizer whose tokenizer_config.json has a chat_template)"
+        )
     if args.chat:
         prompts = [hf_tok.chat([{"role": "user", "content": p}]) for p in args.prompt]
     else:
-        prompts = [hf_tok.prompt(p) if hf_tok else ByteTokenizer.encode(p) for p in args.prompt]   # default: bytes
+        prompts = [hf_tok.prompt(p) if hf_tok else ByteTokenizer.encode(p) for p in args.prompt]  # default: bytes
     for ids in args.prompt_ids:
         try:
             prompts.append([int(x) for x in ids.replace(" ", "").split(",") if x])
@@ -138,10 +171,13 @@ def _generate(cfg, args) -> None:
         raise MeshparError("no prompt: give --prompt TEXT or --prompt-ids 1,2,3")
     n = args.max_new_tokens if args.max_new_tokens is not None else cfg.serve.max_new_tokens
     from meshpar.io.hf import end_tokens
-    eos = end_tokens(hf_tok, cfg.model.init_from)      # every end id the tokenizer and config.json name
-    reqs = [Request(p, n, Sampling(args.temperature, args.top_k, args.top_p, args.seed + i), eos=eos)
-            for i, p in enumerate(prompts)]
-    vocab = Engine.precheck(cfg, reqs)           # before loading anything: what needs no weights
+
+    eos = end_tokens(hf_tok, cfg.model.init_from)  # every end id the tokenizer and config.json name
+    reqs = [
+        Request(p, n, Sampling(args.temperature, args.top_k, args.top_p, args.seed + i), eos=eos)
+        for i, p in enumerate(prompts)
+    ]
+    vocab = Engine.precheck(cfg, reqs)  # before loading anything: what needs no weights
     _check_tokenizer(hf_tok, vocab)
     engine = Engine(cfg, info=lambda m: print(m, file=sys.stderr))
     for note in engine.notes:
@@ -151,33 +187,44 @@ def _generate(cfg, args) -> None:
     for r in reqs:
         engine.check(r)
     saved = " with the settings it was trained with" if engine.source.startswith("checkpoint") else ""
-    print(f"serving {engine.source}{saved} on {engine.mesh.devices.size} devices ({cfg.serve.strategy}, "
-          f"{engine.slots} slots, cache {engine.length})", file=sys.stderr)
+    print(
+        f"serving {engine.source}{saved} on {engine.mesh.devices.size} devices ({cfg.serve.strategy}, "
+        f"{engine.slots} slots, cache {engine.length})",
+        file=sys.stderr,
+    )
     engine.warmup(reqs)
     show = (lambda ids: tok.decode(ids)) if tok else (lambda ids: "".join(f"{t} " for t in ids))
+
     def stream(i, t):
         sys.stdout.write(show([t]))
         sys.stdout.flush()
 
-    one = not args.json and len(reqs) == 1      # one prompt: stream its tokens as they come
+    one = not args.json and len(reqs) == 1  # one prompt: stream its tokens as they come
     if one:
         sys.stdout.write(show(reqs[0].tokens))
     out = engine.run(reqs, on_token=stream if one else None)
     rate = engine.decode_steps and sum(max(0, len(c.tokens) - 1) for c in out) / max(engine.decode_s, 1e-9)
     if args.json:
-        rec = {"tokens": [c.tokens for c in out], "text": [tok.decode(c.tokens) for c in out] if tok else None,
-               "ttft_s": round(out[0].ttft_s, 6), "ttft_s_each": [round(c.ttft_s, 6) for c in out],
-               "decode_tokens_per_s": round(float(rate), 3),
-               "finish": [c.finish for c in out]}
+        rec = {
+            "tokens": [c.tokens for c in out],
+            "text": [tok.decode(c.tokens) for c in out] if tok else None,
+            "ttft_s": round(out[0].ttft_s, 6),
+            "ttft_s_each": [round(c.ttft_s, 6) for c in out],
+            "decode_tokens_per_s": round(float(rate), 3),
+            "finish": [c.finish for c in out],
+        }
         json.dump(rec, sys.stdout)
         sys.stdout.write("\n")
         return
-    for r, c in zip(reqs, out):                 # several prompts decode together: each printed whole
+    for r, c in zip(reqs, out):  # several prompts decode together: each printed whole
         print("" if one else show(r.tokens) + show(c.tokens))
     for i, c in enumerate(out):
         if c.finish == "cache_full":
-            print(f"note: prompt {i + 1} stopped after {len(c.tokens)} tokens: the KV cache holds "
-                  f"{engine.length} positions (serve.cache_length); raise it for longer output", file=sys.stderr)
+            print(
+                f"note: prompt {i + 1} stopped after {len(c.tokens)} tokens: the KV cache holds "
+                f"{engine.length} positions (serve.cache_length); raise it for longer output",
+                file=sys.stderr,
+            )
     print(f"first token {out[0].ttft_s:.3f} s, decode {rate:.1f} tokens/s", file=sys.stderr)
 
 
@@ -189,4 +236,5 @@ def _check_tokenizer(hf_tok, vocab: int | None) -> None:
 def _serve(cfg, args) -> None:
     """`meshpar serve`: the OpenAI-compatible API until SIGTERM or Ctrl-C (meshpar/serve/api.py)."""
     from meshpar.serve.api import serve_http
+
     serve_http(cfg, args.host, getattr(args, "socket", None), args.model_name, args.api_key)

@@ -8,6 +8,7 @@ Packed documents (`BOS doc EOS BOS doc EOS ...` cut into rows): `segment_ids` nu
 of a row 0, 1, 2, ... and `positions` counts tokens from each document's first token in the row, so
 a token attends to its own document only and RoPE restarts at each document.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from meshpar.core.errors import ConfigError
 @dataclass(frozen=True)
 class Leaf:
     """One leaf of a global batch: shape [B, ...], dtype and logical axes (the first is `batch`)."""
+
     shape: tuple
     dtype: Any
     axes: tuple
@@ -43,11 +45,16 @@ def lm_batch_spec(global_size: int, length: int, documents: bool = False):
 def check_batch_spec(batch_spec) -> None:
     """Every leaf is a `Leaf` whose axes match its rank and lead with `batch`; one line naming it otherwise."""
     import jax
+
     for path, leaf in jax.tree_util.tree_leaves_with_path(batch_spec, is_leaf=lambda x: is_leaf(x) or x is None):
         name = jax.tree_util.keystr(path) or "batch"
         if not is_leaf(leaf):
-            raise ConfigError(f"batch leaf {name} has no declared logical axes; describe it as "
-                              "meshpar.Leaf(shape, dtype, axes) with axes like ('batch', None)")
+            raise ConfigError(
+                f"batch leaf {name} has no declared logical axes; describe it as "
+                "meshpar.Leaf(shape, dtype, axes) with axes like ('batch', None)"
+            )
         if len(leaf.axes) != len(leaf.shape) or not leaf.axes or leaf.axes[0] != "batch":
-            raise ConfigError(f"batch leaf {name}: axes {tuple(leaf.axes)} do not fit shape {tuple(leaf.shape)}; give "
-                              "one logical name (or None) per dimension, the first being 'batch'")
+            raise ConfigError(
+                f"batch leaf {name}: axes {tuple(leaf.axes)} do not fit shape {tuple(leaf.shape)}; give "
+                "one logical name (or None) per dimension, the first being 'batch'"
+            )

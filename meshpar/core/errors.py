@@ -1,4 +1,5 @@
 """User-facing errors: one line that names the thing at fault and, where possible, a fix."""
+
 from __future__ import annotations
 
 import difflib

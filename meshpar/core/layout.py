@@ -1,6 +1,7 @@
 """The active layout: a mesh plus the rule tables in force (`meshpar.core.rules`), and what model code
 calls while a model is traced under it: `constrain` (an activation's layout) and `at_use` (a weight
 gathered at its use). `use_layout` makes a layout active (`meshpar.core.scopes.LAYOUT`)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -22,6 +23,7 @@ class Layout:
     `gathered` mesh axes are those a weight is gathered over at its use (`at_use`; 1F1B's per-device
     branches, `meshpar.parallel.pipeline`).
     """
+
     mesh: object
     strategy: Strategy
     user_rules: RuleTable = ()
@@ -41,12 +43,13 @@ class Layout:
 
     def sharding(self, logical, shape=None, what="tensor", kind="params"):
         from jax.sharding import NamedSharding
+
         return NamedSharding(self.mesh, self.spec(logical, shape, what, kind))
 
-    def hiding(self, axes) -> "Layout":
+    def hiding(self, axes) -> Layout:
         return dataclasses.replace(self, hidden=self.hidden | frozenset(axes))
 
-    def gathering(self, axes) -> "Layout":
+    def gathering(self, axes) -> Layout:
         return dataclasses.replace(self, gathered=self.gathered | frozenset(axes))
 
     def ways(self, name: str) -> int:
@@ -89,6 +92,7 @@ def constrain(x, logical: Sequence[str | None], what: str = "activation"):
     if layout is None:
         return x
     import jax
+
     return jax.lax.with_sharding_constraint(x, _sharding_for(layout, layout.spec(logical, x.shape, what)))
 
 
@@ -105,6 +109,7 @@ def at_use(w, logical: Sequence[str | None], what: str = "parameter"):
     if layout is None:
         return w
     import jax
+
     spec = layout.spec(logical, w.shape, what)
     w = jax.lax.with_sharding_constraint(w, _sharding_for(layout, spec))
     if layout.gathered & set(spec_axes(spec)):
@@ -119,13 +124,16 @@ def without(spec, axes):
     def drop(part):
         kept = tuple(a for a in spec_axes((part,)) if a not in axes)
         return None if not kept else kept[0] if len(kept) == 1 else kept
+
     return PartitionSpec(*(drop(part) for part in spec))
 
 
 def _sharding_for(layout: Layout, spec):
     """A bare spec under an active (abstract) mesh context, else a NamedSharding on the layout's mesh."""
     import jax
+
     if jax.sharding.get_abstract_mesh().axis_names:
         return spec
     from jax.sharding import NamedSharding
+
     return NamedSharding(layout.mesh, spec)

@@ -6,6 +6,7 @@ layer) gets the fastest links, `context` (K/V gathered per layer) the next, and 
 (one transfer/all-reduce per step) the slowest.
 Multi-slice/multi-node runs add DCN sizes per axis: the full axis size is ICI size x DCN size.
 """
+
 from __future__ import annotations
 
 import math
@@ -30,11 +31,12 @@ def xla_knows(flag: str) -> bool:
     import glob
     import importlib.util
     import mmap
+
     spec = importlib.util.find_spec("jaxlib")
     if spec is None or spec.origin is None:
         return False
     for lib in glob.glob(os.path.join(os.path.dirname(spec.origin), "**", "*.so"), recursive=True):
-        if os.path.getsize(lib) > 50_000_000:                # the library that holds XLA
+        if os.path.getsize(lib) > 50_000_000:  # the library that holds XLA
             with open(lib, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
                 if m.find(flag.encode()) >= 0:
                     return True
@@ -56,6 +58,7 @@ def fake_cpu_devices(n: int) -> None:
     os.environ["XLA_FLAGS"] = fake_cpu_flags(n, os.environ.get("XLA_FLAGS", ""))
     try:  # jax may be imported already (but not initialised): the config option wins then
         import jax
+
         jax.config.update("jax_num_cpu_devices", n)
     except Exception:  # noqa: BLE001 - backends already initialised; the env flag above is all we can do
         pass
@@ -76,13 +79,17 @@ def resolve_axis_sizes(sizes: dict[str, int], n_devices: int, what: str = "mesh"
     known = math.prod(s for s in sizes.values() if s != -1)
     if fill:
         if n_devices % known:
-            raise ConfigError(f"cannot fill {what}.{fill[0]}=-1: the other axes multiply to {known}, "
-                              f"which does not divide the {n_devices} devices")
+            raise ConfigError(
+                f"cannot fill {what}.{fill[0]}=-1: the other axes multiply to {known}, "
+                f"which does not divide the {n_devices} devices"
+            )
         sizes[fill[0]] = n_devices // known
     elif known != n_devices:
         shape = " x ".join(f"{a}={s}" for a, s in sizes.items() if s != 1) or "all 1"
-        raise ConfigError(f"{what} axes multiply to {known} ({shape}) but there are {n_devices} devices; "
-                          f"set one axis to -1 to fill, or run with --devices {known}")
+        raise ConfigError(
+            f"{what} axes multiply to {known} ({shape}) but there are {n_devices} devices; "
+            f"set one axis to -1 to fill, or run with --devices {known}"
+        )
     return sizes
 
 

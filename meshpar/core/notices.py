@@ -7,6 +7,7 @@ so it warns about nothing the user did not change. Given keys the run will not r
 without the MoE model, `pipeline.*` without a pipeline) get one warning line, and so does a warmup
 longer than the run (the learning rate would never reach `train.lr`).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -59,7 +60,9 @@ def config_warnings(cfg) -> list[str]:
         out.append(f"warning: ignoring {', '.join(keys)}: {'; '.join(why)}")
     t = cfg.train
     if t.warmup_steps > cfg.steps:
-        out.append(f"warning: train.warmup_steps={t.warmup_steps} is more than steps={cfg.steps}: the learning rate "
-                   f"rises to only {cfg.steps / t.warmup_steps:.0%} of train.lr={t.lr:g}; set train.warmup_steps "
-                   f"<= {cfg.steps}")
+        out.append(
+            f"warning: train.warmup_steps={t.warmup_steps} is more than steps={cfg.steps}: the learning rate "
+            f"rises to only {cfg.steps / t.warmup_steps:.0%} of train.lr={t.lr:g}; set train.warmup_steps "
+            f"<= {cfg.steps}"
+        )
     return out

@@ -1,6 +1,7 @@
 """Output paths named on the command line (`--metrics-out`, `plan --out`, `export --out`, `plot -o`),
 checked before any work: one line naming the flag and the folder at fault, so a run never fails
 after compiling (or training) because it cannot open the file it was asked to write."""
+
 from __future__ import annotations
 
 import os

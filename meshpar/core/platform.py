@@ -5,6 +5,7 @@ traces on a CPU host for GPU or TPU devices, so every choice that depends on the
 attention kernel, which grouped matmul, whether 16-bit gathers are safe) asks `platform()`, and the
 code that lowers a program for a mesh wraps its tracing in `compiling_for(of_mesh(mesh))`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -22,12 +23,14 @@ def platform() -> str:
     if target is not None:
         return target
     import jax
+
     return _NAMES.get(jax.default_backend(), jax.default_backend())
 
 
 def of_devices(devices) -> str:
-    """"cpu", "gpu" or "tpu" for a list (or array) of JAX devices (CUDA and ROCm devices are "gpu")."""
+    """ "cpu", "gpu" or "tpu" for a list (or array) of JAX devices (CUDA and ROCm devices are "gpu")."""
     import numpy as np
+
     first = np.asarray(devices, dtype=object).flat[0]
     return _NAMES.get(first.platform, first.platform)
 

@@ -20,6 +20,7 @@ checkpointed and resumed with everything else. `numerics` exists under every pol
 changed, for bf16/fp32), which keeps the state's structure independent of the policy; its
 `skipped_steps` also counts steps skipped by `train.on_nan=skip`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -36,9 +37,9 @@ from meshpar.core.platform import platform
 @dataclass(frozen=True)
 class Policy:
     name: str
-    param_dtype: jnp.dtype      # at rest: parameters and optimizer state
-    compute_dtype: jnp.dtype    # matmuls and activations
-    output_dtype: jnp.dtype     # logits, softmax and loss
+    param_dtype: jnp.dtype  # at rest: parameters and optimizer state
+    compute_dtype: jnp.dtype  # matmuls and activations
+    output_dtype: jnp.dtype  # logits, softmax and loss
     loss_scaling: bool = False  # dynamic loss scaling (fp16): see `LossScale`
 
 
@@ -51,6 +52,7 @@ POLICIES: dict[str, Policy] = {
 
 def get_policy(name: str) -> Policy:
     from meshpar.core.errors import ConfigError, suggest
+
     if name not in POLICIES:
         raise ConfigError(f"unknown precision policy '{name}'" + suggest(name, POLICIES))
     return POLICIES[name]
@@ -71,7 +73,7 @@ def use_policy(policy: Policy) -> Iterator[Policy]:
 
 def active_policy() -> Policy:
     """The policy in force (fp32 outside meshpar's init and step)."""
-    return (_ACTIVE.get() or POLICIES["fp32"])
+    return _ACTIVE.get() or POLICIES["fp32"]
 
 
 def param_dtype() -> jnp.dtype:
@@ -82,8 +84,9 @@ def compute_dtype() -> jnp.dtype:
     return (_ACTIVE.get() or POLICIES["fp32"]).compute_dtype
 
 
-def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array | None = None,
-                  over: tuple[str, ...] = ()) -> jax.Array:
+def cross_entropy(
+    logits: jax.Array, targets: jax.Array, weights: jax.Array | None = None, over: tuple[str, ...] = ()
+) -> jax.Array:
     """Mean token cross-entropy (weighted by `weights` [batch, length] when given: sum(w nll) / sum(w)),
     computed in fp32 with a max-shifted log-softmax. `over`: manual mesh axes the tokens are split
     over (inside a shard_map), whose sums are added up first.
@@ -97,8 +100,14 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array | No
     return _mean(*_nll_sums(logits, targets, weights), over)
 
 
-def chunked_cross_entropy(head, x: jax.Array, targets: jax.Array, weights: jax.Array | None = None,
-                          chunks: int = 1, over: tuple[str, ...] = ()) -> jax.Array:
+def chunked_cross_entropy(
+    head,
+    x: jax.Array,
+    targets: jax.Array,
+    weights: jax.Array | None = None,
+    chunks: int = 1,
+    over: tuple[str, ...] = (),
+) -> jax.Array:
     """`cross_entropy(head(x), targets, weights, over)` with the logits never whole (vocabulary
     tiling, as MaxText's `num_vocab_tiling`): the tokens are cut into n = `chunks` strided slices
     (slice j holds positions j, j + n, ...), and a scan computes each slice's logits and loss sums
@@ -113,15 +122,18 @@ def chunked_cross_entropy(head, x: jax.Array, targets: jax.Array, weights: jax.A
         return cross_entropy(head(x), targets, weights, over)
     b, t = targets.shape
     if t % chunks:
-        raise ValueError(f"chunked_cross_entropy: {chunks} slices do not divide the {t} tokens of a row; pick a divisor")
+        raise ValueError(
+            f"chunked_cross_entropy: {chunks} slices do not divide the {t} tokens of a row; pick a divisor"
+        )
 
-    def slices(a):          # [B, T, ...] -> [n, B, T / n, ...], slice j = positions j::n
+    def slices(a):  # [B, T, ...] -> [n, B, T / n, ...], slice j = positions j::n
         return jnp.moveaxis(a.reshape(b, t // chunks, chunks, *a.shape[2:]), 2, 0)
 
     @jax.checkpoint
-    def one(_, xs):         # no carry: each slice's sums come out stacked (inside a shard_map they vary)
+    def one(_, xs):  # no carry: each slice's sums come out stacked (inside a shard_map they vary)
         xc, tc, wc = xs
         return None, _nll_sums(head(xc), tc, wc)
+
     w = jnp.ones(targets.shape, jnp.float32) if weights is None else weights.astype(jnp.float32)
     _, (num, den) = jax.lax.scan(one, None, (slices(x), slices(targets), slices(w)))
     return _mean(jnp.sum(num), jnp.sum(den), over)
@@ -132,12 +144,18 @@ def check_loss_chunks(chunks: int, length: int, context: int = 1, other_loss: st
     `lm` (`other_loss` says which, "train.loss is 'stages'"), or slices that do not divide the tokens
     a device holds of a sequence."""
     from meshpar.core.errors import ConfigError
+
     if chunks > 1 and other_loss:
-        raise ConfigError(f"train.loss_chunks={chunks} slices the built-in lm loss, and {other_loss}; set "
-                          "train.loss_chunks=1 (a loss of your own can call meshpar.chunked_cross_entropy itself)")
+        raise ConfigError(
+            f"train.loss_chunks={chunks} slices the built-in lm loss, and {other_loss}; set "
+            "train.loss_chunks=1 (a loss of your own can call meshpar.chunked_cross_entropy itself)"
+        )
     if (length // context) % chunks:
-        where = (f"the {length // context} tokens a device holds of a sequence (mesh.context={context})" if context > 1
-                 else f"batch.length={length}")
+        where = (
+            f"the {length // context} tokens a device holds of a sequence (mesh.context={context})"
+            if context > 1
+            else f"batch.length={length}"
+        )
         raise ConfigError(f"train.loss_chunks={chunks} does not divide {where}; pick a divisor")
 
 
@@ -167,19 +185,24 @@ def _mean(num, den, over: tuple[str, ...]) -> jax.Array:
 # ----------------------------------------------------------------------------------------------
 # Dynamic loss scaling and non-finite steps.
 
+
 @dataclass(frozen=True)
 class LossScale:
     """Dynamic loss scaling: the constants, and pure functions of the `numerics` state (a dict of
     replicated scalars: loss_scale f32, good_steps / skipped_steps / overflows int32)."""
-    initial: float = 2.0 ** 15
-    period: int = 2000          # finite steps in a row before the scale doubles
+
+    initial: float = 2.0**15
+    period: int = 2000  # finite steps in a row before the scale doubles
     factor: float = 2.0
-    minimum: float = 1.0        # halving stops here: a persistent overflow at S = 1 is a real one
+    minimum: float = 1.0  # halving stops here: a persistent overflow at S = 1 is a real one
 
     def init(self, policy: Policy) -> dict:
-        return {"loss_scale": jnp.asarray(self.initial if policy.loss_scaling else 1.0, jnp.float32),
-                "good_steps": jnp.zeros((), jnp.int32), "skipped_steps": jnp.zeros((), jnp.int32),
-                "overflows": jnp.zeros((), jnp.int32)}
+        return {
+            "loss_scale": jnp.asarray(self.initial if policy.loss_scaling else 1.0, jnp.float32),
+            "good_steps": jnp.zeros((), jnp.int32),
+            "skipped_steps": jnp.zeros((), jnp.int32),
+            "overflows": jnp.zeros((), jnp.int32),
+        }
 
     @staticmethod
     def scale(loss: jax.Array, scale: jax.Array | None) -> jax.Array:
@@ -215,9 +238,12 @@ class LossScale:
             s = jnp.where(grow, s * self.factor, s)
             good = jnp.where(grow, 0, good)
             s = jnp.where(overflow, jnp.maximum(s / self.factor, self.minimum), s)
-        new = {"loss_scale": s, "good_steps": good.astype(jnp.int32),
-               "skipped_steps": numerics["skipped_steps"] + (~apply).astype(jnp.int32),
-               "overflows": numerics["overflows"] + overflow.astype(jnp.int32)}
+        new = {
+            "loss_scale": s,
+            "good_steps": good.astype(jnp.int32),
+            "skipped_steps": numerics["skipped_steps"] + (~apply).astype(jnp.int32),
+            "overflows": numerics["overflows"] + overflow.astype(jnp.int32),
+        }
         return apply, ~apply & ~overflow, new
 
 

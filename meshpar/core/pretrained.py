@@ -15,6 +15,7 @@ key the user gave must agree with config.json: one line naming the key and both 
     (always: true)              norm_topk          norm_topk_prob
     softmax, dropless (capacity_factor null), no shared experts: both
 """
+
 from __future__ import annotations
 
 import json
@@ -57,23 +58,39 @@ def moe_settings(init_from: str) -> dict | None:
         return None
     where = hf_path(init_from) / "config.json"
 
-    def need(key, default=None):                       # a positive integer of config.json, with its key
+    def need(key, default=None):  # a positive integer of config.json, with its key
         v = hf.get(key, default)
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ConfigError(f"{where}: key '{key}' must be a positive integer, got {v!r}")
         return v, key
-    fixed = lambda v: (v, arch)                        # noqa: E731 - what the family always does
+
+    fixed = lambda v: (v, arch)  # noqa: E731 - what the family always does
     common = {"score": fixed("softmax"), "capacity_factor": fixed(None), "shared_experts": fixed(0)}
     if MOE_ARCHITECTURES[arch] == "mixtral":
-        return {"num_experts": need("num_local_experts", 8), "top_k": need("num_experts_per_tok", 2),
-                "expert_mlp": need("intermediate_size"), "every": fixed(1), "norm_topk": fixed(True), **common}
+        return {
+            "num_experts": need("num_local_experts", 8),
+            "top_k": need("num_experts_per_tok", 2),
+            "expert_mlp": need("intermediate_size"),
+            "every": fixed(1),
+            "norm_topk": fixed(True),
+            **common,
+        }
     if hf.get("mlp_only_layers"):
-        raise ConfigError(f"{where}: key 'mlp_only_layers' is {hf['mlp_only_layers']}; dense layers at chosen depths "
-                          "are not implemented (decoder_sparse_step is: an MoE layer every k-th)")
-    experts = "num_experts" if "num_experts" in hf else "num_local_experts"   # the hub's key; transformers 5 writes the other
-    return {"num_experts": need(experts), "top_k": need("num_experts_per_tok", 8),
-            "expert_mlp": need("moe_intermediate_size"), "every": need("decoder_sparse_step", 1),
-            "norm_topk": (bool(hf.get("norm_topk_prob", False)), "norm_topk_prob"), **common}
+        raise ConfigError(
+            f"{where}: key 'mlp_only_layers' is {hf['mlp_only_layers']}; dense layers at chosen depths "
+            "are not implemented (decoder_sparse_step is: an MoE layer every k-th)"
+        )
+    experts = (
+        "num_experts" if "num_experts" in hf else "num_local_experts"
+    )  # the hub's key; transformers 5 writes the other
+    return {
+        "num_experts": need(experts),
+        "top_k": need("num_experts_per_tok", 8),
+        "expert_mlp": need("moe_intermediate_size"),
+        "every": need("decoder_sparse_step", 1),
+        "norm_topk": (bool(hf.get("norm_topk_prob", False)), "norm_topk_prob"),
+        **common,
+    }
 
 
 def _text(v) -> str:
@@ -88,7 +105,7 @@ def _given(cfg, key: str, given: list[str], want: dict, top_k):
     if key == "top_k" and "moe.top_k" not in given and "moe.routing" in given:
         try:
             return "moe.routing", moe.routing, top_k(moe)
-        except KeyError:                                  # an unknown moe.routing: validate names it
+        except KeyError:  # an unknown moe.routing: validate names it
             return None
     if f"moe.{key}" not in given:
         return None
@@ -105,23 +122,28 @@ def resolve(cfg, given: list[str], top_k) -> None:
     given key that disagrees with config.json: one line naming it and both values. `top_k`:
     `meshpar.core.config.top_k` (experts per token of a `cfg.moe`)."""
     m = cfg.model
-    if not (m.init_from or "").startswith("hf:") or ":" in m.name:     # a user factory reads what it likes
+    if not (m.init_from or "").startswith("hf:") or ":" in m.name:  # a user factory reads what it likes
         return
     want = moe_settings(m.init_from)
     if want is None:
         return
     where = hf_path(m.init_from) / "config.json"
     if "model.name" in given and m.name != "moe":
-        raise ConfigError(f"model.name={m.name} disagrees with {where} (a mixture of experts: moe); drop it: "
-                          "model.init_from sets it")
+        raise ConfigError(
+            f"model.name={m.name} disagrees with {where} (a mixture of experts: moe); drop it: model.init_from sets it"
+        )
     for key, (value, source) in want.items():
         found = _given(cfg, key, given, want, top_k)
         if found is not None and found[2] != value:
-            raise ConfigError(f"{found[0]}={_text(found[1])} disagrees with {where} ({source}: {_text(value)}); "
-                              "drop it: model.init_from sets it")
+            raise ConfigError(
+                f"{found[0]}={_text(found[1])} disagrees with {where} ({source}: {_text(value)}); "
+                "drop it: model.init_from sets it"
+            )
     if cfg.moe.balance != "aux":
-        raise ConfigError(f"moe.balance={cfg.moe.balance} with {where} (a Mixtral/Qwen3-MoE checkpoint): its router "
-                          "has no selection bias to read or write; use moe.balance=aux")
+        raise ConfigError(
+            f"moe.balance={cfg.moe.balance} with {where} (a Mixtral/Qwen3-MoE checkpoint): its router "
+            "has no selection bias to read or write; use moe.balance=aux"
+        )
     m.name = "moe"
     for key, (value, _) in want.items():
         setattr(cfg.moe, key, value)

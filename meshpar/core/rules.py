@@ -28,14 +28,14 @@ Presets (rule tables), after Megatron-LM (Shoeybi et al. 2019), ZeRO (Rajbhandar
 Every preset also splits `length` and `seq` over `context` (context parallelism, meshpar.parallel.context)
 when mesh.context > 1; tp_sp and fsdp_tp_sp split the residual stream's length over context x tensor.
 
-The train state at rest is split over `context` as over the data axes (`Strategy.rest`): each context
-device sees other tokens of the same sequences, so gradients are summed over `context` as over
-`data`, and what ZeRO shards over data it shards over data x fsdp x context too (Megatron-LM's
-distributed optimizer shards over its data x context group). zero1/zero2 keep their fp32 master
-weights (meshpar's params) split over `context` and gather them at use; fsdp/hsdp/fsdp_tp split the
-parameters over `context` with their FSDP axes and gather them per layer (fsdp_tp_sp as fsdp_tp). dp, tp and tp_sp, which
-replicate the state over data, replicate it over `context`.
+The train state at rest is split over `context` as over the data axes (`Strategy.rest`): each context device sees
+other tokens of the same sequences, so gradients are summed over `context` as over `data`, and what ZeRO shards over
+data it shards over data x fsdp x context too (Megatron-LM's distributed optimizer shards over its data x context
+group). zero1/zero2 keep their fp32 master weights (meshpar's params) split over `context` and gather them at use;
+fsdp/hsdp/fsdp_tp split the parameters over `context` with their FSDP axes and gather them per layer (fsdp_tp_sp as
+fsdp_tp). dp, tp and tp_sp, which replicate the state over data, replicate it over `context`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -98,13 +98,14 @@ def table(**rules: Candidate | Sequence[Candidate] | None) -> RuleTable:
 class Strategy:
     """A parallelism strategy = rule tables. `params` lays out activations and weights at their use;
     `rest` (ahead of `params`) the parameters at rest, and the gradients that take their layout."""
+
     name: str
     doc: str
     params: RuleTable
-    opt_state: RuleTable | None = None   # ZeRO-1/2: optimizer state sharded although params are not
-    shard_grads: bool = False            # ZeRO-2: gradients constrained to the opt_state layout (reduce-scatter)
+    opt_state: RuleTable | None = None  # ZeRO-1/2: optimizer state sharded although params are not
+    shard_grads: bool = False  # ZeRO-2: gradients constrained to the opt_state layout (reduce-scatter)
     extra: RuleTable = field(default=())  # rules every strategy shares (stage, expert, groups)
-    rest: RuleTable = field(default=())   # parameters at rest only: split over `context` (see the module docstring)
+    rest: RuleTable = field(default=())  # parameters at rest only: split over `context` (see the module docstring)
 
     def param_rules(self) -> RuleTable:
         return self.params + self.extra
@@ -129,17 +130,28 @@ STATE_AXES = ("data", "fsdp", "context")
 def narrowed(strategy: Strategy) -> Strategy:
     """`strategy` without its train state's split over `context`: the layout a tensor keeps when the
     data axes divide its dimension and data x context does not (the state as before context was added)."""
+
     def drop(rules: RuleTable) -> RuleTable:
         out = []
         for name, cands in rules:
             kept = [tuple(a for a in ((c,) if isinstance(c, str) else c) if a != "context") for c in cands]
             out.append((name, tuple(k[0] if len(k) == 1 else k for k in kept if k)))
         return tuple(out)
-    return dataclasses.replace(strategy, rest=(), opt_state=None if strategy.opt_state is None else drop(strategy.opt_state))
+
+    return dataclasses.replace(
+        strategy, rest=(), opt_state=None if strategy.opt_state is None else drop(strategy.opt_state)
+    )
 
 
-def resolve_kind(logical: Sequence[str | None], strategy: Strategy, user_rules: RuleTable, kind: str,
-                 mesh_shape: dict[str, int], shape: Sequence[int] | None = None, what: str = "tensor"):
+def resolve_kind(
+    logical: Sequence[str | None],
+    strategy: Strategy,
+    user_rules: RuleTable,
+    kind: str,
+    mesh_shape: dict[str, int],
+    shape: Sequence[int] | None = None,
+    what: str = "tensor",
+):
     """`resolve` of `logical` under the user's rules and `strategy`'s table for `kind`. A state tensor
     ("rest", "opt_state") whose dimension data x context does not divide takes the layout the data axes
     alone give it (`narrowed`); an error only where that fails too."""
@@ -148,22 +160,31 @@ def resolve_kind(logical: Sequence[str | None], strategy: Strategy, user_rules: 
     except ShardingError:
         if kind == "params" or mesh_shape.get("context", 1) == 1:
             raise
-        return resolve(logical, user_rules + narrowed(strategy).rules(kind), mesh_shape, shape, what,
-                       strict=len(user_rules))
+        return resolve(
+            logical, user_rules + narrowed(strategy).rules(kind), mesh_shape, shape, what, strict=len(user_rules)
+        )
 
 
 def over_context(rules: RuleTable) -> RuleTable:
     """`rules` with `context` joined to every candidate that splits over a data axis (data, fsdp)."""
+
     def widen(cand: Candidate) -> Candidate:
         axes = (cand,) if isinstance(cand, str) else cand
         return axes + ("context",) if {"data", "fsdp"} & set(axes) and "context" not in axes else cand
+
     return tuple((name, tuple(widen(c) for c in cands)) for name, cands in rules)
 
 
-_COMMON = table(batch=[BATCH_AXES], group=[BATCH_AXES], expert="expert", stage="pipeline",
-                layers="pipeline",   # stacked layers live at rest on their pipeline stage
-                cache_batch=[BATCH_AXES],   # KV-cache slots, like a batch (serving)
-                length="context", seq="context")   # context parallelism (meshpar.parallel.context)
+_COMMON = table(
+    batch=[BATCH_AXES],
+    group=[BATCH_AXES],
+    expert="expert",
+    stage="pipeline",
+    layers="pipeline",  # stacked layers live at rest on their pipeline stage
+    cache_batch=[BATCH_AXES],  # KV-cache slots, like a batch (serving)
+    length="context",
+    seq="context",
+)  # context parallelism (meshpar.parallel.context)
 _TP = table(heads="tensor", kv_heads="tensor", mlp="tensor", vocab="tensor", expert_mlp="tensor")
 _ZERO_STATE = table(embed=[STATE_AXES], mlp=[STATE_AXES], vocab=[STATE_AXES], expert_mlp=[STATE_AXES])
 # ZeRO-1/2's fp32 master weights (meshpar's params) at rest over `context`, gathered at use
@@ -171,34 +192,81 @@ _MASTER_OVER_CONTEXT = table(embed="context")
 _FSDP = table(embed=[("data", "fsdp")], expert_mlp=[("data", "fsdp")])
 _HSDP = table(embed="fsdp", expert_mlp="fsdp")
 
-PRESETS: dict[str, Strategy] = {s.name: s for s in [
-    Strategy("dp", "data parallel: params replicated, gradients all-reduced", table(), extra=_COMMON),
-    Strategy("zero1", "ZeRO-1: optimizer state sharded over data, params replicated over it", table(),
-             opt_state=_ZERO_STATE, extra=_COMMON, rest=_MASTER_OVER_CONTEXT),
-    Strategy("zero2", "ZeRO-2: ZeRO-1 + gradients reduce-scattered", table(),
-             opt_state=_ZERO_STATE, shard_grads=True, extra=_COMMON, rest=_MASTER_OVER_CONTEXT),
-    Strategy("fsdp", "ZeRO-3/FSDP: params, grads, optimizer state sharded over data x fsdp",
-             _FSDP, extra=_COMMON, rest=over_context(_FSDP)),
-    Strategy("hsdp", "hybrid sharded DP: FSDP inside `fsdp`, replicas over `data`",
-             _HSDP, extra=_COMMON, rest=over_context(_HSDP)),
-    Strategy("tp", "Megatron 1D tensor parallel over `tensor`", _TP, extra=_COMMON),
-    Strategy("tp_sp", "Megatron TP + sequence parallel on the residual stream", _TP + table(length=[("context", "tensor")]),
-             extra=_COMMON),
-    Strategy("fsdp_tp", "2D: FSDP over data x fsdp, Megatron TP over tensor",
-             _TP + _FSDP[:1], extra=_COMMON, rest=over_context(_FSDP[:1])),
-    Strategy("fsdp_tp_sp", "2D: FSDP over data x fsdp, Megatron TP + sequence parallel over tensor",
-             _TP + _FSDP[:1] + table(length=[("context", "tensor")]), extra=_COMMON, rest=over_context(_FSDP[:1])),
-]}
+PRESETS: dict[str, Strategy] = {
+    s.name: s
+    for s in [
+        Strategy("dp", "data parallel: params replicated, gradients all-reduced", table(), extra=_COMMON),
+        Strategy(
+            "zero1",
+            "ZeRO-1: optimizer state sharded over data, params replicated over it",
+            table(),
+            opt_state=_ZERO_STATE,
+            extra=_COMMON,
+            rest=_MASTER_OVER_CONTEXT,
+        ),
+        Strategy(
+            "zero2",
+            "ZeRO-2: ZeRO-1 + gradients reduce-scattered",
+            table(),
+            opt_state=_ZERO_STATE,
+            shard_grads=True,
+            extra=_COMMON,
+            rest=_MASTER_OVER_CONTEXT,
+        ),
+        Strategy(
+            "fsdp",
+            "ZeRO-3/FSDP: params, grads, optimizer state sharded over data x fsdp",
+            _FSDP,
+            extra=_COMMON,
+            rest=over_context(_FSDP),
+        ),
+        Strategy(
+            "hsdp",
+            "hybrid sharded DP: FSDP inside `fsdp`, replicas over `data`",
+            _HSDP,
+            extra=_COMMON,
+            rest=over_context(_HSDP),
+        ),
+        Strategy("tp", "Megatron 1D tensor parallel over `tensor`", _TP, extra=_COMMON),
+        Strategy(
+            "tp_sp",
+            "Megatron TP + sequence parallel on the residual stream",
+            _TP + table(length=[("context", "tensor")]),
+            extra=_COMMON,
+        ),
+        Strategy(
+            "fsdp_tp",
+            "2D: FSDP over data x fsdp, Megatron TP over tensor",
+            _TP + _FSDP[:1],
+            extra=_COMMON,
+            rest=over_context(_FSDP[:1]),
+        ),
+        Strategy(
+            "fsdp_tp_sp",
+            "2D: FSDP over data x fsdp, Megatron TP + sequence parallel over tensor",
+            _TP + _FSDP[:1] + table(length=[("context", "tensor")]),
+            extra=_COMMON,
+            rest=over_context(_FSDP[:1]),
+        ),
+    ]
+}
 
 
 # Serving layouts (`meshpar.serve.engine`, `serve.strategy`): weights stay where they are for every decoded
 # token, so per-token traffic is activations only. Any training preset may serve too; FSDP ones
 # all-gather every weight per token (`meshpar.serve.engine` warns).
-SERVING: dict[str, Strategy] = {s.name: s for s in [
-    Strategy("serve_tp", "serving: Megatron TP over `tensor` (heads, kv heads, mlp, vocab; embed never split), "
-             "requests and KV-cache slots over data/fsdp/expert, the cache's kv heads over `tensor`",
-             _TP, extra=_COMMON),
-]}
+SERVING: dict[str, Strategy] = {
+    s.name: s
+    for s in [
+        Strategy(
+            "serve_tp",
+            "serving: Megatron TP over `tensor` (heads, kv heads, mlp, vocab; embed never split), "
+            "requests and KV-cache slots over data/fsdp/expert, the cache's kv heads over `tensor`",
+            _TP,
+            extra=_COMMON,
+        ),
+    ]
+}
 
 
 def get_strategy(name: str) -> Strategy:
@@ -234,8 +302,14 @@ def parse_user_rules(rules: Sequence) -> RuleTable:
     return tuple(out)
 
 
-def resolve(logical: Sequence[str | None], rules: RuleTable, mesh_shape: dict[str, int],
-            shape: Sequence[int] | None = None, what: str = "tensor", strict: int = 0):
+def resolve(
+    logical: Sequence[str | None],
+    rules: RuleTable,
+    mesh_shape: dict[str, int],
+    shape: Sequence[int] | None = None,
+    what: str = "tensor",
+    strict: int = 0,
+):
     """Logical axes of one tensor -> `PartitionSpec` (first match, skip size-1 and used axes).
 
     `what` names the tensor in errors ("parameter 'layers.attn.wq'"). With `shape`, every sharded
@@ -246,19 +320,21 @@ def resolve(logical: Sequence[str | None], rules: RuleTable, mesh_shape: dict[st
     from jax.sharding import PartitionSpec
 
     if shape is not None and len(shape) != len(logical):
-        raise ShardingError(f"{what}: {len(logical)} logical axes {tuple(logical)} for a rank-{len(shape)} "
-                            f"array of shape {tuple(shape)}")
+        raise ShardingError(
+            f"{what}: {len(logical)} logical axes {tuple(logical)} for a rank-{len(shape)} "
+            f"array of shape {tuple(shape)}"
+        )
     lookup: dict[str, list[tuple[int, tuple[Candidate, ...]]]] = {}
     for i, (name, cands) in enumerate(rules):
         lookup.setdefault(name, []).append((i, cands))
-    used: dict[str, int] = {}      # mesh axis -> the dimension that took it
+    used: dict[str, int] = {}  # mesh axis -> the dimension that took it
     parts = []
     for dim, name in enumerate(logical):
         if name is None:
             parts.append(None)
             continue
         chosen: tuple[str, ...] = ()
-        for i, cands in lookup.get(name, []):   # user rules first, then the preset's
+        for i, cands in lookup.get(name, []):  # user rules first, then the preset's
             taken = None
             for cand in cands:
                 axes = (cand,) if isinstance(cand, str) else cand
@@ -273,8 +349,9 @@ def resolve(logical: Sequence[str | None], rules: RuleTable, mesh_shape: dict[st
                 raise ShardingError(
                     f"{what}: rule rules[{i}] [{name}, {list(cands)}] wants mesh axis '{taken}' for dimension "
                     f"{dim} ('{name}'), but dimension {other} ('{logical[other]}') already uses it; give one of "
-                    f"them another axis, or write [{name}, null] to replicate it")
-            if chosen or not cands:          # an explicit empty rule means "replicate"
+                    f"them another axis, or write [{name}, null] to replicate it"
+                )
+            if chosen or not cands:  # an explicit empty rule means "replicate"
                 break
         if chosen and shape is not None:
             n = math.prod(mesh_shape[a] for a in chosen)
@@ -283,7 +360,8 @@ def resolve(logical: Sequence[str | None], rules: RuleTable, mesh_shape: dict[st
                 raise ShardingError(
                     f"{what}: dimension {dim} ('{name}', size {shape[dim]}) is not divisible by mesh axes "
                     f"{sizes} (= {n}); change the size to a multiple of {n}, resize those mesh axes, or add "
-                    f"a rule [{name}, null] to replicate it")
+                    f"a rule [{name}, null] to replicate it"
+                )
         used.update({a: dim for a in chosen})
         parts.append(None if not chosen else chosen[0] if len(chosen) == 1 else chosen)
     while parts and parts[-1] is None:
@@ -308,9 +386,11 @@ def check_rule_names(user_rules: RuleTable, used: set[str]) -> list[str]:
     for i, (name, _) in enumerate(user_rules):
         if name in known:
             continue
-        close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.85)   # embd, not patch~batch
+        close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.85)  # embd, not patch~batch
         if close:
-            raise ShardingError(f"rules[{i}]: unknown logical axis '{name}' (did you mean '{close[0]}'?): "
-                                f"no parameter, variable or batch leaf of this model names it")
+            raise ShardingError(
+                f"rules[{i}]: unknown logical axis '{name}' (did you mean '{close[0]}'?): "
+                f"no parameter, variable or batch leaf of this model names it"
+            )
         idle.append(f"rules[{i}] ({name})")
     return idle

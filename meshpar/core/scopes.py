@@ -17,13 +17,14 @@ Each variable is set with a `with` block by the module named first and read by t
     PLATFORM  the platform a program is built for   set: core.platform.target (deviceless compiles);
               (a target, not the host's)            read: core.platform
 """
+
 from __future__ import annotations
 
 import contextvars
 from typing import Any
 
 LAYOUT: contextvars.ContextVar[Any] = contextvars.ContextVar("meshpar_layout", default=None)
-POLICY: contextvars.ContextVar[Any] = contextvars.ContextVar("meshpar_policy", default=None)   # None: fp32
+POLICY: contextvars.ContextVar[Any] = contextvars.ContextVar("meshpar_policy", default=None)  # None: fp32
 BALANCED: contextvars.ContextVar[bool] = contextvars.ContextVar("meshpar_context_balanced", default=False)
 BRANCHES: contextvars.ContextVar[bool] = contextvars.ContextVar("meshpar_moe_branches", default=False)
 ROUTING_KEY: contextvars.ContextVar[Any] = contextvars.ContextVar("meshpar_moe_key", default=None)
@@ -34,6 +35,7 @@ PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar("meshpar_p
 def manual_axes() -> tuple[str, ...]:
     """The mesh axes the enclosing `shard_map` is manual over (a pipeline stage's `pipeline`, maybe
     `data` and `context`); () outside one."""
-    import jax       # local: core.platform reads this module before anything may import jax
+    import jax  # local: core.platform reads this module before anything may import jax
+
     mesh = jax.sharding.get_abstract_mesh()
     return tuple(a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Manual)

@@ -12,6 +12,7 @@ Shapes: B batch, T sequence length, M width; cp devices on `context`.
 The built-in LM loss stores its rows balanced and says so with `balanced()` while the model is
 traced; everything else is in natural order.
 """
+
 from __future__ import annotations
 
 import contextlib

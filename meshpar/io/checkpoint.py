@@ -42,12 +42,14 @@ What it guarantees:
 * The data stream is (data.seed, batch.global_size, batch.length, data.kind/path): resuming with
   any of them changed is allowed but said in one line (`meshpar.train.loop.data_changes`).
 """
+
 from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -88,7 +90,7 @@ class Restored:
     data: dict
     meta: dict
     path: str
-    damaged: list[dict]       # newer checkpoints that could not be used: {"step", "path", "reason"}
+    damaged: list[dict]  # newer checkpoints that could not be used: {"step", "path", "reason"}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -104,7 +106,7 @@ def _leaf_hash(x: jax.Array) -> jax.Array:
         x = jax.random.key_data(x)
     if x.dtype == jnp.bool_:
         bits = x.astype(jnp.uint32)
-    elif x.dtype.itemsize == 8:     # only with jax_enable_x64: fold the two halves
+    elif x.dtype.itemsize == 8:  # only with jax_enable_x64: fold the two halves
         b = jax.lax.bitcast_convert_type(x, jnp.uint32)
         bits = b[..., 0] ^ b[..., 1]
     else:
@@ -136,22 +138,27 @@ def _hash_fn(out_sharding):
 
 def tree_signature(abstract_state) -> dict[str, list]:
     """{leaf path: [shape, dtype]}: what a checkpoint must match to be restored into this run."""
-    return {jax.tree_util.keystr(p): [list(a.shape), str(a.dtype)]
-            for p, a in jax.tree_util.tree_leaves_with_path(abstract_state)}
+    return {
+        jax.tree_util.keystr(p): [list(a.shape), str(a.dtype)]
+        for p, a in jax.tree_util.tree_leaves_with_path(abstract_state)
+    }
 
 
 # ----------------------------------------------------------------------------------------------
 
+
 def _restore_verified(ocp, manager, step: int, target, meta: dict):
     """Checkpoint `step`'s state (into `target`'s shardings) and data position, its contents checked
     against the fingerprint saved with them -> (state, data)."""
-    out = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
-                                                        data=ocp.args.JsonRestore()))
+    out = manager.restore(
+        step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore())
+    )
     got = fingerprint(out["state"])
     bad = [k for k, v in meta.get("fingerprint", {}).items() if got.get(k) != v]
     if bad:
-        raise FingerprintMismatch(f"fingerprint mismatch: contents differ from the fingerprint saved with them "
-                                  f"(first: state{bad[0]})")
+        raise FingerprintMismatch(
+            f"fingerprint mismatch: contents differ from the fingerprint saved with them (first: state{bad[0]})"
+        )
     return out["state"], out["data"]
 
 
@@ -163,14 +170,20 @@ class Checkpointer:
 
     def __init__(self, options: CheckpointConfig, trainer, info: Callable[[str], None] = print):
         import orbax.checkpoint as ocp
+
         self.ocp = ocp
         self.trainer, self.info, self.every = trainer, info, options.every
         self.root = local_or_remote(options.dir)
         self.directory = str(self.root)
-        self.manager = ocp.CheckpointManager(self.root, item_names=ITEMS, options=ocp.CheckpointManagerOptions(
-            max_to_keep=options.keep, create=True, enable_async_checkpointing=True))
-        self.damaged_steps: set[int] = set()      # found damaged and still in place (could not be moved)
-        self.target = trainer.abstract_state()          # shapes, dtypes and this run's shardings
+        self.manager = ocp.CheckpointManager(
+            self.root,
+            item_names=ITEMS,
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=options.keep, create=True, enable_async_checkpointing=True
+            ),
+        )
+        self.damaged_steps: set[int] = set()  # found damaged and still in place (could not be moved)
+        self.target = trainer.abstract_state()  # shapes, dtypes and this run's shardings
         self.signature = tree_signature(self.target)
         self.last_saved: int | None = None
 
@@ -193,19 +206,34 @@ class Checkpointer:
         `run`: facts of the run so far kept in meta (the loop's `initial_loss`)."""
         if step in self.damaged_steps:
             self._replace_damaged(step)
-        if step in self.manager.all_steps():       # e.g. the end of a run that resumed at its last step
+        if step in self.manager.all_steps():  # e.g. the end of a run that resumed at its last step
             return self.path(step)
         ocp = self.ocp
-        meta = {"format": FORMAT, "step": step, "time": time.time(), **self.trainer.run_facts(),
-                "processes": jax.process_count(), "signature": self.signature,
-                "fingerprint": fingerprint(state), **(run or {})}
+        meta = {
+            "format": FORMAT,
+            "step": step,
+            "time": time.time(),
+            **self.trainer.run_facts(),
+            "processes": jax.process_count(),
+            "signature": self.signature,
+            "fingerprint": fingerprint(state),
+            **(run or {}),
+        }
         try:
-            self.manager.save(step, force=True, args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(dict(data_state)),
-                meta=ocp.args.JsonSave(meta)))
+            self.manager.save(
+                step,
+                force=True,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state),
+                    data=ocp.args.JsonSave(dict(data_state)),
+                    meta=ocp.args.JsonSave(meta),
+                ),
+            )
         except Exception as e:  # noqa: BLE001 - e.g. a full disk surfacing from the previous async save
-            raise CheckpointError(f"could not write checkpoint step {step} at {self.path(step)} ({_one_line(e)}); "
-                                  f"complete checkpoints in {self.directory} are untouched") from e
+            raise CheckpointError(
+                f"could not write checkpoint step {step} at {self.path(step)} ({_one_line(e)}); "
+                f"complete checkpoints in {self.directory} are untouched"
+            ) from e
         self.last_saved = step
         if wait:
             self.wait()
@@ -215,8 +243,10 @@ class Checkpointer:
         try:
             self.manager.wait_until_finished()
         except Exception as e:  # noqa: BLE001
-            raise CheckpointError(f"writing checkpoint step {self.last_saved} in {self.directory} failed "
-                                  f"({_one_line(e)}); complete checkpoints there are untouched") from e
+            raise CheckpointError(
+                f"writing checkpoint step {self.last_saved} in {self.directory} failed "
+                f"({_one_line(e)}); complete checkpoints there are untouched"
+            ) from e
 
     def close(self) -> None:
         self.wait()
@@ -260,8 +290,10 @@ class Checkpointer:
             damaged.append({"step": step, "path": self.path(step), "reason": reason})
             self.info(f"checkpoint step {step} at {self.path(step)} is damaged ({reason}); trying the previous one")
         listing = "; ".join(f"step {d['step']} at {d['path']}: {d['reason']}" for d in damaged)
-        raise CheckpointError(f"no usable checkpoint in {self.directory} ({listing}); nothing was deleted. "
-                              f"Repair or move those folders, or set checkpoint.dir to a new folder to start over")
+        raise CheckpointError(
+            f"no usable checkpoint in {self.directory} ({listing}); nothing was deleted. "
+            f"Repair or move those folders, or set checkpoint.dir to a new folder to start over"
+        )
 
     def _replace_damaged(self, step: int) -> None:
         """A damaged step still in the manager's list would make `save` skip that step forever: move
@@ -285,7 +317,8 @@ def check_fits(mine: dict, meta: dict, step: int, path: str) -> None:
             raise CheckpointError(
                 f"checkpoint step {step} at {path} does not fit this run: state{key} is "
                 f"{theirs.get(key, 'absent')} there and {mine.get(key, 'absent')} here; use the model "
-                f"settings it was saved with (its config is in {path}/meta) or a new checkpoint.dir")
+                f"settings it was saved with (its config is in {path}/meta) or a new checkpoint.dir"
+            )
 
 
 def set_aside(damaged: list[dict], info: Callable[[str], None]) -> None:
@@ -304,14 +337,17 @@ def set_aside(damaged: list[dict], info: Callable[[str], None]) -> None:
                     d["moved_to"] = str(dst)
                     info(f"moved damaged checkpoint {src} to {dst} (kept, not deleted)")
             except OSError as e:
-                info(f"could not move damaged checkpoint {src} aside ({_one_line(e)}); the next save of "
-                          f"step {d['step']} replaces it")
+                info(
+                    f"could not move damaged checkpoint {src} aside ({_one_line(e)}); the next save of "
+                    f"step {d['step']} replaces it"
+                )
     _barrier("meshpar-checkpoint-set-aside")
 
 
 def _barrier(name: str) -> None:
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
+
         multihost_utils.sync_global_devices(name)
 
 
@@ -320,6 +356,7 @@ def _all_processes(ok: bool) -> bool:
     if jax.process_count() == 1:
         return ok
     from jax.experimental import multihost_utils
+
     return bool(np.all(multihost_utils.process_allgather(np.asarray(ok, np.int32))))
 
 
@@ -332,17 +369,21 @@ def _one_line(e: BaseException) -> str:
 # ----------------------------------------------------------------------------------------------
 # Weights only (serving): a part of the train state, read straight into another layout.
 
+
 def _existing(directory) -> epath.Path:
     root = local_or_remote(directory)
     if not root.exists():
-        raise CheckpointError(f"checkpoint.dir '{directory}' does not exist; give the folder `meshpar train "
-                              "checkpoint.dir=...` wrote (or leave checkpoint.dir unset for a fresh init)")
+        raise CheckpointError(
+            f"checkpoint.dir '{directory}' does not exist; give the folder `meshpar train "
+            "checkpoint.dir=...` wrote (or leave checkpoint.dir unset for a fresh init)"
+        )
     return root
 
 
 def saved_config(directory) -> tuple[int, dict] | None:
     """(step, resolved config) saved with the newest checkpoint in `directory`; None if it holds none."""
     import orbax.checkpoint as ocp
+
     manager = ocp.CheckpointManager(_existing(directory), item_names=ITEMS)
     try:
         for step in sorted(manager.all_steps(), reverse=True):
@@ -363,10 +404,11 @@ def restore_weights(directory, target: dict, info: Callable[[str], None] = print
     when the folder holds no checkpoint; a folder that does not exist is an error (a mistyped path
     must not serve a random model), and so is a checkpoint of another model (naming the leaf)."""
     import orbax.checkpoint as ocp
+
     root = _existing(directory)
     manager = ocp.CheckpointManager(root, item_names=ITEMS)
     steps = sorted(manager.all_steps())
-    target = {k: v for k, v in target.items() if jax.tree.leaves(v)}   # e.g. no non-Param variables
+    target = {k: v for k, v in target.items() if jax.tree.leaves(v)}  # e.g. no non-Param variables
     mine = tree_signature(target)
     reasons = []
     try:
@@ -379,14 +421,22 @@ def restore_weights(directory, target: dict, info: Callable[[str], None] = print
                     raise CheckpointError(
                         f"checkpoint step {step} at {root}/{step} holds another model: state{key} has shape {have} "
                         f"there and {want[0]} here; pass the model settings it was trained with (its config is in "
-                        f"{root}/{step}/meta)")
+                        f"{root}/{step}/meta)"
+                    )
             try:
                 restore_args = ocp.checkpoint_utils.construct_restore_args(target)
-                tree = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-                    item=target, restore_args=restore_args, partial_restore=True)))["state"]
+                tree = manager.restore(
+                    step,
+                    args=ocp.args.Composite(
+                        state=ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True)
+                    ),
+                )["state"]
             except Exception as e:  # noqa: BLE001 - a damaged step: try the previous one
                 reasons.append(f"step {step}: {_one_line(e)}")
-                info(f"checkpoint step {step} at {root}/{step} could not be read ({_one_line(e)}); trying the previous one")
+                info(
+                    f"checkpoint step {step} at {root}/{step} could not be read ({_one_line(e)}); "
+                    "trying the previous one"
+                )
                 continue
             return tree, step, meta
     finally:

@@ -31,14 +31,15 @@ Export (`export`): process 0 writes; every process takes part in gathering one p
 data moves (the safetensors header lists every tensor's offset, so shards are laid out first and
 filled array by array: host memory is one parameter, not one shard).
 """
+
 from __future__ import annotations
 
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import jax
 import ml_dtypes
@@ -64,6 +65,7 @@ class Source:
         (start, stop) per tensor dimension; fewer ranges: the rest whole).
     write(array) -> {HF name: np.ndarray}: the whole parameter split into its HF tensors.
     """
+
     tensors: dict
     read: Callable
     write: Callable
@@ -75,6 +77,7 @@ class Checkpoint:
 
     def __init__(self, spec: str):
         from safetensors import safe_open
+
         self.root = hf_path(spec)
         self.config = read_config(spec)
         if (self.root / INDEX).is_file():
@@ -85,8 +88,9 @@ class Checkpoint:
             self.file_of = dict(weight_map)
             for name, file in self.file_of.items():
                 if not (self.root / file).is_file():
-                    raise ConfigError(f"{self.root / INDEX}: key '{name}' is in shard '{file}', which does not exist "
-                                      f"in {self.root}")
+                    raise ConfigError(
+                        f"{self.root / INDEX}: key '{name}' is in shard '{file}', which does not exist in {self.root}"
+                    )
         elif (self.root / SINGLE).is_file():
             self.file_of = None
         else:
@@ -101,7 +105,7 @@ class Checkpoint:
             self.handles[file] = h
             for name in h.keys():
                 if self.file_of is not None and self.file_of.get(name) != file:
-                    continue          # the index decides which file holds a name
+                    continue  # the index decides which file holds a name
                 sl = h.get_slice(name)
                 self.info[name] = (file, sl.get_dtype(), tuple(sl.get_shape()))
         if self.file_of:
@@ -120,20 +124,26 @@ class Checkpoint:
             wanted.update(src.tensors)
         for name, shape in wanted.items():
             if name not in self.info:
-                raise ConfigError(f"{self.root}: key '{name}' is missing from the checkpoint "
-                                  f"({'no shard lists it in ' + INDEX if self.file_of else 'not in ' + SINGLE})")
+                raise ConfigError(
+                    f"{self.root}: key '{name}' is missing from the checkpoint "
+                    f"({'no shard lists it in ' + INDEX if self.file_of else 'not in ' + SINGLE})"
+                )
             _, dtype, have = self.info[name]
             if dtype not in DTYPES:
-                raise ConfigError(f"{self.where(name)}: key '{name}' has dtype {dtype}; meshpar reads "
-                                  f"{', '.join(DTYPES)} weights")
+                raise ConfigError(
+                    f"{self.where(name)}: key '{name}' has dtype {dtype}; meshpar reads {', '.join(DTYPES)} weights"
+                )
             if have != tuple(shape):
-                raise ConfigError(f"{self.where(name)}: key '{name}' has shape {list(have)} but config.json implies "
-                                  f"{list(shape)}")
+                raise ConfigError(
+                    f"{self.where(name)}: key '{name}' has shape {list(have)} but config.json implies {list(shape)}"
+                )
         extra = sorted(n for n in self.info if n not in wanted and not ignorable(n))
         if extra:
-            raise ConfigError(f"{self.where(extra[0])}: key '{extra[0]}' is not read by this model"
-                              + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else "")
-                              + "; its config.json describes another architecture or options meshpar does not implement")
+            raise ConfigError(
+                f"{self.where(extra[0])}: key '{extra[0]}' is not read by this model"
+                + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else "")
+                + "; its config.json describes another architecture or options meshpar does not implement"
+            )
 
     def get(self, name: str, *ranges) -> np.ndarray:
         """The block of tensor `name` given by `ranges` ((start, stop) per leading dimension): a
@@ -167,8 +177,10 @@ def load(spec: str, model, shardings, shapes, info: Callable[[str], None] | None
         raise ConfigError(f"{type(model).__name__}.hf_tensors() has no source for parameter {'.'.join(missing[0])}")
     ckpt.check(sources, getattr(model, "hf_ignorable", lambda n: False))
     shard_leaves = jax.tree.leaves(shardings)
-    out = [_build(ckpt, sources[_key(path)], sds, sharding, _key(path))
-           for (path, sds), sharding in zip(flat, shard_leaves)]
+    out = [
+        _build(ckpt, sources[_key(path)], sds, sharding, _key(path))
+        for (path, sds), sharding in zip(flat, shard_leaves)
+    ]
     if info:
         info(f"read {len(out)} arrays from {len(ckpt.handles)} safetensors file(s) in {ckpt.root}")
     return jax.tree.unflatten(jax.tree.structure(shapes), out)
@@ -186,9 +198,13 @@ def _build(ckpt: Checkpoint, src: Source, sds, sharding, key: tuple) -> jax.Arra
         block = np.asarray(src.read(ckpt.get, box))
         want = tuple(b - a for a, b in box)
         if block.shape != want:
-            raise ConfigError(f"{ckpt.root}: the source of parameter {'.'.join(key)} returned a block of shape "
-                              f"{list(block.shape)} for {list(want)}")
-        placed[box] = jax.device_put(block.astype(sds.dtype, copy=False), device).block_until_ready()   # host copy freed now
+            raise ConfigError(
+                f"{ckpt.root}: the source of parameter {'.'.join(key)} returned a block of shape "
+                f"{list(block.shape)} for {list(want)}"
+            )
+        placed[box] = jax.device_put(
+            block.astype(sds.dtype, copy=False), device
+        ).block_until_ready()  # host copy freed now
         del block
         shards.append(placed[box])
     return jax.make_array_from_single_device_arrays(tuple(sds.shape), sharding, shards)
@@ -201,8 +217,10 @@ def hf_sources(model, export: bool = False) -> dict:
     missing = [f"{n}()" for n in needs if not callable(getattr(model, n, None))]
     if missing:
         what = "be exported to Hugging Face format" if export else "read Hugging Face checkpoints"
-        raise ConfigError(f"model {type(model).__name__} cannot {what}: it needs {' and '.join(missing)} "
-                          "(see meshpar.io.hf; meshpar.models.decoder implements them)")
+        raise ConfigError(
+            f"model {type(model).__name__} cannot {what}: it needs {' and '.join(missing)} "
+            "(see meshpar.io.hf; meshpar.models.decoder implements them)"
+        )
     return model.hf_tensors()
 
 
@@ -212,6 +230,7 @@ def _key(path) -> tuple:
 
 # ----------------------------------------------------------------------------------------------
 # Export
+
 
 def parse_size(text: str) -> int:
     """'5GB' -> 5 * 10^9, '500MiB' -> 500 * 2^20, '1000' -> 1000 bytes (Hugging Face's units)."""
@@ -254,12 +273,20 @@ def _header(names, meta: dict) -> tuple[bytes, dict]:
 def _gather(x) -> np.ndarray:
     if jax.process_count() > 1 and not x.is_fully_addressable:
         from jax.experimental import multihost_utils
+
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return np.asarray(jax.device_get(x))
 
 
-def export(params: dict, model, out: str, dtype: str = "bf16", max_shard_size: str | int = "5GB",
-           config_extra: dict | None = None, generation: dict | None = None) -> dict:
+def export(
+    params: dict,
+    model,
+    out: str,
+    dtype: str = "bf16",
+    max_shard_size: str | int = "5GB",
+    config_extra: dict | None = None,
+    generation: dict | None = None,
+) -> dict:
     """Write `params` (a pure dict of (sharded) arrays of `model`) as a Hugging Face directory.
     Returns {"files", "tensors", "bytes"}. All processes call it; process 0 writes."""
     if dtype not in EXPORT_DTYPES:
@@ -274,8 +301,11 @@ def export(params: dict, model, out: str, dtype: str = "bf16", max_shard_size: s
             order.append(name)
     limit = parse_size(max_shard_size) if isinstance(max_shard_size, str) else int(max_shard_size)
     shards = plan_shards([(n, *meta[n]) for n in order], limit)
-    files = [SINGLE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                                               for i in range(len(shards))]
+    files = (
+        [SINGLE]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
     writer = jax.process_index() == 0
     root = Path(out)
     where = {}
@@ -292,15 +322,17 @@ def export(params: dict, model, out: str, dtype: str = "bf16", max_shard_size: s
             (root / stale).unlink(missing_ok=True)
     handles = {file: open(root / file, "r+b") for file in files} if writer else {}
     try:
-        for path, x in flat:                   # one parameter on the host at a time
+        for path, x in flat:  # one parameter on the host at a time
             full = _gather(x)
             if not writer:
                 continue
             for name, t in sources[_key(path)].write(full).items():
                 t = np.ascontiguousarray(np.asarray(t).astype(dt))
                 if t.shape != meta[name][0]:
-                    raise ConfigError(f"{type(model).__name__}.hf_tensors(): '{name}' written with shape "
-                                      f"{list(t.shape)}, declared {list(meta[name][0])}")
+                    raise ConfigError(
+                        f"{type(model).__name__}.hf_tensors(): '{name}' written with shape "
+                        f"{list(t.shape)}, declared {list(meta[name][0])}"
+                    )
                 file, at = where[name]
                 handles[file].seek(at)
                 handles[file].write(t.tobytes())
@@ -312,10 +344,14 @@ def export(params: dict, model, out: str, dtype: str = "bf16", max_shard_size: s
     if writer:
         if len(files) > 1:
             weight_map = {n: where[n][0] for n in order}
-            (root / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
-                                                 indent=2) + "\n")
-        config = {**model.hf_config(), **(config_extra or {}),
-                  "torch_dtype": "bfloat16" if dtype == "bf16" else "float32"}
+            (root / INDEX).write_text(
+                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n"
+            )
+        config = {
+            **model.hf_config(),
+            **(config_extra or {}),
+            "torch_dtype": "bfloat16" if dtype == "bf16" else "float32",
+        }
         (root / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         if generation:
             (root / "generation_config.json").write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
@@ -331,7 +367,9 @@ def end_tokens(tokenizer, init_from: str | None) -> list[int]:
         for name in ("config.json", "generation_config.json"):
             f = hf_path(init_from) / name
             eos = read_json(f).get("eos_token_id") if f.is_file() else None
-            ends += [e for e in (eos if isinstance(eos, list) else [eos]) if isinstance(e, int) and not isinstance(e, bool)]
+            ends += [
+                e for e in (eos if isinstance(eos, list) else [eos]) if isinstance(e, int) and not isinstance(e, bool)
+            ]
     return list(dict.fromkeys(ends))
 
 
@@ -349,6 +387,7 @@ def provenance(init_from: str | None, tokenizer: str | None) -> tuple[dict, dict
             generation = read_json(root / "generation_config.json")
     if not extra and tokenizer:
         from meshpar.io.tokenizer import HFTokenizer
+
         tok = HFTokenizer(tokenizer)
         extra = {k: v for k, v in (("bos_token_id", tok.bos_id), ("eos_token_id", tok.eos_id)) if v is not None}
     if generation is None and extra:

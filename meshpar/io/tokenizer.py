@@ -1,6 +1,7 @@
 """Text <-> token ids for prompts, outputs and text data. Byte-level (the default): token i is the
 byte i (0..255); decoding is UTF-8 with undecodable bytes replaced. `data.tokenizer=PATH`: a Hugging
 Face `tokenizers` tokenizer (`HFTokenizer`), with documents packed BOS doc EOS BOS doc EOS ..."""
+
 from __future__ import annotations
 
 from meshpar.core.errors import ConfigError
@@ -8,13 +9,15 @@ from meshpar.core.errors import ConfigError
 
 class ByteTokenizer:
     vocab_size = 256
-    eos_id = None       # byte-level text has no end-of-sequence token
+    eos_id = None  # byte-level text has no end-of-sequence token
     bos_id = None
 
     def __init__(self, model_vocab: int):
         if model_vocab < 256:
-            raise ConfigError(f"text prompts use byte tokens 0..255 and need model.vocab >= 256, got {model_vocab}; "
-                              "give token ids with --prompt-ids instead")
+            raise ConfigError(
+                f"text prompts use byte tokens 0..255 and need model.vocab >= 256, got {model_vocab}; "
+                "give token ids with --prompt-ids instead"
+            )
 
     @staticmethod
     def encode(text: str) -> list[int]:
@@ -26,7 +29,7 @@ class ByteTokenizer:
     def prompt(self, text: str) -> list[int]:
         return self.encode(text)
 
-    max_chars_per_token = 1     # a character is one byte or more: a text has at least as many tokens
+    max_chars_per_token = 1  # a character is one byte or more: a text has at least as many tokens
 
 
 class HFTokenizer:
@@ -43,22 +46,28 @@ class HFTokenizer:
     def __init__(self, path: str, model_vocab: int | None = None):
         import json
         from pathlib import Path
+
         p = Path(path).expanduser()
         file = p / "tokenizer.json" if p.is_dir() else p
         if not file.is_file():
             raise ConfigError(f"data.tokenizer '{path}': no tokenizer.json there")
         from tokenizers import Tokenizer
+
         try:
             self.tok = Tokenizer.from_file(str(file))
         except Exception as e:  # noqa: BLE001 - not a tokenizers file
-            raise ConfigError(f"data.tokenizer '{file}' is not a tokenizers JSON file ({str(e).splitlines()[0]})") from None
+            raise ConfigError(
+                f"data.tokenizer '{file}' is not a tokenizers JSON file ({str(e).splitlines()[0]})"
+            ) from None
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
         self.special_ids = {i for i, t in self.tok.get_added_tokens_decoder().items() if t.special}
         if model_vocab is not None and self.vocab_size > model_vocab:
-            raise ConfigError(f"data.tokenizer '{file}' has {self.vocab_size} tokens, more than model.vocab={model_vocab}")
+            raise ConfigError(
+                f"data.tokenizer '{file}' has {self.vocab_size} tokens, more than model.vocab={model_vocab}"
+            )
         meta, ends = {}, []
-        self.config = {}                                    # tokenizer_config.json (BOS rule, chat template)
-        for name in ("tokenizer_config.json", "config.json", "generation_config.json"):   # later files win
+        self.config = {}  # tokenizer_config.json (BOS rule, chat template)
+        for name in ("tokenizer_config.json", "config.json", "generation_config.json"):  # later files win
             f = file.parent / name
             if f.is_file():
                 data = json.loads(f.read_text())
@@ -70,14 +79,14 @@ class HFTokenizer:
                     if isinstance(tok, str) and self.tok.token_to_id(tok) is not None:
                         meta[what] = self.tok.token_to_id(tok)
                     v = data.get(f"{what}_token_id")
-                    if what == "eos":      # every end id named (Llama 3 and Gemma 3 chat models list their turn ends)
+                    if what == "eos":  # every end id named (Llama 3 and Gemma 3 chat models list their turn ends)
                         ends += [e for e in (v if isinstance(v, list) else [v]) if isinstance(e, int)]
                     v = v[0] if isinstance(v, list) and v else v
                     if isinstance(v, int):
                         meta[what] = v
         self.bos_id, self.eos_id = meta.get("bos"), meta.get("eos")
         self.eos_ids = list(dict.fromkeys(([self.eos_id] if self.eos_id is not None else []) + ends))
-        says = self.config.get("add_bos_token", self.config.get("bos_token", "") is not None)   # bos_token: null -> no
+        says = self.config.get("add_bos_token", self.config.get("bos_token", "") is not None)  # bos_token: null -> no
         self.add_bos = self.bos_id is not None and bool(says)
 
     def encode(self, text: str) -> list[int]:
@@ -100,16 +109,18 @@ class HFTokenizer:
         token's text typed inside a message's content (`<|im_end|>`, which would close the turn) is
         tokenized as plain text; the template's own markers stay special."""
         template = self.config.get("chat_template")
-        if isinstance(template, list):                      # named templates: the default one
+        if isinstance(template, list):  # named templates: the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         if not isinstance(template, str):
-            raise ConfigError("data.tokenizer has no chat_template in its tokenizer_config.json: drop --chat, or "
-                              "use the tokenizer of a chat (instruct) model")
+            raise ConfigError(
+                "data.tokenizer has no chat_template in its tokenizer_config.json: drop --chat, or "
+                "use the tokenizer of a chat (instruct) model"
+            )
         text = render_chat(template, messages, self.config)
         enc = self.tok.encode(text, add_special_tokens=False)
         if not split_special:
             return enc.ids
-        spans, at = [], 0            # where each message's content sits in the rendered text, in order
+        spans, at = [], 0  # where each message's content sits in the rendered text, in order
         for m in messages:
             start = text.find(m["content"], at) if m["content"] else -1
             if start >= 0:
@@ -127,6 +138,7 @@ class HFTokenizer:
         """A copy of the tokenizer that reads special tokens' text as plain text (made once)."""
         if not hasattr(self, "_plain_tok"):
             from tokenizers import Tokenizer
+
             self._plain_tok = Tokenizer.from_str(self.tok.to_str())
             self._plain_tok.encode_special_tokens = True
         return self._plain_tok
@@ -134,9 +146,11 @@ class HFTokenizer:
     def document(self, text: str) -> list[int]:
         """BOS (if the tokenizer has one) + text + EOS (required: it separates packed documents)."""
         if self.eos_id is None:
-            raise ConfigError("data.tokenizer has no end-of-sequence token (eos_token_id in generation_config.json "
-                              "or config.json, or eos_token in tokenizer_config.json beside tokenizer.json): "
-                              "packed documents need one between them")
+            raise ConfigError(
+                "data.tokenizer has no end-of-sequence token (eos_token_id in generation_config.json "
+                "or config.json, or eos_token in tokenizer_config.json beside tokenizer.json): "
+                "packed documents need one between them"
+            )
         return self.prompt(text) + [self.eos_id]
 
     def decode(self, ids) -> str:
@@ -150,6 +164,7 @@ def render_chat(template: str, messages: list[dict], config: dict) -> str:
     that keeps non-ASCII text."""
     import datetime
     import json
+
     from jinja2 import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -158,10 +173,12 @@ def render_chat(template: str, messages: list[dict], config: dict) -> str:
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
-    env.globals.update(raise_exception=raise_exception,
-                       strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
-    special = {k: (v.get("content") if isinstance(v, dict) else v) for k, v in config.items()
-               if k.endswith("_token") and (v is None or isinstance(v, (str, dict)))}
+    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
+    special = {
+        k: (v.get("content") if isinstance(v, dict) else v)
+        for k, v in config.items()
+        if k.endswith("_token") and (v is None or isinstance(v, (str, dict)))
+    }
     try:
         return env.from_string(template).render(messages=messages, add_generation_prompt=True, **special)
     except TemplateError as e:
@@ -180,6 +197,7 @@ def documents(path: str):
     document, except `.jsonl` files, whose lines are documents (their "text" field)."""
     import json
     from pathlib import Path
+
     p = Path(path)
     files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
     if not files or not files[0].exists():
@@ -200,6 +218,7 @@ def packed_text(path: str, tokenizer: str, model_vocab: int):
     """Every document of `path` tokenized and packed end to end: BOS doc EOS BOS doc EOS ... ->
     (ids [n] uint32, the offsets where documents begin [D] int64)."""
     import numpy as np
+
     tok = HFTokenizer(tokenizer, model_vocab)
     docs = [tok.document(doc) for doc in documents(path)]
     sizes = np.cumsum([0] + [len(d) for d in docs[:-1]]).astype(np.int64)

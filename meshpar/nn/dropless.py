@@ -6,6 +6,7 @@ where the backend has one: `meshpar.nn.exchange`), runs its experts as grouped m
 Letters as `meshpar.nn.routing`'s: G groups, S tokens per group, M embed, H expert_mlp, E experts,
 K experts per token; R rows a device receives.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -64,48 +65,63 @@ def _dropless_local(x, index, routed, gates, w_gate, w_up, w_down, ep_axes=(), e
     e_local = w_gate.shape[0]
     e_total = e_local * ep
     nk = n * k
-    r = n * min(k, e_local)                                         # rows one source can send one shard
+    r = n * min(k, e_local)  # rows one source can send one shard
     j = jnp.arange(nk)
-    flat_e = jnp.where(routed, index, e_total).reshape(nk)          # unrouted -> sentinel E
-    order = jnp.argsort(flat_e, stable=True)                        # assignments sorted by expert
-    counts = jnp.bincount(flat_e, length=e_total + 1)[:e_total].astype(jnp.int32)   # [E]
-    per_dest = counts.reshape(ep, e_local)                          # [ep, E_l] rows for each shard
-    send = jnp.sum(per_dest, axis=1)                                # [ep]
+    flat_e = jnp.where(routed, index, e_total).reshape(nk)  # unrouted -> sentinel E
+    order = jnp.argsort(flat_e, stable=True)  # assignments sorted by expert
+    counts = jnp.bincount(flat_e, length=e_total + 1)[:e_total].astype(jnp.int32)  # [E]
+    per_dest = counts.reshape(ep, e_local)  # [ep, E_l] rows for each shard
+    send = jnp.sum(per_dest, axis=1)  # [ep]
     dest_start = jnp.cumsum(send) - send
-    recv_counts = exchange_lib.swap(per_dest, ep_axes)              # [ep (source), E_l]
-    recv = jnp.sum(recv_counts, axis=1)                             # [ep] rows from each source
+    recv_counts = exchange_lib.swap(per_dest, ep_axes)  # [ep (source), E_l]
+    recv = jnp.sum(recv_counts, axis=1)  # [ep] rows from each source
     dt = x.dtype
     ragged = exchange_lib.resolve(EXCHANGE, ep_axes) == "ragged"
-    if ragged:                                                      # packed: source after source
+    if ragged:  # packed: source after source
         recv_start = jnp.cumsum(recv) - recv
-        buf = exchange(x[order // k], jnp.zeros((ep * r, x.shape[1]), dt), dest_start, send,
-                       exchange_lib.swap(recv_start, ep_axes),
-                       recv, ep_axes, PACKED_WIRE)                   # [ep*R, M]
-    else:                                                           # source s at rows s*R.. (padded)
+        buf = exchange(
+            x[order // k],
+            jnp.zeros((ep * r, x.shape[1]), dt),
+            dest_start,
+            send,
+            exchange_lib.swap(recv_start, ep_axes),
+            recv,
+            ep_axes,
+            PACKED_WIRE,
+        )  # [ep*R, M]
+    else:  # source s at rows s*R.. (padded)
         recv_start = jnp.arange(ep, dtype=recv.dtype) * r
         buf = exchange_lib.dense(x[order // k], dest_start, send, ep_axes, r).reshape(ep * r, -1)
     # local expert of every received row (E_l: padding), then all rows grouped by local expert
     jj = jnp.arange(ep * r)
     src = _chunk_of(recv_start, jj)
-    bounds = jnp.cumsum(recv_counts, axis=1)[src]                   # [ep*nK, E_l]
+    bounds = jnp.cumsum(recv_counts, axis=1)[src]  # [ep*nK, E_l]
     local = jnp.sum(bounds <= (jj - recv_start[src])[:, None], axis=-1)
     local = jnp.where(jj - recv_start[src] < recv[src], local, e_local)
     order2 = jnp.argsort(local, stable=True)
     rows = buf[order2]
-    sizes = jnp.sum(recv_counts, axis=0).astype(jnp.int32)          # [E_l] rows per local expert
+    sizes = jnp.sum(recv_counts, axis=0).astype(jnp.int32)  # [E_l] rows per local expert
     gate = grouped_matmul(rows, w_gate, sizes, GMM)
     up = grouped_matmul(rows, w_up, sizes, GMM)
-    out = grouped_matmul(jax.nn.silu(gate) * up, w_down, sizes, GMM)                       # [ep*R, M]
+    out = grouped_matmul(jax.nn.silu(gate) * up, w_down, sizes, GMM)  # [ep*R, M]
     if h_axes:
         out = jax.lax.psum(out, h_axes)
     inv2 = jnp.zeros_like(order2).at[order2].set(jnp.arange(ep * r))
     # each row back to its sender, at its sorted position there; unrouted positions stay 0
     if ragged:
-        per_sorted = exchange(out[inv2], jnp.zeros((nk, x.shape[1]), out.dtype), recv_start, recv,
-                              exchange_lib.swap(dest_start, ep_axes),
-                              send, ep_axes, PACKED_WIRE, slice_rows=nk)   # [nK, M]: a source sent at most nK
-    else:   # sorted position p came back from shard d at row p - dest_start[d] of its slice
-        back = exchange_lib.dense(out[inv2], recv_start, recv, ep_axes, r).reshape(ep * r, -1)   # [ep*R, M]
+        per_sorted = exchange(
+            out[inv2],
+            jnp.zeros((nk, x.shape[1]), out.dtype),
+            recv_start,
+            recv,
+            exchange_lib.swap(dest_start, ep_axes),
+            send,
+            ep_axes,
+            PACKED_WIRE,
+            slice_rows=nk,
+        )  # [nK, M]: a source sent at most nK
+    else:  # sorted position p came back from shard d at row p - dest_start[d] of its slice
+        back = exchange_lib.dense(out[inv2], recv_start, recv, ep_axes, r).reshape(ep * r, -1)  # [ep*R, M]
         d = _chunk_of(dest_start, j)
         per_sorted = jnp.where((j < jnp.sum(send))[:, None], back[d * r + j - dest_start[d]], 0)
     inv = jnp.zeros_like(order).at[order].set(j)
@@ -144,13 +160,20 @@ def dropless(x, r: Routing, w_gate, w_up, w_down):
     g, s, m = x.shape
     k = r.index.shape[-1]
     layout = active_layout()
-    if layout is not None and _BRANCHES.get():   # replicated: no collective-permute inside a branch
+    if layout is not None and _BRANCHES.get():  # replicated: no collective-permute inside a branch
         rep = lambda a: jax.lax.with_sharding_constraint(a, P())
         x, w_gate, w_up, w_down = map(rep, (x, w_gate, w_up, w_down))
         r = r._replace(index=rep(r.index), routed=rep(r.routed), gates=rep(r.gates))
     if layout is None or sequence.in_manual_region():
-        y = _dropless_local(x.reshape(g * s, m), r.index.reshape(g * s, k), r.routed.reshape(g * s, k),
-                            r.gates.reshape(g * s, k), w_gate, w_up, w_down)
+        y = _dropless_local(
+            x.reshape(g * s, m),
+            r.index.reshape(g * s, k),
+            r.routed.reshape(g * s, k),
+            r.gates.reshape(g * s, k),
+            w_gate,
+            w_up,
+            w_down,
+        )
         return y.reshape(g, s, m)
     g_axes = _spec_axes(layout.spec(("group",)), 1)[0]
     e_axes, _, h_axes = _spec_axes(layout.spec(W_IN, w_gate.shape, "moe expert weights"), 3)
@@ -166,7 +189,7 @@ def dropless(x, r: Routing, w_gate, w_up, w_down):
 
     def local(x, index, routed, gates, wg, wu, wd):
         gl = x.shape[0]
-        flat = lambda a: a.reshape(gl * s, *a.shape[2:])                  # noqa: E731
+        flat = lambda a: a.reshape(gl * s, *a.shape[2:])  # noqa: E731
         if replicated:
             first = jax.lax.axis_index(e_axes) * wg.shape[0]
             mine = routed & (index >= first) & (index < first + wg.shape[0])

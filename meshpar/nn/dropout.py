@@ -27,11 +27,13 @@ In eval mode (`model.eval()`, which evaluation and serving call) Dropout draws n
 anywhere else (the model called in train mode outside a train step, or the stack called without
 `scan_layers`) is refused in one line naming the block.
 """
+
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import jax
 from flax import nnx
@@ -39,19 +41,20 @@ from flax import nnx
 from meshpar.core import scopes
 from meshpar.core.errors import ConfigError
 
-DROPOUT = 0x44524F50     # folded in first: the stacked layers' keys are not the init's
+DROPOUT = 0x44524F50  # folded in first: the stacked layers' keys are not the init's
 
 
 @dataclasses.dataclass(frozen=True)
 class Draws:
     """Where the model is being traced: the step, the microbatch, the layer (see the module docstring)."""
+
     seed: int
-    step: Any                  # int32 scalar
-    first: Any = 0             # global index of this call's (accumulation step's) microbatch 0
-    every: int = 1             # stride between the microbatches a pipeline cuts this call into
-    micro: Any = 0             # the pipeline microbatch being run
-    first_layer: Any = 0       # index in the whole stack of the stack being run's layer 0
-    layer: Any = None          # the layer being run (set by scan_layers)
+    step: Any  # int32 scalar
+    first: Any = 0  # global index of this call's (accumulation step's) microbatch 0
+    every: int = 1  # stride between the microbatches a pipeline cuts this call into
+    micro: Any = 0  # the pipeline microbatch being run
+    first_layer: Any = 0  # index in the whole stack of the stack being run's layer 0
+    layer: Any = None  # the layer being run (set by scan_layers)
     counts: dict | None = None  # draws so far per stream in this layer call
 
 
@@ -107,11 +110,16 @@ class LayerStream(nnx.RngStream):
     def __call__(self) -> jax.Array:
         d = _DRAWS.get()
         if d is None or d.layer is None:
-            where = ("outside a train step (model in train mode)" if d is None else
-                     "outside meshpar.scan_layers / apply_layers")
-            raise ConfigError(f"{self.block} (in meshpar.stacked) draws its '{self.tag}' RNG stream {where}, where "
-                              "no key is defined; call model.eval() (no dropout), or run it through the train step "
-                              "and the stack through meshpar.scan_layers / meshpar.apply_layers")
+            where = (
+                "outside a train step (model in train mode)"
+                if d is None
+                else "outside meshpar.scan_layers / apply_layers"
+            )
+            raise ConfigError(
+                f"{self.block} (in meshpar.stacked) draws its '{self.tag}' RNG stream {where}, where "
+                "no key is defined; call model.eval() (no dropout), or run it through the train step "
+                "and the stack through meshpar.scan_layers / meshpar.apply_layers"
+            )
         n = d.counts.get(self.slot, 0)
         d.counts[self.slot] = n + 1
         key = jax.random.key(d.seed)
@@ -125,8 +133,14 @@ def detach(module, block: str) -> int:
     two modules stays shared); returns how many there were."""
     new: dict[int, LayerStream] = {}
     while True:
-        found = next(((p, n) for p, n in nnx.iter_graph(module)
-                      if isinstance(n, nnx.RngStream) and not isinstance(n, LayerStream)), None)
+        found = next(
+            (
+                (p, n)
+                for p, n in nnx.iter_graph(module)
+                if isinstance(n, nnx.RngStream) and not isinstance(n, LayerStream)
+            ),
+            None,
+        )
         if found is None:
             return len(new)
         path, old = found
@@ -142,5 +156,7 @@ def detach(module, block: str) -> int:
 
 def draws(graphdef) -> bool:
     """Whether a model (its nnx graphdef) has stacked layers that draw keys (`LayerStream`s)."""
-    return any(isinstance(t, type) and issubclass(t, LayerStream)
-               for t in (getattr(node, "type", None) for node in getattr(graphdef, "nodes", ())))
+    return any(
+        isinstance(t, type) and issubclass(t, LayerStream)
+        for t in (getattr(node, "type", None) for node in getattr(graphdef, "nodes", ()))
+    )

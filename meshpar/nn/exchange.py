@@ -12,6 +12,7 @@ Implementations (`impl`):
             offsets: the same result, D x S rows on the wire (XLA:CPU has no ragged all-to-all)
     auto    ragged on GPU and TPU, padded on CPU (`meshpar.core.platform`: a deviceless target's too)
 """
+
 from __future__ import annotations
 
 import jax
@@ -23,7 +24,7 @@ IMPLS = ("auto", "ragged", "padded")
 
 
 def resolve(impl: str, axes) -> str:
-    """"ragged" or "padded" for `impl` on the platform being compiled for."""
+    """ "ragged" or "padded" for `impl` on the platform being compiled for."""
     if impl not in IMPLS:
         raise ValueError(f"exchange impl {impl!r}: choose one of {', '.join(IMPLS)}")
     if impl == "auto":
@@ -44,10 +45,10 @@ def exchange(operand, output, in_off, send, out_off, recv, axes, impl: str = "au
     default R), which sizes the padded form's buffers [D, slice_rows, M]."""
     if resolve(impl, axes) == "ragged":
         return jax.lax.ragged_all_to_all(operand, output, in_off, send, out_off, recv, axis_name=axes)
-    got = dense(operand, in_off, send, axes, slice_rows)                        # [D (source), S, M]
+    got = dense(operand, in_off, send, axes, slice_rows)  # [D (source), S, M]
     at = swap(out_off, axes)
     j = jnp.arange(got.shape[1])
-    pos = jnp.where(j[None, :] < recv[:, None], at[:, None] + j[None, :], output.shape[0])   # past the end: dropped
+    pos = jnp.where(j[None, :] < recv[:, None], at[:, None] + j[None, :], output.shape[0])  # past the end: dropped
     return output.at[pos.reshape(-1)].set(got.reshape(-1, *got.shape[2:]).astype(output.dtype), mode="drop")
 
 
@@ -56,7 +57,7 @@ def dense(operand, in_off, send, axes, slice_rows: int | None = None):
     with zeros to S = `slice_rows` (default R) rows, by `all_to_all` over `axes`."""
     r = operand.shape[0]
     j = jnp.arange(slice_rows or r)
-    rows = jnp.minimum(in_off[:, None] + j[None, :], r - 1)                     # [D, S]
+    rows = jnp.minimum(in_off[:, None] + j[None, :], r - 1)  # [D, S]
     keep = (j[None, :] < send[:, None]).reshape(rows.shape + (1,) * (operand.ndim - 1))
-    slices = jnp.where(keep, operand[rows], 0)                                  # [D, S, M]
+    slices = jnp.where(keep, operand[rows], 0)  # [D, S, M]
     return swap(slices, axes)

@@ -14,12 +14,14 @@ keeps, per query, the running max m, sum l and output a (the online softmax):
 and saves only o = a / l and lse = m + log l. The backward (a custom VJP) walks the same tiles and
 recomputes p = e^(s - lse), never holding a [T, S] array:
 
-    dv_j += p^T do    dp = do v_j^T    ds = p (dp - rowsum(do o))    dq_i += ds k_j / sqrt(H)    dk_j += ds^T q_i / sqrt(H)
+    dv_j += p^T do    dp = do v_j^T    ds = p (dp - rowsum(do o))
+    dq_i += ds k_j / sqrt(H)    dk_j += ds^T q_i / sqrt(H)
 
 Mask (`Mask` of meshpar.nn.attention): query index a sees key index b iff (not causal or b <= a),
 (no window or |a - b| < window) and (no segment ids or seg_q[a] == seg_k[b]); with a soft-cap c the
 scores are c tanh(s / c) before masking (Gemma 2).
 """
+
 from __future__ import annotations
 
 import functools
@@ -34,6 +36,7 @@ from jax import lax
 @dataclass(frozen=True)
 class Kernel:
     """What the kernel needs to know before tracing: the mask's kind and the block sizes."""
+
     causal: bool
     window: int | None
     softcap: float | None
@@ -59,7 +62,7 @@ def tiles(q_index: np.ndarray, k_index: np.ndarray, bq: int, bk: int, causal: bo
         live &= kj.min(1)[None, :] <= qi.max(1)[:, None]
     if window is not None:
         live &= kj.max(1)[None, :] > qi.min(1)[:, None] - window
-        if not causal:                                  # |a - b| < window: keys after the query too
+        if not causal:  # |a - b| < window: keys after the query too
             live &= kj.min(1)[None, :] < qi.max(1)[:, None] + window
     ij = np.argwhere(live).astype(np.int32)
     return np.concatenate([ij, np.ones((len(ij), 1), np.int32)], axis=1)
@@ -88,7 +91,7 @@ def _zeros_from(x):
 def visibility(causal: bool, window: int | None, qi, kj, qs=None, ks=None):
     """The mask as booleans [B or 1, Tq, Tk]: keys of sequence indices kj [Tk] (segments ks [B, Tk])
     a query of qi [Tq] (qs [B, Tq]) sees; every kernel's one definition of it."""
-    m = (qi[:, None] >= 0)[None] & (kj[None, :] >= 0)[None]          # all true, made of the indices
+    m = (qi[:, None] >= 0)[None] & (kj[None, :] >= 0)[None]  # all true, made of the indices
     if causal:
         m &= (kj[None, :] <= qi[:, None])[None]
     if window is not None:
@@ -139,14 +142,15 @@ class _Walk:
 def _forward(kern: Kernel, q, k, v, q_index, k_index, q_seg, k_seg, tile_list):
     """-> o [B, T, K, G, H] (q's dtype), lse [B, T, K, G] fp32 (-inf for a query that sees nothing)."""
     refs = (q, k, v, q_index, k_index, q_seg, k_seg, tile_list)
-    acc = varying_like(_zeros_from(q), *refs)                                 # [B, T, K, G, H]
-    l = varying_like(_zeros_from(q[..., 0]), *refs)                           # [B, T, K, G]
+    acc = varying_like(_zeros_from(q), *refs)  # [B, T, K, G, H]
+    l = varying_like(_zeros_from(q[..., 0]), *refs)  # [B, T, K, G]
     m = l - jnp.inf
     # One barrier over operands and carries: under differentiation (remat's or an enclosing
     # shard_map's partial evaluation) nothing inside counts as "known" (made of constants only),
     # so no tile mask is precomputed and saved as a [P, ...] residual.
     q, k, v, q_index, k_index, q_seg, k_seg, tile_list, acc, m, l = lax.optimization_barrier(
-        (q, k, v, q_index, k_index, q_seg, k_seg, tile_list, acc, m, l))
+        (q, k, v, q_index, k_index, q_seg, k_seg, tile_list, acc, m, l)
+    )
     walk = _Walk(kern, q_index, k_index, q_seg, k_seg)
 
     def step(carry, tile):
@@ -162,6 +166,7 @@ def _forward(kern: Kernel, q, k, v, q_index, k_index, q_seg, k_seg, tile_list):
             pv = jnp.einsum("bqkgs,bskh->bqkgh", p.astype(v.dtype), walk.cols(v, j), preferred_element_type=jnp.float32)
             put = lambda x, y: lax.dynamic_update_slice_in_dim(x, y, i * kern.bq, 1)
             return put(acc, alpha[..., None] * ab + pv), put(m, m_new), put(l, alpha * lb + p.sum(-1))
+
         return lax.cond(walk.live(tile), compute, lambda c: c, carry), None
 
     (acc, m, l), _ = lax.scan(step, (acc, m, l), tile_list)
@@ -173,7 +178,7 @@ def _forward(kern: Kernel, q, k, v, q_index, k_index, q_seg, k_seg, tile_list):
 def _backward(kern: Kernel, q, k, v, q_index, k_index, q_seg, k_seg, tile_list, o, lse, do):
     """-> dq [B, T, K, G, H], dk, dv [B, S, K, H] in their inputs' dtypes."""
     walk = _Walk(kern, q_index, k_index, q_seg, k_seg)
-    delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)           # [B, T, K, G]
+    delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)  # [B, T, K, G]
     lse_safe = jnp.where(jnp.isneginf(lse), 0.0, lse)
     refs = (q, k, v, do, q_index, k_index, q_seg, k_seg, tile_list)
     dq, dk, dv = (varying_like(_zeros_from(x), *refs) for x in (q, k, v))
@@ -197,6 +202,7 @@ def _backward(kern: Kernel, q, k, v, q_index, k_index, q_seg, k_seg, tile_list, 
             add_rows = lambda x, y: lax.dynamic_update_slice_in_dim(x, walk.rows(x, i) + y, i * kern.bq, 1)
             add_cols = lambda x, y: lax.dynamic_update_slice_in_dim(x, walk.cols(x, j) + y, j * kern.bk, 1)
             return add_rows(dq, dqb), add_cols(dk, dkb), add_cols(dv, dvb)
+
         return lax.cond(walk.live(tile), compute, lambda c: c, carry), None
 
     (dq, dk, dv), _ = lax.scan(step, (dq, dk, dv), tile_list)
@@ -249,6 +255,15 @@ def flash_attention(kern: Kernel, q, k, v, q_index, k_index, q_seg=None, k_seg=N
     b, t, n, h = q.shape
     nk = k.shape[2]
     tile_list = tiles(np.asarray(q_index), np.asarray(k_index), kern.bq, kern.bk, kern.causal, kern.window)
-    o = _flash(kern, _grouped(q, nk), k, v, jnp.asarray(q_index, jnp.int32), jnp.asarray(k_index, jnp.int32),
-               q_seg, k_seg, jnp.asarray(tile_list, jnp.int32))
+    o = _flash(
+        kern,
+        _grouped(q, nk),
+        k,
+        v,
+        jnp.asarray(q_index, jnp.int32),
+        jnp.asarray(k_index, jnp.int32),
+        q_seg,
+        k_seg,
+        jnp.asarray(tile_list, jnp.int32),
+    )
     return o.reshape(b, t, n, h)

@@ -16,6 +16,7 @@ Two implementations of the same numbers (`grouped_matmul(..., impl=...)`):
   all N rows (G times the FLOPs: 50 ms vs 13 ms for N=2048, G=4, I=256, O=512, forward and
   backward), so `auto` takes `tiles` on CPU and `ragged_dot` elsewhere.
 """
+
 from __future__ import annotations
 
 import functools
@@ -56,7 +57,7 @@ def _items(sizes, n_rows: int, tile: int):
     per_group = jnp.where(sizes > 0, last - first + 1, 0)
     cum = jnp.cumsum(per_group)
     i = jnp.arange(n_rows // tile + g)
-    group = jnp.minimum(jnp.sum(cum[None, :] <= i[:, None], axis=1), g - 1)   # searchsorted, right
+    group = jnp.minimum(jnp.sum(cum[None, :] <= i[:, None], axis=1), g - 1)  # searchsorted, right
     tiles = first[group] + i - (cum[group] - per_group[group])
     return group.astype(jnp.int32), tiles.astype(jnp.int32), cum[-1].astype(jnp.int32), starts, ends
 

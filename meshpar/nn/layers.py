@@ -10,6 +10,7 @@ Stacking puts the `layers` name in front of each parameter's logical axes, so th
 (at rest on its pipeline stage, say) survives into gradients and optimizer state. The pipeline
 schedules (`meshpar.parallel.pipeline`) cut exactly such a stack into stages.
 """
+
 from __future__ import annotations
 
 import functools
@@ -20,9 +21,9 @@ from flax import nnx
 
 from meshpar.core.config.schema import REMAT
 from meshpar.core.errors import ConfigError
+from meshpar.core.layout import at_use, constrain
 from meshpar.core.platform import platform
 from meshpar.core.precision import param_dtype
-from meshpar.core.layout import at_use, constrain
 from meshpar.core.sharding import logical_axes
 from meshpar.nn import dropout
 
@@ -54,7 +55,7 @@ def stacked(make, n: int, rngs: nnx.Rngs):
 
     mod = create(keys)
     dropout.detach(mod, type(mod).__name__)
-    for _, var in nnx.iter_graph(mod):   # meshpar's names or Flax's (`out_sharding`) gain `layers`
+    for _, var in nnx.iter_graph(mod):  # meshpar's names or Flax's (`out_sharding`) gain `layers`
         if isinstance(var, nnx.Variable):
             meta = var.get_metadata()
             for key in ("logical_axes", "out_sharding"):
@@ -140,7 +141,7 @@ def scan_layers(layers_mod, x, positions, remat: str = "full", scan: bool = True
         layer_state, i = xs if draws else (xs, 0)
         layer_state = jax.tree.map(pin, layer_state, is_leaf=lambda v: isinstance(v, nnx.Variable))
         layer = nnx.merge(graphdef, layer_state)
-        with dropout.layer(i):            # the layer's dropout keys (meshpar.nn.dropout)
+        with dropout.layer(i):  # the layer's dropout keys (meshpar.nn.dropout)
             if segment_ids is not None:
                 out = layer(carry, positions, segment_ids=segment_ids)
             else:
@@ -159,9 +160,9 @@ def scan_layers(layers_mod, x, positions, remat: str = "full", scan: bool = True
         return (y, cache), aux
 
     n = jax.tree.leaves(state)[0].shape[0]
-    draws = dropout.draws(graphdef)          # its blocks draw dropout keys: the scan passes the layer index
+    draws = dropout.draws(graphdef)  # its blocks draw dropout keys: the scan passes the layer index
     loop = jax.lax.scan if scan else functools.partial(_unrolled, n=n)
-    if cache is not None:                    # decoding: no backward pass, so no remat
+    if cache is not None:  # decoding: no backward pass, so no remat
         (x, cache), aux = loop(decode_body, (x, cache), (state, jnp.arange(n)))
         return x, aux, cache
     body = _activation_and_aux(body, type(layers_mod).__name__, scan)
@@ -175,17 +176,21 @@ def _activation_and_aux(body, name: str, scan: bool):
     layer returned its activation (the carry's pytree structure: an array, a dict, a tuple, ...) or
     (activation, aux). One line naming the layer when it returns another structure, or, under
     `lax.scan` (which carries x from layer to layer), other shapes or dtypes."""
+
     def run(carry, xs):
         out = body(carry, xs)
-        if jax.tree.structure(out) == jax.tree.structure(carry):    # a tuple activation, no aux
+        if jax.tree.structure(out) == jax.tree.structure(carry):  # a tuple activation, no aux
             out = (out, {})
         elif jax.tree.structure(out[0]) != jax.tree.structure(carry):
             got = out[0] if isinstance(out[1], dict) and not out[1] else out
-            raise ConfigError(f"meshpar.stacked layer {name} returned {describe(got)} for the activation "
-                              f"{describe(carry)}; a stacked layer returns its input's structure, or (it, aux dict)")
+            raise ConfigError(
+                f"meshpar.stacked layer {name} returned {describe(got)} for the activation "
+                f"{describe(carry)}; a stacked layer returns its input's structure, or (it, aux dict)"
+            )
         if scan:
             check_keeps(carry, out[0], f"meshpar.stacked layer {name}")
         return out
+
     return run
 
 
@@ -193,16 +198,20 @@ def check_keeps(x, y, what: str) -> None:
     """One line unless the activation y (any pytree) has x's shapes and dtypes: `what` maps x to y."""
     same = jax.tree.map(lambda a, b: jnp.shape(a) == jnp.shape(b) and jnp.result_type(a) == jnp.result_type(b), x, y)
     if not all(jax.tree.leaves(same)):
-        raise ConfigError(f"{what} maps the activation {describe(x)} to {describe(y)}; the stacked layers must keep "
-                          "their input's shapes and dtypes (change widths in pre or post, or out of the stack)")
+        raise ConfigError(
+            f"{what} maps the activation {describe(x)} to {describe(y)}; the stacked layers must keep "
+            "their input's shapes and dtypes (change widths in pre or post, or out of the stack)"
+        )
 
 
 def describe(tree) -> str:
     """An activation pytree in one line: 'float32[2,8,16]', or "{['enc']: float32[2,6,16], ['y']: ...}"."""
+
     def one(a):
         if not hasattr(a, "dtype"):
             return type(a).__name__
         return f"{jnp.dtype(a.dtype).name}[{','.join(map(str, jnp.shape(a)))}]"
+
     leaves = jax.tree_util.tree_leaves_with_path(tree)
     if len(leaves) == 1 and not leaves[0][0]:
         return one(leaves[0][1])
@@ -213,7 +222,7 @@ def _unrolled(f, carry, xs, n: int):
     """`lax.scan(f, carry, xs)` as a Python loop over the n layers (one program copy per layer)."""
     ys = []
     for i in range(n):
-        carry, y = f(carry, jax.tree.map(lambda a: a[i], xs))
+        carry, y = f(carry, jax.tree.map(lambda a, i=i: a[i], xs))
         ys.append(y)
     return carry, _stack(ys)
 

@@ -51,6 +51,7 @@ manual over `context` a layer would see only its share of each sequence: refused
 Routing (scores, top-K, capacity slots, the auxiliary losses, the balancing bias) is
 `meshpar.nn.routing`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -61,16 +62,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshpar.core import scopes
+from meshpar.core import scopes, sequence
 from meshpar.core.config import top_k
 from meshpar.core.errors import ConfigError
 from meshpar.core.layout import constrain
-from meshpar.core import sequence
 from meshpar.nn.dropless import dropless
-from meshpar.nn.routing import (EXPERT_HIDDEN, EXPERT_IN, GROUPED, MASKS, ROUTING, TOKENS, W_IN, W_OUT,  # noqa: F401
-                                Routing, capacity, route)
-
-
+from meshpar.nn.routing import (
+    EXPERT_HIDDEN,
+    EXPERT_IN,
+    GROUPED,
+    MASKS,
+    ROUTING,
+    TOKENS,
+    W_OUT,  # noqa: F401
+    Routing,
+    capacity,
+    route,
+)
 
 # capacity mode: "gather" (default, `dispatch_combine_gather`) or "einsum" (GShard's formulation,
 # `dispatch_combine`, the reference the tests hold the gather path to)
@@ -80,29 +88,40 @@ DISPATCH = "gather"
 @dataclass(frozen=True)
 class MoESettings:
     """The MoE part of a run config, as the layers need it (see `meshpar.core.config.MoEConfig`)."""
+
     num_experts: int
-    top_k: int                        # K: 1 (Switch), 2 (GShard, Mixtral), 8 (DeepSeek-V3) ...
-    capacity_factor: float | None     # None: dropless
+    top_k: int  # K: 1 (Switch), 2 (GShard, Mixtral), 8 (DeepSeek-V3) ...
+    capacity_factor: float | None  # None: dropless
     every: int = 2
     aux_loss_weight: float = 0.01
     z_loss_weight: float = 0.001
     group_size: int | None = None
     second_expert_policy: str = "all"
-    score: str = "softmax"            # softmax | sigmoid
-    norm_topk: bool | None = None     # None: when top_k > 1
+    score: str = "softmax"  # softmax | sigmoid
+    norm_topk: bool | None = None  # None: when top_k > 1
     shared_experts: int = 0
-    expert_mlp: int | None = None     # None: the model's mlp
-    balance: str = "aux"              # aux | bias
+    expert_mlp: int | None = None  # None: the model's mlp
+    balance: str = "aux"  # aux | bias
     bias_rate: float = 0.001
 
     @classmethod
-    def from_config(cls, m) -> "MoESettings":
-        return cls(num_experts=m.num_experts, top_k=top_k(m),
-                   capacity_factor=m.capacity_factor, every=m.every, aux_loss_weight=m.aux_loss_weight,
-                   z_loss_weight=m.z_loss_weight, group_size=m.group_size,
-                   second_expert_policy=m.second_expert_policy, score=m.score, norm_topk=m.norm_topk,
-                   shared_experts=m.shared_experts, expert_mlp=m.expert_mlp, balance=m.balance,
-                   bias_rate=m.bias_rate)
+    def from_config(cls, m) -> MoESettings:
+        return cls(
+            num_experts=m.num_experts,
+            top_k=top_k(m),
+            capacity_factor=m.capacity_factor,
+            every=m.every,
+            aux_loss_weight=m.aux_loss_weight,
+            z_loss_weight=m.z_loss_weight,
+            group_size=m.group_size,
+            second_expert_policy=m.second_expert_policy,
+            score=m.score,
+            norm_topk=m.norm_topk,
+            shared_experts=m.shared_experts,
+            expert_mlp=m.expert_mlp,
+            balance=m.balance,
+            bias_rate=m.bias_rate,
+        )
 
     @property
     def normalise(self) -> bool:
@@ -111,6 +130,7 @@ class MoESettings:
 
 # ----------------------------------------------------------------------------------------------
 # Experts
+
 
 def _swiglu_experts(xe, w_gate, w_up, w_down):
     """Expert FFN on dispatched tokens, EGCM -> EGCM: per expert, (GC)M,MH->(GC)H (gate, up),
@@ -135,11 +155,11 @@ def dispatch_combine(x, r: Routing, w_gate, w_up, w_down):
     constraints around the experts are pure reshards, E-split <-> G-split over `expert`, which XLA
     lowers to all-to-all (left to itself, it may instead all-gather tokens over `expert`)."""
     dt = x.dtype
-    xe = jnp.einsum("gsec,gsm->egcm", r.dispatch.astype(dt), x)                       # GSEC,GSM->EGCM
+    xe = jnp.einsum("gsec,gsm->egcm", r.dispatch.astype(dt), x)  # GSEC,GSM->EGCM
     xe = constrain(constrain(xe, GROUPED, "moe dispatched EGCM"), EXPERT_IN, "moe dispatched EGCM")
     ye = _swiglu_experts(xe, w_gate, w_up, w_down)
     ye = constrain(ye, GROUPED, "moe expert output EGCM")
-    y = jnp.einsum("gsec,egcm->gsm", r.combine.astype(dt), ye)                        # GSEC,EGCM->GSM
+    y = jnp.einsum("gsec,egcm->gsm", r.combine.astype(dt), ye)  # GSEC,EGCM->GSM
     return constrain(y, TOKENS, "moe combined GSM")
 
 
@@ -147,6 +167,7 @@ def dispatch_combine(x, r: Routing, w_gate, w_up, w_down):
 # group holds at most one kept assignment (s, k) and every kept (s, k) sits in exactly one slot, so
 # the gather assignment -> slot and the gather slot -> assignment are each other's transpose: the
 # backward of either is the other (custom VJP), never a scatter-add and never a one-hot matmul.
+
 
 @jax.custom_vjp
 def _move_rows(src, idx, valid, back_idx, back_valid):
@@ -174,7 +195,7 @@ def slot_maps(r: Routing, num_experts: int, cap: int):
     g, s, k = r.index.shape
     a_slot = (r.index * cap + r.position).reshape(g, s * k)
     a_kept = r.kept.reshape(g, s * k)
-    target = jnp.where(a_kept, a_slot, num_experts * cap)              # dropped: out of range, not written
+    target = jnp.where(a_kept, a_slot, num_experts * cap)  # dropped: out of range, not written
     n = num_experts * cap
     ids = jnp.arange(s * k, dtype=jnp.int32)
     slot_a = jax.vmap(lambda t: jnp.zeros(n, jnp.int32).at[t].set(ids, mode="drop"))(target)
@@ -189,13 +210,13 @@ def dispatch_combine_gather(x, r: Routing, w_gate, w_up, w_down, num_experts: in
     g, s, m = x.shape
     k = r.index.shape[-1]
     a_slot, a_kept, slot_a, slot_full = slot_maps(r, num_experts, cap)
-    xk = jnp.broadcast_to(x[:, :, None, :], (g, s, k, m)).reshape(g, s * k, m)     # row a = token s of (s, k)
-    xe = _move_rows(xk, slot_a, slot_full, a_slot, a_kept)                          # [G, E*C, M]
-    xe = xe.reshape(g, num_experts, cap, m).transpose(1, 0, 2, 3)                   # EGCM, groups split
+    xk = jnp.broadcast_to(x[:, :, None, :], (g, s, k, m)).reshape(g, s * k, m)  # row a = token s of (s, k)
+    xe = _move_rows(xk, slot_a, slot_full, a_slot, a_kept)  # [G, E*C, M]
+    xe = xe.reshape(g, num_experts, cap, m).transpose(1, 0, 2, 3)  # EGCM, groups split
     xe = constrain(constrain(xe, GROUPED, "moe dispatched EGCM"), EXPERT_IN, "moe dispatched EGCM")
     ye = constrain(_swiglu_experts(xe, w_gate, w_up, w_down), GROUPED, "moe expert output EGCM")
     ye = ye.transpose(1, 0, 2, 3).reshape(g, num_experts * cap, m)
-    rows = _move_rows(ye, a_slot, a_kept, slot_a, slot_full).reshape(g, s, k, m)     # expert output per (s, k)
+    rows = _move_rows(ye, a_slot, a_kept, slot_a, slot_full).reshape(g, s, k, m)  # expert output per (s, k)
     y = jnp.einsum("gskm,gsk->gsm", rows, (r.gates * r.kept).astype(x.dtype))
     return constrain(y, TOKENS, "moe combined GSM")
 
@@ -221,8 +242,10 @@ def regroup(x, group_size: int | None):
     b, t, m = x.shape
     s = group_size or t
     if (b * t) % s or (s % t and t % s):
-        raise ConfigError(f"moe.group_size={s} must divide or be a multiple of the sequence length {t} "
-                          f"and divide the {b * t} tokens of a (micro)batch")
+        raise ConfigError(
+            f"moe.group_size={s} must divide or be a multiple of the sequence length {t} "
+            f"and divide the {b * t} tokens of a (micro)batch"
+        )
     return x.reshape(b * t // s, s, m)
 
 
@@ -236,7 +259,7 @@ def moe_ffn(x, router, w_gate, w_up, w_down, settings: MoESettings, bias=None):
     b, t, m = x.shape
     dt = x.dtype
     stored = _stored_order(t, settings)
-    if stored is not None:          # route in the sequence's own order, as one device does
+    if stored is not None:  # route in the sequence's own order, as one device does
         x = sequence.permute(constrain(x, ("batch", None, "embed"), "moe tokens BTM"), np.argsort(stored))
     xg = constrain(regroup(x, settings.group_size), TOKENS, "moe tokens GSM")
     logits = jnp.einsum("gsm,me->gse", xg.astype(jnp.float32), router.astype(jnp.float32))
@@ -249,8 +272,17 @@ def moe_ffn(x, router, w_gate, w_up, w_down, settings: MoESettings, bias=None):
         bits = jax.lax.bitcast_convert_type(router.astype(jnp.float32), jnp.int32)
         rng = jax.random.fold_in(rng, jnp.sum(bits))
     einsum = DISPATCH == "einsum" and settings.capacity_factor is not None
-    r = route(logits, settings.top_k, settings.capacity_factor, settings.second_expert_policy, rng,
-              with_masks=einsum, score=settings.score, normalise=settings.normalise, bias=bias)
+    r = route(
+        logits,
+        settings.top_k,
+        settings.capacity_factor,
+        settings.second_expert_policy,
+        rng,
+        with_masks=einsum,
+        score=settings.score,
+        normalise=settings.normalise,
+        bias=bias,
+    )
     w = [a.astype(dt) for a in (w_gate, w_up, w_down)]
     if settings.capacity_factor is None:
         y = dropless(xg, r, *w)
@@ -258,13 +290,20 @@ def moe_ffn(x, router, w_gate, w_up, w_down, settings: MoESettings, bias=None):
         cap = capacity(xg.shape[1], settings.num_experts, settings.top_k, settings.capacity_factor)
         y = dispatch_combine_gather(xg, r, *w, settings.num_experts, cap)
     else:
-        r = r._replace(combine=constrain(r.combine, MASKS, "moe combine GSEC"),
-                       dispatch=constrain(r.dispatch, MASKS, "moe dispatch GSEC"))
+        r = r._replace(
+            combine=constrain(r.combine, MASKS, "moe combine GSEC"),
+            dispatch=constrain(r.dispatch, MASKS, "moe dispatch GSEC"),
+        )
         y = dispatch_combine(xg, r, *w)
     aux_weight = 0.0 if settings.balance == "bias" else settings.aux_loss_weight
-    aux = {"loss": aux_weight * r.aux_loss + settings.z_loss_weight * r.z_loss,
-           "aux_loss": r.aux_loss, "z_loss": r.z_loss, "drop_fraction": r.drop_fraction,
-           "load_min": jnp.min(r.load), "load_max": jnp.max(r.load)}
+    aux = {
+        "loss": aux_weight * r.aux_loss + settings.z_loss_weight * r.z_loss,
+        "aux_loss": r.aux_loss,
+        "z_loss": r.z_loss,
+        "drop_fraction": r.drop_fraction,
+        "load_min": jnp.min(r.load),
+        "load_max": jnp.max(r.load),
+    }
     if bias is not None:
         aux["expert_load"] = r.load
     y = y.reshape(b, t, m)
@@ -278,9 +317,10 @@ def _stored_order(t: int, settings: MoESettings):
     puts the tokens back in sequence order (a local gather: G's layout does not split S) and the
     output in storage order again, so which tokens are dropped is what one device drops."""
     if sequence.manual():
-        raise ConfigError("an MoE layer inside a pipeline stage split over mesh.context would route only the stage's "
-                          "share of each sequence (capacity and load balancing change); set mesh.context=1 or "
-                          "mesh.pipeline=1")
+        raise ConfigError(
+            "an MoE layer inside a pipeline stage split over mesh.context would route only the stage's "
+            "share of each sequence (capacity and load balancing change); set mesh.context=1 or "
+            "mesh.pipeline=1"
+        )
     random = settings.second_expert_policy == "random" and settings.top_k > 1
     return sequence.stored_order(t) if settings.capacity_factor is not None or random else None
-

@@ -11,6 +11,7 @@ Auxiliary losses (per MoE layer):
                are uniform, so the training loss gets `aux_loss_weight` then.
     z_loss   = mean_{G,S} logsumexp(logits)^2   (ST-MoE, Zoph et al. 2022)
 """
+
 from __future__ import annotations
 
 import math
@@ -24,14 +25,14 @@ from meshpar.core.errors import ConfigError
 
 # the MoE tensors' logical axes (letters as above; M embed, H expert_mlp), named once for
 # `meshpar.nn.moe` (capacity mode) and `meshpar.nn.dropless`
-TOKENS = ("group", None, "embed")                         # GSM
-ROUTING = ("group", None, None)                           # GSE, GSK
-MASKS = ("group", None, None, None)                       # GSEC
-EXPERT_IN = ("expert", "group", "capacity", "embed")      # EGCM, experts split (compute layout)
-GROUPED = (None, "group", "capacity", "embed")            # EGCM, groups split (token layout)
+TOKENS = ("group", None, "embed")  # GSM
+ROUTING = ("group", None, None)  # GSE, GSK
+MASKS = ("group", None, None, None)  # GSEC
+EXPERT_IN = ("expert", "group", "capacity", "embed")  # EGCM, experts split (compute layout)
+GROUPED = (None, "group", "capacity", "embed")  # EGCM, groups split (token layout)
 EXPERT_HIDDEN = ("expert", "group", "capacity", "expert_mlp")  # EGCH
-W_IN = ("expert", "embed", "expert_mlp")                  # EMH
-W_OUT = ("expert", "expert_mlp", "embed")                 # EHM
+W_IN = ("expert", "embed", "expert_mlp")  # EMH
+W_OUT = ("expert", "expert_mlp", "embed")  # EHM
 
 
 def capacity(group_size: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
@@ -43,17 +44,18 @@ def capacity(group_size: int, num_experts: int, top_k: int, capacity_factor: flo
 
 class Routing(NamedTuple):
     """What the router decided for logits [G, S, E]."""
-    index: jax.Array        # [G, S, K] int32: chosen experts, best first
-    gates: jax.Array        # [G, S, K] fp32: top1 the softmax gate; top2 g_k / (g1 + g2); 0 if not routed
-    routed: jax.Array       # [G, S, K] bool: assignment made (False: 2nd expert skipped by random routing)
-    kept: jax.Array         # [G, S, K] bool: routed and within capacity (all routed when dropless)
-    position: jax.Array     # [G, S, K] int32: slot in the expert's buffer (meaningful where kept)
-    combine: jax.Array | None   # [G, S, E, C] fp32 combine weights (None when dropless)
+
+    index: jax.Array  # [G, S, K] int32: chosen experts, best first
+    gates: jax.Array  # [G, S, K] fp32: top1 the softmax gate; top2 g_k / (g1 + g2); 0 if not routed
+    routed: jax.Array  # [G, S, K] bool: assignment made (False: 2nd expert skipped by random routing)
+    kept: jax.Array  # [G, S, K] bool: routed and within capacity (all routed when dropless)
+    position: jax.Array  # [G, S, K] int32: slot in the expert's buffer (meaningful where kept)
+    combine: jax.Array | None  # [G, S, E, C] fp32 combine weights (None when dropless)
     dispatch: jax.Array | None  # [G, S, E, C] bool dispatch mask (None when dropless)
-    aux_loss: jax.Array     # scalar: load-balancing loss, 1.0 under uniform gates (unweighted)
-    z_loss: jax.Array       # scalar: mean logsumexp(logits)^2 (unweighted)
+    aux_loss: jax.Array  # scalar: load-balancing loss, 1.0 under uniform gates (unweighted)
+    z_loss: jax.Array  # scalar: mean logsumexp(logits)^2 (unweighted)
     drop_fraction: jax.Array  # scalar: dropped / routed (token, expert) assignments
-    load: jax.Array         # [E]: fraction of routed assignments per expert (sums to 1)
+    load: jax.Array  # [E]: fraction of routed assignments per expert (sums to 1)
 
 
 def load_balancing_loss(gates: jax.Array, top1: jax.Array) -> jax.Array:
@@ -62,8 +64,8 @@ def load_balancing_loss(gates: jax.Array, top1: jax.Array) -> jax.Array:
     Uniform gates (1/E each) give exactly 1 whatever the top-1 choices, since the top-1 fractions sum
     to 1 over experts."""
     e = gates.shape[-1]
-    me = jnp.mean(gates, axis=1)       # [G, E] mean gate
-    ce = jnp.mean(top1, axis=1)        # [G, E] fraction of tokens whose first choice is e
+    me = jnp.mean(gates, axis=1)  # [G, E] mean gate
+    ce = jnp.mean(top1, axis=1)  # [G, E] fraction of tokens whose first choice is e
     return e * jnp.mean(jnp.sum(me * ce, axis=-1))
 
 
@@ -72,9 +74,17 @@ def z_loss(logits: jax.Array) -> jax.Array:
     return jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
 
 
-def route(logits: jax.Array, top_k: int, capacity_factor: float | None, second_policy: str = "all",
-          rng: jax.Array | None = None, with_masks: bool = True, score: str = "softmax",
-          normalise: bool | None = None, bias: jax.Array | None = None) -> Routing:
+def route(
+    logits: jax.Array,
+    top_k: int,
+    capacity_factor: float | None,
+    second_policy: str = "all",
+    rng: jax.Array | None = None,
+    with_masks: bool = True,
+    score: str = "softmax",
+    normalise: bool | None = None,
+    bias: jax.Array | None = None,
+) -> Routing:
     """GShard Algorithm 1 (top2) / Switch (top1) and their descendants on router logits [G, S, E], in fp32.
 
     - scores = softmax(logits) (GShard, Mixtral, Qwen) or sigmoid(logits) (DeepSeek-V3); experts
@@ -101,14 +111,14 @@ def route(logits: jax.Array, top_k: int, capacity_factor: float | None, second_p
     index, gates, masks = [], [], []
     rest = probs if bias is None else probs + jax.lax.stop_gradient(bias.astype(jnp.float32))
     for _ in range(top_k):
-        i = jnp.argmax(rest, axis=-1)                                  # [G, S]
-        mask = jax.nn.one_hot(i, e, dtype=jnp.float32)                 # [G, S, E]
+        i = jnp.argmax(rest, axis=-1)  # [G, S]
+        mask = jax.nn.one_hot(i, e, dtype=jnp.float32)  # [G, S, E]
         index.append(i)
         gates.append(jnp.sum(probs * mask, axis=-1))
         masks.append(mask)
-        rest = jnp.where(mask > 0, -jnp.inf, rest)                     # exclude the chosen
-    index = jnp.stack(index, -1).astype(jnp.int32)                     # [G, S, K]
-    gates = jnp.stack(gates, -1)                                       # [G, S, K]
+        rest = jnp.where(mask > 0, -jnp.inf, rest)  # exclude the chosen
+    index = jnp.stack(index, -1).astype(jnp.int32)  # [G, S, K]
+    gates = jnp.stack(gates, -1)  # [G, S, K]
     if top_k > 1 if normalise is None else normalise:
         gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
     routed = jnp.ones(index.shape, bool)
@@ -122,26 +132,27 @@ def route(logits: jax.Array, top_k: int, capacity_factor: float | None, second_p
     aux = load_balancing_loss(probs if score == "softmax" else probs / jnp.sum(probs, -1, keepdims=True), masks[0])
     zl = z_loss(logits)
     routed_f = routed.astype(jnp.float32)
-    onehots = jnp.stack(masks, axis=2) * routed_f[..., None]           # [G, S, K, E]
+    onehots = jnp.stack(masks, axis=2) * routed_f[..., None]  # [G, S, K, E]
     load = jnp.sum(onehots, axis=(0, 1, 2)) / jnp.maximum(jnp.sum(routed_f), 1.0)
 
     if capacity_factor is None:
-        return Routing(index, gates, routed, routed, jnp.zeros_like(index), None, None, aux, zl,
-                       jnp.zeros((), jnp.float32), load)
+        return Routing(
+            index, gates, routed, routed, jnp.zeros_like(index), None, None, aux, zl, jnp.zeros((), jnp.float32), load
+        )
 
     cap = capacity(s, e, top_k, capacity_factor)
-    filled = jnp.zeros((g, 1, e), jnp.float32)                         # slots taken per expert [G, 1, E]
+    filled = jnp.zeros((g, 1, e), jnp.float32)  # slots taken per expert [G, 1, E]
     kept, position = [], []
     combine = jnp.zeros((g, s, e, cap), jnp.float32) if with_masks else None
     for k in range(top_k):
-        mask = onehots[:, :, k]                                        # [G, S, E]
-        pos = (jnp.cumsum(mask, axis=1) - 1.0 + filled) * mask         # slot per (token, expert)
+        mask = onehots[:, :, k]  # [G, S, E]
+        pos = (jnp.cumsum(mask, axis=1) - 1.0 + filled) * mask  # slot per (token, expert)
         mask = mask * (pos < cap)
         filled = filled + jnp.sum(mask, axis=1, keepdims=True)
-        pos_k = jnp.sum(pos * mask, axis=-1).astype(jnp.int32)         # [G, S]
-        kept_k = jnp.sum(mask, axis=-1) > 0                            # [G, S]
+        pos_k = jnp.sum(pos * mask, axis=-1).astype(jnp.int32)  # [G, S]
+        kept_k = jnp.sum(mask, axis=-1) > 0  # [G, S]
         if with_masks:
-            slot = jax.nn.one_hot(pos_k, cap, dtype=jnp.float32) * kept_k[..., None]   # [G, S, C]
+            slot = jax.nn.one_hot(pos_k, cap, dtype=jnp.float32) * kept_k[..., None]  # [G, S, C]
             combine = combine + (gates[..., k, None] * mask)[..., None] * slot[:, :, None, :]
         kept.append(kept_k)
         position.append(pos_k)
@@ -152,7 +163,7 @@ def route(logits: jax.Array, top_k: int, capacity_factor: float | None, second_p
         return Routing(index, gates, routed, kept, position, None, None, aux, zl, drop, load)
     dispatch = jnp.zeros((g, s, e, cap), bool)
     for k in range(top_k):
-        hit = jax.nn.one_hot(index[..., k], e, dtype=bool) & kept[..., k, None]      # [G, S, E]
+        hit = jax.nn.one_hot(index[..., k], e, dtype=bool) & kept[..., k, None]  # [G, S, E]
         dispatch = dispatch | (hit[..., None] & jax.nn.one_hot(position[..., k], cap, dtype=bool)[:, :, None, :])
     return Routing(index, gates, routed, kept, position, combine, dispatch, aux, zl, drop, load)
 

@@ -30,6 +30,7 @@ on pure dicts of parameters and state, returning the state a part changed.
 x keeps its structure, shapes and dtypes through the layers; each leaf travels between stages.
 `check_loss`, `check_activation` and `meshpar.nn.layers` put a part that breaks the protocol in one line.
 """
+
 from __future__ import annotations
 
 import jax
@@ -40,7 +41,7 @@ from meshpar.core.errors import ConfigError
 from meshpar.nn.layers import scan_layers
 
 PROTOCOL = ("pre", "post", "loss")
-SEQUENCE_AXES = ("context",)     # mesh axes a pipeline splits the LM's rows [b, T] over (manually)
+SEQUENCE_AXES = ("context",)  # mesh axes a pipeline splits the LM's rows [b, T] over (manually)
 
 
 def layer_options(model) -> tuple[str, bool]:
@@ -68,8 +69,11 @@ def lm_rows(batch) -> dict:
     rows = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
     if docs:
         seg = batch["segment_ids"]
-        rows.update(positions=batch["positions"][:, :-1], segment_ids=seg[:, :-1],
-                    weights=(seg[:, 1:] == seg[:, :-1]).astype(jnp.float32))
+        rows.update(
+            positions=batch["positions"][:, :-1],
+            segment_ids=seg[:, :-1],
+            weights=(seg[:, 1:] == seg[:, :-1]).astype(jnp.float32),
+        )
     return rows
 
 
@@ -78,11 +82,14 @@ def check_activation(x, what: str):
     leaves = jax.tree_util.tree_leaves_with_path(x)
     bad = [(k, a) for k, a in leaves if not isinstance(a, (jax.Array, np.ndarray))]
     if not leaves or bad:
-        where = f" at {jax.tree_util.keystr(bad[0][0]) or 'the top'}: {type(bad[0][1]).__name__}" if bad else \
-            ": no array"
-        raise ConfigError(f"{what} returned a non-array{where}; it must return the activation the stacked layers "
-                          "take, an array or any pytree (dict, tuple, list) of arrays, constrained with their "
-                          "logical axes")
+        where = (
+            f" at {jax.tree_util.keystr(bad[0][0]) or 'the top'}: {type(bad[0][1]).__name__}" if bad else ": no array"
+        )
+        raise ConfigError(
+            f"{what} returned a non-array{where}; it must return the activation the stacked layers "
+            "take, an array or any pytree (dict, tuple, list) of arrays, constrained with their "
+            "logical axes"
+        )
     return x
 
 
@@ -100,9 +107,12 @@ def check_protocol(module, lm: bool) -> None:
     need = ("embed", "head") if lm else PROTOCOL
     missing = [m for m in need if not callable(getattr(module, m, None))]
     if missing or not hasattr(module, "layers"):
-        what = ("the built-in LM loss needs .embed(tokens, dtype), .layers (meshpar.stacked) and .head(x, dtype)"
-                if lm else "train.loss=stages needs .pre(batch), .layers (meshpar.stacked), .post(x) and "
-                           ".loss(outputs, batch) (meshpar.nn.stages)")
+        what = (
+            "the built-in LM loss needs .embed(tokens, dtype), .layers (meshpar.stacked) and .head(x, dtype)"
+            if lm
+            else "train.loss=stages needs .pre(batch), .layers (meshpar.stacked), .post(x) and "
+            ".loss(outputs, batch) (meshpar.nn.stages)"
+        )
         lacks = ", ".join(f".{m}" for m in missing + ([] if hasattr(module, "layers") else ["layers"]))
         raise ConfigError(f"model {name} cannot be pipelined: {what}; it lacks {lacks}. Or set mesh.pipeline=1")
     refusal = getattr(module, "pipeline_refusal", None)
@@ -115,23 +125,34 @@ def check_state(spec) -> None:
     """The stacked layers hold parameters only (see the module docstring); one line otherwise."""
     inside = [k for k in (spec.var_shapes or {}) if k == "layers"]
     if inside:
-        paths = [".".join(str(getattr(p, "key", p)) for p in path) for path, _ in
-                 jax.tree_util.tree_leaves_with_path(spec.var_shapes["layers"])]
-        raise ConfigError(f"pipelining: the stacked layers hold non-Param state (layers.{paths[0]}, ...: a dropout RNG "
-                          "stream or statistics would have to travel between stages); build the stack with "
-                          "meshpar.stacked (its dropout holds no state), keep other state in pre/post "
-                          "(meshpar.nn.stages), or set mesh.pipeline=1")
+        paths = [
+            ".".join(str(getattr(p, "key", p)) for p in path)
+            for path, _ in jax.tree_util.tree_leaves_with_path(spec.var_shapes["layers"])
+        ]
+        raise ConfigError(
+            f"pipelining: the stacked layers hold non-Param state (layers.{paths[0]}, ...: a dropout RNG "
+            "stream or statistics would have to travel between stages); build the stack with "
+            "meshpar.stacked (its dropout holds no state), keep other state in pre/post "
+            "(meshpar.nn.stages), or set mesh.pipeline=1"
+        )
 
 
 def check_loss(out, name: str):
     """A loss's output -> (loss, metrics): one line unless it is (a scalar, a dict of metrics)."""
     if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict)):
-        got = (f"a bare array of shape {tuple(jnp.shape(out))}" if hasattr(out, "shape") else
-               f"a {type(out).__name__}" + (f" of {len(out)}" if isinstance(out, tuple) else ""))
-        raise ConfigError(f"loss function {name} must return (loss, metrics_dict), got {got}; return (loss, {{}}) "
-                          "for a loss without metrics")
+        got = (
+            f"a bare array of shape {tuple(jnp.shape(out))}"
+            if hasattr(out, "shape")
+            else f"a {type(out).__name__}" + (f" of {len(out)}" if isinstance(out, tuple) else "")
+        )
+        raise ConfigError(
+            f"loss function {name} must return (loss, metrics_dict), got {got}; return (loss, {{}}) "
+            "for a loss without metrics"
+        )
     loss, metrics = out
     if jnp.shape(loss) != ():
-        raise ConfigError(f"loss function {name} returned a loss of shape {tuple(jnp.shape(loss))}; it must be a "
-                          "scalar (reduce it, e.g. with .mean())")
+        raise ConfigError(
+            f"loss function {name} returned a loss of shape {tuple(jnp.shape(loss))}; it must be a "
+            "scalar (reduce it, e.g. with .mean())"
+        )
     return loss, metrics

@@ -34,6 +34,7 @@ split: `meshpar.parallel.pipeline`), one custom VJP (`model.context_strategy`):
                 only two K/V shards live at a time, and each hop's transfer can hide behind the
                 previous block's compute. (The planner costs the all-gather.)
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -47,9 +48,9 @@ from jax.sharding import PartitionSpec as P
 from meshpar.core.config.checks import check_context_attention, check_length
 from meshpar.core.config.schema import CONTEXT_STRATEGIES
 from meshpar.core.errors import ConfigError, suggest
+from meshpar.core.layout import active_layout
 from meshpar.core.precision import gather_dtype
 from meshpar.core.rules import spec_axes
-from meshpar.core.layout import active_layout
 from meshpar.core.sequence import AXIS, balanced, context_size, is_balanced, manual, order  # noqa: F401 (this module's API)
 from meshpar.nn import attention as attn_lib
 from meshpar.nn import flash as flash_lib
@@ -82,9 +83,20 @@ def _indices(t: int, cp: int, balanced_order: bool) -> np.ndarray:
     return idx.reshape(cp, t // cp)
 
 
-def attention(q, k, v, *, causal: bool = True, segment_ids=None, kv_segment_ids=None, window: int | None = None,
-              softcap: float | None = None, implementation: str = "auto", block: int = attn_lib.DEFAULT_BLOCK,
-              context_strategy: str = "all_gather"):
+def attention(
+    q,
+    k,
+    v,
+    *,
+    causal: bool = True,
+    segment_ids=None,
+    kv_segment_ids=None,
+    window: int | None = None,
+    softcap: float | None = None,
+    implementation: str = "auto",
+    block: int = attn_lib.DEFAULT_BLOCK,
+    context_strategy: str = "all_gather",
+):
     """softmax(mask(q k^T / sqrt(H))) v: q [B, T, N, H], k/v [B, S, K, H] -> [B, T, N, H], the layout
     of `jax.nn.dot_product_attention`. segment_ids [B, T] (kv_segment_ids [B, S], default the same):
     a query sees only keys of its own segment; window W: query i sees keys i-W+1..i (not causal:
@@ -97,10 +109,13 @@ def attention(q, k, v, *, causal: bool = True, segment_ids=None, kv_segment_ids=
     attn_lib.check_shapes(q, k, v, mask, segment_ids, kv_seg)
     cp = context_size()
     if cp == 1:
+
         def local(impl):
-            return lambda q, k, v, s, ks: attn_lib.local_attention(q, k, v, mask, q_seg=s, k_seg=ks,
-                                                                    implementation=impl, block=block)
-        if _kernel_unpartitionable(q, k, mask, segment_ids, kv_seg, implementation):   # chosen here, run per device
+            return lambda q, k, v, s, ks: attn_lib.local_attention(
+                q, k, v, mask, q_seg=s, k_seg=ks, implementation=impl, block=block
+            )
+
+        if _kernel_unpartitionable(q, k, mask, segment_ids, kv_seg, implementation):  # chosen here, run per device
             return _per_device(local("splash"), q, k, v, segment_ids, kv_seg)
         return local(implementation)(q, k, v, segment_ids, kv_seg)
     return _across(q, k, v, mask, segment_ids, kv_seg, implementation, block, cp, context_strategy)
@@ -113,6 +128,7 @@ def _kernel_unpartitionable(q, k, mask, q_seg, k_seg, implementation) -> bool:
     if layout is None or layout.mesh.size == 1:
         return False
     from meshpar.nn import splash as splash_lib
+
     natural_ok = splash_lib.serves(q, k, q_seg, k_seg, True)
     return attn_lib.choose(implementation, q, k, mask, q_seg is not None, natural_ok) == "splash"
 
@@ -126,8 +142,9 @@ def _per_device(local, q, k, v, q_seg, k_seg):
     axes = frozenset(mesh.axis_names) - frozenset(getattr(mesh, "manual_axes", ()))
     segs = None if q_seg is None else ss
     # check_vma off: jax's splash kernel declares its outputs without the varying-axes type
-    return jax.shard_map(local, mesh=mesh, in_specs=(qs, ks, ks, segs, segs), out_specs=qs,
-                         axis_names=axes, check_vma=False)(q, k, v, q_seg, k_seg)
+    return jax.shard_map(
+        local, mesh=mesh, in_specs=(qs, ks, ks, segs, segs), out_specs=qs, axis_names=axes, check_vma=False
+    )(q, k, v, q_seg, k_seg)
 
 
 def _mesh():
@@ -152,12 +169,13 @@ def _specs(q, k, seq=AXIS):
 @dataclass(frozen=True)
 class _Call:
     """What one context-parallel attention call knows before tracing."""
+
     cp: int
-    impl: str                # flash | xla
+    impl: str  # flash | xla
     mask: attn_lib.Mask
     kern: flash_lib.Kernel
-    q_idx: np.ndarray        # [cp, T/cp] sequence indices of each device's queries
-    k_idx: np.ndarray        # [cp, S/cp] ... of each device's keys
+    q_idx: np.ndarray  # [cp, T/cp] sequence indices of each device's queries
+    k_idx: np.ndarray  # [cp, S/cp] ... of each device's keys
 
 
 def _gather(x):
@@ -176,15 +194,16 @@ def _all_gather(c: _Call):
     indices and tiles are shard_map operands (row d on device d), not constants made inside,
     which partial evaluation would hoist out. -> (forward, backward, operands, their specs)."""
     k_all = c.k_idx.reshape(-1)
-    table = flash_lib.pad_tiles([flash_lib.tiles(c.q_idx[d], k_all, c.kern.bq, c.kern.bk, c.mask.causal,
-                                                 c.mask.window) for d in range(c.cp)])
+    table = flash_lib.pad_tiles(
+        [flash_lib.tiles(c.q_idx[d], k_all, c.kern.bq, c.kern.bk, c.mask.causal, c.mask.window) for d in range(c.cp)]
+    )
 
     def fwd(q, k, v, q_seg, k_seg, qi, ki, tiles):
         k, v, k_seg = _gather(k), _gather(v), _gather(k_seg)
         if c.impl == "flash":
             return flash_lib.forward(c.kern, q, k, v, qi[0], ki, q_seg, k_seg, tiles[0])
         o = attn_lib.reference(q, k, v, c.mask, qi[0], ki, q_seg, k_seg)
-        return o, o[:, :, :k.shape[2], :1].astype(jnp.float32) * 0.0     # no lse: [B, T, K, 1] zeros
+        return o, o[:, :, : k.shape[2], :1].astype(jnp.float32) * 0.0  # no lse: [B, T, K, 1] zeros
 
     def bwd(q, k, v, q_seg, k_seg, qi, ki, tiles, o, lse, do):
         kg, vg, k_seg = _gather(k), _gather(v), _gather(k_seg)
@@ -194,6 +213,7 @@ def _all_gather(c: _Call):
             f = lambda q, k, v: attn_lib.reference(q, k, v, c.mask, qi[0], ki, q_seg, k_seg)
             dq, dk, dv = jax.vjp(f, q, kg, vg)[1](do)
         return dq, _scatter(dk), _scatter(dv)
+
     return fwd, bwd, (c.q_idx, k_all, table), (P(AXIS), P(), P(AXIS))
 
 
@@ -204,7 +224,8 @@ def _merge(o, lse, o2, lse2):
     w1, w2 = jnp.exp(lse - m_safe), jnp.exp(lse2 - m_safe)
     total = w1 + w2
     out = (o.astype(jnp.float32) * _heads(w1, o) + o2.astype(jnp.float32) * _heads(w2, o)) / _heads(
-        jnp.where(total == 0, 1.0, total), o)                          # fp32: the caller casts once, at the end
+        jnp.where(total == 0, 1.0, total), o
+    )  # fp32: the caller casts once, at the end
     return out, jnp.where(total == 0, -jnp.inf, m_safe + jnp.log(jnp.where(total == 0, 1.0, total)))
 
 
@@ -221,10 +242,15 @@ def _ring(c: _Call):
     check_context_attention("ring", c.impl)
     n, ring = c.cp, [(j, (j + 1) % c.cp) for j in range(c.cp)]
     src = [[(d - h) % n for h in range(n)] for d in range(n)]
-    tables = flash_lib.pad_tiles([flash_lib.tiles(c.q_idx[d], c.k_idx[src[d][h]], c.kern.bq, c.kern.bk, c.mask.causal,
-                                                  c.mask.window) for d in range(n) for h in range(n)])
-    tables = tables.reshape(n, n, *tables.shape[1:])                       # [cp (device), cp (hop), P, 3]
-    k_of = np.stack([[c.k_idx[src[d][h]] for h in range(n)] for d in range(n)])   # [cp, cp, S/cp]
+    tables = flash_lib.pad_tiles(
+        [
+            flash_lib.tiles(c.q_idx[d], c.k_idx[src[d][h]], c.kern.bq, c.kern.bk, c.mask.causal, c.mask.window)
+            for d in range(n)
+            for h in range(n)
+        ]
+    )
+    tables = tables.reshape(n, n, *tables.shape[1:])  # [cp (device), cp (hop), P, 3]
+    k_of = np.stack([[c.k_idx[src[d][h]] for h in range(n)] for d in range(n)])  # [cp, cp, S/cp]
     send = lambda *xs: tuple(None if x is None else lax.ppermute(x, AXIS, ring) for x in xs)
 
     def fwd(q, k, v, q_seg, k_seg, qi, ki, tiles):
@@ -241,12 +267,15 @@ def _ring(c: _Call):
         dq = dk = dv = 0.0
         for h in range(n):
             nxt = send(k, v, k_seg) if h < n - 1 else None
-            dq_h, dk_h, dv_h = flash_lib.backward(c.kern, q, k, v, qi[0], ki[0, h], q_seg, k_seg, tiles[0, h], o, lse, do)
+            dq_h, dk_h, dv_h = flash_lib.backward(
+                c.kern, q, k, v, qi[0], ki[0, h], q_seg, k_seg, tiles[0, h], o, lse, do
+            )
             dq = dq + dq_h.astype(jnp.float32)
             dk, dv = send(dk + dk_h.astype(jnp.float32), dv + dv_h.astype(jnp.float32))
             if nxt is not None:
                 k, v, k_seg = nxt
         return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
     return fwd, bwd, (c.q_idx, k_of, tables), (P(AXIS), P(AXIS), P(AXIS))
 
 
@@ -260,7 +289,7 @@ def _across(q, k, v, mask, q_seg, k_seg, implementation, block, cp, strategy):
     (flash: from the saved o and lse), so no autodiff of a shard_map hands residuals across its
     boundary. Inside a shard_map already manual over `context` (a pipeline stage, whose rows arrive
     split and balanced) the strategy's functions run as they are, no shard_map nested."""
-    inside = manual()                                   # already local in length: [B, T/cp, ...]
+    inside = manual()  # already local in length: [B, T/cp, ...]
     t, s = (q.shape[1] * cp, k.shape[1] * cp) if inside else (q.shape[1], k.shape[1])
     in_balanced = is_balanced()
     for n, what in ((t, "the queries' length"), (s, "the keys' length")):
@@ -270,22 +299,30 @@ def _across(q, k, v, mask, q_seg, k_seg, implementation, block, cp, strategy):
             raise ConfigError(f"{what} {n} is not divisible by mesh.context={cp}")
     if strategy not in STRATEGIES:
         raise ConfigError(f"unknown context strategy '{strategy}'" + suggest(strategy, STRATEGIES))
-    whole_k = jax.ShapeDtypeStruct((k.shape[0], s, *k.shape[2:]), k.dtype)   # auto decides by the whole length
+    whole_k = jax.ShapeDtypeStruct((k.shape[0], s, *k.shape[2:]), k.dtype)  # auto decides by the whole length
     impl = attn_lib.choose(implementation, q, whole_k, mask, q_seg is not None)
     if implementation == "auto" and (impl in ("cudnn", "splash") or strategy == "ring"):
-        impl = "flash"              # what auto means across shards: cudnn and splash cannot, the ring merges lse
+        impl = "flash"  # what auto means across shards: cudnn and splash cannot, the ring merges lse
     check_context_attention(strategy, impl)
     unit_q = t // (2 * cp) if in_balanced else t // cp
     unit_k = s // (2 * cp) if in_balanced else s // cp
-    kern = flash_lib.Kernel(mask.causal, mask.window, mask.softcap, 1.0 / float(np.sqrt(q.shape[-1])),
-                            flash_lib.block_size(unit_q, block), flash_lib.block_size(unit_k, block))
+    kern = flash_lib.Kernel(
+        mask.causal,
+        mask.window,
+        mask.softcap,
+        1.0 / float(np.sqrt(q.shape[-1])),
+        flash_lib.block_size(unit_q, block),
+        flash_lib.block_size(unit_k, block),
+    )
     call = _Call(cp, impl, mask, kern, _indices(t, cp, in_balanced), _indices(s, cp, in_balanced))
     fwd_local, bwd_local, consts, const_specs = STRATEGIES[strategy](call)
 
-    if inside:    # each device's rows of the per-device operands, picked by its index on `context`
+    if inside:  # each device's rows of the per-device operands, picked by its index on `context`
         fwd, bwd, rows = fwd_local, bwd_local, lax.axis_index(AXIS)
-        consts = [x if sp == P() else lax.dynamic_index_in_dim(jnp.asarray(x, jnp.int32), rows, 0)
-                  for x, sp in zip(consts, const_specs)]
+        consts = [
+            x if sp == P() else lax.dynamic_index_in_dim(jnp.asarray(x, jnp.int32), rows, 0)
+            for x, sp in zip(consts, const_specs)
+        ]
     else:
         fwd, bwd = _mapped(q, k, q_seg, fwd_local, bwd_local, const_specs)
 
@@ -300,7 +337,7 @@ def _across(q, k, v, mask, q_seg, k_seg, implementation, block, cp, strategy):
     def run_bwd(res, do):
         q, k, v, q_seg, k_seg, consts, o, lse = res
         grads = bwd(q, k, v, q_seg, k_seg, *consts, o, lse, do)
-        grads = [flash_lib.varying_like(g, x) for g, x in zip(grads, (q, k, v))]   # typed like their inputs
+        grads = [flash_lib.varying_like(g, x) for g, x in zip(grads, (q, k, v))]  # typed like their inputs
         return (*grads, None, None, None, None, None)
 
     run.defvjp(run_fwd, run_bwd)
@@ -314,5 +351,7 @@ def _mapped(q, k, q_seg, fwd_local, bwd_local, const_specs):
     segs = None if q_seg is None else ss
     mesh = _mesh()
     smap = lambda f, ins, outs: jax.shard_map(f, mesh=mesh, in_specs=ins, out_specs=outs, axis_names=axes)
-    return (smap(fwd_local, (qs, ks, ks, segs, segs, *const_specs), (qs, ks)),
-            smap(bwd_local, (qs, ks, ks, segs, segs, *const_specs, qs, ks, qs), (qs, ks, ks)))
+    return (
+        smap(fwd_local, (qs, ks, ks, segs, segs, *const_specs), (qs, ks)),
+        smap(bwd_local, (qs, ks, ks, segs, segs, *const_specs, qs, ks, qs), (qs, ks, ks)),
+    )

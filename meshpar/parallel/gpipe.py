@@ -6,6 +6,7 @@ rem % P of item i (interleaved, v chunks per device, `meshpar.parallel.schedules
 the input of each of its v M stage runs and reruns the stage in the backward. Shapes: P stages, v
 chunks per device, Lc layers per chunk, M microbatches, b sequences per microbatch.
 """
+
 from __future__ import annotations
 
 from functools import partial
@@ -15,8 +16,16 @@ import jax.numpy as jnp
 from jax import lax
 
 from meshpar.nn import dropout
-from meshpar.parallel.stage_model import (AXIS, StageModel, merge_stage_vars, microbatch, reduce_batch, vary_tree, zeros,
-                                          zeros_like_varying)
+from meshpar.parallel.stage_model import (
+    AXIS,
+    StageModel,
+    merge_stage_vars,
+    microbatch,
+    reduce_batch,
+    vary_tree,
+    zeros,
+    zeros_like_varying,
+)
 
 
 def circular_loss(model: StageModel, p: int, m: int, v: int, outer, layers, vars, mbs):
@@ -25,9 +34,9 @@ def circular_loss(model: StageModel, p: int, m: int, v: int, outer, layers, vars
     batch pytree, leaves [M, b, ...] -> (loss, (loss of the parts, metrics [v, Lc], loss metrics, vars))."""
     # Invariant inputs become varying here, once: the transpose of this pcast (a psum of the outer
     # parameters' cotangent) then runs outside every per-device branch instead of inside one.
-    outer, layers = vary_tree(outer), vary_tree(layers)   # (over `data` too: its psum, once)
+    outer, layers = vary_tree(outer), vary_tree(layers)  # (over `data` too: its psum, once)
     vars_in = vars
-    outer_e = model.for_embed(outer)    # pre reads the outer parameters gathered (see StageModel.for_embed)
+    outer_e = model.for_embed(outer)  # pre reads the outer parameters gathered (see StageModel.for_embed)
     s = lax.axis_index(AXIS)
     n_items, ticks = v * m, v * m + p - 1
     perm = [(i, (i + 1) % p) for i in range(p)] if v > 1 else [(i, i + 1) for i in range(p - 1)]
@@ -43,7 +52,7 @@ def circular_loss(model: StageModel, p: int, m: int, v: int, outer, layers, vars
     @partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable)
     def run_stage(lay, r, x, mb, micro):
         chunk = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, r, 0, keepdims=False), lay)
-        with dropout.at(micro, r * p + s, chunk):    # chunk r * P + s's dropout keys (meshpar.nn.dropout)
+        with dropout.at(micro, r * p + s, chunk):  # chunk r * P + s's dropout keys (meshpar.nn.dropout)
             return model.stage(outer, chunk, x, mb)
 
     # Remat around the `cond`, not inside it: the checkpoint's residuals are then its inputs, and the
@@ -57,8 +66,9 @@ def circular_loss(model: StageModel, p: int, m: int, v: int, outer, layers, vars
     @jax.checkpoint
     def post_or_zero(o, vs, y, mb, last):
         zero = (jnp.zeros((), jnp.float32), zeros_like_varying(lmet_spec), vs)
-        return lax.cond(last, lambda: vary_tree(model.post_loss(model.for_embed(o), chunk0, vs, y, mb)),
-                        lambda: vary_tree(zero))
+        return lax.cond(
+            last, lambda: vary_tree(model.post_loss(model.for_embed(o), chunk0, vs, y, mb)), lambda: vary_tree(zero)
+        )
 
     def tick(carry, t):
         recv, vs, loss, aux_loss, metrics, lmet = carry
@@ -71,20 +81,30 @@ def circular_loss(model: StageModel, p: int, m: int, v: int, outer, layers, vars
             g, rem = ic // (p * v), ic % (p * v)
             r, micro = rem // p, g * p + rem % p
         mb = microbatch(mbs, micro)
-        first = (s == 0) & (r == 0) & valid           # pre runs once per microbatch: it may update state
+        first = (s == 0) & (r == 0) & valid  # pre runs once per microbatch: it may update state
         x, vs = lax.cond(first, lambda: vary_tree(model.pre(outer_e, chunk0, vs, mb)), lambda: (recv, vs))
         y, a_loss, met = run_stage(layers, r, x, mb, micro)
         last = (s == p - 1) & (r == v - 1) & valid
         ce, lm, vs = post_or_zero(outer if model.lm else outer_e, vs, y, mb, last)
         w = valid.astype(jnp.float32)
-        metrics = jax.tree.map(lambda acc, x_: lax.dynamic_update_index_in_dim(
-            acc, lax.dynamic_index_in_dim(acc, r, 0, False) + w * x_, r, 0), metrics, met)
+        metrics = jax.tree.map(
+            lambda acc, x_: lax.dynamic_update_index_in_dim(
+                acc, lax.dynamic_index_in_dim(acc, r, 0, False) + w * x_, r, 0
+            ),
+            metrics,
+            met,
+        )
         send = lax.ppermute(y, AXIS, perm)
         return (send, vs, loss + ce, aux_loss + w * a_loss, metrics, jax.tree.map(jnp.add, lmet, lm)), None
 
     f32 = jax.ShapeDtypeStruct((), jnp.float32)
-    init = (*zeros_like_varying((x_spec,)), vary_tree(vars), *zeros_like_varying((
-        f32, f32, jax.tree.map(lambda a: jax.ShapeDtypeStruct((v,) + a.shape, a.dtype), met_spec), lmet_spec)))
+    init = (
+        *zeros_like_varying((x_spec,)),
+        vary_tree(vars),
+        *zeros_like_varying(
+            (f32, f32, jax.tree.map(lambda a: jax.ShapeDtypeStruct((v,) + a.shape, a.dtype), met_spec), lmet_spec)
+        ),
+    )
     (_, vs, ce, aux_loss, metrics, lmet), _ = lax.scan(tick, init, jnp.arange(ticks))
     ce, aux_loss = reduce_batch(lax.psum(ce, AXIS) / m), reduce_batch(lax.psum(aux_loss, AXIS) / m)
     metrics = jax.tree.map(lambda a: reduce_batch(a / m), metrics)

@@ -19,6 +19,7 @@ id i is its index along `pipeline`):
   elsewhere the devices of each pair.
 Conditionals count when they sit in the shard_map (their op name says so) or carry no op name.
 """
+
 from __future__ import annotations
 
 import re
@@ -29,23 +30,33 @@ import numpy as np
 from meshpar.core.errors import ConfigError
 
 AXIS = "pipeline"
-_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all", "collective-permute",
-        "collective-broadcast")
+_OPS = (
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "all-to-all",
+    "ragged-all-to-all",
+    "collective-permute",
+    "collective-broadcast",
+)
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+ = .+? ([a-z][a-z\-]*)\(")
 _CALLEE = re.compile(r"\b(?:to_apply|calls|body|condition|true_computation|false_computation)=%?([\w.\-]+)")
 _CALLEES = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
-_BRANCHES = re.compile(r"\b(?:branch_computations=\{([^}]*)\}|true_computation=%?([\w.\-]+)|"
-                       r"false_computation=%?([\w.\-]+))")
+_BRANCHES = re.compile(
+    r"\b(?:branch_computations=\{([^}]*)\}|true_computation=%?([\w.\-]+)|"
+    r"false_computation=%?([\w.\-]+))"
+)
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 
 @dataclass(frozen=True)
 class Stray:
     """A collective inside a stage's branch whose participants span stages."""
-    op: str              # "collective-permute", "all-reduce", ...
-    op_name: str         # JAX's name for the operation it came from ("" if the HLO has none)
-    devices: tuple       # the participants of the first group that spans stages
-    stages: tuple        # their stages
+
+    op: str  # "collective-permute", "all-reduce", ...
+    op_name: str  # JAX's name for the operation it came from ("" if the HLO has none)
+    devices: tuple  # the participants of the first group that spans stages
+    stages: tuple  # their stages
 
 
 def stage_of(mesh) -> np.ndarray:
@@ -66,13 +77,22 @@ def strays(hlo: str, stages: np.ndarray, permute_joins_all: bool) -> list[Stray]
             op = m and m.group(1).removesuffix("-start")
             if op not in _OPS:
                 continue
-            groups = [list(range(len(stages)))] if op == "collective-permute" and permute_joins_all else \
-                _participants(line, op, len(stages))
+            groups = (
+                [list(range(len(stages)))]
+                if op == "collective-permute" and permute_joins_all
+                else _participants(line, op, len(stages))
+            )
             for group in groups:
                 if len({int(stages[d]) for d in group}) > 1:
                     where = _OP_NAME.search(line)
-                    found.append(Stray(op, where.group(1) if where else "", tuple(group),
-                                       tuple(sorted({int(stages[d]) for d in group}))))
+                    found.append(
+                        Stray(
+                            op,
+                            where.group(1) if where else "",
+                            tuple(group),
+                            tuple(sorted({int(stages[d]) for d in group})),
+                        )
+                    )
                     break
     return found
 
@@ -86,19 +106,23 @@ def check(hlo: str, mesh, what: str, platform: str, schedule: str) -> None:
         return
     s = found[0]
     source = s.op_name.split("/shard_map/")[-1] or "an operation without a name"
-    devices = f"all {len(s.devices)} devices" if len(s.devices) == mesh.devices.size else \
-        f"devices {list(s.devices)}"
+    devices = f"all {len(s.devices)} devices" if len(s.devices) == mesh.devices.size else f"devices {list(s.devices)}"
     more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
     raise ConfigError(
         f"{what} compiled to a program that would deadlock: XLA placed a {s.op} over {devices} (pipeline stages "
         f"{', '.join(map(str, s.stages))}) inside a branch that only some stages take at a tick, from {source}"
         f"{more}; the stages would wait in different collectives (XLA:CPU then aborts the process). Try "
-        + ("pipeline.schedule=gpipe (it runs the stacked layers outside any branch) or another strategy"
-           if schedule == "1f1b" else "another strategy or mesh"))
+        + (
+            "pipeline.schedule=gpipe (it runs the stacked layers outside any branch) or another strategy"
+            if schedule == "1f1b"
+            else "another strategy or mesh"
+        )
+    )
 
 
 # ----------------------------------------------------------------------------------------------
 # HLO text: computations, the calls between them, replica groups.
+
 
 def _computations(hlo: str) -> dict[str, list[str]]:
     """HLO module text -> {computation name: its instruction lines}."""

@@ -6,6 +6,7 @@ stash of at most 2P - 1 microbatches (`meshpar.parallel.residuals`), the backwar
 
 Shapes: P stages, M microbatches, b sequences per microbatch, Lc layers per stage, Kr stash slots.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,10 +21,25 @@ from jax import lax
 from meshpar.core.scopes import manual_axes
 from meshpar.nn import dropout
 from meshpar.parallel.residuals import Residuals, carried, pulled
-from meshpar.parallel.schedules import (BRANCH_SHARE, ONE_F_ONE_B_BRANCHES, POSITIONS, branch_shares,
-                                        one_f_one_b_branches, one_f_one_b_program)
-from meshpar.parallel.stage_model import (AXIS, StageModel, merge_stage_vars, microbatch, reduce_batch, vary, vary_tree,
-                                          zeros, zeros_like_varying)
+from meshpar.parallel.schedules import (
+    BRANCH_SHARE,
+    ONE_F_ONE_B_BRANCHES,
+    POSITIONS,
+    branch_shares,
+    one_f_one_b_branches,
+    one_f_one_b_program,
+)
+from meshpar.parallel.stage_model import (
+    AXIS,
+    StageModel,
+    merge_stage_vars,
+    microbatch,
+    reduce_batch,
+    vary,
+    vary_tree,
+    zeros,
+    zeros_like_varying,
+)
 
 
 class Carry(NamedTuple):
@@ -32,24 +48,26 @@ class Carry(NamedTuple):
     plus a spare slot for ticks without a forward. Inside a tick's branch `res` is one slot: the one
     the tick read, which a forward replaces with its own residuals (a buffer passed through a
     conditional is copied whole, so the stash never enters one)."""
+
     res: list
-    send_f: Any            # [b, ...] to the next stage's forward (used the tick it arrives)
-    send_b: Any            # [b, ...] to the previous stage's backward
-    dx0: Any               # stage 0's input cotangent: the embedding's backward runs after the switch
-    y_last: Any            # the last stage's output of this tick (the protocol's post weight gradient)
-    d_layers: Any          # gradient accumulators: this stage's layers [Lc, ...]
-    d_outer: Any           #   the outer parameters, through the LM head
-    d_embed: Any           #   the outer parameters, through pre (and a protocol model's post)
-    ce: Any                # sums of the loss, the layers' aux loss, their metrics, the loss's metrics
+    send_f: Any  # [b, ...] to the next stage's forward (used the tick it arrives)
+    send_b: Any  # [b, ...] to the previous stage's backward
+    dx0: Any  # stage 0's input cotangent: the embedding's backward runs after the switch
+    y_last: Any  # the last stage's output of this tick (the protocol's post weight gradient)
+    d_layers: Any  # gradient accumulators: this stage's layers [Lc, ...]
+    d_outer: Any  #   the outer parameters, through the LM head
+    d_embed: Any  #   the outer parameters, through pre (and a protocol model's post)
+    ce: Any  # sums of the loss, the layers' aux loss, their metrics, the loss's metrics
     aux_loss: Any
     metrics: Any
     lmet: Any
-    vars: Any              # the model's non-Param state
+    vars: Any  # the model's non-Param state
 
 
 class Inbox(NamedTuple):
     """What a tick's branch reads: the forward input and backward cotangent received this tick, and
     the stash slot of its backward's microbatch."""
+
     x: Any
     dy: Any
     res: list
@@ -59,15 +77,16 @@ class Inbox(NamedTuple):
 class _StageOps:
     """What a tick's branch runs on this stage: the forward (F), the backward (B) from the stash, and
     the last stage's fused forward + post + loss + backward; over the step's loop invariants."""
+
     model: StageModel
     outer: Any
-    outer_e: Any            # the outer parameters as pre reads them (`StageModel.for_embed`)
-    layers: Any             # this stage's [Lc, ...]
-    mbs: Any                # the batch pytree [M, b, ...]
-    seed: Any               # the loss's cotangent
+    outer_e: Any  # the outer parameters as pre reads them (`StageModel.for_embed`)
+    layers: Any  # this stage's [Lc, ...]
+    mbs: Any  # the batch pytree [M, b, ...]
+    seed: Any  # the loss's cotangent
     inv_m: float
     zero_x: Any
-    residuals: Any = None   # `Residuals`, set once its structure is traced
+    residuals: Any = None  # `Residuals`, set once its structure is traced
 
     def stage_only(self, lp, x, mb):
         y, a_loss, met = self.model.stage(self.outer, lp, x, mb)
@@ -82,16 +101,23 @@ class _StageOps:
             c = c._replace(vars=after)
         else:
             x = ins.x
-        (y, a_loss), pull, met = jax.vjp(partial(self.stage_only, mb=microbatch(self.mbs, mi)), self.layers, x,
-                                         has_aux=True)
-        return c._replace(send_f=vary(y), res=self.residuals.split(pull, self.layers) + jax.tree.leaves(before),
-                          aux_loss=c.aux_loss + a_loss, metrics=jax.tree.map(jnp.add, c.metrics, met))
+        (y, a_loss), pull, met = jax.vjp(
+            partial(self.stage_only, mb=microbatch(self.mbs, mi)), self.layers, x, has_aux=True
+        )
+        return c._replace(
+            send_f=vary(y),
+            res=self.residuals.split(pull, self.layers) + jax.tree.leaves(before),
+            aux_loss=c.aux_loss + a_loss,
+            metrics=jax.tree.map(jnp.add, c.metrics, met),
+        )
 
     def bwd(self, first: bool, c: Carry, ins: Inbox) -> Carry:
         """A stage before the last: the backward of the microbatch whose residuals are `ins.res`."""
         n_res = len(self.residuals.shapes)
-        d_lp, dx = carried(self.residuals.join(ins.res[:n_res], self.layers)((pulled(ins.dy), self.seed * self.inv_m)),
-                           (self.layers, self.zero_x))
+        d_lp, dx = carried(
+            self.residuals.join(ins.res[:n_res], self.layers)((pulled(ins.dy), self.seed * self.inv_m)),
+            (self.layers, self.zero_x),
+        )
         # stage 0's dx is the embedding's cotangent: its backward runs after the switch (see the tick)
         c = c._replace(dx0=dx) if first else c._replace(send_b=vary(dx))
         return c._replace(d_layers=jax.tree.map(jnp.add, c.d_layers, d_lp))
@@ -109,17 +135,26 @@ class _StageOps:
             y_, a_, met_ = model.stage(o_, lp, x_, mb)
             ce_, lm_, vars_ = model.post_loss(model.for_embed(o_), lp, c.vars, y_, mb)
             return (ce_ + a_) * self.inv_m, (ce_, a_, met_, lm_, vars_, y_)
+
         if model.lm:
             _, vjp, (ce, a_loss, met, lm, vars_, y) = jax.vjp(f, self.layers, o, ins.x, has_aux=True)
             d_lp, d_o, send_b = vjp(self.seed)
             c = c._replace(d_outer=jax.tree.map(jnp.add, c.d_outer, d_o))
         else:
-            _, vjp, (ce, a_loss, met, lm, vars_, y) = jax.vjp(lambda lp, x_: f(lp, o, x_), self.layers, ins.x,
-                                                              has_aux=True)
+            _, vjp, (ce, a_loss, met, lm, vars_, y) = jax.vjp(
+                lambda lp, x_: f(lp, o, x_), self.layers, ins.x, has_aux=True
+            )
             d_lp, send_b = vjp(self.seed)
-        return c._replace(send_b=vary(carried(send_b, self.zero_x)), y_last=vary(y), vars=vars_,
-                          d_layers=jax.tree.map(jnp.add, c.d_layers, d_lp), ce=c.ce + ce, aux_loss=c.aux_loss + a_loss,
-                          metrics=jax.tree.map(jnp.add, c.metrics, met), lmet=jax.tree.map(jnp.add, c.lmet, lm))
+        return c._replace(
+            send_b=vary(carried(send_b, self.zero_x)),
+            y_last=vary(y),
+            vars=vars_,
+            d_layers=jax.tree.map(jnp.add, c.d_layers, d_lp),
+            ce=c.ce + ce,
+            aux_loss=c.aux_loss + a_loss,
+            metrics=jax.tree.map(jnp.add, c.metrics, met),
+            lmet=jax.tree.map(jnp.add, c.lmet, lm),
+        )
 
 
 def grads(model: StageModel, p: int, m: int, outer, layers, vars, mbs, seed):
@@ -129,9 +164,9 @@ def grads(model: StageModel, p: int, m: int, outer, layers, vars, mbs, seed):
     of loss * seed. The last stage runs F(m) and B(m) in one tick, fused."""
     (f_micro, b_micro), k_res = one_f_one_b_program(p, m)
     n = f_micro.shape[0]
-    branch = one_f_one_b_branches(f_micro, b_micro)          # [ticks, P] switch index
+    branch = one_f_one_b_branches(f_micro, b_micro)  # [ticks, P] switch index
     shares = branch_shares(branch, len(ONE_F_ONE_B_BRANCHES))
-    stashes = jnp.asarray((f_micro >= 0) & (np.arange(p) < p - 1)[None, :])   # a forward that keeps residuals
+    stashes = jnp.asarray((f_micro >= 0) & (np.arange(p) < p - 1)[None, :])  # a forward that keeps residuals
     branch, f_micro, b_micro = map(jnp.asarray, (branch, f_micro, b_micro))
 
     # per-stage (and, manual over `data`, per-replica) partial gradients; psum'd once at the end
@@ -140,7 +175,7 @@ def grads(model: StageModel, p: int, m: int, outer, layers, vars, mbs, seed):
     s = lax.axis_index(AXIS)
     inv_m = 1.0 / m
     seed = vary(seed.astype(jnp.float32))
-    seed_m = seed * inv_m               # cotangent of each microbatch's aux loss (the loss is a mean)
+    seed_m = seed * inv_m  # cotangent of each microbatch's aux loss (the loss is a mean)
     vars_in = vars
     mb0 = microbatch(mbs, 0)
     x_spec = jax.eval_shape(lambda: model.pre(outer_e, layers, vars, mb0)[0])
@@ -163,8 +198,11 @@ def grads(model: StageModel, p: int, m: int, outer, layers, vars, mbs, seed):
         position, what = ONE_F_ONE_B_BRANCHES[i]
 
         def run(c: Carry, ins: Inbox, mf, mb) -> Carry:
-            with jax.named_scope(f"{BRANCH_SHARE}{shares[i]:.6g}"), jax.named_scope(f"{position}_{what or 'idle'}"), \
-                    dropout.at(mf, s, layers):
+            with (
+                jax.named_scope(f"{BRANCH_SHARE}{shares[i]:.6g}"),
+                jax.named_scope(f"{position}_{what or 'idle'}"),
+                dropout.at(mf, s, layers),
+            ):
                 c = c._replace(send_f=vary(zero_x), send_b=vary(zero_x))
                 if position == POSITIONS[-1] and what:
                     c = ops.last(c, ins, mf)
@@ -172,6 +210,7 @@ def grads(model: StageModel, p: int, m: int, outer, layers, vars, mbs, seed):
                     c = ops.fwd(position == POSITIONS[0], c, ins, mf) if "F" in what else c
                     c = ops.bwd(position == POSITIONS[0], c, ins) if "B" in what else c
                 return vary_tree(c)
+
         return run
 
     branches = [branch_fn(i) for i in range(len(ONE_F_ONE_B_BRANCHES))]
@@ -186,7 +225,7 @@ def grads(model: StageModel, p: int, m: int, outer, layers, vars, mbs, seed):
         stash, vars_read = c.res, c.vars
         ins = Inbox(rf, rb, [lax.dynamic_index_in_dim(r, mb % k_res, 0, keepdims=False) for r in stash])
         c = lax.switch(branch[t, s], branches, c._replace(res=ins.res), ins, mf, mb)
-        at = jnp.where(stashes[t, s], mf % k_res, k_res)      # a tick without a forward writes the spare slot
+        at = jnp.where(stashes[t, s], mf % k_res, k_res)  # a tick without a forward writes the spare slot
         c = c._replace(res=[lax.dynamic_update_index_in_dim(r, new, at, 0) for r, new in zip(stash, c.res)])
         # 3. pre's backward (the embedding's scatter-add into its table) on every stage, with a zero
         # cotangent except on stage 0 after its backward: XLA's SPMD partitioner crashed on this
@@ -197,7 +236,7 @@ def grads(model: StageModel, p: int, m: int, outer, layers, vars, mbs, seed):
         _, embed_vjp = jax.vjp(lambda o: model.pre(model.for_embed(o), layers, read, mb_b)[0], outer_e)
         (d_e,) = embed_vjp(pulled(c.dx0))
         d_embed = jax.tree.map(jnp.add, c.d_embed, d_e)
-        if not model.lm:   # 4. post's weight gradient, the same way: nonzero on the last stage after its forward
+        if not model.lm:  # 4. post's weight gradient, the same way: nonzero on the last stage after its forward
             mb_f = microbatch(mbs, jnp.maximum(mf, 0))
             _, post_vjp = jax.vjp(lambda o: model.post_loss(o, layers, vars_read, c.y_last, mb_f)[0], outer_e)
             (d_p,) = post_vjp(jnp.where((s == p - 1) & (mf >= 0), seed_m, jnp.zeros_like(seed_m)))
@@ -205,9 +244,25 @@ def grads(model: StageModel, p: int, m: int, outer, layers, vars, mbs, seed):
         return c._replace(d_embed=model.for_embed(d_embed), dx0=vary(zero_x)), None
 
     f32 = jax.ShapeDtypeStruct((), jnp.float32)
-    carry = Carry(*zeros_like_varying((
-        [jax.ShapeDtypeStruct((k_res + 1,) + r.shape, r.dtype) for r in [*ops.residuals.shapes, *var_leaves]],
-        x_spec, x_spec, x_spec, x_spec, layers, outer, outer, f32, f32, met_spec, lmet_spec)), vary_tree(vars))
+    carry = Carry(
+        *zeros_like_varying(
+            (
+                [jax.ShapeDtypeStruct((k_res + 1,) + r.shape, r.dtype) for r in [*ops.residuals.shapes, *var_leaves]],
+                x_spec,
+                x_spec,
+                x_spec,
+                x_spec,
+                layers,
+                outer,
+                outer,
+                f32,
+                f32,
+                met_spec,
+                lmet_spec,
+            )
+        ),
+        vary_tree(vars),
+    )
     carry = carry._replace(d_embed=model.for_embed(carry.d_embed))
     c, _ = lax.scan(tick, carry, jnp.arange(n))
     return reduce(c, p, inv_m, vars_in)

@@ -39,6 +39,7 @@ interleaved schedule needs chunks {r P + s}; the step moves them there with one 
 `batch.microbatches` (gradient accumulation, outside) and `pipeline.microbatches` (M, inside one
 pipelined forward/backward) are independent: each accumulation step is pipelined into M microbatches.
 """
+
 from __future__ import annotations
 
 from functools import partial
@@ -48,8 +49,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from meshpar.core.errors import ConfigError, ShardingError
-from meshpar.core.rules import BATCH_AXES, spec_axes
 from meshpar.core.layout import without
+from meshpar.core.rules import BATCH_AXES, spec_axes
 from meshpar.nn import dropless, dropout
 from meshpar.nn.stages import lm_rows
 from meshpar.parallel import context, gpipe, one_f_one_b
@@ -64,6 +65,7 @@ FSDP_AXES = ("data", "fsdp")
 # ----------------------------------------------------------------------------------------------
 # Config checks (one line each, naming the key and a fix).
 
+
 def check(pc, batch, layout, shapes: dict, stack: str, loss: str | None = None) -> None:
     """Raise ConfigError/ShardingError for a pipelined run that cannot run: `pc` its `cfg.pipeline`,
     `batch` its `cfg.batch`, shapes the model's parameter shapes (pure dict, `ModelSpec.shapes`),
@@ -76,46 +78,74 @@ def check(pc, batch, layout, shapes: dict, stack: str, loss: str | None = None) 
         return
     cp = layout.shape.get(context.AXIS, 1)
     if loss is not None and cp > 1:
-        raise ConfigError(f"mesh.context={cp} with mesh.pipeline > 1 needs the built-in LM loss (train.loss=lm): a "
-                          f"pipeline stage splits the LM's rows over context, and knows nothing of {loss}'s batch; set "
-                          "mesh.context=1 or mesh.pipeline=1")
+        raise ConfigError(
+            f"mesh.context={cp} with mesh.pipeline > 1 needs the built-in LM loss (train.loss=lm): a "
+            f"pipeline stage splits the LM's rows over context, and knows nothing of {loss}'s batch; set "
+            "mesh.context=1 or mesh.pipeline=1"
+        )
     split_params(shapes)
     num_layers = jax.tree.leaves(shapes["layers"])[0].shape[0]
     if v > 1 and pc.schedule != "interleaved":
-        raise ConfigError(f"pipeline.virtual_stages={v} needs pipeline.schedule=interleaved "
-                          f"(got {pc.schedule}); set pipeline.virtual_stages=1 or the interleaved schedule")
+        raise ConfigError(
+            f"pipeline.virtual_stages={v} needs pipeline.schedule=interleaved "
+            f"(got {pc.schedule}); set pipeline.virtual_stages=1 or the interleaved schedule"
+        )
     if num_layers % (p * v):
         what = stack if stack == f"model.layers={num_layers}" else f"{stack} stacks {num_layers} blocks, which"
-        raise ConfigError(f"{what} is not divisible by mesh.pipeline={p} x pipeline.virtual_stages={v} "
-                          f"(= {p * v} chunks); use a multiple of {p * v} stacked layers")
+        raise ConfigError(
+            f"{what} is not divisible by mesh.pipeline={p} x pipeline.virtual_stages={v} "
+            f"(= {p * v} chunks); use a multiple of {p * v} stacked layers"
+        )
     if pc.schedule == "interleaved" and v > 1 and m % p:
-        raise ConfigError(f"pipeline.microbatches={m} is not a multiple of mesh.pipeline={p}, which the "
-                          f"interleaved schedule needs (microbatches enter in groups of {p}); "
-                          f"use {p * max(1, round(m / p))}")
+        raise ConfigError(
+            f"pipeline.microbatches={m} is not a multiple of mesh.pipeline={p}, which the "
+            f"interleaved schedule needs (microbatches enter in groups of {p}); "
+            f"use {p * max(1, round(m / p))}"
+        )
     rows = batch.global_size // batch.microbatches
-    what = (f"batch.global_size={batch.global_size}" if batch.microbatches == 1 else
-            f"the accumulation step of {rows} sequences (batch.global_size={batch.global_size} / "
-            f"batch.microbatches={batch.microbatches})")
+    what = (
+        f"batch.global_size={batch.global_size}"
+        if batch.microbatches == 1
+        else f"the accumulation step of {rows} sequences (batch.global_size={batch.global_size} / "
+        f"batch.microbatches={batch.microbatches})"
+    )
     if rows % m:
-        raise ConfigError(f"{what} does not split into pipeline.microbatches={m} microbatches; "
-                          f"use a multiple of {m * batch.microbatches} for batch.global_size")
+        raise ConfigError(
+            f"{what} does not split into pipeline.microbatches={m} microbatches; "
+            f"use a multiple of {m * batch.microbatches} for batch.global_size"
+        )
     dp = layout.ways("batch")
     if (rows // m) % dp:
-        raise ShardingError(f"the pipeline microbatch of {rows // m} sequences ({what} / pipeline.microbatches={m})"
-                            f" is not divisible by the data-parallel size {dp}; use a multiple of "
-                            f"{dp * m * batch.microbatches} for batch.global_size")
+        raise ShardingError(
+            f"the pipeline microbatch of {rows // m} sequences ({what} / pipeline.microbatches={m})"
+            f" is not divisible by the data-parallel size {dp}; use a multiple of "
+            f"{dp * m * batch.microbatches} for batch.global_size"
+        )
 
 
 # ----------------------------------------------------------------------------------------------
 # Entry point used by meshpar.train.step.Trainer._grads.
 
-def value_and_grad(spec, params: dict, batch, pc, layout, policy, loss_scale=None, vars=None, lm: bool = True,
-                   batch_spec=None, loss_chunks: int = 1):
+
+def value_and_grad(
+    spec,
+    params: dict,
+    batch,
+    pc,
+    layout,
+    policy,
+    loss_scale=None,
+    vars=None,
+    lm: bool = True,
+    batch_spec=None,
+    loss_chunks: int = 1,
+):
     """Pipelined ((loss, aux), grads), the structure of `jax.value_and_grad` of the loss the model's
-    parts make (`meshpar.nn.stages`): next-token cross-entropy (`lm`; aux holds "ce") or `stage_loss`
-    (aux holds the model loss's metrics), with the layers' metrics stacked [L] and "vars", the
-    model's non-Param state after the step. params, vars: pure dicts; batch: the batch pytree [B, ...]
-    (`batch_spec` its leaves' logical axes); `pc`: the run's `cfg.pipeline`; `loss_chunks`: the LM head's token slices (`train.loss_chunks`). With `loss_scale` S (fp16) the grads are those of
+    parts make (`meshpar.nn.stages`): next-token cross-entropy (`lm`; aux holds "ce") or `stage_loss` (aux holds the
+    model loss's metrics), with the layers' metrics stacked [L] and "vars", the model's non-Param state after the
+    step. params, vars: pure dicts; batch: the batch pytree [B, ...] (`batch_spec` its leaves' logical axes); `pc`:
+    the run's `cfg.pipeline`; `loss_chunks`: the LM head's token slices (`train.loss_chunks`). With `loss_scale` S
+    (fp16) the grads are those of
     loss * S (the caller unscales); loss and aux are never scaled."""
     from meshpar.core.layout import use_layout
     from meshpar.core.sharding import split_microbatches
@@ -135,38 +165,51 @@ def value_and_grad(spec, params: dict, batch, pc, layout, policy, loss_scale=Non
         """Trace `f` with the manual batch (and sequence) axes hidden from `constrain`; under 1F1B
         the stages run in per-device branches (weights gathered at use, see FSDP_AXES; dropless MoE
         layers route replicated)."""
+
         def run(*args):
             inner = layout.hiding(data + seq).gathering(FSDP_AXES if pc.schedule == "1f1b" else ())
-            with use_layout(inner), context.balanced(bool(seq)), \
-                    dropless.in_device_branches(pc.schedule == "1f1b"):
+            with use_layout(inner), context.balanced(bool(seq)), dropless.in_device_branches(pc.schedule == "1f1b"):
                 return f(*args)
+
         return run
 
     with use_layout(layout):
         outer, layers = split_params(params)
         n_layers = jax.tree.leaves(layers)[0].shape[0]
-        if lm:   # the LM's rows [B, T] (balanced over `context`), cut before the shard_map
+        if lm:  # the LM's rows [B, T] (balanced over `context`), cut before the shard_map
             batch, batch_spec = _lm_rows(batch)
         mbs = split_microbatches(batch, m, layout, batch_spec)
-        mb_specs = jax.tree.map(lambda a: P(None, data or None, *seq[:a.ndim - 2]), mbs)
+        mb_specs = jax.tree.map(lambda a: P(None, data or None, *seq[: a.ndim - 2]), mbs)
         if pc.schedule == "1f1b":
             body = in_body(partial(one_f_one_b.grads, model, p, m))
-            fn = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(AXIS), P(), mb_specs, P()),
-                               out_specs=(P(), P(), P(AXIS), P(), P(), P(AXIS), P()), axis_names=set(manual))
+            fn = jax.shard_map(
+                body,
+                mesh=mesh,
+                in_specs=(P(), P(AXIS), P(), mb_specs, P()),
+                out_specs=(P(), P(), P(AXIS), P(), P(), P(AXIS), P()),
+                axis_names=set(manual),
+            )
             seed = jnp.ones((), jnp.float32) if loss_scale is None else jnp.asarray(loss_scale, jnp.float32)
             loss, ce, metrics, lmet, d_outer, d_layers, vars = fn(outer, layers, vars, mbs, seed)
             grads = {**d_outer, "layers": d_layers}
         else:
+
             def loss_fn(prm):
                 o, lay = split_params(prm)
-                chunks = _to_chunks(lay, p, v)          # [v, P*Lc, ...], device s holds chunks r*P + s
+                chunks = _to_chunks(lay, p, v)  # [v, P*Lc, ...], device s holds chunks r*P + s
                 body = in_body(partial(gpipe.circular_loss, model, p, m, v))
-                fn = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(None, AXIS), P(), mb_specs),
-                                   out_specs=(P(), (P(), P(None, AXIS), P(), P())), axis_names=set(manual))
+                fn = jax.shard_map(
+                    body,
+                    mesh=mesh,
+                    in_specs=(P(), P(None, AXIS), P(), mb_specs),
+                    out_specs=(P(), (P(), P(None, AXIS), P(), P())),
+                    axis_names=set(manual),
+                )
                 loss_, (ce_, met_, lmet_, vars_) = fn(o, chunks, vars, mbs)
                 met_ = jax.tree.map(lambda a: a.reshape((n_layers,) + a.shape[2:]), met_)
                 scaled = loss_ if loss_scale is None else loss_ * jnp.asarray(loss_scale).astype(loss_.dtype)
                 return scaled, (loss_, ce_, met_, lmet_, vars_)
+
             (_, (loss, ce, metrics, lmet, vars)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     return (loss, {**({"ce": ce} if lm else {}), **lmet, **metrics, "vars": vars}), grads
 
@@ -175,6 +218,7 @@ def _lm_rows(batch):
     """Token rows [B, T+1] (or packed documents) -> the LM's rows {inputs, targets, positions, ...}
     [B, T] in the balanced order when sequences are split over `context`, and their batch spec."""
     from meshpar.core.batch import Leaf
+
     rows = context.balance_rows(lm_rows(batch), positions=True)
     return rows, {k: Leaf(a.shape, a.dtype, ("batch", "length")) for k, a in rows.items()}
 
@@ -184,18 +228,32 @@ def _manual_batch_axes(spec, layout) -> tuple:
     parameter is split over it, and the model has no non-Param state: BatchNorm statistics and
     dropout masks of `pre`/`post` must see the whole microbatch), else (): see the module docstring."""
     batch = layout.spec(("batch",))
-    if layout.shape.get("data", 1) <= 1 or not len(batch) or spec_axes(batch[:1])[:1] != ("data",) or \
-            spec.var_treedef is not None or dropout.draws(spec.graphdef):
+    if (
+        layout.shape.get("data", 1) <= 1
+        or not len(batch)
+        or spec_axes(batch[:1])[:1] != ("data",)
+        or spec.var_treedef is not None
+        or dropout.draws(spec.graphdef)
+    ):
         return ()
-    specs = jax.tree.leaves(jax.tree.map(lambda sh, names: layout.spec(names, sh.shape), spec.shapes, spec.logical,
-                                         is_leaf=lambda x: isinstance(x, tuple)), is_leaf=lambda x: isinstance(x, P))
+    specs = jax.tree.leaves(
+        jax.tree.map(
+            lambda sh, names: layout.spec(names, sh.shape),
+            spec.shapes,
+            spec.logical,
+            is_leaf=lambda x: isinstance(x, tuple),
+        ),
+        is_leaf=lambda x: isinstance(x, P),
+    )
     return () if any("data" in spec_axes(sp) for sp in specs) else ("data",)
 
 
 def _embed_specs(spec, layout):
     """At-rest PartitionSpecs of the outer (non-`layers`) parameters without the batch mesh axes."""
+
     def one(shape, names):
         return without(layout.spec(names, shape.shape), BATCH_AXES)
+
     shapes, logical = split_params(spec.shapes)[0], split_params(spec.logical)[0]
     return jax.tree.map(one, shapes, logical, is_leaf=lambda x: isinstance(x, tuple))
 
@@ -203,7 +261,9 @@ def _embed_specs(spec, layout):
 def _to_chunks(layers, p: int, v: int):
     """[L, ...] -> [v, P*Lc, ...]: row block s of chunk-row r is global chunk r*P + s, which
     `P(None, 'pipeline')` places on device s. For v = 1 this is a free reshape of the at-rest layout."""
+
     def one(a):
         lc = a.shape[0] // (p * v)
         return a.reshape((v, p * lc) + a.shape[1:])
+
     return jax.tree.map(one, layers)

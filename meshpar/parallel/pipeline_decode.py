@@ -39,6 +39,7 @@ its `decode` runs in (the MoE decoder's: route dropless); every leaf of its cach
 `layers` first. One `jax.shard_map` manual over `pipeline` only: tensor/data stay automatic inside;
 the last stage's logits reach every stage by one psum over `pipeline`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -61,27 +62,33 @@ def check(abstract, var_shapes, cache_spec, slots: int, stages: int) -> None:
     """One line for a model or setting pipelined decoding cannot serve."""
     check_protocol(abstract, lm=True)
     if var_shapes and "layers" in var_shapes:
-        raise ConfigError(f"serving with mesh.pipeline={stages}: the stacked layers of {type(abstract).__name__} hold "
-                          "non-Param state, which pipelined decoding does not carry; set mesh.pipeline=1")
+        raise ConfigError(
+            f"serving with mesh.pipeline={stages}: the stacked layers of {type(abstract).__name__} hold "
+            "non-Param state, which pipelined decoding does not carry; set mesh.pipeline=1"
+        )
     for leaf in jax.tree.leaves(cache_spec, is_leaf=is_leaf):
         if leaf.axes[:1] != ("layers",):
-            raise ConfigError(f"serving with mesh.pipeline={stages}: every leaf of {type(abstract).__name__}.cache_spec "
-                              f"must be stacked over 'layers' first (got axes {leaf.axes}); set mesh.pipeline=1")
+            raise ConfigError(
+                f"serving with mesh.pipeline={stages}: every leaf of {type(abstract).__name__}.cache_spec "
+                f"must be stacked over 'layers' first (got axes {leaf.axes}); set mesh.pipeline=1"
+            )
     if slots % stages:
-        raise ConfigError(f"serve.slots={slots} is not divisible by mesh.pipeline={stages} (decoding keeps one group "
-                          f"of slots per stage in flight); use a multiple of {stages}")
+        raise ConfigError(
+            f"serve.slots={slots} is not divisible by mesh.pipeline={stages} (decoding keeps one group "
+            f"of slots per stage in flight); use a multiple of {stages}"
+        )
 
 
 def take_rows(a, g, d: int, groups: int):
     """Group g of `groups` strided groups of a's dimension d (rows g, g + groups, ...): [.., B, ..] ->
     [.., B/groups, ..]. Strided, a group spreads over the shards of a dimension split in blocks."""
-    split = a.reshape(a.shape[:d] + (a.shape[d] // groups, groups) + a.shape[d + 1:])
+    split = a.reshape(a.shape[:d] + (a.shape[d] // groups, groups) + a.shape[d + 1 :])
     return lax.dynamic_index_in_dim(split, g, d + 1, keepdims=False)
 
 
 def put_rows(a, part, g, d: int, groups: int):
     """`a` with group g of dimension d (`take_rows`) replaced by `part`."""
-    split = a.reshape(a.shape[:d] + (a.shape[d] // groups, groups) + a.shape[d + 1:])
+    split = a.reshape(a.shape[:d] + (a.shape[d] // groups, groups) + a.shape[d + 1 :])
     return lax.dynamic_update_index_in_dim(split, part, g, d + 1).reshape(a.shape)
 
 
@@ -90,11 +97,12 @@ def decode(spec, layout, policy, weights, tokens, positions, cache, cache_spec, 
     (module docstring; a prefill, or with `Engine(flush=True)` a decode step).
     `weights` {"params", "vars"} (pure dicts, the layers' leaves [L, ...] split over `pipeline`);
     `cache` a tree of [L, B, ...] whose `cache_spec` leaves name the batch axis `cache_batch`."""
-    from meshpar.core.layout import for_rows, use_layout
     from meshpar.core import precision as precision_lib
+    from meshpar.core.layout import for_rows, use_layout
+
     p = layout.shape[AXIS]
     b = tokens.shape[0]
-    m = microbatches if b % microbatches == 0 else 1            # a prefill's rows may not divide
+    m = microbatches if b % microbatches == 0 else 1  # a prefill's rows may not divide
     rows = b // m
     split = layout.ways("cache_batch")
     strided = m > 1 and split > 1 and rows % split == 0
@@ -111,10 +119,10 @@ def decode(spec, layout, policy, weights, tokens, positions, cache, cache_spec, 
         _, scan = layer_options(module)
         s = lax.axis_index(AXIS)
 
-        def rows_of(a, i, dim):         # split over data: strided microbatches (a block would all-gather the cache)
+        def rows_of(a, i, dim):  # split over data: strided microbatches (a block would all-gather the cache)
             return take_rows(a, i, dim, m) if strided else lax.dynamic_slice_in_dim(a, i * rows, rows, dim)
 
-        def put(a, part, i, dim):       # (a block of contiguous rows, where it can be, is updated in place)
+        def put(a, part, i, dim):  # (a block of contiguous rows, where it can be, is updated in place)
             return put_rows(a, part, i, dim, m) if strided else lax.dynamic_update_slice_in_dim(a, part, i * rows, dim)
 
         def tick(carry, t):
@@ -126,24 +134,29 @@ def decode(spec, layout, policy, weights, tokens, positions, cache, cache_spec, 
             old = jax.tree.map(lambda c, d: rows_of(c, i, d), cache, batch_dims)
             y, _, new = scan_layers(module.layers, x, pos, "none", scan, cache=old)
             # an idle tick writes its rows back unchanged: the select is on the rows, the update in place
-            cache = jax.tree.map(lambda c, n, o, d: put(c, jnp.where(valid, n.astype(c.dtype), o), i, d),
-                                 cache, new, old, batch_dims)
+            cache = jax.tree.map(
+                lambda c, n, o, d: put(c, jnp.where(valid, n.astype(c.dtype), o), i, d), cache, new, old, batch_dims
+            )
             out = module.head(y, dtype).astype(jnp.float32)
             logits = put(logits, jnp.where(valid & (s == p - 1), out, rows_of(logits, i, 0)), i, 0)
             send = lax.ppermute(y, AXIS, [(k, k + 1) for k in range(p - 1)])
             return (vary(send), cache, logits), None
 
-        decoding = getattr(module, "decoding", contextlib.nullcontext)   # a model's decode-time switches (MoE: dropless)
+        decoding = getattr(module, "decoding", contextlib.nullcontext)  # a model's decode-time switches (MoE: dropless)
         with use_layout(for_rows(layout, rows)), precision_lib.use_policy(policy), decoding():
             x0 = jax.eval_shape(lambda: module.embed(tokens[:rows], dtype))
             v = jax.eval_shape(lambda: module.head(jnp.zeros(x0.shape, x0.dtype), dtype)).shape[-1]
-            init = (vary(jnp.zeros(x0.shape, x0.dtype)), cache,
-                    vary(jnp.zeros((b, tokens.shape[1], v), jnp.float32)))
+            init = (vary(jnp.zeros(x0.shape, x0.dtype)), cache, vary(jnp.zeros((b, tokens.shape[1], v), jnp.float32)))
             (_, cache, logits), _ = lax.scan(tick, init, jnp.arange(m + p - 1))
         return lax.psum(logits, AXIS), cache
 
-    fn = jax.shard_map(body, mesh=layout.mesh, axis_names={AXIS},
-                       in_specs=(P(), P(AXIS), P(), P(AXIS), P(), P()), out_specs=(P(), P(AXIS)))
+    fn = jax.shard_map(
+        body,
+        mesh=layout.mesh,
+        axis_names={AXIS},
+        in_specs=(P(), P(AXIS), P(), P(AXIS), P(), P()),
+        out_specs=(P(), P(AXIS)),
+    )
     return fn(outer, params["layers"], vars_, cache, tokens, positions)
 
 
@@ -160,6 +173,7 @@ def tick(spec, layout, policy, weights, cache, cache_spec, flight, t, tokens, po
     R = B / P rows per group; group g = slots g, g + P, ..."""
     from meshpar.core import precision as precision_lib
     from meshpar.core.layout import for_rows, use_layout
+
     p, b = layout.shape[AXIS], tokens.shape[0]
     r = b // p
     batch_dims = jax.tree.map(lambda leaf: leaf.axes.index("cache_batch"), cache_spec, is_leaf=is_leaf)
@@ -172,7 +186,7 @@ def tick(spec, layout, policy, weights, cache, cache_spec, flight, t, tokens, po
             module.eval()
         _, scan = layer_options(module)
         s = lax.axis_index(AXIS)
-        g = (t - s) % p                                    # the group this stage works on
+        g = (t - s) % p  # the group this stage works on
 
         def rows(a, d):
             return take_rows(a, g, d, p)
@@ -182,8 +196,9 @@ def tick(spec, layout, policy, weights, cache, cache_spec, flight, t, tokens, po
 
         def work(cache):
             x = jnp.where(s == 0, module.embed(rows(tokens, 0)[:, None], dtype), fx[0])
-            y, _, new = scan_layers(module.layers, x, rows(positions, 0)[:, None], "none", scan,
-                                    cache=jax.tree.map(rows, cache, batch_dims))
+            y, _, new = scan_layers(
+                module.layers, x, rows(positions, 0)[:, None], "none", scan, cache=jax.tree.map(rows, cache, batch_dims)
+            )
             cache = jax.tree.map(lambda c, n, d: put(c, n.astype(c.dtype), d), cache, new, batch_dims)
             logits = jnp.where(s == p - 1, module.head(y, dtype)[:, 0].astype(jnp.float32), 0.0)
             return lax.psum(logits, AXIS), cache, lax.ppermute(y, AXIS, [(k, k + 1) for k in range(p - 1)])[None]
@@ -192,7 +207,11 @@ def tick(spec, layout, policy, weights, cache, cache_spec, flight, t, tokens, po
         with use_layout(for_rows(layout, r)), precision_lib.use_policy(policy), decoding():
             return work(cache)
 
-    fn = jax.shard_map(body, mesh=layout.mesh, axis_names={AXIS},
-                       in_specs=(P(), P(AXIS), P(), P(AXIS), P(AXIS), P(), P(), P()),
-                       out_specs=(P(), P(AXIS), P(AXIS)))
+    fn = jax.shard_map(
+        body,
+        mesh=layout.mesh,
+        axis_names={AXIS},
+        in_specs=(P(), P(AXIS), P(), P(AXIS), P(AXIS), P(), P(), P()),
+        out_specs=(P(), P(AXIS), P(AXIS)),
+    )
     return fn(outer, params["layers"], weights["vars"], cache, flight, t, tokens, positions)

@@ -7,6 +7,7 @@ backward tick, without a copy of the stage's weights per stashed microbatch.
 An activation may be any pytree, integer or boolean leaves included: its cotangents travel between
 stages typed as the activation (`carried`) and enter a pullback as float0 there (`pulled`).
 """
+
 from __future__ import annotations
 
 import jax
@@ -28,11 +29,12 @@ class Residuals:
         info = {}
 
         def probe(w, x):
-            w, x = vary(w), vary(x)      # typed as in the loop (else the pullback holds a psum)
+            w, x = vary(w), vary(x)  # typed as in the loop (else the pullback holds a psum)
             _, pull, _ = jax.vjp(fn, w, x, has_aux=True)
             leaves, info["treedef"] = jax.tree.flatten(pull)
             info["weight_of"] = self._weight_of(leaves, w)
             return [a for a, j in zip(leaves, info["weight_of"]) if j is None]
+
         self.shapes = jax.eval_shape(probe, weights, zeros(x_spec))
         self.treedef, self.weight_of = info["treedef"], info["weight_of"]
 
@@ -46,8 +48,10 @@ class Residuals:
         """The pullback -> the leaves to stash (the rest are `weights`)."""
         leaves = jax.tree.leaves(pull)
         if self._weight_of(leaves, weights) != self.weight_of:
-            raise ShardingError("1F1B: the stage's residuals differ between two traces of the same stage; "
-                                "set pipeline.schedule=gpipe for this model")
+            raise ShardingError(
+                "1F1B: the stage's residuals differ between two traces of the same stage; "
+                "set pipeline.schedule=gpipe for this model"
+            )
         return [a for a, j in zip(leaves, self.weight_of) if j is None]
 
     def join(self, stashed, weights):
@@ -59,8 +63,9 @@ class Residuals:
 def pulled(ct):
     """A carried activation cotangent (typed as the activation) -> what a pullback takes: float0 for
     an integer or boolean leaf (a mask `pre` passes on, say)."""
-    return jax.tree.map(lambda a: a if jnp.issubdtype(a.dtype, jnp.inexact) else
-                        np.zeros(a.shape, jax.dtypes.float0), ct)
+    return jax.tree.map(
+        lambda a: a if jnp.issubdtype(a.dtype, jnp.inexact) else np.zeros(a.shape, jax.dtypes.float0), ct
+    )
 
 
 def carried(ct, like):

@@ -49,20 +49,22 @@ autodiff as in GPipe. P = 2, v = 2, M = 2 (`Fm.r`: microbatch m, chunk r):
     stage 0 | F0.0 F1.0 F0.1 F1.1 .    | .    B1.1 B0.1 B1.0 B0.0
     stage 1 | .    F0.0 F1.0 F0.1 F1.1 | B1.1 B0.1 B1.0 B0.0 .         bubble 1/5
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from meshpar.core.config.schema import SCHEDULES as SCHEDULE_OPTIONS
 
-SCHEDULES = SCHEDULE_OPTIONS     # pipeline.schedule's options, typed once in meshpar.core.config.schema
+SCHEDULES = SCHEDULE_OPTIONS  # pipeline.schedule's options, typed once in meshpar.core.config.schema
 
 
 @dataclass(frozen=True)
 class Op:
     """One unit of work of one stage at one tick: forward or backward of microbatch `micro`
     through the device's chunk `chunk` (always 0 unless interleaved)."""
-    kind: str          # "F" | "B"
+
+    kind: str  # "F" | "B"
     micro: int
     chunk: int = 0
 
@@ -70,7 +72,7 @@ class Op:
         return f"{self.kind}{self.micro}" + (f".{self.chunk}" if self.chunk else "")
 
 
-Table = list[list["Op | None"]]     # [tick][stage]
+Table = list[list["Op | None"]]  # [tick][stage]
 
 
 def _circular_forward(p: int, m: int, v: int) -> Table:
@@ -109,10 +111,10 @@ def _lockstep(p: int, m: int):
     """Lockstep 1F1B as arrays [ticks, P]: at tick t stage s runs F(t - s), then B(t - 2(P-1) + s),
     each when it names a microbatch (-1: none)."""
     import numpy as np
+
     t, s = np.arange(one_f_one_b_ticks(p, m))[:, None], np.arange(p)[None, :]
     f, b = t - s, t - 2 * (p - 1) + s
-    return (np.where((f >= 0) & (f < m), f, -1).astype(np.int32),
-            np.where((b >= 0) & (b < m), b, -1).astype(np.int32))
+    return (np.where((f >= 0) & (f < m), f, -1).astype(np.int32), np.where((b >= 0) & (b < m), b, -1).astype(np.int32))
 
 
 def _one_f_one_b(p: int, m: int) -> Table:
@@ -163,8 +165,10 @@ def render_table(table: Table) -> list[str]:
     """One text line per stage: 'stage 0 | F0 F1 .  B0 ...' ('F3.1': chunk 1 when interleaved)."""
     chunks = any(op is not None and op.chunk for row in table for op in row)
     width = max(len(_label(op, chunks)) for row in table for op in row)
-    return [f"stage {s} | " + " ".join(_label(row[s], chunks).ljust(width) for row in table).rstrip()
-            for s in range(len(table[0]))]
+    return [
+        f"stage {s} | " + " ".join(_label(row[s], chunks).ljust(width) for row in table).rstrip()
+        for s in range(len(table[0]))
+    ]
 
 
 def describe(pc, p: int) -> dict:
@@ -172,9 +176,17 @@ def describe(pc, p: int) -> dict:
     bubble, stash per stage."""
     v = pc.virtual_stages if pc.schedule == "interleaved" else 1
     table = schedule_table(pc.schedule, p, pc.microbatches, v)
-    return {"schedule": pc.schedule, "stages": p, "microbatches": pc.microbatches, "virtual_stages": v,
-            "ticks": len(table), "table": [[str(op) if op else None for op in row] for row in table],  # [tick][stage]
-            "lines": render_table(table), "bubble": bubble_fraction(table), "in_flight": in_flight(table)}
+    return {
+        "schedule": pc.schedule,
+        "stages": p,
+        "microbatches": pc.microbatches,
+        "virtual_stages": v,
+        "ticks": len(table),
+        "table": [[str(op) if op else None for op in row] for row in table],  # [tick][stage]
+        "lines": render_table(table),
+        "bubble": bubble_fraction(table),
+        "in_flight": in_flight(table),
+    }
 
 
 def one_f_one_b_program(p: int, m: int):
@@ -202,6 +214,7 @@ def one_f_one_b_branches(f, b):
     """[ticks, P] index into `ONE_F_ONE_B_BRANCHES` of the 1F1B executor's switch branch at each
     (tick, stage), from the program's f and b: idle, or F, B, F+B at the stage's position."""
     import numpy as np
+
     p = f.shape[1]
     pos = [POSITIONS[0 if s == 0 else 2 if s == p - 1 else 1] for s in range(p)]
     ops = np.array(["", "F", "B", "FB"])[(f >= 0).astype(int) + 2 * (b >= 0)]
@@ -212,4 +225,5 @@ def one_f_one_b_branches(f, b):
 def branch_shares(branches, n: int) -> list[float]:
     """Per branch 0..n-1: the share of (tick, stage) pairs that run it."""
     import numpy as np
+
     return [float(np.mean(branches == b)) for b in range(n)]

@@ -3,6 +3,7 @@
 that travel between stages inside the pipeline's `shard_map`: `vary` (a loop carry or branch output
 varies over the manual axes), `merge_stage_vars` (the state after a step), the batch mean over a
 manual `data`, microbatch indexing."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -28,9 +29,11 @@ def whole(tree):
 def vary(x):
     """Mark a value (each leaf of a pytree) as varying over the manual axes (`pipeline`, and `data`
     when the pipeline is manual over it): loop carries and branch outputs must agree."""
+
     def one(a):
         missing = tuple(n for n in manual_axes() if n not in jax.typeof(a).mat.varying)
         return lax.pcast(a, missing, to="varying") if missing else a
+
     return jax.tree.map(one, x)
 
 
@@ -43,11 +46,12 @@ def zeros(spec):
 class StageModel:
     """A model as the pipeline executors call it: parameters as pure dicts {outer..., "layers": this
     stage's layers}, non-Param state `vars` as a pure dict, one microbatch `mb` (a batch pytree)."""
+
     spec: object
     policy: object
-    lm: bool                        # the reference LM's cut (embed/head + cross-entropy) or the protocol's
-    embed_specs: object = None      # outer parameters' layouts with the batch axes dropped
-    loss_chunks: int = 1            # the LM head + cross-entropy in this many token slices (train.loss_chunks)
+    lm: bool  # the reference LM's cut (embed/head + cross-entropy) or the protocol's
+    embed_specs: object = None  # outer parameters' layouts with the batch axes dropped
+    loss_chunks: int = 1  # the LM head + cross-entropy in this many token slices (train.loss_chunks)
 
     def for_embed(self, outer):
         """The outer parameters as the first stage reads them: gathered over the batch axes
@@ -68,8 +72,11 @@ class StageModel:
     def pre(self, outer, layers, vars, mb):
         """First stage: mb -> (x [b, ...] in the compute dtype, or the user's pytree; vars after `pre`)."""
         m = self.module(outer, layers, vars)
-        x = m.embed(mb["inputs"], self.policy.compute_dtype) if self.lm else \
-            check_activation(m.pre(mb), f"{type(m).__name__}.pre")
+        x = (
+            m.embed(mb["inputs"], self.policy.compute_dtype)
+            if self.lm
+            else check_activation(m.pre(mb), f"{type(m).__name__}.pre")
+        )
         return x, self.spec.vars_of(m)
 
     def stage(self, outer, layers, x, mb):
@@ -77,9 +84,9 @@ class StageModel:
         segment ids) -> (y, aux loss scalar, metrics {k: [Lc]})."""
         m = self.module(outer, layers)
         pos, seg = (mb["positions"], mb.get("segment_ids")) if self.lm else (None, None)
-        y, loss, aux = apply_layers(m, vary(x), pos, seg)     # vary: the scan's carry
-        check_keeps(x, y, f"a pipeline stage of {type(m.layers).__name__} layers")   # the ring's buffers are x's
-        return y, vary(loss), aux                             # varies over stages
+        y, loss, aux = apply_layers(m, vary(x), pos, seg)  # vary: the scan's carry
+        check_keeps(x, y, f"a pipeline stage of {type(m.layers).__name__} layers")  # the ring's buffers are x's
+        return y, vary(loss), aux  # varies over stages
 
     def post_loss(self, outer, layers, vars, y, mb):
         """Last stage: y -> (the microbatch's loss (fp32 scalar), its metrics, vars after `post`).
@@ -96,36 +103,51 @@ class StageModel:
         `post` keeps its layout (a head split over `tensor` stays so) unless it gathers (pooling a
         token with `take_along_axis`, say): then it runs whole too."""
         from meshpar.core.precision import chunked_cross_entropy
+
         m = self.module(outer, layers, vars)
-        if self.lm:   # a sequence split over a manual `context`: sums over its shards
+        if self.lm:  # a sequence split over a manual `context`: sums over its shards
             over = tuple(a for a in manual_axes() if a in SEQUENCE_AXES)
-            loss = chunked_cross_entropy(lambda z: m.head(z, self.policy.compute_dtype), y, mb["targets"],
-                                         mb.get("weights"), self.loss_chunks, over)
+            loss = chunked_cross_entropy(
+                lambda z: m.head(z, self.policy.compute_dtype),
+                y,
+                mb["targets"],
+                mb.get("weights"),
+                self.loss_chunks,
+                over,
+            )
             metrics = {}
         else:
             return self._post_loss(outer, layers, vars, y, mb)
-        return loss.astype(jnp.float32), {k: jnp.asarray(v, jnp.float32) for k, v in dict(metrics).items()}, \
-            self.spec.vars_of(m)
+        return (
+            loss.astype(jnp.float32),
+            {k: jnp.asarray(v, jnp.float32) for k, v in dict(metrics).items()},
+            self.spec.vars_of(m),
+        )
 
     def _post_loss(self, outer, layers, vars, y, mb):
         """`post_loss` of a user's model: post (whole if it gathers), then its loss whole."""
         layout = active_layout()
-        nothing_split = layout and layout.hiding(layout.shape)      # `constrain` inside splits nothing
-        gathers = _gathers(jax.make_jaxpr(lambda o, lay, vs, x: self.module(o, lay, vs).post(x))(
-            outer, layers, vars, y).jaxpr)
+        nothing_split = layout and layout.hiding(layout.shape)  # `constrain` inside splits nothing
+        gathers = _gathers(
+            jax.make_jaxpr(lambda o, lay, vs, x: self.module(o, lay, vs).post(x))(outer, layers, vars, y).jaxpr
+        )
         m = self.module(whole(outer), layers, vars) if gathers else self.module(outer, layers, vars)
         with use_layout(nothing_split if gathers else layout):
             outputs = whole(m.post(whole(y) if gathers else y))
         m = self.module(whole(outer), layers, self.spec.vars_of(m))
         with use_layout(nothing_split):
             loss, metrics = check_loss(m.loss(outputs, whole(mb)), f"{type(m).__name__}.loss")
-        return loss.astype(jnp.float32), {k: jnp.asarray(v, jnp.float32) for k, v in dict(metrics).items()}, \
-            self.spec.vars_of(m)
+        return (
+            loss.astype(jnp.float32),
+            {k: jnp.asarray(v, jnp.float32) for k, v in dict(metrics).items()},
+            self.spec.vars_of(m),
+        )
 
 
 def _gathers(jaxpr) -> bool:
     """Whether a jaxpr (or one inside it: a jit, a scan, a custom derivative) gathers."""
     from jax.extend.core import subjaxprs
+
     return any(e.primitive.name == "gather" for e in jaxpr.eqns) or any(map(_gathers, subjaxprs(jaxpr)))
 
 
@@ -139,6 +161,7 @@ def merge_stage_vars(vars_in, vars_out, stages: int, axis: str):
         mine = lambda k, x: lax.psum(jnp.where(s == k, x, jnp.zeros_like(x)), axis)
         changed = mine(0, jnp.any(a != b).astype(jnp.int32)) > 0
         return jnp.where(changed, mine(0, b), mine(stages - 1, b))
+
     return jax.tree.map(one, vars_in, vars_out)
 
 
@@ -165,8 +188,10 @@ def zeros_like_varying(tree):
 def split_params(params: dict):
     """{outer..., "layers": stack} -> (outer, stack); one line for a model with no stacked layers."""
     if "layers" not in params:
-        raise ConfigError("pipelining needs a model with stacked layers under the parameter key 'layers' "
-                          "(meshpar.nn.layers.stacked); set mesh.pipeline=1 for this model")
+        raise ConfigError(
+            "pipelining needs a model with stacked layers under the parameter key 'layers' "
+            "(meshpar.nn.layers.stacked); set mesh.pipeline=1 for this model"
+        )
     outer = {k: v for k, v in params.items() if k != "layers"}
     return outer, params["layers"]
 

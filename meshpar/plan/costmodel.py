@@ -1,10 +1,10 @@
 """The planner's cost model: bytes per device and seconds per step of one candidate plan.
 
-Letters: N devices; mesh axes p (pipeline), d (data), f (fsdp), x (context), e (expert), t (tensor);
-B global batch (sequences), T (= s) length (s / x tokens of a sequence per device), M_a gradient-accumulation microbatches, M pipeline microbatches,
-v virtual stages; b = B / (d f e M_a M) sequences per device per microbatch; model sizes L layers,
-h embed, a heads, k kv heads, q head_dim, F mlp, V vocab; Psi parameters. Bytes per parameter
-W, G, O (weights, gradients, optimizer state); c bytes of the compute dtype.
+Letters: N devices; mesh axes p (pipeline), d (data), f (fsdp), x (context), e (expert), t (tensor); B global batch
+(sequences), T (= s) length (s / x tokens of a sequence per device), M_a gradient-accumulation microbatches, M
+pipeline microbatches, v virtual stages; b = B / (d f e M_a M) sequences per device per microbatch; model sizes L
+layers, h embed, a heads, k kv heads, q head_dim, F mlp, V vocab; Psi parameters. Bytes per parameter W, G, O
+(weights, gradients, optimizer state); c bytes of the compute dtype.
 
 Memory (per device, bytes).
 * Model state, ZeRO (Rajbhandari et al. 2020, sec. 5, "Psi" accounting with W,G,O = 2,2,12:
@@ -68,6 +68,7 @@ Memory (per device, bytes).
 
 Time per step and the collectives it moves: `meshpar.plan.steptime`.
 """
+
 from __future__ import annotations
 
 import math
@@ -86,6 +87,7 @@ REMATS = ("none", "save_dots", "full")
 @dataclass(frozen=True)
 class Leaf:
     """One parameter tensor: shape, logical names, whether it sits in the stacked (scanned) layers."""
+
     path: str
     shape: tuple
     names: tuple
@@ -99,46 +101,63 @@ class Leaf:
 @dataclass
 class ModelFacts:
     """What the cost model needs of a model: its parameter tensors and, for activations, its sizes."""
+
     leaves: list
     params: int
     flops_per_token: float
-    dims: dict                      # layers, embed, heads, kv_heads, head_dim, mlp, vocab (None if unknown)
-    moe: dict = field(default_factory=dict)    # num_experts, every, top_k, capacity_factor (None: dropless), expert_mlp, shared_experts
-    lookups: tuple = ()             # paths of tables read by a lookup only ([vocab, embed], embeddings not tied)
+    dims: dict  # layers, embed, heads, kv_heads, head_dim, mlp, vocab (None if unknown)
+    moe: dict = field(
+        default_factory=dict
+    )  # num_experts, every, top_k, capacity_factor (None: dropless), expert_mlp, shared_experts
+    lookups: tuple = ()  # paths of tables read by a lookup only ([vocab, embed], embeddings not tied)
 
     @classmethod
-    def from_config(cls, cfg) -> "ModelFacts":
+    def from_config(cls, cfg) -> ModelFacts:
         """Shapes only (`nnx.eval_shape`): a 175B model costs no memory here."""
-        from meshpar.train.flops import active_params, flops_per_token
         from meshpar.core.precision import get_policy
-        from meshpar.core.sharding import model_spec, path_name
         from meshpar.core.registry import default_model
+        from meshpar.core.sharding import model_spec, path_name
+        from meshpar.train.flops import active_params, flops_per_token
+
         spec = model_spec(default_model(cfg), get_policy(cfg.precision))
         names = jax.tree.leaves(spec.logical, is_leaf=lambda x: isinstance(x, tuple))
-        leaves = [Leaf(path_name(p), tuple(s.shape), tuple(n), bool(n) and n[0] == "layers")
-                  for (p, s), n in zip(jax.tree_util.tree_leaves_with_path(spec.shapes), names)]
+        leaves = [
+            Leaf(path_name(p), tuple(s.shape), tuple(n), bool(n) and n[0] == "layers")
+            for (p, s), n in zip(jax.tree_util.tree_leaves_with_path(spec.shapes), names)
+        ]
         m = spec.model_config
         dims = {k: getattr(m, k, None) for k in ("layers", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab")}
         moe = {}
         if any("expert" in lf.names for lf in leaves):
-            moe = {"num_experts": cfg.moe.num_experts, "every": cfg.moe.every, "top_k": top_k(cfg.moe),
-                   "capacity_factor": cfg.moe.capacity_factor, "expert_mlp": cfg.moe.expert_mlp or dims["mlp"],
-                   "shared_experts": cfg.moe.shared_experts}
+            moe = {
+                "num_experts": cfg.moe.num_experts,
+                "every": cfg.moe.every,
+                "top_k": top_k(cfg.moe),
+                "capacity_factor": cfg.moe.capacity_factor,
+                "expert_mlp": cfg.moe.expert_mlp or dims["mlp"],
+                "shared_experts": cfg.moe.shared_experts,
+            }
         n = sum(lf.numel for lf in leaves)
-        lookups = () if getattr(m, "tie_embeddings", False) else tuple(
-            lf.path for lf in leaves if not lf.stacked and lf.names == ("vocab", "embed"))
-        return cls(leaves, n, flops_per_token(m, active_params(spec, top_k(cfg.moe)), cfg.batch.length), dims, moe, lookups)
+        lookups = (
+            ()
+            if getattr(m, "tie_embeddings", False)
+            else tuple(lf.path for lf in leaves if not lf.stacked and lf.names == ("vocab", "embed"))
+        )
+        return cls(
+            leaves, n, flops_per_token(m, active_params(spec, top_k(cfg.moe)), cfg.batch.length), dims, moe, lookups
+        )
 
 
 @dataclass(frozen=True)
 class Candidate:
     """One plan: full axis sizes (ICI x DCN), the part of each on DCN, strategy, remat, microbatches."""
-    mesh: tuple                     # sizes in MESH_AXES order
-    dcn: tuple                      # DCN part of each axis (1: all ICI)
+
+    mesh: tuple  # sizes in MESH_AXES order
+    dcn: tuple  # DCN part of each axis (1: all ICI)
     strategy: str
     remat: str
-    microbatches: int = 1           # batch.microbatches (gradient accumulation)
-    pp_microbatches: int = 1        # pipeline.microbatches
+    microbatches: int = 1  # batch.microbatches (gradient accumulation)
+    pp_microbatches: int = 1  # pipeline.microbatches
     schedule: str = "1f1b"
     virtual: int = 1
 
@@ -169,8 +188,9 @@ class Resolver:
     def spec(self, leaf: Leaf, strategy: str, shape: dict, kind: str):
         key = (leaf.names, leaf.shape, strategy, tuple(shape.values()), kind)
         if key not in self.cache:
-            self.cache[key] = resolve_kind(leaf.names, get_strategy(strategy), self.user, kind, shape, leaf.shape,
-                                           f"parameter '{leaf.path}'")
+            self.cache[key] = resolve_kind(
+                leaf.names, get_strategy(strategy), self.user, kind, shape, leaf.shape, f"parameter '{leaf.path}'"
+            )
         return self.cache[key]
 
 
@@ -221,6 +241,7 @@ def efficient_attention(cfg, compiler: str = "cpu", pipelined: bool = False, hea
     from meshpar.core.precision import get_policy
     from meshpar.nn.attention import AUTO_FLASH_FROM, cudnn_serves
     from meshpar.nn.splash import LANE
+
     a = cfg.model.attention
     if a in ("flash", "cudnn", "splash") or (a == "auto" and cfg.batch.length > AUTO_FLASH_FROM):
         return True
@@ -228,20 +249,20 @@ def efficient_attention(cfg, compiler: str = "cpu", pipelined: bool = False, hea
         return False
     if compiler == "tpu":
         return cfg.batch.length % LANE == 0
-    return cudnn_serves(get_policy(cfg.precision).compute_dtype, head_dim, packs_documents(cfg.data),
-                        cfg.model.softcap)
+    return cudnn_serves(get_policy(cfg.precision).compute_dtype, head_dim, packs_documents(cfg.data), cfg.model.softcap)
 
 
-def _per_token(dims: dict, remat: str, t_heads: int, t_mlp: int, t_res: int, s: int, c: int = 2,
-               compiler: str = "cpu") -> float:
+def _per_token(
+    dims: dict, remat: str, t_heads: int, t_mlp: int, t_res: int, s: int, c: int = 2, compiler: str = "cpu"
+) -> float:
     """Elements (of `c` bytes) stored per token of one layer (see the module docstring)."""
     h, a, k, q, f = dims["embed"], dims["heads"], dims["kv_heads"], dims["head_dim"], dims["mlp"]
     if remat == "full" or remat == "offload":
         return h / t_res
     if remat == "save_dots":
         return 3 * h / t_res + (a + 2 * k) * q / t_heads + 2 * f / t_mlp
-    partial = 2 * h if t_heads > 1 and t_res == 1 else 0      # TP without SP: the row-parallel outputs (wo, w_down)
-    if compiler != "cpu":   # the targets' own residuals: the norms' inputs and outputs in fp32 beside their
+    partial = 2 * h if t_heads > 1 and t_res == 1 else 0  # TP without SP: the row-parallel outputs (wo, w_down)
+    if compiler != "cpu":  # the targets' own residuals: the norms' inputs and outputs in fp32 beside their
         # compute-dtype casts, six [.., F] (w_in's two halves, silu, its sigmoid, the product, its cast),
         # and stored scores once in fp32 and once cast
         norms, mlp, scores = 2 * h + 4 * h * 4 / c, 6 * f, (1 + 4 / c) * a * s
@@ -255,47 +276,54 @@ def tensor_splits(facts: ModelFacts, cand: Candidate) -> dict:
     divide), mlp (t_mlp), the residual (t_res: sequence parallelism), vocab (t_vocab)."""
     t = cand.shape["tensor"]
     names = {n for n, _ in get_strategy(cand.strategy).params}
-    return {"heads": t if "heads" in names and facts.dims["kv_heads"] % t == 0 else 1,
-            "mlp": t if "mlp" in names else 1, "res": t if "length" in names else 1,
-            "vocab": t if "vocab" in names else 1}
+    return {
+        "heads": t if "heads" in names and facts.dims["kv_heads"] % t == 0 else 1,
+        "mlp": t if "mlp" in names else 1,
+        "res": t if "length" in names else 1,
+        "vocab": t if "vocab" in names else 1,
+    }
 
 
 def activation_parts(facts: ModelFacts, cand: Candidate, cfg, c: int, compiler: str = "cpu") -> dict:
     """Per-device activation memory of one step (bytes) by term (see the module docstring)."""
     d, shape = facts.dims, cand.shape
     b, s = local_batch(cfg, cand), cfg.batch.length
-    leaves = 3 if packs_documents(cfg.data) else 1                     # tokens (+ segment ids, positions)
-    out = {"batch": 4 * leaves * b * cand.microbatches * cand.pp_microbatches * (s + 1)}   # int32 [B, T+1] / dp
+    leaves = 3 if packs_documents(cfg.data) else 1  # tokens (+ segment ids, positions)
+    out = {"batch": 4 * leaves * b * cand.microbatches * cand.pp_microbatches * (s + 1)}  # int32 [B, T+1] / dp
     if not all(d.get(k) for k in ("layers", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab")):
-        return out                                                      # a user model without sizes
+        return out  # a user model without sizes
     sp = tensor_splits(facts, cand)
     t_heads, t_mlp, t_res, t_vocab = sp["heads"], sp["mlp"], sp["res"], sp["vocab"]
     layers = d["layers"] / shape["pipeline"]
     cp = shape["context"]
     tokens = b * s / cp
-    scores = 0 if efficient_attention(cfg, compiler, shape["pipeline"] > 1, d["head_dim"]) else s   # keys whose scores a token stores
+    scores = (
+        0 if efficient_attention(cfg, compiler, shape["pipeline"] > 1, d["head_dim"]) else s
+    )  # keys whose scores a token stores
     per_layer = _per_token(d, cand.remat, t_heads, t_mlp, t_res, scores, c, compiler)
     if shape["pipeline"] == 1:
         out["stored"] = c * layers * tokens * per_layer
-    elif cand.schedule == "1f1b":   # residual slots (see stash_slots); the input and the gradient received
+    elif cand.schedule == "1f1b":  # residual slots (see stash_slots); the input and the gradient received
         out["stored"] = c * tokens * (stash_slots(cand) * layers * per_layer + 2 * d["embed"] / t_res)
-    else:       # the stash of stage inputs, then one microbatch's residuals while its stage runs backward
+    else:  # the stash of stage inputs, then one microbatch's residuals while its stage runs backward
         ticks = cand.virtual * cand.pp_microbatches + shape["pipeline"] - 1
-        stashes = 1 if compiler == "cpu" else 2     # a target's compile holds the stash's cotangents beside it
+        stashes = 1 if compiler == "cpu" else 2  # a target's compile holds the stash's cotangents beside it
         out["stored"] = c * tokens * (stashes * ticks * d["embed"] / t_res + layers / cand.virtual * per_layer)
     out["working"] = c * tokens * _per_token(d, "none", t_heads, t_mlp, t_res, scores)
-    if cp > 1:   # the gathered K and V of the layer being computed, and in its backward their fp32 gradients
+    if cp > 1:  # the gathered K and V of the layer being computed, and in its backward their fp32 gradients
         out["working"] += (c + 4) * b * 2 * s * d["kv_heads"] * d["head_dim"] / t_heads
     # fp32 logits and their gradient; a target: one buffer in the compute dtype, except under GPipe and
     # interleaved, whose last stage holds the fp32 pair too (H100: two [b s, V / t] f32 buffers)
     gpipe = shape["pipeline"] > 1 and cand.schedule != "1f1b"
     logit_bytes = 2 * 4 if compiler == "cpu" or gpipe else c
-    out["logits"] = logit_bytes * tokens * d["vocab"] / t_vocab / cfg.train.loss_chunks   # one slice's (train.loss_chunks)
+    out["logits"] = (
+        logit_bytes * tokens * d["vocab"] / t_vocab / cfg.train.loss_chunks
+    )  # one slice's (train.loss_chunks)
     if facts.moe:
         m = facts.moe
         moe_layers = layers / m["every"]
         buf = tokens * m["top_k"] * rows_factor(m, shape) * (2 * d["embed"] + 3 * m["expert_mlp"] / t_mlp)
-        held = moe_layers / cand.virtual if shape["pipeline"] > 1 else moe_layers   # one microbatch's
+        held = moe_layers / cand.virtual if shape["pipeline"] > 1 else moe_layers  # one microbatch's
         out["moe"] = c * buf * ((held if cand.remat == "none" else 0) + 1)
     return out
 
@@ -329,8 +357,9 @@ def _local(lf: Leaf, cand: Candidate, res: Resolver) -> float:
     return lf.numel / _factor(res.spec(lf, cand.strategy, cand.shape, "rest"), cand.shape)
 
 
-def workspace_parts(facts: ModelFacts, cand: Candidate, res: Resolver, w: float = 4, c: int = 2,
-                    compiler: str = "cpu") -> dict:
+def workspace_parts(
+    facts: ModelFacts, cand: Candidate, res: Resolver, w: float = 4, c: int = 2, compiler: str = "cpu"
+) -> dict:
     """Weight-sized buffers the compiled step holds beside its state (bytes; see the module
     docstring), `w` bytes per weight element, `c` per compute-dtype element; the layer loops' weight
     copies are XLA:CPU's (`compiler` "cpu"), the compute-dtype copy XLA:GPU's and libtpu's."""
@@ -342,7 +371,7 @@ def workspace_parts(facts: ModelFacts, cand: Candidate, res: Resolver, w: float 
         out["compute_copy"] = c * sum(_local(lf, cand, res) for lf in stacked)
     layers = (facts.dims.get("layers") or 1) / shape["pipeline"]
     gathered = 0.0
-    for lf in stacked:                   # FSDP: the layer being computed, gathered over the batch axes and context
+    for lf in stacked:  # FSDP: the layer being computed, gathered over the batch axes and context
         on_batch = _axes(res.spec(lf, cand.strategy, shape, "rest")) & {*BATCH_AXES, "context"}
         gathered += _local(lf, cand, res) * math.prod(shape[a] for a in on_batch) / lf.shape[0] if on_batch else 0.0
     out["layer"] = w * gathered if gathered else w_stk / layers

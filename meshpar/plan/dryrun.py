@@ -20,12 +20,13 @@ therefore checks the planner's XLA:CPU prediction at f32 compute, and the verdic
 the compiled step's ratio to the planner carried over to the target. Both figures are reported;
 `fits_compiled` uses the target's. With `--target` the target's own compile is the verdict.
 """
+
 from __future__ import annotations
 
 import jax
 
-from meshpar.plan import inspect
 from meshpar.core.errors import MeshparError
+from meshpar.plan import inspect
 from meshpar.plan.search import estimate
 
 COMPILE_OPTIONS = {"xla_backend_optimization_level": 0}
@@ -35,15 +36,19 @@ def compile_step(cfg, target=None):
     """(trainer, compiled step) for `cfg` on the first cfg.devices devices, or on a deviceless `target`'s
     devices by its own compiler (`meshpar.plan.target`)."""
     from meshpar.train.step import trainer_for
+
     if target is not None:
         from meshpar.plan.target import compile_errors, compile_trainer
+
         with compile_errors(target, cfg):
             trainer = trainer_for(cfg, devices=target.devices)
             return trainer, compile_trainer(target, trainer)[0]
     if jax.device_count() < cfg.devices:
-        raise MeshparError(f"--verify needs {cfg.devices} devices, JAX has {jax.device_count()}; on a CPU host "
-                           f"run `meshpar plan --devices {cfg.devices} ...` (it fakes them before JAX starts)")
-    trainer = trainer_for(cfg, devices=jax.devices()[:cfg.devices])
+        raise MeshparError(
+            f"--verify needs {cfg.devices} devices, JAX has {jax.device_count()}; on a CPU host "
+            f"run `meshpar plan --devices {cfg.devices} ...` (it fakes them before JAX starts)"
+        )
+    trainer = trainer_for(cfg, devices=jax.devices()[: cfg.devices])
     return trainer, trainer.lower().compile(COMPILE_OPTIONS)
 
 
@@ -56,6 +61,7 @@ def compiled_numbers(trainer, compiled) -> dict:
 def compare(cfg, hardware=None) -> tuple[dict, dict]:
     """(prediction, compiled) for the plan `cfg` names."""
     from meshpar.plan.steptime import summarize
+
     pred = estimate(cfg, hardware, compiler="cpu")
     trainer, compiled = compile_step(cfg)
     pred = {"memory": pred["memory"], "collectives": summarize(pred["collectives"]), "time": pred["time"]}
@@ -67,6 +73,7 @@ def verify(result: dict, config_path: str | None, overrides: list[str], k: int, 
     whose compiled peak exceeds the device's memory is marked as not fitting. With a `target` each plan
     is compiled for the target's devices by its compiler, whose peak is the verdict itself."""
     from meshpar.core.config import load_config
+
     rows = []
     mem_limit = result["hardware"]["memory_bytes"]
     for rank, cand in enumerate(result["candidates"][:k], 1):
@@ -75,46 +82,76 @@ def verify(result: dict, config_path: str | None, overrides: list[str], k: int, 
         got = compiled_numbers(trainer, compiled)
         peak = on_target = got["memory"].get("peak_estimate", 0)
         predicted = cand["memory"]
-        if target is None:   # XLA:CPU's step: compared with the planner's XLA:CPU rules, carried to the target
-            f32 = ["precision=fp32"] if _upcast_on_cpu(cfg) else []   # what XLA:CPU computes in
-            predicted = estimate(load_config(config_path, list(overrides) + cand["overrides"] + f32),
-                                 compiler="cpu")["memory"]
+        if target is None:  # XLA:CPU's step: compared with the planner's XLA:CPU rules, carried to the target
+            f32 = ["precision=fp32"] if _upcast_on_cpu(cfg) else []  # what XLA:CPU computes in
+            predicted = estimate(load_config(config_path, list(overrides) + cand["overrides"] + f32), compiler="cpu")[
+                "memory"
+            ]
             on_target = peak * cand["memory"]["total"] / predicted["total"]
-        rows.append({"rank": rank, "mesh": cand["mesh"], "strategy": cand["strategy"], "overrides": cand["overrides"],
-                     "predicted": {"memory": predicted, "collectives": cand["collectives"]},
-                     "compiled": got, "target_peak": int(on_target), "fits_compiled": on_target <= mem_limit,
-                     "compiled_by": target.describe()["device_kind"] if target else "XLA:CPU"})
+        rows.append(
+            {
+                "rank": rank,
+                "mesh": cand["mesh"],
+                "strategy": cand["strategy"],
+                "overrides": cand["overrides"],
+                "predicted": {"memory": predicted, "collectives": cand["collectives"]},
+                "compiled": got,
+                "target_peak": int(on_target),
+                "fits_compiled": on_target <= mem_limit,
+                "compiled_by": target.describe()["device_kind"] if target else "XLA:CPU",
+            }
+        )
     return rows
 
 
 def _upcast_on_cpu(cfg) -> bool:
     """True when this compile computes matmuls in f32 that the target computes in 16 bits."""
     import numpy as np
+
     from meshpar.core.precision import get_policy
+
     return jax.default_backend() == "cpu" and np.dtype(get_policy(cfg.precision).compute_dtype).itemsize == 2
 
 
 def render(rows: list[dict], console) -> None:
     """One table per plan: each quantity with its predicted and compiled value and their ratio."""
     from rich.table import Table
-    gib = 2 ** 30
+
+    gib = 2**30
     for r in rows:
         mesh = " ".join(f"{a}={v}" for a, v in r["mesh"].items() if v > 1)
-        t = Table(title=f"#{r['rank']} {r['strategy']} {mesh}: predicted vs compiled for {r['compiled_by']} "
-                        "(per device, per step)"
-                        + ("" if r["fits_compiled"] else "  [bold red]compiled: does not fit[/]"))
+        t = Table(
+            title=f"#{r['rank']} {r['strategy']} {mesh}: predicted vs compiled for {r['compiled_by']} "
+            "(per device, per step)" + ("" if r["fits_compiled"] else "  [bold red]compiled: does not fit[/]")
+        )
         for col in ("quantity", "predicted", "compiled", "ratio"):
             t.add_column(col, justify="left" if col == "quantity" else "right")
         pm, cm = r["predicted"]["memory"], r["compiled"]["memory"]
         pairs = [("memory total (GiB) / peak", pm["total"] / gib, cm.get("peak_estimate", 0) / gib)]
         if r["target_peak"] != cm.get("peak_estimate", 0):
-            pairs.append(("  peak on the target (CPU computes matmuls in f32; scaled to 16-bit; the verdict)",
-                          pm["total"] / gib, r["target_peak"] / gib))
-        pairs.append(("params+optimizer+batch / arguments (GiB)", (pm["params"] + pm["optimizer"]) / gib,
-                      cm.get("argument", 0) / gib))
+            pairs.append(
+                (
+                    "  peak on the target (CPU computes matmuls in f32; scaled to 16-bit; the verdict)",
+                    pm["total"] / gib,
+                    r["target_peak"] / gib,
+                )
+            )
+        pairs.append(
+            (
+                "params+optimizer+batch / arguments (GiB)",
+                (pm["params"] + pm["optimizer"]) / gib,
+                cm.get("argument", 0) / gib,
+            )
+        )
         kinds = sorted(set(r["predicted"]["collectives"]) | set(r["compiled"]["collectives"]))
-        pairs += [(f"{kind} (MB)", r["predicted"]["collectives"].get(kind, 0) / 1e6,
-                   r["compiled"]["collectives"].get(kind, 0) / 1e6) for kind in kinds]
+        pairs += [
+            (
+                f"{kind} (MB)",
+                r["predicted"]["collectives"].get(kind, 0) / 1e6,
+                r["compiled"]["collectives"].get(kind, 0) / 1e6,
+            )
+            for kind in kinds
+        ]
         for name, p, c in pairs:
             t.add_row(name, f"{p:,.3f}", f"{c:,.3f}", f"{p / c:.2f}" if c else "-")
         console.print(t)

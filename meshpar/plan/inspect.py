@@ -7,6 +7,7 @@ that replaces it under sequence parallelism compare directly. Ops inside a `whil
 layers, gradient accumulation) are multiplied by the loop's known trip count: numbers are per step.
 Replica groups are mapped back to the mesh axes they span.
 """
+
 from __future__ import annotations
 
 import math
@@ -17,11 +18,28 @@ import numpy as np
 
 from meshpar.parallel.schedules import BRANCH_SHARE
 
-_SHARE = re.compile(re.escape(BRANCH_SHARE) + r"([\d.e+-]+)")   # a per-device branch's share of its loop
+_SHARE = re.compile(re.escape(BRANCH_SHARE) + r"([\d.e+-]+)")  # a per-device branch's share of its loop
 # ragged-all-to-all first: the alternation must not read its tail as an all-to-all
 COLLECTIVES = ("ragged-all-to-all", "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
-                "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1}
+_DTYPE_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+}
 _SHAPE = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\]")
 _COMP = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s(" + "|".join(COLLECTIVES) + r")(-start)?\((.*)$")
@@ -49,7 +67,7 @@ def _split_computations(hlo: str) -> tuple[dict[str, list[str]], str]:
 
 def _multipliers(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
     """How many times each computation runs per execution of ENTRY (while bodies x trip count)."""
-    calls = defaultdict(list)   # caller -> [(callee, times)]
+    calls = defaultdict(list)  # caller -> [(callee, times)]
     for name, lines in comps.items():
         for line in lines:
             trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
@@ -91,13 +109,16 @@ def _trip_from_condition(lines: list[str]) -> int:
 
 def _groups(line: str) -> list[list[int]] | None:
     """Replica groups (or permute pairs) as lists of partition ids, from any of XLA's notations."""
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:T\(([\d,]+)\))?"
-                  r"(?:,\s*device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?\s*\{([^}]*)\}", line)
-    if m:   # mesh['axis_0'=2,'axis_1'=4] {'axis_1'}: an iota mesh; groups vary along the named axes
+    m = re.search(
+        r"replica_groups=mesh\[([^\]]*)\](?:T\(([\d,]+)\))?"
+        r"(?:,\s*device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?\s*\{([^}]*)\}",
+        line,
+    )
+    if m:  # mesh['axis_0'=2,'axis_1'=4] {'axis_1'}: an iota mesh; groups vary along the named axes
         axes = re.findall(r"'?([\w]+)'?=(\d+)", m.group(1))
         names, sizes = [a for a, _ in axes], [int(s) for _, s in axes]
         ids = np.arange(math.prod(sizes))
-        if m.group(3):   # device_ids=([dims]T(perm)): the mesh holds this permuted iota device list
+        if m.group(3):  # device_ids=([dims]T(perm)): the mesh holds this permuted iota device list
             ids = ids.reshape([int(x) for x in m.group(3).split(",")])
             if m.group(4):
                 ids = ids.transpose([int(x) for x in m.group(4).split(",")])
@@ -109,7 +130,7 @@ def _groups(line: str) -> list[list[int]] | None:
         size = math.prod(sizes[i] for i in grouped)
         return ids.transpose(rest + grouped).reshape(-1, size).tolist()
     m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
-    if m:   # [G,S]<=[dims]T(perm): iota device list, transposed, cut into G groups of S
+    if m:  # [G,S]<=[dims]T(perm): iota device list, transposed, cut into G groups of S
         shape = [int(x) for x in m.group(1).split(",")]
         dims = [int(x) for x in m.group(2).split(",")]
         ids = np.arange(math.prod(dims)).reshape(dims)
@@ -147,7 +168,7 @@ def start_shapes(result: str, kind: str, start: bool) -> list[int]:
     if kind == "ragged-all-to-all":
         return shapes[-1:]
     if start and result.startswith("(") and kind != "all-reduce":
-        return shapes[len(shapes) // 2:]
+        return shapes[len(shapes) // 2 :]
     return shapes
 
 
@@ -180,8 +201,9 @@ def _is_scattered(lines: list[str], name: str, comps: dict[str, list[str]], dept
         if "dynamic-slice(" in u:
             continue
         out = u.split("=")[0].strip().removeprefix("ROOT").strip().lstrip("%")
-        if (any(p in u for p in _PASS_THROUGH) or _is_pass_through_fusion(u, comps)) and \
-                _is_scattered(lines, out, comps, depth + 1):
+        if (any(p in u for p in _PASS_THROUGH) or _is_pass_through_fusion(u, comps)) and _is_scattered(
+            lines, out, comps, depth + 1
+        ):
             continue
         fused = re.search(r"calls=%?([\w.\-]+)", u)
         args = re.search(r"\bfusion\((.*?)\), kind=", u)
@@ -221,9 +243,12 @@ def collectives(hlo: str, mesh_shape: dict[str, int] | None = None) -> list[dict
             group_size = len(groups[0]) if groups and kind != "collective-permute" else 1
             share = _SHARE.search(line)
             times = max(mult.get(comp, 1), 1) * (float(share.group(1)) if share else 1)
-            base = {"times": times, "computation": comp,
-                    "axes": _axes_of_groups(groups, mesh_shape) if mesh_shape else [],
-                    "group_size": group_size if groups else None}
+            base = {
+                "times": times,
+                "computation": comp,
+                "axes": _axes_of_groups(groups, mesh_shape) if mesh_shape else [],
+                "group_size": group_size if groups else None,
+            }
             if kind == "all-reduce" and not start and group_size > 1:
                 name = line.split("=")[0].strip().removeprefix("ROOT").strip().lstrip("%")
                 if result.startswith("("):
@@ -237,7 +262,9 @@ def collectives(hlo: str, mesh_shape: dict[str, int] | None = None) -> list[dict
                     scattered = [_is_scattered(lines, name, comps)]
                 rs = sum(s for s, sc in zip(shapes, scattered) if sc)
                 if rs:
-                    out.append({"kind": "reduce-scatter", "bytes": rs, "lowered_as": "all-reduce+dynamic-slice", **base})
+                    out.append(
+                        {"kind": "reduce-scatter", "bytes": rs, "lowered_as": "all-reduce+dynamic-slice", **base}
+                    )
                 if sum(shapes) - rs:
                     out.append({"kind": "all-reduce", "bytes": sum(shapes) - rs, **base})
                 continue
@@ -262,8 +289,13 @@ def memory(compiled) -> dict:
     ma = compiled.memory_analysis()
     if ma is None:
         return {}
-    keys = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes", "alias_size_in_bytes",
-            "generated_code_size_in_bytes")
+    keys = (
+        "argument_size_in_bytes",
+        "output_size_in_bytes",
+        "temp_size_in_bytes",
+        "alias_size_in_bytes",
+        "generated_code_size_in_bytes",
+    )
     out = {k.replace("_size_in_bytes", ""): int(getattr(ma, k, 0) or 0) for k in keys}
     out["peak_estimate"] = out["argument"] + out["output"] + out["temp"] - out["alias"]
     return out
@@ -288,15 +320,22 @@ def report(cfg, trainer=None) -> dict:
     ops = collectives(compiled.as_text(), shape)
     model_flops, counted = trainer.model_flops()
     out = {
-        "mesh": shape, "strategy": cfg.strategy, "precision": cfg.precision, "warnings": trainer.warnings(),
+        "mesh": shape,
+        "strategy": cfg.strategy,
+        "precision": cfg.precision,
+        "warnings": trainer.warnings(),
         "params": trainer.sharding_table(),
         "collectives": {"summary": summarize(ops), "ops": ops},
         "memory": memory(compiled),
         "flops": {"xla_per_device": flops(compiled), "model_per_step": model_flops, "model_counted_as": counted},
     }
-    if shape.get("pipeline", 1) > 1:   # schedule tick table, its bubble, peak temporary memory per device
+    if shape.get("pipeline", 1) > 1:  # schedule tick table, its bubble, peak temporary memory per device
         from meshpar.parallel.schedules import describe as describe_pipeline
-        out["pipeline"] = {**describe_pipeline(cfg.pipeline, shape["pipeline"]), "peak_temp_bytes": out["memory"].get("temp")}
+
+        out["pipeline"] = {
+            **describe_pipeline(cfg.pipeline, shape["pipeline"]),
+            "peak_temp_bytes": out["memory"].get("temp"),
+        }
     return out
 
 
@@ -304,7 +343,10 @@ def render_report(rep: dict, console) -> None:
     from rich.table import Table
 
     from meshpar.core.sharding import render_sharding_table
-    console.print(f"[bold]mesh[/] {rep['mesh']}  [bold]strategy[/] {rep['strategy']}  [bold]precision[/] {rep['precision']}")
+
+    console.print(
+        f"[bold]mesh[/] {rep['mesh']}  [bold]strategy[/] {rep['strategy']}  [bold]precision[/] {rep['precision']}"
+    )
 
     for line in rep.get("warnings", []):
         console.print(line, markup=False)
@@ -322,14 +364,17 @@ def render_report(rep: dict, console) -> None:
         m.add_row(k, f"{v:,}")
     console.print(m)
     f = rep["flops"]
-    console.print(f"FLOPs: XLA cost_analysis {f['xla_per_device'] or 0:.4g} per device; "
-                  f"model {f['model_per_step']:.4g} per step ({f['model_counted_as']})")
+    console.print(
+        f"FLOPs: XLA cost_analysis {f['xla_per_device'] or 0:.4g} per device; "
+        f"model {f['model_per_step']:.4g} per step ({f['model_counted_as']})"
+    )
     if "pipeline" in rep:
         pp = rep["pipeline"]
         v = f", v={pp['virtual_stages']}" if pp["virtual_stages"] > 1 else ""
-        console.print(f"[bold]pipeline[/] {pp['schedule']} P={pp['stages']} M={pp['microbatches']}{v}: "
-                      f"{pp['ticks']} ticks, bubble {pp['bubble']:.3f}, stash per stage {pp['in_flight']}, "
-                      f"peak temporary memory {pp['peak_temp_bytes'] or 0:,} bytes/device")
+        console.print(
+            f"[bold]pipeline[/] {pp['schedule']} P={pp['stages']} M={pp['microbatches']}{v}: "
+            f"{pp['ticks']} ticks, bubble {pp['bubble']:.3f}, stash per stage {pp['in_flight']}, "
+            f"peak temporary memory {pp['peak_temp_bytes'] or 0:,} bytes/device"
+        )
         for line in pp["lines"]:
             console.print(line, markup=False, highlight=False, soft_wrap=True)
-

@@ -10,14 +10,15 @@ Megatron-LM" (SC'21), on DGX A100 80GB nodes (8 GPUs on NVSwitch, 8 x 200 Gb/s H
     model parallelism (microbatches of 4, 2, 1 sequences) against PTD-P (tensor 8 x pipeline 12,
     microbatches of one).
 
-Each row becomes a meshpar config of the same shape: meshpar's decoder with heads of h / a, a gated
-MLP of 8h/3 (the 8 h^2 weights of GPT's 4h MLP; rounded to a multiple of 128), tied embeddings and
-attention that stores its scores (`xla`: Megatron's fused softmax of 2021, before flash attention).
-Without a pipeline a replica's sequences run as one batch: Megatron accumulates microbatches but
-reduces the gradients once, which meshpar does only for the batch it holds whole. Costed by `meshpar.plan.search.estimate` on the `a100-80g` preset. The step time it predicts is
-turned into the paper's own measure (eq. 3 over the predicted step), so a row compares seconds per
-step, whatever each side counts as a FLOP.
+Each row becomes a meshpar config of the same shape: meshpar's decoder with heads of h / a, a gated MLP of 8h/3 (the
+8 h^2 weights of GPT's 4h MLP; rounded to a multiple of 128), tied embeddings and attention that stores its scores
+(`xla`: Megatron's fused softmax of 2021, before flash attention). Without a pipeline a replica's sequences run as
+one batch: Megatron accumulates microbatches but reduces the gradients once, which meshpar does only for the batch
+it holds whole. Costed by `meshpar.plan.search.estimate` on the `a100-80g` preset. The step time it predicts is
+turned into the paper's own measure (eq. 3 over the predicted step), so a row compares seconds per step, whatever
+each side counts as a FLOP.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ VOCAB, LENGTH = 51200, 2048
 @dataclass(frozen=True)
 class Run:
     """One published run: a GPT model, its layout and what it measured."""
+
     name: str
     heads: int
     hidden: int
@@ -37,9 +39,9 @@ class Run:
     pipeline: int
     gpus: int
     batch: int
-    tflops: float               # measured teraFLOP/s per GPU (eq. 3, recompute counted)
-    strategy: str = "tp"        # tp: PTD-P (tensor x pipeline x data); fsdp: ZeRO-3 over every GPU
-    micro: int = 1              # sequences per microbatch
+    tflops: float  # measured teraFLOP/s per GPU (eq. 3, recompute counted)
+    strategy: str = "tp"  # tp: PTD-P (tensor x pipeline x data); fsdp: ZeRO-3 over every GPU
+    micro: int = 1  # sequences per microbatch
     source: str = ""
 
     @property
@@ -59,23 +61,38 @@ class Run:
 
     def overrides(self, schedule: str = "1f1b", virtual: int = 1, microbatches: int | None = None) -> list[str]:
         """KEY=VALUE overrides that make this run a meshpar config (`devices` set by the caller)."""
-        from meshpar.plan.search import split_ici_dcn
         from meshpar.core.mesh import MESH_AXES
+        from meshpar.plan.search import split_ici_dcn
+
         mlp = 128 * round(8 * self.hidden / 3 / 128)
         sizes = {"pipeline": self.pipeline, "data": 1, "fsdp": 1, "context": 1, "expert": 1, "tensor": self.tensor}
         sizes["fsdp" if self.strategy == "fsdp" else "data"] = self.data
         full = tuple(sizes[a] for a in MESH_AXES)
         dcn = dict(zip(MESH_AXES, split_ici_dcn(full, self.gpus, 8)))
-        out = ["model.size=7b", f"model.layers={self.layers}", f"model.embed={self.hidden}",
-               f"model.heads={self.heads}", f"model.kv_heads={self.heads}", f"model.mlp={mlp}",
-               f"model.vocab={VOCAB}", "model.tie_embeddings=true", "model.remat=full", "model.attention=xla",
-               f"batch.length={LENGTH}", f"batch.global_size={self.batch}", f"strategy={self.strategy}",
-               *(f"mesh.{a}={sizes[a] // dcn[a]}" for a in MESH_AXES),
-               "mesh.dcn={" + ", ".join(f"{a}: {v}" for a, v in dcn.items() if v > 1) + "}"]
-        if self.pipeline > 1:           # microbatches of `micro` sequences through the stages
+        out = [
+            "model.size=7b",
+            f"model.layers={self.layers}",
+            f"model.embed={self.hidden}",
+            f"model.heads={self.heads}",
+            f"model.kv_heads={self.heads}",
+            f"model.mlp={mlp}",
+            f"model.vocab={VOCAB}",
+            "model.tie_embeddings=true",
+            "model.remat=full",
+            "model.attention=xla",
+            f"batch.length={LENGTH}",
+            f"batch.global_size={self.batch}",
+            f"strategy={self.strategy}",
+            *(f"mesh.{a}={sizes[a] // dcn[a]}" for a in MESH_AXES),
+            "mesh.dcn={" + ", ".join(f"{a}: {v}" for a, v in dcn.items() if v > 1) + "}",
+        ]
+        if self.pipeline > 1:  # microbatches of `micro` sequences through the stages
             per_replica = self.batch // self.data // self.micro
-            out += [f"pipeline.schedule={schedule}", f"pipeline.microbatches={microbatches or per_replica}",
-                    f"pipeline.virtual_stages={virtual}"]
+            out += [
+                f"pipeline.schedule={schedule}",
+                f"pipeline.microbatches={microbatches or per_replica}",
+                f"pipeline.virtual_stages={virtual}",
+            ]
         return out
 
 
@@ -94,10 +111,14 @@ TABLE1 = [
 ]
 _T2 = "Table 2"
 TABLE2 = [
-    *(Run(f"175B ZeRO-3 x{n}", 96, 12288, 96, 1, 1, n, 1536, f, strategy="fsdp", micro=1536 // n, source=_T2)
-      for n, f in ((384, 144), (768, 88), (1536, 44))),
-    *(Run(f"175B PTD-P x{n}", 96, 12288, 96, 8, 12, n, 1536, f, source=_T2)
-      for n, f in ((384, 153), (768, 149), (1536, 141))),
+    *(
+        Run(f"175B ZeRO-3 x{n}", 96, 12288, 96, 1, 1, n, 1536, f, strategy="fsdp", micro=1536 // n, source=_T2)
+        for n, f in ((384, 144), (768, 88), (1536, 44))
+    ),
+    *(
+        Run(f"175B PTD-P x{n}", 96, 12288, 96, 8, 12, n, 1536, f, source=_T2)
+        for n, f in ((384, 153), (768, 149), (1536, 141))
+    ),
 ]
 
 
@@ -107,6 +128,7 @@ def cost(run: Run, hardware=None, **kw) -> dict:
     from meshpar.core.config import load_config
     from meshpar.plan.hardware import load_hardware
     from meshpar.plan.search import estimate
+
     hw = hardware or load_hardware("a100-80g")
     cfg = load_config(None, run.overrides(**kw))
     cfg.devices = run.gpus
@@ -115,6 +137,14 @@ def cost(run: Run, hardware=None, **kw) -> dict:
         raise ValueError(f"{run.name}: a tensor does not divide its mesh axes")
     t = ev["time"]
     hfu = run.paper_flops() / (t["step_s"] * run.gpus * hw.peak_flops)
-    return {"name": run.name, "step_s": t["step_s"], "measured_step_s": run.measured_step_s(), "hfu": hfu,
-            "measured_hfu": run.measured_hfu(hw.peak_flops), "ratio": hfu / run.measured_hfu(hw.peak_flops),
-            "time": t, "memory_gib": ev["memory"]["total"] / 2 ** 30, "fits": ev["fits"]}
+    return {
+        "name": run.name,
+        "step_s": t["step_s"],
+        "measured_step_s": run.measured_step_s(),
+        "hfu": hfu,
+        "measured_hfu": run.measured_hfu(hw.peak_flops),
+        "ratio": hfu / run.measured_hfu(hw.peak_flops),
+        "time": t,
+        "memory_gib": ev["memory"]["total"] / 2**30,
+        "fits": ev["fits"],
+    }

@@ -15,6 +15,7 @@ Overlap (per step, while bodies times their trip counts): an async collective `X
 is hidden by the compute scheduled between its start and its done (fusions, dots, convolutions, custom
 calls); one with none between, or a synchronous collective, is exposed: its bytes wait on the wire.
 """
+
 from __future__ import annotations
 
 import re
@@ -72,6 +73,7 @@ def overlap(hlo: str) -> dict:
         d["hidden_bytes" if hidden else "exposed_bytes"] += int(nbytes * times)
         d["ops"] += 1
         d["hidden_ops"] += int(hidden)
+
     for comp, lines in comps.items():
         times = max(mult.get(comp, 1), 1)
         starts: dict[str, tuple[str, int, int]] = {}
@@ -86,7 +88,7 @@ def overlap(hlo: str) -> dict:
             d = _DONE.search(line)
             if d and d.group(2) in starts:
                 kind, begin, nbytes = starts.pop(d.group(2))
-                computes = sum(any(op in ln for op in _COMPUTE) for ln in lines[begin + 1:i])
+                computes = sum(any(op in ln for op in _COMPUTE) for ln in lines[begin + 1 : i])
                 add(kind, nbytes, times, computes > 0)
                 continue
             s = _SYNC.search(line)
@@ -120,7 +122,7 @@ def peak_buffers(live_range: str, hlo: str, top: int = 8) -> list[dict]:
         name, shape = _NAME.match(line), _SHAPE.search(line)
         if name and shape:
             tup = _TUPLE.search(line)
-            shapes = _SHAPES.findall(tup.group(1)) if tup else [shape.group(1)]   # a tuple's elements, in order
+            shapes = _SHAPES.findall(tup.group(1)) if tup else [shape.group(1)]  # a tuple's elements, in order
             opcode, op = _OPCODE.search(line, tup.end(1) if tup else shape.end()), _OP_NAME.search(line)
             info[name.group(1)] = (shapes, opcode.group(1) if opcode else "?", op.group(1) if op else "")
     out, reading = [], False
@@ -137,8 +139,7 @@ def peak_buffers(live_range: str, hlo: str, top: int = 8) -> list[dict]:
                 continue
             index = int(m.group(2).split(",")[0]) if m.group(2) else 0
             shape = shapes[index] if index < len(shapes) else "?"
-            out.append({"name": m.group(1), "bytes": int(m.group(3)), "shape": shape, "opcode": opcode,
-                        "op_name": op})
+            out.append({"name": m.group(1), "bytes": int(m.group(3)), "shape": shape, "opcode": opcode, "op_name": op})
     return sorted(out, key=lambda b: -b["bytes"])[:top]
 
 
@@ -151,9 +152,11 @@ def compile_with_live_ranges(target, trainer) -> tuple[object, list[str], str | 
     import tempfile
 
     from meshpar.plan.target import compile_trainer
+
     with tempfile.TemporaryDirectory(prefix="meshpar-dump-") as tmp:
-        compiled, notes = compile_trainer(target, trainer, {"xla_dump_to": tmp, "xla_dump_hlo_as_text": True,
-                                                            "xla_dump_hlo_module_re": ".*step.*"})
+        compiled, notes = compile_trainer(
+            target, trainer, {"xla_dump_to": tmp, "xla_dump_hlo_as_text": True, "xla_dump_hlo_module_re": ".*step.*"}
+        )
         found = sorted(glob.glob(os.path.join(tmp, "*after_optimizations-live-range.txt")))
         live = open(found[-1]).read() if found else None
     return compiled, notes, live
@@ -166,11 +169,12 @@ def report(cfg, target) -> dict:
     import time
 
     from meshpar.train.step import trainer_for
+
     trainer = trainer_for(cfg, devices=target.devices)
     start = time.perf_counter()
     compiled, notes, live = compile_with_live_ranges(target, trainer)
     seconds = time.perf_counter() - start
-    rep = inspect.report(cfg, trainer)              # the same compiled step (Trainer.compile compiles once)
+    rep = inspect.report(cfg, trainer)  # the same compiled step (Trainer.compile compiles once)
     rep["warnings"] += notes
     hlo = compiled.as_text()
     rep["target"] = target_report(target, compiled, hlo, rep["memory"], seconds)
@@ -186,17 +190,28 @@ def serve_report(cfg, target=None) -> dict:
 
     from meshpar.serve.engine import Engine
     from meshpar.serve.placement import ABSTRACT
-    engine = Engine(cfg, devices=target.devices if target else None, weights=ABSTRACT, info=lambda _: None,
-                    device_memory=int(target.hardware.memory_bytes) if target else None)
+
+    engine = Engine(
+        cfg,
+        devices=target.devices if target else None,
+        weights=ABSTRACT,
+        info=lambda _: None,
+        device_memory=int(target.hardware.memory_bytes) if target else None,
+    )
     start = time.perf_counter()
     compiled = engine.compiled_generate()
     seconds = time.perf_counter() - start
     shape = dict(zip(engine.mesh.axis_names, engine.mesh.devices.shape))
     hlo = compiled.as_text()
-    out = {"mesh": shape, "strategy": cfg.serve.strategy, "precision": cfg.precision, "warnings": list(engine.notes),
-           "decode": {"slots": engine.slots, "cache_length": engine.length, **engine.bytes_per_device()},
-           "collectives": {"summary": inspect.summarize(inspect.collectives(hlo, shape))},
-           "memory": inspect.memory(compiled)}
+    out = {
+        "mesh": shape,
+        "strategy": cfg.serve.strategy,
+        "precision": cfg.precision,
+        "warnings": list(engine.notes),
+        "decode": {"slots": engine.slots, "cache_length": engine.length, **engine.bytes_per_device()},
+        "collectives": {"summary": inspect.summarize(inspect.collectives(hlo, shape))},
+        "memory": inspect.memory(compiled),
+    }
     if target is not None:
         out["target"] = target_report(target, compiled, hlo, out["memory"], seconds)
     return out
@@ -210,9 +225,16 @@ def target_report(target, compiled, hlo: str, mem: dict, seconds: float) -> dict
     peak, hbm = mem.get("peak_estimate", 0), int(target.hardware.memory_bytes)
     ca = compiled.cost_analysis()
     ca = (ca[0] if ca else None) if isinstance(ca, (list, tuple)) else ca
-    return {**target.describe(), "compile_s": round(seconds, 2), "peak_bytes": peak, "fits": peak <= hbm,
-            "headroom_bytes": hbm - peak, "kernels": kernels(hlo), "overlap": overlap(hlo),
-            "cost": {"flops": ca.get("flops"), "bytes_accessed": ca.get("bytes accessed")} if ca else None}
+    return {
+        **target.describe(),
+        "compile_s": round(seconds, 2),
+        "peak_bytes": peak,
+        "fits": peak <= hbm,
+        "headroom_bytes": hbm - peak,
+        "kernels": kernels(hlo),
+        "overlap": overlap(hlo),
+        "cost": {"flops": ca.get("flops"), "bytes_accessed": ca.get("bytes accessed")} if ca else None,
+    }
 
 
 def describe_op(op_name: str) -> str:
@@ -226,37 +248,72 @@ def describe_op(op_name: str) -> str:
 
 
 def render_target(t: dict, console) -> None:
-    gib = 2 ** 30
-    verdict = (f"fits, {t['headroom_bytes'] / gib:.2f} GiB to spare" if t["fits"] else
-               f"does NOT fit: {-t['headroom_bytes'] / gib:.2f} GiB over")
-    console.print(f"[bold]target[/] {t['devices']} x {t['device_kind']} ({t['name']}, {t['topology']}), compiled by its "
-                  f"own compiler ({t.get('compiler', '?')}) in {t['compile_s']} s: peak {t['peak_bytes'] / gib:.3f} GiB of "
-                  f"{t['memory_bytes'] / gib:.1f} GiB per device, {verdict}", highlight=False)
-    console.print("kernels: " + (", ".join(f"{k} x{n}" for k, n in t["kernels"].items()) or "none beyond XLA's own"),
-                  markup=False, highlight=False)
+    gib = 2**30
+    verdict = (
+        f"fits, {t['headroom_bytes'] / gib:.2f} GiB to spare"
+        if t["fits"]
+        else f"does NOT fit: {-t['headroom_bytes'] / gib:.2f} GiB over"
+    )
+    console.print(
+        f"[bold]target[/] {t['devices']} x {t['device_kind']} ({t['name']}, {t['topology']}), compiled by its "
+        f"own compiler ({t.get('compiler', '?')}) in {t['compile_s']} s: peak {t['peak_bytes'] / gib:.3f} GiB of "
+        f"{t['memory_bytes'] / gib:.1f} GiB per device, {verdict}",
+        highlight=False,
+    )
+    console.print(
+        "kernels: " + (", ".join(f"{k} x{n}" for k, n in t["kernels"].items()) or "none beyond XLA's own"),
+        markup=False,
+        highlight=False,
+    )
     ov = t["overlap"]
-    console.print(f"collectives behind compute: {ov['hidden_bytes']:,} bytes hidden, {ov['exposed_bytes']:,} exposed "
-                  "per step (scheduled HLO)", highlight=False)
+    console.print(
+        f"collectives behind compute: {ov['hidden_bytes']:,} bytes hidden, {ov['exposed_bytes']:,} exposed "
+        "per step (scheduled HLO)",
+        highlight=False,
+    )
     if t.get("peak_buffers"):
-        console.print("live at the compiler's peak (temporaries, largest first): " + "; ".join(
-            f"{b['bytes'] / 2 ** 20:,.{0 if b['bytes'] >= 10 * 2 ** 20 else 2}f} MiB {b['shape']} {b['opcode']} "
-            f"({describe_op(b['op_name']) or b['name']})"
-            for b in t["peak_buffers"][:5]), markup=False, highlight=False)
+        console.print(
+            "live at the compiler's peak (temporaries, largest first): "
+            + "; ".join(
+                f"{b['bytes'] / 2**20:,.{0 if b['bytes'] >= 10 * 2**20 else 2}f} MiB {b['shape']} {b['opcode']} "
+                f"({describe_op(b['op_name']) or b['name']})"
+                for b in t["peak_buffers"][:5]
+            ),
+            markup=False,
+            highlight=False,
+        )
     if t["cost"]:
-        console.print(f"cost analysis: {t['cost']['flops'] or 0:.4g} FLOPs, {t['cost']['bytes_accessed'] or 0:.4g} "
-                      "bytes accessed per device", highlight=False)
+        console.print(
+            f"cost analysis: {t['cost']['flops'] or 0:.4g} FLOPs, {t['cost']['bytes_accessed'] or 0:.4g} "
+            "bytes accessed per device",
+            highlight=False,
+        )
 
 
 def render_serve(rep: dict, console) -> None:
-    d, gib = rep["decode"], 2 ** 30
-    console.print(f"[bold]decode step[/] mesh {rep['mesh']}  serve.strategy {rep['strategy']}  precision {rep['precision']}: "
-                  f"{d['slots']} slots x {d['cache_length']} positions; per device weights {d['weights'] / gib:.3f} GiB, "
-                  f"KV cache {d['cache'] / gib:.3f} GiB", highlight=False)
+    d, gib = rep["decode"], 2**30
+    console.print(
+        f"[bold]decode step[/] mesh {rep['mesh']}  serve.strategy {rep['strategy']}  precision {rep['precision']}: "
+        f"{d['slots']} slots x {d['cache_length']} positions; per device weights {d['weights'] / gib:.3f} GiB, "
+        f"KV cache {d['cache'] / gib:.3f} GiB",
+        highlight=False,
+    )
     for line in rep.get("warnings", []):
         console.print(line, markup=False)
     kinds = rep["collectives"]["summary"]
-    console.print("collectives per token: " + (", ".join(f"{k} x{v['count']:g} {v['bytes']:,} B over {'/'.join(v['axes'])}"
-                                                          for k, v in sorted(kinds.items())) or "none"), highlight=False)
+    console.print(
+        "collectives per token: "
+        + (
+            ", ".join(
+                f"{k} x{v['count']:g} {v['bytes']:,} B over {'/'.join(v['axes'])}" for k, v in sorted(kinds.items())
+            )
+            or "none"
+        ),
+        highlight=False,
+    )
     m = rep["memory"]
-    console.print(f"memory per device: peak {m.get('peak_estimate', 0) / gib:.3f} GiB (arguments {m.get('argument', 0):,}, "
-                  f"temp {m.get('temp', 0):,} bytes)", highlight=False)
+    console.print(
+        f"memory per device: peak {m.get('peak_estimate', 0) / gib:.3f} GiB (arguments {m.get('argument', 0):,}, "
+        f"temp {m.get('temp', 0):,} bytes)",
+        highlight=False,
+    )

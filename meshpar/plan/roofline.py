@@ -30,16 +30,24 @@ what each dimension is split by), c bytes per compute-dtype element.
   H100's profile of a Llama-3 8B-shaped step (bench/RESULTS.md: the non-matmul kernels took 86 ms of
   494.5), and predict the 1b step within 1% (543 ms against 541).
 """
+
 from __future__ import annotations
 
 import math
 
 from meshpar.core.rules import BATCH_AXES
-from meshpar.plan.costmodel import (_axes, _factor, _per_token, efficient_attention, local_batch, rows_factor,
-                                    tensor_splits)
+from meshpar.plan.costmodel import (
+    _axes,
+    _factor,
+    _per_token,
+    efficient_attention,
+    local_batch,
+    rows_factor,
+    tensor_splits,
+)
 
 TILE = 128
-TOKEN_H, TOKEN_F, TOKEN_SCORES, TOKEN_V = 16, 4, 6, 6     # compute-dtype elements, see above
+TOKEN_H, TOKEN_F, TOKEN_SCORES, TOKEN_V = 16, 4, 6, 6  # compute-dtype elements, see above
 
 
 def gemm_fit(m: float, k: float, n: float, hw, c: int = 2) -> float:
@@ -64,8 +72,13 @@ def matmul_fit(facts, cand, cfg, hw, c: int = 2) -> float:
     sp = tensor_splits(facts, cand)
     m = local_batch(cfg, cand) * cfg.batch.length / cand.shape["context"]
     h, q, f = d["embed"], d["head_dim"], (facts.moe.get("expert_mlp") or d["mlp"])
-    gemms = [(m, h, (d["heads"] + 2 * d["kv_heads"]) * q / sp["heads"]), (m, d["heads"] * q / sp["heads"], h),
-             (m, h, 2 * f / sp["mlp"]), (m, f / sp["mlp"], h), (m, h, d["vocab"] / sp["vocab"])]
+    gemms = [
+        (m, h, (d["heads"] + 2 * d["kv_heads"]) * q / sp["heads"]),
+        (m, d["heads"] * q / sp["heads"], h),
+        (m, h, 2 * f / sp["mlp"]),
+        (m, f / sp["mlp"], h),
+        (m, h, d["vocab"] / sp["vocab"]),
+    ]
     flops = [mm * kk * nn for mm, kk, nn in gemms]
     seconds = [fl / gemm_fit(*g, hw, c) for fl, g in zip(flops, gemms)]
     return sum(flops) / sum(seconds)
@@ -76,11 +89,11 @@ def vector_bytes(facts, cand, cfg, res, bpp, c: int = 2, passes: float = 4.0, co
     `passes`: passes over the layers (forward, recomputed forwards, backward as 2)."""
     shape = cand.shape
     w, g = bpp[0], bpp[1]
-    opt, used = 0.0, 0.0                 # optimizer-state elements; weight elements computed with, x gathers
+    opt, used = 0.0, 0.0  # optimizer-state elements; weight elements computed with, x gathers
     for lf in facts.leaves:
         opt += lf.numel / _factor(res.spec(lf, cand.strategy, shape, "opt_state"), shape)
         spec = res.spec(lf, cand.strategy, shape, "rest")
-        gathered = math.prod(shape[a] for a in _axes(spec) & {*BATCH_AXES, "context"})   # FSDP: whole at use
+        gathered = math.prod(shape[a] for a in _axes(spec) & {*BATCH_AXES, "context"})  # FSDP: whole at use
         used += lf.numel / _factor(spec, shape) * gathered * (2 if gathered > 1 and lf.stacked else 1)
     out = 7 * w * opt + (2 * g + w + c) * used
     d = facts.dims
@@ -88,14 +101,16 @@ def vector_bytes(facts, cand, cfg, res, bpp, c: int = 2, passes: float = 4.0, co
         return out
     sp = tensor_splits(facts, cand)
     dp = shape["data"] * shape["fsdp"] * shape["expert"]
-    tokens = cfg.batch.global_size * cfg.batch.length / (dp * shape["context"])     # per device per step
+    tokens = cfg.batch.global_size * cfg.batch.length / (dp * shape["context"])  # per device per step
     f = d["mlp"]
-    if facts.moe:                      # MoE layers run top_k x capacity rows through experts of expert_mlp
+    if facts.moe:  # MoE layers run top_k x capacity rows through experts of expert_mlp
         share = 1 / facts.moe["every"]
         f = (1 - share) * f + share * facts.moe["top_k"] * rows_factor(facts.moe, shape) * facts.moe["expert_mlp"]
     per = TOKEN_H * d["embed"] / sp["res"] + TOKEN_F * f / sp["mlp"]
-    scores = 0 if efficient_attention(cfg, compiler, shape["pipeline"] > 1, d.get("head_dim") or 0) else cfg.batch.length
+    scores = (
+        0 if efficient_attention(cfg, compiler, shape["pipeline"] > 1, d.get("head_dim") or 0) else cfg.batch.length
+    )
     per += TOKEN_SCORES * d["heads"] * scores / sp["heads"]
-    stored = 2 * _per_token(d, cand.remat, sp["heads"], sp["mlp"], sp["res"], scores, c, compiler)   # written, read
+    stored = 2 * _per_token(d, cand.remat, sp["heads"], sp["mlp"], sp["res"], scores, c, compiler)  # written, read
     layers = d["layers"] / shape["pipeline"]
     return out + c * tokens * (layers * (passes * per + stored) + TOKEN_V * d["vocab"] / sp["vocab"])

@@ -3,39 +3,38 @@
     result = plan(cfg, devices=64, hardware=load_hardware("h100"))   # JSON-able dict, best first
     verify(result, cfg, k=2)                                           # compile the top 2 on fake devices
 
-Search: every way to write N = pipeline x data x fsdp x context x expert x tensor (sizes that
-divide the model; `context` dividing batch.length / 2), split into ICI x DCN by filling the hardware's ICI domain from the innermost axis
-(`tensor` first, as `meshpar.core.mesh` orders them), times every preset that uses those axes, remat
-(`none | save_dots | full`), gradient-accumulation microbatches (powers of two) or, with a
-pipeline axis, every pipeline microbatch count M >= P that divides a replica's rows (down to one
-sequence each) and schedules (gpipe, 1f1b, interleaved with v = 2, 3 or 4 chunks where the layers
-and M allow).
-Each candidate is costed by `meshpar.plan.costmodel` (its docstring holds every formula and its
-source); those that do not fit in device memory are dropped (kept with --all) and the rest ranked
-by predicted step time. Ties (collectives fully hidden behind compute) go first to plans that fit
-with the planner's own margin of error (its memory is within 15% of the compiled step's), then to
-fewer bytes on the wire, then to the most memory headroom, then the simpler preset (dp < zero1 <
-zero2 < fsdp < hsdp < tp < tp_sp < fsdp_tp < fsdp_tp_sp). Nothing is special-cased: TP inside a node, PP across nodes and DP outermost come out of
-the bandwidths and the memory, or do not.
+Search: every way to write N = pipeline x data x fsdp x context x expert x tensor (sizes that divide the model;
+`context` dividing batch.length / 2), split into ICI x DCN by filling the hardware's ICI domain from the
+innermost axis (`tensor` first, as `meshpar.core.mesh` orders them), times every preset that uses those axes,
+remat (`none | save_dots | full`), gradient-accumulation microbatches (powers of two) or, with a pipeline axis,
+every pipeline microbatch count M >= P that divides a replica's rows (down to one sequence each) and schedules
+(gpipe, 1f1b, interleaved with v = 2, 3 or 4 chunks where the layers and M allow). Each candidate is costed by
+`meshpar.plan.costmodel` (its docstring holds every formula and its source); those that do not fit in device
+memory are dropped (kept with --all) and the rest ranked by predicted step time. Ties (collectives fully hidden
+behind compute) go first to plans that fit with the planner's own margin of error (its memory is within 15% of
+the compiled step's), then to fewer bytes on the wire, then to the most memory headroom, then the simpler preset
+(dp < zero1 < zero2 < fsdp < hsdp < tp < tp_sp < fsdp_tp < fsdp_tp_sp). Nothing is special-cased: TP inside a
+node, PP across nodes and DP outermost come out of the bandwidths and the memory, or do not.
 
-Each mesh axis maps to one preset family so the same layout is not listed twice: dp/zero1/zero2
-put the batch on `data`; fsdp on `fsdp`; hsdp on fsdp (ICI) x data (DCN); tp/tp_sp on `tensor` x
-`data`; fsdp_tp and fsdp_tp_sp on `tensor` x `fsdp`; any of them may add `pipeline`, `context` and (MoE models) `expert`.
+Each mesh axis maps to one preset family so the same layout is not listed twice: dp/zero1/zero2 put the batch on
+`data`; fsdp on `fsdp`; hsdp on fsdp (ICI) x data (DCN); tp/tp_sp on `tensor` x `data`; fsdp_tp and fsdp_tp_sp
+on `tensor` x `fsdp`; any of them may add `pipeline`, `context` and (MoE models) `expert`.
 """
+
 from __future__ import annotations
 
 import heapq
 import math
 from dataclasses import replace
 
-from meshpar.plan.costmodel import REMATS, Candidate, ModelFacts, Resolver
-from meshpar.plan.steptime import evaluate, lower_bound, summarize
 from meshpar.core.errors import ConfigError, suggest
 from meshpar.core.mesh import MESH_AXES
 from meshpar.core.rules import PRESETS
+from meshpar.plan.costmodel import REMATS, Candidate, ModelFacts, Resolver
+from meshpar.plan.steptime import evaluate, lower_bound, summarize
 
 ORDER = ("dp", "zero1", "zero2", "fsdp", "hsdp", "tp", "tp_sp", "fsdp_tp", "fsdp_tp_sp")
-GiB = 2 ** 30
+GiB = 2**30
 
 
 def _divisors(n: int) -> list[int]:
@@ -53,10 +52,17 @@ def _factorizations(n: int, k: int):
 
 def _fits_family(strategy: str, s: dict) -> bool:
     d, f, t = s["data"], s["fsdp"], s["tensor"]
-    return {"dp": f == 1 and t == 1, "zero1": f == 1 and t == 1, "zero2": f == 1 and t == 1,
-            "fsdp": d == 1 and t == 1, "hsdp": d > 1 and f > 1 and t == 1,
-            "tp": t > 1 and f == 1, "tp_sp": t > 1 and f == 1, "fsdp_tp": t > 1 and f > 1 and d == 1,
-            "fsdp_tp_sp": t > 1 and f > 1 and d == 1}[strategy]
+    return {
+        "dp": f == 1 and t == 1,
+        "zero1": f == 1 and t == 1,
+        "zero2": f == 1 and t == 1,
+        "fsdp": d == 1 and t == 1,
+        "hsdp": d > 1 and f > 1 and t == 1,
+        "tp": t > 1 and f == 1,
+        "tp_sp": t > 1 and f == 1,
+        "fsdp_tp": t > 1 and f > 1 and d == 1,
+        "fsdp_tp_sp": t > 1 and f > 1 and d == 1,
+    }[strategy]
 
 
 def split_ici_dcn(sizes: tuple, n: int, domain: int) -> tuple | None:
@@ -82,9 +88,9 @@ def candidates(facts: ModelFacts, cfg, n: int, hw, strategies) -> list[Candidate
         if layers % s["pipeline"] or experts % s["expert"] or (s["expert"] > 1 and not facts.moe):
             continue
         if s["context"] > 1 and (cfg.batch.length % (2 * s["context"]) or (s["pipeline"] > 1 and facts.moe)):
-            continue                      # the balanced order's 2 x context chunks; MoE stages route whole sequences
+            continue  # the balanced order's 2 x context chunks; MoE stages route whole sequences
         if (cfg.batch.length // s["context"]) % cfg.train.loss_chunks:
-            continue                      # train.loss_chunks slices a device's share of a sequence
+            continue  # train.loss_chunks slices a device's share of a sequence
         dcn = split_ici_dcn(sizes, n, hw.domain)
         if dcn is None:
             continue
@@ -103,12 +109,15 @@ def candidates(facts: ModelFacts, cfg, n: int, hw, strategies) -> list[Candidate
                         out.append(replace(base, microbatches=ma))
                         ma *= 2
                     continue
-                for m in _divisors(b // dp):   # every M the rows split into, down to one sequence each
-                    if m < p:                  # fewer microbatches than stages: idle stages, never better
+                for m in _divisors(b // dp):  # every M the rows split into, down to one sequence each
+                    if m < p:  # fewer microbatches than stages: idle stages, never better
                         continue
                     out += [replace(base, pp_microbatches=m, schedule=sc) for sc in ("gpipe", "1f1b")]
-                    out += [replace(base, pp_microbatches=m, schedule="interleaved", virtual=v)
-                            for v in (2, 3, 4) if layers % (v * p) == 0 and m % p == 0]
+                    out += [
+                        replace(base, pp_microbatches=m, schedule="interleaved", virtual=v)
+                        for v in (2, 3, 4)
+                        if layers % (v * p) == 0 and m % p == 0
+                    ]
     return out
 
 
@@ -118,11 +127,18 @@ def overrides(cand: Candidate, n: int) -> list[str]:
     out = [f"mesh.{a}={s[a] // dcn[a]}" for a in MESH_AXES]
     dcn_items = {a: v for a, v in dcn.items() if v > 1}
     out.append("mesh.dcn={" + ", ".join(f"{a}: {v}" for a, v in dcn_items.items()) + "}")
-    out += [f"strategy={cand.strategy}", f"model.remat={cand.remat}", f"batch.microbatches={cand.microbatches}",
-            f"devices={n}"]
+    out += [
+        f"strategy={cand.strategy}",
+        f"model.remat={cand.remat}",
+        f"batch.microbatches={cand.microbatches}",
+        f"devices={n}",
+    ]
     if s["pipeline"] > 1:
-        out += [f"pipeline.schedule={cand.schedule}", f"pipeline.microbatches={cand.pp_microbatches}",
-                f"pipeline.virtual_stages={cand.virtual}"]
+        out += [
+            f"pipeline.schedule={cand.schedule}",
+            f"pipeline.microbatches={cand.pp_microbatches}",
+            f"pipeline.virtual_stages={cand.virtual}",
+        ]
     return out
 
 
@@ -130,8 +146,10 @@ def parse_bytes_per_param(text: str | None, cfg) -> tuple:
     """'2,2,12' -> (2, 2, 12); default: what the precision policy stores (param dtype for weights and
     gradients, two AdamW moments in the param dtype)."""
     if not text:
-        from meshpar.core.precision import get_policy
         import numpy as np
+
+        from meshpar.core.precision import get_policy
+
         w = np.dtype(get_policy(cfg.precision).param_dtype).itemsize
         return (w, w, 2 * w)
     try:
@@ -156,10 +174,13 @@ def _why(row: dict, best: dict | None, hw) -> str:
     if best is None or row is best:
         return "winner"
     a, w = row["time"], best["time"]
-    diffs = {"compute": a["compute_s"] - w["compute_s"], "exposed comm": a["exposed_comm_s"] - w["exposed_comm_s"],
-             "bubble": a["bubble_s"] - w["bubble_s"],
-             "comm not hidden": max(a["comm_s"] - a["exposed_comm_s"] - a["compute_s"], 0)
-             - max(w["comm_s"] - w["exposed_comm_s"] - w["compute_s"], 0)}
+    diffs = {
+        "compute": a["compute_s"] - w["compute_s"],
+        "exposed comm": a["exposed_comm_s"] - w["exposed_comm_s"],
+        "bubble": a["bubble_s"] - w["bubble_s"],
+        "comm not hidden": max(a["comm_s"] - a["exposed_comm_s"] - a["compute_s"], 0)
+        - max(w["comm_s"] - w["exposed_comm_s"] - w["compute_s"], 0),
+    }
     key = max(diffs, key=diffs.get)
     slower = a["step_s"] / w["step_s"] - 1
     if slower < 1e-3:
@@ -167,8 +188,11 @@ def _why(row: dict, best: dict | None, hw) -> str:
             return f"tie: under {MARGIN - 1:.0%} memory headroom"
         if a["comm_s"] > w["comm_s"] * 1.001:
             return "tie: more bytes on the wire"
-        return "tie: less memory headroom" if row["memory"]["total"] > best["memory"]["total"] else \
-            "tie: simpler preset first"
+        return (
+            "tie: less memory headroom"
+            if row["memory"]["total"] > best["memory"]["total"]
+            else "tie: simpler preset first"
+        )
     return f"+{100 * slower:.0f}% step: {key} +{diffs[key]:.3g} s"
 
 
@@ -184,7 +208,7 @@ def _runs(rows: list, key, rel: float = 1e-3) -> list[list]:
     return out
 
 
-MARGIN = 1.15     # the planner's memory is within 15% of the compiled step's (bench/RESULTS.md, ## Planner)
+MARGIN = 1.15  # the planner's memory is within 15% of the compiled step's (bench/RESULTS.md, ## Planner)
 
 
 def _tight(row: dict, memory_bytes: float) -> bool:
@@ -223,7 +247,7 @@ def _cost(cands: list, facts, cfg, hw, res, bpp, c, top: int | None) -> list:
         bounded = [(0.0, cand) for cand in cands]
     else:
         bounded = sorted(((lower_bound(facts, cand, cfg, hw, c), cand) for cand in cands), key=lambda x: x[0])
-    rows, best, limit = [], {}, math.inf     # best: layout -> its fastest fitting step
+    rows, best, limit = [], {}, math.inf  # best: layout -> its fastest fitting step
     for bound, cand in bounded:
         if bound > limit * (1 + 2e-3):
             break
@@ -234,13 +258,14 @@ def _cost(cands: list, facts, cfg, hw, res, bpp, c, top: int | None) -> list:
         if ev["fits"]:
             k = _layout(cand)
             best[k] = min(best.get(k, math.inf), ev["time"]["step_s"])
-            if top and len(best) >= top and len(rows) % 16 == 0:     # checked now and then: the bound only tightens
+            if top and len(best) >= top and len(rows) % 16 == 0:  # checked now and then: the bound only tightens
                 limit = heapq.nsmallest(top, best.values())[-1]
     return rows
 
 
-def plan(cfg, devices: int, hardware, strategies=None, bytes_per_param=None, keep_all: bool = False,
-         top: int | None = None) -> dict:
+def plan(
+    cfg, devices: int, hardware, strategies=None, bytes_per_param=None, keep_all: bool = False, top: int | None = None
+) -> dict:
     """Cost every candidate and rank them. Returns the `meshpar plan --json` object."""
     hardware.check_devices(devices)
     strategies = list(strategies or ORDER)
@@ -248,29 +273,35 @@ def plan(cfg, devices: int, hardware, strategies=None, bytes_per_param=None, kee
         if st not in PRESETS:
             raise ConfigError(f"unknown strategy '{st}' in --strategies" + suggest(st, PRESETS))
     bpp = bytes_per_param or parse_bytes_per_param(None, cfg)
-    from meshpar.core.precision import get_policy
     import numpy as np
+
+    from meshpar.core.precision import get_policy
+
     c = np.dtype(get_policy(cfg.precision).compute_dtype).itemsize
     facts = ModelFacts.from_config(cfg)
     res = Resolver(cfg)
     cands = candidates(facts, cfg, devices, hardware, strategies)
     rows = _cost(cands, facts, cfg, hardware, res, bpp, c, None if keep_all else (top or 10))
     if not rows:
-        raise ConfigError(f"no mesh of {devices} devices can shard this model with --strategies "
-                          f"{','.join(strategies)} (sizes must divide layers, heads, batch.global_size="
-                          f"{cfg.batch.global_size}); try another --devices or batch.global_size")
+        raise ConfigError(
+            f"no mesh of {devices} devices can shard this model with --strategies "
+            f"{','.join(strategies)} (sizes must divide layers, heads, batch.global_size="
+            f"{cfg.batch.global_size}); try another --devices or batch.global_size"
+        )
     fitting = [r for r in rows if r["fits"]]
     if not fitting and not keep_all:
         small = min(rows, key=lambda r: r["memory"]["total"])
-        raise ConfigError(f"the model ({facts.params / 1e9:.3g}B parameters) fits on no plan of {devices} "
-                          f"{hardware.name}: the smallest needs {small['memory']['total'] / GiB:.1f} GiB per device "
-                          f"({small['cand'].strategy}, {_mesh_str(small['cand'])}, remat {small['cand'].remat}) "
-                          f"and a device has {hardware.memory_bytes / GiB:.0f} GiB; add devices or shrink the batch")
+        raise ConfigError(
+            f"the model ({facts.params / 1e9:.3g}B parameters) fits on no plan of {devices} "
+            f"{hardware.name}: the smallest needs {small['memory']['total'] / GiB:.1f} GiB per device "
+            f"({small['cand'].strategy}, {_mesh_str(small['cand'])}, remat {small['cand'].remat}) "
+            f"and a device has {hardware.memory_bytes / GiB:.0f} GiB; add devices or shrink the batch"
+        )
 
     ordered = _rank(rows if keep_all else fitting, hardware.memory_bytes)
     best = ordered[0] if ordered[0]["fits"] else None
     limit = None if keep_all else (top or 10)
-    if not keep_all:                   # one row per layout: its best remat / microbatching
+    if not keep_all:  # one row per layout: its best remat / microbatching
         seen, kept = set(), []
         for r in ordered:
             k = _layout(r["cand"])
@@ -281,17 +312,37 @@ def plan(cfg, devices: int, hardware, strategies=None, bytes_per_param=None, kee
     out = []
     for r in ordered[:limit]:
         cand = r["cand"]
-        out.append({"mesh": cand.shape, "dcn": {a: v for a, v in cand.dcn_shape.items() if v > 1},
-                    "strategy": cand.strategy, "microbatches": cand.microbatches,
-                    "pipeline": ({"schedule": cand.schedule, "microbatches": cand.pp_microbatches,
-                                  "virtual_stages": cand.virtual} if cand.shape["pipeline"] > 1 else None),
-                    "remat": cand.remat, "memory": {k: int(v) for k, v in r["memory"].items()},
-                    "time": r["time"], "collectives": {k: int(v) for k, v in summarize(r["collectives"]).items()},
-                    "fits": r["fits"], "why": _why(r, best, hardware), "overrides": overrides(cand, devices)})
-    return {"model": {"params": facts.params, "flops_per_token": facts.flops_per_token, "dims": facts.dims},
-            "hardware": hardware.as_dict(), "devices": devices, "bytes_per_param": list(bpp),
-            "batch": {"global_size": cfg.batch.global_size, "length": cfg.batch.length},
-            "searched": len(cands), "costed": len(rows), "fitting": len(fitting), "candidates": out}
+        out.append(
+            {
+                "mesh": cand.shape,
+                "dcn": {a: v for a, v in cand.dcn_shape.items() if v > 1},
+                "strategy": cand.strategy,
+                "microbatches": cand.microbatches,
+                "pipeline": (
+                    {"schedule": cand.schedule, "microbatches": cand.pp_microbatches, "virtual_stages": cand.virtual}
+                    if cand.shape["pipeline"] > 1
+                    else None
+                ),
+                "remat": cand.remat,
+                "memory": {k: int(v) for k, v in r["memory"].items()},
+                "time": r["time"],
+                "collectives": {k: int(v) for k, v in summarize(r["collectives"]).items()},
+                "fits": r["fits"],
+                "why": _why(r, best, hardware),
+                "overrides": overrides(cand, devices),
+            }
+        )
+    return {
+        "model": {"params": facts.params, "flops_per_token": facts.flops_per_token, "dims": facts.dims},
+        "hardware": hardware.as_dict(),
+        "devices": devices,
+        "bytes_per_param": list(bpp),
+        "batch": {"global_size": cfg.batch.global_size, "length": cfg.batch.length},
+        "searched": len(cands),
+        "costed": len(rows),
+        "fitting": len(fitting),
+        "candidates": out,
+    }
 
 
 def winner_yaml(result: dict, config_path: str | None, user_overrides: list[str], best: dict | None = None) -> str:
@@ -302,39 +353,70 @@ def winner_yaml(result: dict, config_path: str | None, user_overrides: list[str]
     import yaml
 
     from meshpar.core.config import apply_overrides
+
     best = best or next((c for c in result["candidates"] if c["fits"]), None)
     if best is None:
         raise ConfigError("no candidate fits, so there is no plan to write")
     data = apply_overrides({}, list(user_overrides) + best["overrides"])
     head = {"base": os.path.abspath(config_path) if config_path else "tiny.yaml"}
     t = best["time"]
-    note = (f"# meshpar plan: {result['devices']} x {result['hardware']['name']}, predicted {t['step_s']:.4g} s/step, "
-            f"MFU {t['mfu']:.2f}, {best['memory']['total'] / GiB:.2f} GiB/device\n")
+    note = (
+        f"# meshpar plan: {result['devices']} x {result['hardware']['name']}, predicted {t['step_s']:.4g} s/step, "
+        f"MFU {t['mfu']:.2f}, {best['memory']['total'] / GiB:.2f} GiB/device\n"
+    )
     return note + yaml.safe_dump({**head, **data}, sort_keys=False, default_flow_style=None)
 
 
 def render(result: dict, console, top: int = 10) -> None:
     """The ranked table: mesh, strategy, memory breakdown, step time, MFU, why each lost."""
     from rich.table import Table
+
     hw = result["hardware"]
-    console.print(f"[bold]model[/] {result['model']['params'] / 1e9:.3g}B params  [bold]hardware[/] "
-                  f"{result['devices']} x {hw['name']} ({hw['memory_bytes'] / GiB:.0f} GiB, "
-                  f"{hw['peak_flops'] / 1e12:.0f} TFLOP/s, matmuls at {hw['efficiency']:.0%})  [bold]batch[/] "
-                  f"{result['batch']['global_size']} x {result['batch']['length']}  "
-                  f"[bold]searched[/] {result['searched']}, costed {result.get('costed', result['searched'])}, "
-                  f"{result['fitting']} fit")
+    console.print(
+        f"[bold]model[/] {result['model']['params'] / 1e9:.3g}B params  [bold]hardware[/] "
+        f"{result['devices']} x {hw['name']} ({hw['memory_bytes'] / GiB:.0f} GiB, "
+        f"{hw['peak_flops'] / 1e12:.0f} TFLOP/s, matmuls at {hw['efficiency']:.0%})  [bold]batch[/] "
+        f"{result['batch']['global_size']} x {result['batch']['length']}  "
+        f"[bold]searched[/] {result['searched']}, costed {result.get('costed', result['searched'])}, "
+        f"{result['fitting']} fit"
+    )
     t = Table(title="plans, best first (memory in GiB per device)")
-    for col in ("#", "mesh", "strategy", "remat", "mb", "params", "grads", "opt", "act", "work", "total", "step s", "MFU", "why"):
+    for col in (
+        "#",
+        "mesh",
+        "strategy",
+        "remat",
+        "mb",
+        "params",
+        "grads",
+        "opt",
+        "act",
+        "work",
+        "total",
+        "step s",
+        "MFU",
+        "why",
+    ):
         t.add_column(col, justify="right" if col not in ("mesh", "strategy", "remat", "why") else "left")
     for i, c in enumerate(result["candidates"][:top] if top else result["candidates"]):
         m = c["memory"]
-        mb = (f"{c['pipeline']['schedule']} M={c['pipeline']['microbatches']}" if c["pipeline"]
-              else str(c["microbatches"]))
-        t.add_row(str(i + 1), " ".join(f"{a}={v}" for a, v in c["mesh"].items() if v > 1)
-                  + ("" if not c["dcn"] else " | dcn " + " ".join(f"{a}={v}" for a, v in c["dcn"].items())),
-                  c["strategy"], c["remat"], mb,
-                  *(f"{m[k] / GiB:.2f}" for k in ("params", "grads", "optimizer", "activations", "workspace", "total")),
-                  f"{c['time']['step_s']:.4g}", f"{c['time']['mfu']:.2f}", c["why"])
+        mb = (
+            f"{c['pipeline']['schedule']} M={c['pipeline']['microbatches']}"
+            if c["pipeline"]
+            else str(c["microbatches"])
+        )
+        t.add_row(
+            str(i + 1),
+            " ".join(f"{a}={v}" for a, v in c["mesh"].items() if v > 1)
+            + ("" if not c["dcn"] else " | dcn " + " ".join(f"{a}={v}" for a, v in c["dcn"].items())),
+            c["strategy"],
+            c["remat"],
+            mb,
+            *(f"{m[k] / GiB:.2f}" for k in ("params", "grads", "optimizer", "activations", "workspace", "total")),
+            f"{c['time']['step_s']:.4g}",
+            f"{c['time']['mfu']:.2f}",
+            c["why"],
+        )
     console.print(t)
 
 
@@ -342,19 +424,30 @@ def estimate(cfg, hardware=None, compiler: str | None = None) -> dict:
     """The planner's prediction for the plan `cfg` already names (for `train` / `inspect`); `compiler`
     "cpu" predicts what XLA:CPU compiles for fake devices (`plan --verify` without a target), default
     the hardware's own (`meshpar.plan.costmodel`: which buffers each compiler holds)."""
-    from meshpar.core.mesh import resolve_axis_sizes
     import numpy as np
+
+    from meshpar.core.mesh import resolve_axis_sizes
     from meshpar.core.precision import get_policy
+
     dcn_cfg = {a: v for a, v in (cfg.mesh.dcn or {}).items()}
     n_dcn = math.prod(dcn_cfg.values()) if dcn_cfg else 1
     ici = resolve_axis_sizes({a: getattr(cfg.mesh, a) for a in MESH_AXES}, cfg.devices // n_dcn)
     sizes = tuple(ici[a] * dcn_cfg.get(a, 1) for a in MESH_AXES)
-    cand = Candidate(sizes, tuple(dcn_cfg.get(a, 1) for a in MESH_AXES), cfg.strategy, cfg.model.remat,
-                     cfg.batch.microbatches, cfg.pipeline.microbatches if ici["pipeline"] * dcn_cfg.get("pipeline", 1) > 1
-                     else 1, cfg.pipeline.schedule, cfg.pipeline.virtual_stages)
+    cand = Candidate(
+        sizes,
+        tuple(dcn_cfg.get(a, 1) for a in MESH_AXES),
+        cfg.strategy,
+        cfg.model.remat,
+        cfg.batch.microbatches,
+        cfg.pipeline.microbatches if ici["pipeline"] * dcn_cfg.get("pipeline", 1) > 1 else 1,
+        cfg.pipeline.schedule,
+        cfg.pipeline.virtual_stages,
+    )
     from meshpar.plan.hardware import PRESETS as HW
+
     hw = hardware or HW["h100"]
     c = np.dtype(get_policy(cfg.precision).compute_dtype).itemsize
-    ev = evaluate(ModelFacts.from_config(cfg), cand, cfg, hw, Resolver(cfg), parse_bytes_per_param(None, cfg), c,
-                  compiler)
+    ev = evaluate(
+        ModelFacts.from_config(cfg), cand, cfg, hw, Resolver(cfg), parse_bytes_per_param(None, cfg), c, compiler
+    )
     return ev

@@ -44,6 +44,7 @@ Time per step (seconds).
   issued while the layer before computes); tensor-parallel collectives, MoE all-to-alls and pipeline
   transfers sit on the critical path. step = max(compute, overlapped) + exposed + bubble.
 """
+
 from __future__ import annotations
 
 import math
@@ -53,9 +54,20 @@ from meshpar.core.errors import ShardingError
 from meshpar.core.mesh import MESH_AXES
 from meshpar.core.rules import BATCH_AXES, get_strategy
 from meshpar.parallel.schedules import one_f_one_b_ticks
+from meshpar.plan.costmodel import (
+    Candidate,
+    ModelFacts,
+    Resolver,
+    _axes,
+    _factor,
+    activation_bytes,
+    local_batch,
+    rows_factor,
+    stage_recompute,
+    state_bytes,
+    workspace_parts,
+)
 from meshpar.plan.roofline import matmul_fit, vector_bytes
-from meshpar.plan.costmodel import (Candidate, ModelFacts, Resolver, _axes, _factor, activation_bytes, local_batch,
-                                    rows_factor, stage_recompute, state_bytes, workspace_parts)
 
 
 def _batch_axes(shape: dict) -> list:
@@ -80,8 +92,15 @@ def collectives(facts: ModelFacts, cand: Candidate, cfg, res: Resolver, c: int, 
 def _add(out: list, kind: str, axes, nbytes: float, overlap: bool, count: float = 1.0) -> None:
     """One predicted collective (`count`: how many separate ones it stands for, each paying latency)."""
     if nbytes > 0 and axes:
-        out.append({"kind": kind, "axes": sorted(axes, key=MESH_AXES.index), "bytes": float(nbytes),
-                    "overlap": overlap, "count": float(max(count, 1))})
+        out.append(
+            {
+                "kind": kind,
+                "axes": sorted(axes, key=MESH_AXES.index),
+                "bytes": float(nbytes),
+                "overlap": overlap,
+                "count": float(max(count, 1)),
+            }
+        )
 
 
 def _weight_collectives(out: list, facts: ModelFacts, cand: Candidate, cfg, res: Resolver, c: int, g: int, w: int):
@@ -91,52 +110,61 @@ def _weight_collectives(out: list, facts: ModelFacts, cand: Candidate, cfg, res:
     batch_axes, ma = _batch_axes(shape), cand.microbatches
     zero1 = st.opt_state is not None and not st.shard_grads
     add = partial(_add, out)
-    remat_ag = 2                    # the forward and the backward layer loop each gather (none is kept)
+    remat_ag = 2  # the forward and the backward layer loop each gather (none is kept)
     grad_times = 1 if zero1 else ma
-    tokens = local_batch(cfg, cand) * cand.pp_microbatches * cfg.batch.length / shape["context"]   # per device, accumulation mb
+    tokens = (
+        local_batch(cfg, cand) * cand.pp_microbatches * cfg.batch.length / shape["context"]
+    )  # per device, accumulation mb
     for lf in facts.leaves:
         ps = res.spec(lf, cand.strategy, shape, "rest")
         sharded = _axes(ps)
         on_batch = [a for a in batch_axes if a in sharded and not (a == "expert" and "expert" in lf.names)]
-        rest = [a for a in batch_axes if a not in sharded]          # partial sums to all-reduce
-        local = lf.numel / _factor(ps, shape)          # per-device elements at rest
+        rest = [a for a in batch_axes if a not in sharded]  # partial sums to all-reduce
+        local = lf.numel / _factor(ps, shape)  # per-device elements at rest
         full_over_batch = local * math.prod(shape[a] for a in on_batch)
-        rows = c * tokens * lf.shape[-1] if lf.path in facts.lookups else math.inf   # looked-up rows, per device
+        rows = c * tokens * lf.shape[-1] if lf.path in facts.lookups else math.inf  # looked-up rows, per device
         if on_batch and sharded <= set(batch_axes) and rows < w * full_over_batch:
-            add("all-to-all", on_batch, rows * ma, False, ma)          # lookup: rows move, not the table
+            add("all-to-all", on_batch, rows * ma, False, ma)  # lookup: rows move, not the table
             rows_all = rows * math.prod(shape[a] for a in batch_axes)  # every device's row gradients
-            if not rest:                                                # row gradients back the same way
+            if not rest:  # row gradients back the same way
                 add("all-to-all", on_batch, rows * ma, False, ma)
-            elif rows_all < g * (full_over_batch + local):              # hsdp: gathered, scatter-added locally
+            elif rows_all < g * (full_over_batch + local):  # hsdp: gathered, scatter-added locally
                 add("all-gather", batch_axes, rows_all * ma, True, ma)
                 add("all-reduce", rest, g * local * ma, True, ma)
             else:
                 add("reduce-scatter", on_batch, g * full_over_batch * ma, True, ma)
                 add("all-reduce", rest, g * local * ma, True, ma)
             continue
-        mb = ma * (cand.pp_microbatches if lf.stacked else 1)   # a stage gathers its layers per microbatch
-        per = (facts.dims.get("layers") or 1) / shape["pipeline"] if lf.stacked else 1   # one collective per layer
-        at_use = w * full_over_batch * (remat_ag if lf.stacked else 1) * mb    # weights gathered for use
-        if st.opt_state is not None:                   # ZeRO-1/2: RS into the sharded state, AG updated weights
+        mb = ma * (cand.pp_microbatches if lf.stacked else 1)  # a stage gathers its layers per microbatch
+        per = (facts.dims.get("layers") or 1) / shape["pipeline"] if lf.stacked else 1  # one collective per layer
+        at_use = w * full_over_batch * (remat_ag if lf.stacked else 1) * mb  # weights gathered for use
+        if st.opt_state is not None:  # ZeRO-1/2: RS into the sharded state, AG updated weights
             os_ = res.spec(lf, cand.strategy, shape, "opt_state")
             rs = [a for a in batch_axes if a in _axes(os_)]
             if rs:
-                rows_all = rows * math.prod(shape[a] for a in rs)      # every device's row gradients
+                rows_all = rows * math.prod(shape[a] for a in rs)  # every device's row gradients
                 if (st.shard_grads or ma == 1) and rows_all < g * full_over_batch:
-                    add("all-gather", rs, rows_all * ma, True, ma)         # scatter-added into the local shard
+                    add("all-gather", rs, rows_all * ma, True, ma)  # scatter-added into the local shard
                 else:
                     add("reduce-scatter", rs, g * full_over_batch * grad_times, True, per * grad_times)
                 add("all-gather", [a for a in rs if a not in on_batch], w * local, True, per)
-                add("all-reduce", [a for a in batch_axes if a not in rs], g * full_over_batch * grad_times, True,
-                    per * grad_times)
-                add("all-gather", on_batch, at_use, True, per * remat_ag * mb)   # master weights at rest over `context`, as FSDP
+                add(
+                    "all-reduce",
+                    [a for a in batch_axes if a not in rs],
+                    g * full_over_batch * grad_times,
+                    True,
+                    per * grad_times,
+                )
+                add(
+                    "all-gather", on_batch, at_use, True, per * remat_ag * mb
+                )  # master weights at rest over `context`, as FSDP
                 continue
-        if on_batch:                                   # FSDP: gather for use, reduce-scatter the grads
+        if on_batch:  # FSDP: gather for use, reduce-scatter the grads
             add("all-gather", on_batch, at_use, True, per * (remat_ag if lf.stacked else 1) * mb)
             add("reduce-scatter", on_batch, g * full_over_batch * mb, True, per * mb)
             add("all-reduce", rest, g * local * mb, True, per * mb)
             continue
-        if not lf.stacked and shape["pipeline"] > 1:   # outer params: one all-reduce over pipeline x rest
+        if not lf.stacked and shape["pipeline"] > 1:  # outer params: one all-reduce over pipeline x rest
             add("all-reduce", rest + ["pipeline"], g * local * grad_times, False, grad_times)
         else:
             add("all-reduce", rest, g * local * grad_times, True, per * grad_times)
@@ -153,26 +181,26 @@ def _activation_collectives(out: list, facts: ModelFacts, cand: Candidate, cfg, 
     n_mb = ma * cand.pp_microbatches
     layers = d["layers"] / shape["pipeline"]
     cp = shape["context"]
-    act = c * b * s * h / cp                            # one [b, s, h] activation per device
+    act = c * b * s * h / cp  # one [b, s, h] activation per device
     t = shape["tensor"]
     p = shape["pipeline"]
     # layer passes per step: every stage computes on every tick of GPipe / interleaved (bubble ticks too)
     runs = ma * (cand.virtual * cand.pp_microbatches + p - 1) if p > 1 and cand.schedule != "1f1b" else n_mb
-    if cp > 1:                                          # K and V gathered per layer, gradients scattered back
+    if cp > 1:  # K and V gathered per layer, gradients scattered back
         t_k = t if any(n == "kv_heads" for n, _ in st.params) and d["kv_heads"] % t == 0 else 1
         kv = c * b * s * 2 * d["kv_heads"] * d["head_dim"] / t_k
         passes = 1 + (cand.remat == "full") + stage_recompute(facts, cand)
         add("all-gather", ["context"], kv * layers * (passes + 1) * runs, False, layers * (passes + 1) * runs)
         add("reduce-scatter", ["context"], kv * layers * runs, False, layers * runs)
-    sp = any(n_ == "length" for n_, _ in st.params)     # SP: the residual is split over tensor
+    sp = any(n_ == "length" for n_, _ in st.params)  # SP: the residual is split over tensor
     if t > 1 and any(n == "heads" for n, _ in st.params):
-        moe, kc = 0.0, 0.0          # share of MoE layers; their buffer [E,G,C,M] relative to [b, s, h]
+        moe, kc = 0.0, 0.0  # share of MoE layers; their buffer [E,G,C,M] relative to [b, s, h]
         if facts.moe and any(n_ == "expert_mlp" for n_, _ in st.params):
             moe, kc = 1 / facts.moe["every"], facts.moe["top_k"] * rows_factor(facts.moe, shape)
         dense, full = 1 - moe, cand.remat == "full"
-        one_f = p > 1 and cand.schedule == "1f1b"       # bytes averaged over its stages (per-device branches)
-        lc = layers / cand.virtual                      # layers a tick runs
-        f = 1 + full + stage_recompute(facts, cand)    # forward passes: forward, layer and stage recompute
+        one_f = p > 1 and cand.schedule == "1f1b"  # bytes averaged over its stages (per-device branches)
+        lc = layers / cand.virtual  # layers a tick runs
+        f = 1 + full + stage_recompute(facts, cand)  # forward passes: forward, layer and stage recompute
         # The layer recompute's last row-parallel output (a dense layer's, the layer's own output) feeds
         # nothing: dead code. MoE models scan groups of layers that end in a MoE combine, not a collective.
         dead = dense * (full and not facts.moe)
@@ -184,24 +212,37 @@ def _activation_collectives(out: list, facts: ModelFacts, cand: Candidate, cfg, 
         ent_b, ex_b = 1 + dense + 2 * moe * kc, 1 + dense + moe * kc
         # the head's input (and its gradient) and the lookup's output; under SP (no pipeline: see
         # `StageModel.for_embed`) a lookup table split over tensor is gathered whole instead
-        table_numel = sum(lf.numel for lf in facts.leaves if lf.path in facts.lookups and sp and p == 1
-                          and "tensor" in _axes(res.spec(lf, cand.strategy, shape, "params")))
-        for kind, per_layer in ((("all-gather", ent_f + ex_b), ("reduce-scatter", ex_f + ent_b)) if sp else
-                                (("all-reduce", ex_f + ent_b),)):
+        table_numel = sum(
+            lf.numel
+            for lf in facts.leaves
+            if lf.path in facts.lookups
+            and sp
+            and p == 1
+            and "tensor" in _axes(res.spec(lf, cand.strategy, shape, "params"))
+        )
+        for kind, per_layer in (
+            (("all-gather", ent_f + ex_b), ("reduce-scatter", ex_f + ent_b)) if sp else (("all-reduce", ex_f + ent_b),)
+        ):
             lookup = (w if kind == "all-gather" else g) * table_numel if table_numel else act
             # 1F1B: the head on the last stage, the lookup on the first (its forward and backward ticks)
             edges = (act + 2 * lookup) / p if one_f else act + lookup
             add(kind, ["tensor"], runs * (act * lc * per_layer + edges), False, runs * (lc * per_layer + 2))
-        if one_f and sp:        # 1F1B's embedding backward runs every tick on every stage (`meshpar.parallel.pipeline`),
-            ticks = one_f_one_b_ticks(p, cand.pp_microbatches)    # on the gathered sequence-split cotangent
+        if one_f and sp:  # 1F1B's embedding backward runs every tick on every stage (`meshpar.parallel.pipeline`),
+            ticks = one_f_one_b_ticks(p, cand.pp_microbatches)  # on the gathered sequence-split cotangent
             add("all-gather", ["tensor"], act * ticks * ma, False, ticks * ma)
     if p > 1:
-        permutes = 2 * one_f_one_b_ticks(p, cand.pp_microbatches) if cand.schedule == "1f1b" else \
-            2 * (cand.virtual * cand.pp_microbatches + p - 1)   # per tick: GPipe's and interleaved forward, mirrored
+        permutes = (
+            2 * one_f_one_b_ticks(p, cand.pp_microbatches)
+            if cand.schedule == "1f1b"
+            else 2 * (cand.virtual * cand.pp_microbatches + p - 1)
+        )  # per tick: GPipe's and interleaved forward, mirrored
         add("collective-permute", ["pipeline"], act / (t if sp else 1) * permutes * ma, False, permutes * ma)
-        if cand.schedule == "interleaved" and cand.virtual > 1:   # layers to chunk order and gradients back
-            stacked = sum(lf.numel / _factor(res.spec(lf, cand.strategy, shape, "rest"), shape)
-                          for lf in facts.leaves if lf.stacked)
+        if cand.schedule == "interleaved" and cand.virtual > 1:  # layers to chunk order and gradients back
+            stacked = sum(
+                lf.numel / _factor(res.spec(lf, cand.strategy, shape, "rest"), shape)
+                for lf in facts.leaves
+                if lf.stacked
+            )
             add("all-to-all", ["pipeline"], (w + g) * stacked * ma, False, 2 * ma)
     if facts.moe and shape["expert"] > 1:
         m = facts.moe
@@ -219,10 +260,12 @@ def collective_time(op: dict, cand: Candidate, hw) -> float:
     v, bw = op["bytes"], hw.comm_efficiency
     base, hop_i, hop_d = hw.latency
     if op["kind"] == "collective-permute":
-        return op.get("count", 1) * (base + (hop_d if n_d > 1 else hop_i)) + v / ((hw.dcn_bw if n_d > 1 else hw.ici_bw) * bw)
+        return op.get("count", 1) * (base + (hop_d if n_d > 1 else hop_i)) + v / (
+            (hw.dcn_bw if n_d > 1 else hw.ici_bw) * bw
+        )
     ring = (n_i - 1) / n_i * v / hw.ici_bw + ((n_d - 1) / n_d * v / n_i / hw.dcn_bw if n_d > 1 else 0.0)
     hops = (n_i - 1) * hop_i + (n_d - 1) * hop_d
-    if op["kind"] == "all-reduce":      # a ring inside the node; across nodes NCCL's tree, 2 log2 hops
+    if op["kind"] == "all-reduce":  # a ring inside the node; across nodes NCCL's tree, 2 log2 hops
         hops = 2 * ((n_i - 1) * hop_i + math.ceil(math.log2(n_d)) * hop_d) if n_d > 1 else 2 * hops
         ring *= 2
     return op.get("count", 1) * (base + hops) + ring / bw
@@ -235,10 +278,14 @@ def executed_flops(facts: ModelFacts, cand: Candidate, cfg) -> float:
     d = facts.dims
     attn = 12.0 * d["layers"] * d["heads"] * d["head_dim"] * cfg.batch.length if d.get("heads") else 0.0
     layer_share = 1.0 - 6.0 * (d["vocab"] or 0) * (d["embed"] or 0) / max(facts.flops_per_token, 1.0)
-    extra = {"none": 0.0, "full": layer_share / 3, "offload": attn / facts.flops_per_token / 3,
-             "save_dots": attn / facts.flops_per_token / 3}[cand.remat]
-    extra += stage_recompute(facts, cand) * layer_share / 3   # GPipe/interleaved rerun each stage in its backward
-    if cfg.train.loss_chunks > 1:                             # the head's forward again, slice by slice, in its backward
+    extra = {
+        "none": 0.0,
+        "full": layer_share / 3,
+        "offload": attn / facts.flops_per_token / 3,
+        "save_dots": attn / facts.flops_per_token / 3,
+    }[cand.remat]
+    extra += stage_recompute(facts, cand) * layer_share / 3  # GPipe/interleaved rerun each stage in its backward
+    if cfg.train.loss_chunks > 1:  # the head's forward again, slice by slice, in its backward
         extra += 2.0 * (d["vocab"] or 0) * (d["embed"] or 0) / max(facts.flops_per_token, 1.0)
     return model_flops * (1 + extra) / n
 
@@ -254,11 +301,14 @@ def lower_bound(facts: ModelFacts, cand: Candidate, cfg, hw, c: int = 2) -> floa
     """Seconds no cheaper than the candidate's step: its matmuls and their bubble (what the search
     sorts by, to cost the promising candidates first and stop when none left can rank)."""
     p = cand.shape["pipeline"]
-    return matmul_seconds(facts, cand, cfg, hw, c) * (1 + ((p - 1) / (cand.virtual * cand.pp_microbatches) if p > 1 else 0))
+    return matmul_seconds(facts, cand, cfg, hw, c) * (
+        1 + ((p - 1) / (cand.virtual * cand.pp_microbatches) if p > 1 else 0)
+    )
 
 
-def step_time(facts: ModelFacts, cand: Candidate, cfg, hw, ops: list, res: Resolver | None = None,
-              bpp=(4, 4, 8), c: int = 2) -> dict:
+def step_time(
+    facts: ModelFacts, cand: Candidate, cfg, hw, ops: list, res: Resolver | None = None, bpp=(4, 4, 8), c: int = 2
+) -> dict:
     """compute_s (matmul_s + vector_s, `meshpar.plan.roofline`), comm_s (all collectives), exposed_s
     (not overlapped), bubble_s, step_s, mfu."""
     n = math.prod(cand.mesh)
@@ -266,8 +316,9 @@ def step_time(facts: ModelFacts, cand: Candidate, cfg, hw, ops: list, res: Resol
     flops = executed_flops(facts, cand, cfg)
     matmul = matmul_seconds(facts, cand, cfg, hw, c, flops)
     passes = 3 + (cand.remat != "none") + stage_recompute(facts, cand)
-    vector = (vector_bytes(facts, cand, cfg, res or Resolver(cfg), bpp, c, passes, hw.kind) / hw.hbm_bw
-              if hw.hbm_bw else 0.0)
+    vector = (
+        vector_bytes(facts, cand, cfg, res or Resolver(cfg), bpp, c, passes, hw.kind) / hw.hbm_bw if hw.hbm_bw else 0.0
+    )
     compute = matmul + vector
     times = [collective_time(op, cand, hw) for op in ops]
     overlapped = sum(tm for tm, op in zip(times, ops) if op["overlap"])
@@ -275,13 +326,22 @@ def step_time(facts: ModelFacts, cand: Candidate, cfg, hw, ops: list, res: Resol
     p = cand.shape["pipeline"]
     bubble = compute * (p - 1) / (cand.virtual * cand.pp_microbatches) if p > 1 else 0.0
     step = max(compute, overlapped) + exposed + bubble
-    return {"compute_s": compute, "matmul_s": matmul, "vector_s": vector, "comm_s": overlapped + exposed,
-            "exposed_comm_s": exposed, "bubble_s": bubble, "step_s": step, "flops": flops,
-            "mfu": model_flops / (step * n * hw.peak_flops)}
+    return {
+        "compute_s": compute,
+        "matmul_s": matmul,
+        "vector_s": vector,
+        "comm_s": overlapped + exposed,
+        "exposed_comm_s": exposed,
+        "bubble_s": bubble,
+        "step_s": step,
+        "flops": flops,
+        "mfu": model_flops / (step * n * hw.peak_flops),
+    }
 
 
-def evaluate(facts: ModelFacts, cand: Candidate, cfg, hw, res: Resolver, bpp, c: int,
-             compiler: str | None = None) -> dict | None:
+def evaluate(
+    facts: ModelFacts, cand: Candidate, cfg, hw, res: Resolver, bpp, c: int, compiler: str | None = None
+) -> dict | None:
     """Memory, collectives and time of one candidate; None when a tensor does not divide its axes.
     `compiler`: whose buffers to count, "cpu" (fake devices) or the hardware's kind (default)."""
     compiler = compiler or hw.kind
@@ -294,20 +354,28 @@ def evaluate(facts: ModelFacts, cand: Candidate, cfg, hw, res: Resolver, bpp, c:
     grads = mem["grads"]
     st = get_strategy(cand.strategy)
     one_f = cand.shape["pipeline"] > 1 and cand.schedule == "1f1b"
-    if cand.microbatches > 1 or one_f:              # the accumulator beside each microbatch's gradients
-        mem["grads"] = 2 * grads                    # (1F1B sums its microbatches' in the schedule's carry)
-    elif st.opt_state is not None and not st.shard_grads:   # ZeRO-1: each layer's gradient is
+    if cand.microbatches > 1 or one_f:  # the accumulator beside each microbatch's gradients
+        mem["grads"] = 2 * grads  # (1F1B sums its microbatches' in the schedule's carry)
+    elif st.opt_state is not None and not st.shard_grads:  # ZeRO-1: each layer's gradient is
         # reduce-scattered inside the backward loop (XLA), so the stacked layers' are held scattered
-        mem["grads"] = grads = sum(bpp[1] * lf.numel / _factor(res.spec(
-            lf, cand.strategy, cand.shape, "opt_state" if lf.stacked else "rest"), cand.shape) for lf in facts.leaves)
-    if st.opt_state is not None:                    # ZeRO: the gathered updated weights, after the backward
+        mem["grads"] = grads = sum(
+            bpp[1]
+            * lf.numel
+            / _factor(res.spec(lf, cand.strategy, cand.shape, "opt_state" if lf.stacked else "rest"), cand.shape)
+            for lf in facts.leaves
+        )
+    if st.opt_state is not None:  # ZeRO: the gathered updated weights, after the backward
         ws["zero_gather"] = max(0.0, grads + mem["params"] - (mem["grads"] + act + sum(ws.values())))
     mem["activations"] = act
     mem["workspace"] = sum(ws.values())
     mem["total"] = sum(mem.values())
     ops = collectives(facts, cand, cfg, res, c)
-    return {"memory": mem, "collectives": ops, "time": step_time(facts, cand, cfg, hw, ops, res, bpp, c),
-            "fits": mem["total"] <= hw.memory_bytes}
+    return {
+        "memory": mem,
+        "collectives": ops,
+        "time": step_time(facts, cand, cfg, hw, ops, res, bpp, c),
+        "fits": mem["total"] <= hw.memory_bytes,
+    }
 
 
 def summarize(ops: list) -> dict:
@@ -316,4 +384,3 @@ def summarize(ops: list) -> dict:
     for op in ops:
         out[op["kind"]] = out.get(op["kind"], 0.0) + op["bytes"]
     return out
-

@@ -16,6 +16,7 @@ What a deviceless compile proves: the program compiles for that chip, the memory
 device, the collectives and kernels it chose and the order it scheduled them in. What it does not:
 speed, or how NCCL / ICI behave at run time.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -27,30 +28,39 @@ from meshpar.plan.hardware import Hardware, load_hardware
 from meshpar.runtime import compilers
 
 GPUS_PER_NODE = 8
-TPU_HOST = {2: (2, 2), 3: (2, 2, 1)}        # the smallest TPU topology libtpu describes: one host of 4 chips
+TPU_HOST = {2: (2, 2), 3: (2, 2, 1)}  # the smallest TPU topology libtpu describes: one host of 4 chips
 
 
 @dataclass
 class Target:
     hardware: Hardware
     devices: list = field(repr=False)
-    platform: str                               # "gpu" or "tpu"
-    topology: str                               # "1x1x8" (GPU: slices x hosts x devices) or "v5p:2x2x2"
+    platform: str  # "gpu" or "tpu"
+    topology: str  # "1x1x8" (GPU: slices x hosts x devices) or "v5p:2x2x2"
     slices: int = 1
 
     def describe(self) -> dict:
         d = self.devices[0]
-        return {"name": self.hardware.name, "platform": self.platform, "device_kind": d.device_kind,
-                "devices": len(self.devices), "topology": self.topology, "slices": self.slices,
-                "memory_bytes": int(self.hardware.memory_bytes), "compiler": compilers.version(self.platform)}
+        return {
+            "name": self.hardware.name,
+            "platform": self.platform,
+            "device_kind": d.device_kind,
+            "devices": len(self.devices),
+            "topology": self.topology,
+            "slices": self.slices,
+            "memory_bytes": int(self.hardware.memory_bytes),
+            "compiler": compilers.version(self.platform),
+        }
 
 
 def resolve(hw: str | Hardware, n: int, topology: str | None = None, slices: int | None = None) -> Target:
     """The `n` devices of hardware `hw` (a preset name or YAML path, see `meshpar.plan.hardware`)."""
     hardware = hw if isinstance(hw, Hardware) else load_hardware(hw)
     if not hardware.target:
-        raise ConfigError(f"hardware '{hardware.name}' has no `target` description, so it cannot be compiled for: "
-                          "add target: {sm_count, compute_capability, clock_ghz, ...} (GPU) or {chip, dims} (TPU)")
+        raise ConfigError(
+            f"hardware '{hardware.name}' has no `target` description, so it cannot be compiled for: "
+            "add target: {sm_count, compute_capability, clock_ghz, ...} (GPU) or {chip, dims} (TPU)"
+        )
     hardware.check_devices(n)
     if slices is not None and slices < 1:
         raise ConfigError(f"--slices must be >= 1, got {slices}")
@@ -63,23 +73,39 @@ def gpu_target_config(hw: Hardware) -> str:
     """The GpuTargetConfigProto (text) that describes one `hw` GPU to XLA:GPU's compiler."""
     t = hw.target
     major, minor = (int(x) for x in str(t["compute_capability"]).split("."))
-    return "\n".join([
-        "gpu_device_info {",
-        "  threads_per_block_limit: 1024", "  threads_per_warp: 32", "  shared_memory_per_block: 49152",
-        f"  shared_memory_per_core: {int(t['shared_memory_per_sm'])}", "  threads_per_core_limit: 2048",
-        f"  core_count: {int(t['sm_count'])}", "  fpus_per_core: 128",
-        "  block_dim_limit_x: 2147483647", "  block_dim_limit_y: 65535", "  block_dim_limit_z: 65535",
-        f"  memory_bandwidth: {int(t['memory_bandwidth'])}", f"  l2_cache_size: {int(t['l2_bytes'])}",
-        f"  clock_rate_ghz: {float(t['clock_ghz'])}", f"  device_memory_size: {int(hw.memory_bytes)}",
-        f"  shared_memory_per_block_optin: {int(t['shared_memory_per_sm']) - 1024}",
-        f"  cuda_compute_capability {{ major: {major} minor: {minor} }}",
-        "  registers_per_core_limit: 65536", "  registers_per_block_limit: 65536",
-        "}", 'platform_name: "CUDA"', "dnn_version_info { major: 9 minor: 8 patch: 0 }",
-        f'device_description_str: "{t["device_kind"]}"', ""])
+    return "\n".join(
+        [
+            "gpu_device_info {",
+            "  threads_per_block_limit: 1024",
+            "  threads_per_warp: 32",
+            "  shared_memory_per_block: 49152",
+            f"  shared_memory_per_core: {int(t['shared_memory_per_sm'])}",
+            "  threads_per_core_limit: 2048",
+            f"  core_count: {int(t['sm_count'])}",
+            "  fpus_per_core: 128",
+            "  block_dim_limit_x: 2147483647",
+            "  block_dim_limit_y: 65535",
+            "  block_dim_limit_z: 65535",
+            f"  memory_bandwidth: {int(t['memory_bandwidth'])}",
+            f"  l2_cache_size: {int(t['l2_bytes'])}",
+            f"  clock_rate_ghz: {float(t['clock_ghz'])}",
+            f"  device_memory_size: {int(hw.memory_bytes)}",
+            f"  shared_memory_per_block_optin: {int(t['shared_memory_per_sm']) - 1024}",
+            f"  cuda_compute_capability {{ major: {major} minor: {minor} }}",
+            "  registers_per_core_limit: 65536",
+            "  registers_per_block_limit: 65536",
+            "}",
+            'platform_name: "CUDA"',
+            "dnn_version_info { major: 9 minor: 8 patch: 0 }",
+            f'device_description_str: "{t["device_kind"]}"',
+            "",
+        ]
+    )
 
 
 def _gpu(hw: Hardware, n: int, topology: str | None) -> Target:
     from jax.experimental import topologies
+
     if topology is None:
         per_node = min(n, GPUS_PER_NODE)
         topology = f"1x{n // per_node}x{per_node}"
@@ -113,6 +139,7 @@ def tpu_shape(chips: int, dims: int) -> tuple[int, ...]:
 
 def _tpu(hw: Hardware, n: int, topology: str | None, slices: int | None) -> Target:
     from jax.experimental import topologies
+
     chip, dims = hw.target["chip"], int(hw.target.get("dims", 3))
     per_chip = len(topologies.get_topology_desc(platform="tpu", topology_name=_name(chip, TPU_HOST[dims])).devices) // 4
     slices = slices or (1 if n <= hw.domain else n // hw.domain)
@@ -120,15 +147,22 @@ def _tpu(hw: Hardware, n: int, topology: str | None, slices: int | None) -> Targ
         raise ConfigError(f"--devices {n} cannot be split into {slices} {hw.name} slices of whole chips")
     chips = n // slices // per_chip
     if topology is not None:
-        shape = _shape(topology.split(":")[-1], dims, f"--topology for {hw.name} is {'x'.join('N' * dims)}, e.g. "
-                       f"{'x'.join(map(str, tpu_shape(8, dims)))}")
+        shape = _shape(
+            topology.split(":")[-1],
+            dims,
+            f"--topology for {hw.name} is {'x'.join('N' * dims)}, e.g. {'x'.join(map(str, tpu_shape(8, dims)))}",
+        )
         if math.prod(shape) != chips:
-            raise ConfigError(f"--topology {topology} holds {math.prod(shape)} chips, but --devices {n} over "
-                              f"{slices} slice(s) needs {chips} per slice")
+            raise ConfigError(
+                f"--topology {topology} holds {math.prod(shape)} chips, but --devices {n} over "
+                f"{slices} slice(s) needs {chips} per slice"
+            )
     else:
         if chips < 4 or chips & (chips - 1):
-            raise ConfigError(f"--devices {n}: a deviceless {hw.name} slice holds a power of two chips, at least one "
-                              f"host of 4 (--devices {4 * per_chip * slices} or more)")
+            raise ConfigError(
+                f"--devices {n}: a deviceless {hw.name} slice holds a power of two chips, at least one "
+                f"host of 4 (--devices {4 * per_chip * slices} or more)"
+            )
         shape = tpu_shape(chips, dims)
     name = _name(chip, shape)
     desc = topologies.get_topology_desc(platform="tpu", topology_name=name, num_slices=slices, wrap=tpu_wrap(shape))
@@ -162,10 +196,14 @@ def compile_errors(target: Target | None, config):
         raise
     except Exception as e:  # noqa: BLE001 - XLA's errors (JaxRuntimeError, NotImplementedError...) are the point
         first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
-        what = (" ".join(config) or "the defaults") if isinstance(config, (list, tuple)) else \
-            f"strategy={config.strategy} mesh={config.mesh}"
-        raise MeshparError(f"the {target.hardware.name} compiler refused this step ({type(e).__name__}: {first}); "
-                           f"config: {what}") from None
+        what = (
+            (" ".join(config) or "the defaults")
+            if isinstance(config, (list, tuple))
+            else f"strategy={config.strategy} mesh={config.mesh}"
+        )
+        raise MeshparError(
+            f"the {target.hardware.name} compiler refused this step ({type(e).__name__}: {first}); config: {what}"
+        ) from None
 
 
 # XLA:GPU without a device cannot autotune, and for some small dots its Triton GEMM emitter finds no
@@ -186,4 +224,5 @@ def compile_trainer(target: Target, trainer, options: dict | None = None) -> tup
             raise
     return trainer.compile({**(options or {}), **NO_TRITON_GEMM}), [
         "note: XLA:GPU found no Triton tiling for some dots without a device to autotune on; compiled with "
-        "xla_gpu_enable_triton_gemm=false (cuBLAS GEMMs), as a run on the GPU may autotune differently"]
+        "xla_gpu_enable_triton_gemm=false (cuBLAS GEMMs), as a run on the GPU may autotune differently"
+    ]

@@ -16,6 +16,7 @@ The versions follow the installed jax: the CUDA plugin and PJRT of jax's own ver
 jax's `tpu` extra pins it, ptxas (nvidia-cuda-nvcc) and cuDNN as the plugin's `with-cuda` extra
 bounds them. cuBLAS, NCCL and the rest of the CUDA runtime are left out: compiling needs none of them.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -30,7 +31,7 @@ from meshpar.core.errors import MeshparError
 KINDS = ("gpu", "tpu")
 _PROBE = {"gpu": "jax_plugins/xla_cuda12/__init__.py", "tpu": "libtpu/libtpu.so"}
 _LOADED: dict[str, bool] = {}
-_SET_BY_MESHPAR = "MESHPAR_SET_TPU_LIBRARY_PATH"     # the TPU_LIBRARY_PATH meshpar itself set, not the user
+_SET_BY_MESHPAR = "MESHPAR_SET_TPU_LIBRARY_PATH"  # the TPU_LIBRARY_PATH meshpar itself set, not the user
 
 
 def folder() -> Path:
@@ -48,9 +49,11 @@ def installed() -> dict[str, bool]:
 
 def missing_line(kind: str) -> str:
     """One line for a target whose compiler is not installed, naming the command that installs it."""
-    return (f"the {'CUDA (GPU)' if kind == 'gpu' else 'TPU'} compiler is not installed in {folder()}: run "
-            f"`meshpar compilers --install {kind}` once (it downloads about "
-            f"{'0.9' if kind == 'gpu' else '0.2'} GB from PyPI)")
+    return (
+        f"the {'CUDA (GPU)' if kind == 'gpu' else 'TPU'} compiler is not installed in {folder()}: run "
+        f"`meshpar compilers --install {kind}` once (it downloads about "
+        f"{'0.9' if kind == 'gpu' else '0.2'} GB from PyPI)"
+    )
 
 
 def _jax_version() -> str:
@@ -61,12 +64,19 @@ def requirements(kind: str) -> list[str]:
     """pip requirements of the `kind` compiler for the installed jax."""
     v = _jax_version()
     if kind == "tpu":
-        pins = [r.split(";")[0].strip() for r in importlib.metadata.requires("jax") or []
-                if r.startswith("libtpu") and 'extra == "tpu"' in r]
+        pins = [
+            r.split(";")[0].strip()
+            for r in importlib.metadata.requires("jax") or []
+            if r.startswith("libtpu") and 'extra == "tpu"' in r
+        ]
         return pins or ["libtpu"]
     # the plugin's own `with-cuda` bounds for the two libraries a compile needs (names, then its pins)
-    return [f"jax-cuda12-plugin=={v}", f"jax-cuda12-pjrt=={v}", "nvidia-cuda-nvcc-cu12>=12.6.85",
-            "nvidia-cudnn-cu12>=9.8,<10"]
+    return [
+        f"jax-cuda12-plugin=={v}",
+        f"jax-cuda12-pjrt=={v}",
+        "nvidia-cuda-nvcc-cu12>=12.6.85",
+        "nvidia-cudnn-cu12>=9.8,<10",
+    ]
 
 
 def install(kinds=KINDS, quiet: bool = False) -> Path:
@@ -79,8 +89,10 @@ def install(kinds=KINDS, quiet: bool = False) -> Path:
         cmd.insert(4, "-q")
     done = subprocess.run(cmd, stdout=subprocess.DEVNULL if quiet else None)
     if done.returncode:
-        raise MeshparError(f"installing the compilers ({' '.join(reqs)}) into {dest} failed (pip exit "
-                           f"{done.returncode}); see pip's message above")
+        raise MeshparError(
+            f"installing the compilers ({' '.join(reqs)}) into {dest} failed (pip exit "
+            f"{done.returncode}); see pip's message above"
+        )
     return dest
 
 
@@ -92,13 +104,15 @@ def load(kind: str) -> None:
     if _LOADED.get(kind):
         return
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    import jax                                      # (a libtpu installed beside jax names itself in TPU_LIBRARY_PATH)
+    import jax  # (a libtpu installed beside jax names itself in TPU_LIBRARY_PATH)
+
     if not (installed()[kind] or kind == "tpu" and _own_libtpu()):
         raise MeshparError(missing_line(kind))
     from jax._src import xla_bridge as xb
+
     if not xb.backends_are_initialized() and not jax.config.jax_platforms:
-        jax.config.update("jax_platforms", "cpu")   # this host's own backend: the CPU
-    jax.devices()                                   # JAX's backends first: discovery without the compilers
+        jax.config.update("jax_platforms", "cpu")  # this host's own backend: the CPU
+    jax.devices()  # JAX's backends first: discovery without the compilers
     path = str(folder())
     if path not in sys.path:
         sys.path.append(path)
@@ -127,11 +141,13 @@ def _own_libtpu() -> str | None:
     compiler's version moves the program: libtpu 0.0.42.1 (jax 0.10.2's pin) and 0.0.52 (jax 0.11.2's)
     compile the same step with different temporaries and weight gathers, so a comparison names one."""
     own = os.environ.get("TPU_LIBRARY_PATH")
-    if not own or own == os.environ.get(_SET_BY_MESHPAR):    # unset, or meshpar's own (a child inherits it)
+    if not own or own == os.environ.get(_SET_BY_MESHPAR):  # unset, or meshpar's own (a child inherits it)
         return None
     if not os.path.isfile(own):
-        raise MeshparError(f"TPU_LIBRARY_PATH names {own}, which is not a file: point it at a libtpu.so, or unset "
-                           f"it to compile with meshpar's own libtpu (`meshpar compilers --install tpu`)")
+        raise MeshparError(
+            f"TPU_LIBRARY_PATH names {own}, which is not a file: point it at a libtpu.so, or unset "
+            f"it to compile with meshpar's own libtpu (`meshpar compilers --install tpu`)"
+        )
     return own
 
 
@@ -144,24 +160,25 @@ def version(kind: str) -> str:
     else:
         name, where = "jax-cuda12-plugin", folder()
     found = sorted(where.glob(f"{name.replace('-', '_')}-*.dist-info"))
-    return f"{name} {found[-1].name[len(name) + 1:-len('.dist-info')]}" if found else f"{name} (version unknown)"
+    return f"{name} {found[-1].name[len(name) + 1 : -len('.dist-info')]}" if found else f"{name} (version unknown)"
 
 
 def _load_gpu() -> None:
-    from jax._src import xla_bridge as xb
     import jax._src.lib as jax_lib
+    from jax._src import xla_bridge as xb
+
     importlib.invalidate_caches()
     plugin = importlib.import_module("jax_plugins.xla_cuda12")
     if "cuda" not in xb._backend_factories:
         # no driver or runtime to check versions against: a compile needs neither
         os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
-        plugin.initialize()                         # registers the "cuda" PJRT plugin and its topology
+        plugin.initialize()  # registers the "cuda" PJRT plugin and its topology
     c_api = xb._backend_factories["cuda"].c_api
-    for callback in list(getattr(xb, "_plugin_callbacks", [])):   # custom-call partitioners (cuDNN attention)
+    for callback in list(getattr(xb, "_plugin_callbacks", [])):  # custom-call partitioners (cuDNN attention)
         callback(c_api=c_api)
     versions = importlib.import_module("jax_cuda12_plugin._versions")
     jax_lib.cuda_versions = versions
-    for name, module in list(sys.modules.items()):   # modules that imported jax's (empty) record by name
+    for name, module in list(sys.modules.items()):  # modules that imported jax's (empty) record by name
         if name.startswith("jax.") and getattr(module, "cuda_versions", versions) is None:
             module.cuda_versions = versions
 
@@ -169,11 +186,20 @@ def _load_gpu() -> None:
 def main(argv: list[str]) -> int:
     """`meshpar compilers [--install [gpu|tpu|all]]`: where the target compilers are, and installing them."""
     import argparse
-    p = argparse.ArgumentParser(prog="meshpar compilers", description="The GPU (CUDA) and TPU compilers that "
-                                "`inspect --target` and `plan --verify --target` compile with, on a host without "
-                                f"the hardware. Folder: $MESHPAR_COMPILERS, default {folder()}")
-    p.add_argument("--install", nargs="?", const="all", choices=("gpu", "tpu", "all"),
-                   help="download and install them there (default all: about 1.1 GB from PyPI)")
+
+    p = argparse.ArgumentParser(
+        prog="meshpar compilers",
+        description="The GPU (CUDA) and TPU compilers that "
+        "`inspect --target` and `plan --verify --target` compile with, on a host without "
+        f"the hardware. Folder: $MESHPAR_COMPILERS, default {folder()}",
+    )
+    p.add_argument(
+        "--install",
+        nargs="?",
+        const="all",
+        choices=("gpu", "tpu", "all"),
+        help="download and install them there (default all: about 1.1 GB from PyPI)",
+    )
     args = p.parse_args(argv)
     if args.install:
         try:
@@ -185,4 +211,3 @@ def main(argv: list[str]) -> int:
         print(f"{kind}: {'installed' if ok else 'not installed'} ({', '.join(requirements(kind))})")
     print(f"folder: {folder()}")
     return 0
-

@@ -29,6 +29,7 @@ Preemption: SIGTERM / SIGINT ask the loop to save a checkpoint and stop (`Preemp
 several processes the stop step must be the same everywhere; JAX's preemption sync manager (which
 owns SIGTERM once `jax.distributed` is up) agrees on it, and SIGINT is forwarded to it as SIGTERM.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -46,16 +47,18 @@ EXIT_PEER_LOST = 3
 
 @dataclass(frozen=True)
 class Settings:
-    coordinator: str | None          # HOST:PORT of process 0's coordination service (None: JAX detects it)
+    coordinator: str | None  # HOST:PORT of process 0's coordination service (None: JAX detects it)
     num_processes: int | None
     process_id: int | None
-    method: str                      # explicit | slurm | ompi | tpu
+    method: str  # explicit | slurm | ompi | tpu
     heartbeat_timeout: int = 30
     peer_timeout: float = 10.0
 
     def describe(self) -> str:
-        return (f"process {self.process_id if self.process_id is not None else '?'} of "
-                f"{self.num_processes or '?'} ({self.method}, coordinator {self.coordinator or 'auto'})")
+        return (
+            f"process {self.process_id if self.process_id is not None else '?'} of "
+            f"{self.num_processes or '?'} ({self.method}, coordinator {self.coordinator or 'auto'})"
+        )
 
 
 def _env_int(env, *names) -> int | None:
@@ -69,8 +72,9 @@ def _env_int(env, *names) -> int | None:
     return None
 
 
-def resolve(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None,
-            environ=None) -> Settings | None:
+def resolve(
+    coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None, environ=None
+) -> Settings | None:
     """Multi-process settings from flags, environment or cluster detection; None for one process."""
     env = os.environ if environ is None else environ
     coordinator = coordinator or env.get("MESHPAR_COORDINATOR") or env.get("JAX_COORDINATOR_ADDRESS")
@@ -78,14 +82,22 @@ def resolve(coordinator: str | None = None, num_processes: int | None = None, pr
         num_processes = _env_int(env, "MESHPAR_NUM_PROCESSES", "JAX_NUM_PROCESSES")
     if process_id is None:
         process_id = _env_int(env, "MESHPAR_PROCESS_ID", "JAX_PROCESS_ID")
-    timeouts = dict(heartbeat_timeout=_env_int(env, "MESHPAR_HEARTBEAT_TIMEOUT") or 30,
-                    peer_timeout=float(env.get("MESHPAR_PEER_TIMEOUT") or 10.0))
+    timeouts = dict(
+        heartbeat_timeout=_env_int(env, "MESHPAR_HEARTBEAT_TIMEOUT") or 30,
+        peer_timeout=float(env.get("MESHPAR_PEER_TIMEOUT") or 10.0),
+    )
     if num_processes == 1 and not coordinator:
         return None
     if num_processes is not None or process_id is not None or coordinator:
-        missing = [n for n, v in [("--coordinator / MESHPAR_COORDINATOR", coordinator),
-                                  ("--num-processes / MESHPAR_NUM_PROCESSES", num_processes),
-                                  ("--process-id / MESHPAR_PROCESS_ID", process_id)] if v is None]
+        missing = [
+            n
+            for n, v in [
+                ("--coordinator / MESHPAR_COORDINATOR", coordinator),
+                ("--num-processes / MESHPAR_NUM_PROCESSES", num_processes),
+                ("--process-id / MESHPAR_PROCESS_ID", process_id),
+            ]
+            if v is None
+        ]
         if missing and not _detected(env):
             raise ConfigError(f"multi-process launch needs {', '.join(missing)} as well (or run under srun/mpirun)")
         if num_processes is not None and num_processes < 1:
@@ -104,7 +116,7 @@ def resolve(coordinator: str | None = None, num_processes: int | None = None, pr
 def _detected(env) -> str | None:
     """The cluster we run in, from environment variables only (no network probes)."""
     if env.get("SLURM_STEP_NODELIST") and (_env_int(env, "SLURM_NTASKS") or 1) > 1:
-        return "slurm"             # inside `srun` (a bare salloc shell has no job step)
+        return "slurm"  # inside `srun` (a bare salloc shell has no job step)
     if (_env_int(env, "OMPI_COMM_WORLD_SIZE") or 1) > 1:
         return "ompi"
     if env.get("MESHPAR_DISTRIBUTED") == "auto" or len((env.get("TPU_WORKER_HOSTNAMES") or "").split(",")) > 1:
@@ -118,8 +130,13 @@ def scheduler_job(environ=None) -> dict | None:
     env = os.environ if environ is None else environ
     if not env.get("SLURM_JOB_ID"):
         return None
-    return {"name": "slurm", "job_id": env["SLURM_JOB_ID"], "restart_count": _env_int(env, "SLURM_RESTART_COUNT") or 0,
-            "step_id": env.get("SLURM_STEP_ID"), "nodes": env.get("SLURM_JOB_NODELIST")}
+    return {
+        "name": "slurm",
+        "job_id": env["SLURM_JOB_ID"],
+        "restart_count": _env_int(env, "SLURM_RESTART_COUNT") or 0,
+        "step_id": env.get("SLURM_STEP_ID"),
+        "nodes": env.get("SLURM_JOB_NODELIST"),
+    }
 
 
 def initialize(settings: Settings, local_devices: int | None = None) -> None:
@@ -127,8 +144,10 @@ def initialize(settings: Settings, local_devices: int | None = None) -> None:
 
     `local_devices`: CPU devices to fake in this process (ignored on GPU/TPU hosts)."""
     import jax
+
     if local_devices is not None:
         from meshpar.core.mesh import fake_cpu_devices
+
         fake_cpu_devices(local_devices)
     if os.environ.get("JAX_PLATFORMS", "cpu") in ("cpu", ""):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -139,8 +158,11 @@ def initialize(settings: Settings, local_devices: int | None = None) -> None:
         jax.distributed.initialize(settings.coordinator, settings.num_processes, settings.process_id, **kwargs)
     except (RuntimeError, ValueError) as e:
         from meshpar.core.errors import MeshparError
-        raise MeshparError(f"could not join the job as {settings.describe()}: {str(e).splitlines()[0]}; check that "
-                           "every process got the same coordinator address and process count") from None
+
+        raise MeshparError(
+            f"could not join the job as {settings.describe()}: {str(e).splitlines()[0]}; check that "
+            "every process got the same coordinator address and process count"
+        ) from None
     if jax.process_count() > 1:
         global _watchdog
         try:
@@ -153,13 +175,14 @@ def initialize(settings: Settings, local_devices: int | None = None) -> None:
 
 def is_main() -> bool:
     import jax
+
     return jax.process_index() == 0
 
 
 # ----------------------------------------------------------------------------------------------
 # Peer watchdog.
 
-progress = {"step": 0}     # the loop's last finished step, for the watchdog's message
+progress = {"step": 0}  # the loop's last finished step, for the watchdog's message
 _watchdog = None
 
 
@@ -173,7 +196,8 @@ class _Watchdog(threading.Thread):
     def __init__(self, timeout: float, period: float = 1.0):
         super().__init__(name="meshpar-peer-watchdog", daemon=True)
         import jax
-        from jax._src import distributed      # the client JAX already connected (no public handle)
+        from jax._src import distributed  # the client JAX already connected (no public handle)
+
         self.client = distributed.global_state.client
         if self.client is None:
             raise RuntimeError("jax.distributed has no client")
@@ -192,8 +216,7 @@ class _Watchdog(threading.Thread):
                     self._read_verdict()
             except Exception as e:  # noqa: BLE001 - the coordination service (in process 0) is gone
                 if self.me != 0:
-                    _peer_lost(f"process 0 (the coordinator) is unreachable: {str(e).splitlines()[0][:160]}",
-                               self.me)
+                    _peer_lost(f"process 0 (the coordinator) is unreachable: {str(e).splitlines()[0][:160]}", self.me)
             time.sleep(self.period)
 
     def _watch_peers(self, seen: dict, start: float) -> None:
@@ -206,7 +229,7 @@ class _Watchdog(threading.Thread):
             elif now - max(seen[peer][1], start) > self.timeout:
                 what = f"process {peer} stopped responding (no heartbeat for {now - seen[peer][1]:.0f} s)"
                 self.client.key_value_set("meshpar/lost", what, allow_overwrite=True)
-                time.sleep(2 * self.period)       # let the others read it before the service goes down
+                time.sleep(2 * self.period)  # let the others read it before the service goes down
                 _peer_lost(what, self.me)
 
     def _read_verdict(self) -> None:
@@ -230,8 +253,10 @@ def await_peer_verdict(error: BaseException) -> None:
 
 
 def _peer_lost(what: str, me: int) -> None:
-    sys.stderr.write(f"meshpar: error: lost a peer: {what}; process {me} stops after step {progress['step']}. "
-                     "Relaunch the same command to resume from the last checkpoint\n")
+    sys.stderr.write(
+        f"meshpar: error: lost a peer: {what}; process {me} stops after step {progress['step']}. "
+        "Relaunch the same command to resume from the last checkpoint\n"
+    )
     sys.stderr.flush()
     os._exit(EXIT_PEER_LOST)
 
@@ -239,7 +264,7 @@ def _peer_lost(what: str, me: int) -> None:
 # ----------------------------------------------------------------------------------------------
 # Preemption.
 
-on_interrupt: list = []     # run before an exit on Ctrl-C outside the loop (the metrics logger's close)
+on_interrupt: list = []  # run before an exit on Ctrl-C outside the loop (the metrics logger's close)
 
 
 @contextlib.contextmanager
@@ -250,6 +275,7 @@ def interrupts_exit():
     it is printed and dropped, and the run goes on; raised while XLA compiles on its own threads,
     interpreter finalization under them segfaults (exit 139). Outside the training loop nothing is
     being written that an exit could leave half-done; inside it, `PreemptionGuard` takes over."""
+
     def handler(signum, frame):
         for fn in reversed(on_interrupt):
             try:
@@ -260,6 +286,7 @@ def interrupts_exit():
         sys.stderr.write("meshpar: interrupted\n")
         sys.stderr.flush()
         os._exit(128 + signum)
+
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -284,6 +311,7 @@ class PreemptionGuard:
 
     def __enter__(self):
         import jax
+
         self.multi = jax.process_count() > 1
         if threading.current_thread() is not threading.main_thread():
             return self
@@ -302,12 +330,13 @@ class PreemptionGuard:
             raise KeyboardInterrupt
         self.signal = signum
         if self.multi:
-            os.kill(os.getpid(), signal.SIGTERM)    # JAX's C++ notifier owns SIGTERM here
+            os.kill(os.getpid(), signal.SIGTERM)  # JAX's C++ notifier owns SIGTERM here
 
     def reached(self, step: int) -> int | None:
         """The signal number if the run should save and stop after `step`, else None."""
         if self.multi:
             from jax.experimental import multihost_utils
+
             if multihost_utils.reached_preemption_sync_point(step):
                 return self.signal or signal.SIGTERM
             return None

@@ -24,6 +24,7 @@ process 0 logs the run; the others print errors); Gloo's connection reports (`[G
 connected to 1 peer ranks...`, about 40 lines) are dropped. The processes write into pipes, so
 there is no progress bar: each logged step is a line.
 """
+
 from __future__ import annotations
 
 import os
@@ -38,13 +39,15 @@ import time
 PROG = "meshpar launch"
 # Gloo's connection report, `[Gloo] Rank 3 is connected to 7 peer ranks. Expected number of connected
 # peer ranks is : 7`, printed piece by piece from several threads: pieces of two reports share lines
-CHATTER = re.compile(rb"\[Gloo\] Rank \d*| ?is connected to \d*| peer ranks\. ?|Expected number of connected peer ranks is : \d*")
+CHATTER = re.compile(
+    rb"\[Gloo\] Rank \d*| ?is connected to \d*| peer ranks\. ?|Expected number of connected peer ranks is : \d*"
+)
 _write_lock = threading.Lock()
 
 
 def _relay(pipe, out, prefix: bytes) -> None:
     """Copy a child's stream to `out` line by line (whole lines, prefixed), dropping Gloo chatter."""
-    burst = False                    # inside a run of report lines: a lone number is a piece of one
+    burst = False  # inside a run of report lines: a lone number is a piece of one
     for line in iter(pipe.readline, b""):
         kept = CHATTER.sub(b"", line)
         pieces = not kept.strip(b" \t\r\n0123456789")
@@ -56,7 +59,7 @@ def _relay(pipe, out, prefix: bytes) -> None:
             out.flush()
             if hasattr(out, "buffer"):
                 out.buffer.write(line)
-            else:                  # a text-only stream (a test's capture)
+            else:  # a text-only stream (a test's capture)
                 out.write(line.decode(errors="replace"))
             out.flush()
     pipe.close()
@@ -70,37 +73,49 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def _why(rc: int) -> str:
-    if rc < 0:                       # Popen reports death by signal as -signum
+    if rc < 0:  # Popen reports death by signal as -signum
         return f"signal {-rc} ({signal.Signals(-rc).name})"
     if rc > 128:
         return f"status {rc} (signal {rc - 128}: killed, or saved and stopped on it)"
     return f"exit status {rc}"
 
 
-COMMANDS = ("train", "serve")       # what the processes run: `meshpar launch N serve ...`; default train
+COMMANDS = ("train", "serve")  # what the processes run: `meshpar launch N serve ...`; default train
 
 
 def launch(n: int, train_args: list[str], env: dict | None = None, poll_s: float = 0.2) -> int:
     """Start `n` processes of `meshpar train *train_args*` (or `serve`, when the arguments start with
     it), forward signals, wait; first non-zero status."""
-    command, train_args = (train_args[0], train_args[1:]) if train_args[:1] and train_args[0] in COMMANDS \
-        else ("train", train_args)
+    command, train_args = (
+        (train_args[0], train_args[1:]) if train_args[:1] and train_args[0] in COMMANDS else ("train", train_args)
+    )
     base = dict(os.environ if env is None else env)
     base.setdefault("JAX_PLATFORMS", "cpu")
     port = int(base.get("MESHPAR_PORT") or free_port())
     procs, relays = [], []
     for i in range(n):
-        penv = {**base, "MESHPAR_COORDINATOR": f"127.0.0.1:{port}", "MESHPAR_NUM_PROCESSES": str(n),
-                "MESHPAR_PROCESS_ID": str(i)}
-        p = subprocess.Popen([sys.executable, "-m", "meshpar.cli", command, *train_args], env=penv,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        penv = {
+            **base,
+            "MESHPAR_COORDINATOR": f"127.0.0.1:{port}",
+            "MESHPAR_NUM_PROCESSES": str(n),
+            "MESHPAR_PROCESS_ID": str(i),
+        }
+        p = subprocess.Popen(
+            [sys.executable, "-m", "meshpar.cli", command, *train_args],
+            env=penv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
         procs.append(p)
         prefix = b"" if i == 0 else f"[process {i}] ".encode()
         for pipe, out in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
             relays.append(threading.Thread(target=_relay, args=(pipe, out, prefix), daemon=True))
             relays[-1].start()
-    print(f"{PROG}: {n} processes on 127.0.0.1:{port}: pids {' '.join(str(p.pid) for p in procs)}",
-          file=sys.stderr, flush=True)
+    print(
+        f"{PROG}: {n} processes on 127.0.0.1:{port}: pids {' '.join(str(p.pid) for p in procs)}",
+        file=sys.stderr,
+        flush=True,
+    )
 
     def forward(signum, _frame):
         for p in procs:
@@ -125,8 +140,11 @@ def launch(n: int, train_args: list[str], env: dict | None = None, poll_s: float
                         status, failed_at = (rc if rc > 0 else 128 - rc), time.monotonic()
             if running and failed_at is not None and time.monotonic() - failed_at > grace:
                 for i, p in running.items():
-                    print(f"{PROG}: process {i} (pid {p.pid}) still running {grace:.0f} s after a failure: killed",
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"{PROG}: process {i} (pid {p.pid}) still running {grace:.0f} s after a failure: killed",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     p.kill()
                 failed_at = None
             if running:
@@ -134,7 +152,7 @@ def launch(n: int, train_args: list[str], env: dict | None = None, poll_s: float
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-        for t in relays:           # the children's last lines (their error messages) come out whole
+        for t in relays:  # the children's last lines (their error messages) come out whole
             t.join(timeout=5)
     return status
 
@@ -143,17 +161,24 @@ def relay(command: list[str]) -> int:
     """Run `command` with its stdout and stderr copied to ours whole lines at a time, without Gloo's
     connection reports; outlive SIGTERM/SIGINT (the command gets them from its scheduler too: the
     SLURM script's tasks save and stop) saying so in one line; return the command's status."""
+
     def note(signum, _frame):
-        print(f"{PROG}: {signal.Signals(signum).name}: waiting for {command[0]} (its tasks save and stop)",
-              file=sys.stderr, flush=True)
-    old = {s: signal.signal(s, note) for s in (signal.SIGTERM, signal.SIGINT)}   # the child gets defaults
+        print(
+            f"{PROG}: {signal.Signals(signum).name}: waiting for {command[0]} (its tasks save and stop)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    old = {s: signal.signal(s, note) for s in (signal.SIGTERM, signal.SIGINT)}  # the child gets defaults
     try:
         p = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     except OSError as e:
         print(f"meshpar: error: {PROG} --relay: cannot run {command[0]!r}: {e.strerror}", file=sys.stderr)
         return 127
-    threads = [threading.Thread(target=_relay, args=(pipe, out, b""), daemon=True)
-               for pipe, out in ((p.stdout, sys.stdout), (p.stderr, sys.stderr))]
+    threads = [
+        threading.Thread(target=_relay, args=(pipe, out, b""), daemon=True)
+        for pipe, out in ((p.stdout, sys.stdout), (p.stderr, sys.stderr))
+    ]
     for t in threads:
         t.start()
     try:
@@ -176,6 +201,7 @@ def main(argv: list[str]) -> int:
     """`argv` = [N, train arguments...]; the train arguments are passed through unread."""
     if argv[:1] == ["--print-slurm"]:
         from meshpar.runtime.slurm import main as slurm_main
+
         return slurm_main(argv[1:])
     if argv[:1] == ["--relay"]:
         if len(argv) < 2:
@@ -186,7 +212,10 @@ def main(argv: list[str]) -> int:
         print(USAGE + "\n\n" + __doc__.split("\n\n", 1)[1].strip())
         return 0 if argv else 2
     if not argv[0].isdigit() or int(argv[0]) < 1:
-        print(f"meshpar: error: {PROG}: N must be a positive number of processes, got {argv[0]!r} "
-              f"(e.g. `{PROG} 2 steps=20`)", file=sys.stderr)
+        print(
+            f"meshpar: error: {PROG}: N must be a positive number of processes, got {argv[0]!r} "
+            f"(e.g. `{PROG} 2 steps=20`)",
+            file=sys.stderr,
+        )
         return 2
     return launch(int(argv[0]), argv[1:])

@@ -10,9 +10,10 @@
 The layout (which mesh axes each logical name takes) is not part of it: training lays the model out
 by `strategy` and serving by `serve.strategy`, each over this mesh.
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from flax import nnx
 
@@ -26,20 +27,26 @@ class PlacedModel:
     """`factory(rngs) -> nnx.Module` traced once on `mesh` under the precision `policy` (`spec`:
     `meshpar.core.sharding.ModelSpec`); `init_from`: `model.init_from` (hf:DIR) or None."""
 
-    def __init__(self, mesh, policy, factory: Callable, init_from: str | None = None,
-                 require_annotations: bool = False):
+    def __init__(
+        self, mesh, policy, factory: Callable, init_from: str | None = None, require_annotations: bool = False
+    ):
         self.mesh, self.policy, self.factory, self.init_from = mesh, policy, factory, init_from
         self.spec = model_spec(factory, policy, require_annotations)
         self._abstract = None
 
     @classmethod
-    def from_config(cls, cfg, model: Callable | None = None, devices=None, strict: bool | None = None) -> "PlacedModel":
+    def from_config(cls, cfg, model: Callable | None = None, devices=None, strict: bool | None = None) -> PlacedModel:
         """The model a run config names (`cfg.model`, or the factory `model`) on its mesh (`cfg.mesh`
         over `devices`, default all) in its precision (`cfg.precision`); `strict`: a variable without
         logical axis names is an error (default: `train.require_annotations`)."""
         strict = cfg.train.require_annotations if strict is None else strict
-        return cls(make_mesh(cfg.mesh, devices), precision_lib.get_policy(cfg.precision), model or default_model(cfg),
-                   cfg.model.init_from, strict)
+        return cls(
+            make_mesh(cfg.mesh, devices),
+            precision_lib.get_policy(cfg.precision),
+            model or default_model(cfg),
+            cfg.model.init_from,
+            strict,
+        )
 
     @property
     def abstract(self):
@@ -57,7 +64,8 @@ class PlacedModel:
 
     def pretrained(self, shardings, shapes, info: Callable[[str], None] | None = None) -> dict:
         """`init_from`'s parameters as a pure dict like `shapes`, each array born in `shardings`."""
-        from meshpar.io import hf     # local: the safetensors reader loads only for a run that reads one
+        from meshpar.io import hf  # local: the safetensors reader loads only for a run that reads one
+
         return hf.load(self.init_from, self.abstract, shardings, shapes, info)
 
     def module(self, params, vars=None):

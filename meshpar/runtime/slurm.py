@@ -12,14 +12,14 @@ What the script does, and why:
   node's first `python` on PATH often has no jax);
 - GPU-only XLA flags only where SLURM gave the job GPUs;
 - preemption: `--signal=TERM@180` and `scancel`/`scontrol requeue` send SIGTERM to the tasks, which
-  agree on a step, save a checkpoint and exit 143; the batch step (`meshpar launch --relay srun ...`)
-  outlives its own SIGTERM and returns srun's status. With `--requeue` SLURM runs the script again: the same command resumes from
-  checkpoint.dir (shared storage), appending to its metrics file; SLURM_RESTART_COUNT is in the
-  start record;
+  agree on a step, save a checkpoint and exit 143; the batch step (`meshpar launch --relay srun ...`) outlives its
+  own SIGTERM and returns srun's status. With `--requeue` SLURM runs the script again: the same command resumes from
+  checkpoint.dir (shared storage), appending to its metrics file; SLURM_RESTART_COUNT is in the start record;
 - a dead task: `srun --kill-on-bad-exit` ends the step, the survivors' watchdog names the lost peer
   (MESHPAR_PEER_TIMEOUT), and the job ends FAILED with the reason in its output file;
 - Gloo's connection reports (CPU jobs) are dropped from the output (`meshpar launch --relay`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -76,9 +76,19 @@ SHIPPED_PYTHON = """\
   else PYTHON=python3; fi"""
 
 
-def render(nodes: int = 2, gpus_per_node: int = 8, tasks_per_node: int | None = None, cpus_per_task: int = 8,
-           time: str = "24:00:00", partition: str | None = None, account: str | None = None,
-           job_name: str = "meshpar", python: str | None = None, train_args=(), flags: str = "") -> str:
+def render(
+    nodes: int = 2,
+    gpus_per_node: int = 8,
+    tasks_per_node: int | None = None,
+    cpus_per_task: int = 8,
+    time: str = "24:00:00",
+    partition: str | None = None,
+    account: str | None = None,
+    job_name: str = "meshpar",
+    python: str | None = None,
+    train_args=(),
+    flags: str = "",
+) -> str:
     """The batch script. `python`: the interpreter baked in (None: found at run time, as shipped)."""
     tasks = tasks_per_node or max(gpus_per_node, 1)
     lines = [f"--job-name={job_name}", f"--nodes={nodes}", f"--ntasks-per-node={tasks}"]
@@ -92,13 +102,19 @@ def render(nodes: int = 2, gpus_per_node: int = 8, tasks_per_node: int | None = 
     else:
         source, python_lines = "the one that wrote this script", f"  PYTHON={shlex.quote(python)}"
     args = "".join(" " + shlex.quote(a) for a in train_args)
-    return (HEADER.format(flags=flags) + "".join(f"#SBATCH {x}\n" for x in lines)
-            + BODY.format(python_source=source, python_lines=python_lines, train_args=args))
+    return (
+        HEADER.format(flags=flags)
+        + "".join(f"#SBATCH {x}\n" for x in lines)
+        + BODY.format(python_source=source, python_lines=python_lines, train_args=args)
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description="Print a SLURM batch script for `meshpar train` on a "
-                                "cluster (then: sbatch it). Arguments it does not know are train arguments.")
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description="Print a SLURM batch script for `meshpar train` on a "
+        "cluster (then: sbatch it). Arguments it does not know are train arguments.",
+    )
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--gpus-per-node", type=int, default=8, help="0 for CPU-only nodes")
     p.add_argument("--tasks-per-node", type=int, default=None, help="default: one per GPU (1 without GPUs)")
@@ -107,8 +123,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--partition")
     p.add_argument("--account")
     p.add_argument("--job-name", default="meshpar")
-    p.add_argument("--shipped", action="store_true", help="find the interpreter at run time (as launch/slurm.sbatch "
-                   "does) instead of baking in this one")
+    p.add_argument(
+        "--shipped",
+        action="store_true",
+        help="find the interpreter at run time (as launch/slurm.sbatch does) instead of baking in this one",
+    )
     return p
 
 
@@ -122,7 +141,19 @@ def main(argv: list[str]) -> int:
     if opts.gpus_per_node < 0 or (opts.tasks_per_node is not None and opts.tasks_per_node < 1):
         parser.error("--gpus-per-node must be >= 0 and --tasks-per-node >= 1")
     given = [a for a in argv if a not in train_args]
-    sys.stdout.write(render(opts.nodes, opts.gpus_per_node, opts.tasks_per_node, opts.cpus_per_task, opts.time,
-                            opts.partition, opts.account, opts.job_name, None if opts.shipped else sys.executable,
-                            train_args, flags="".join(" " + shlex.quote(a) for a in given)))
+    sys.stdout.write(
+        render(
+            opts.nodes,
+            opts.gpus_per_node,
+            opts.tasks_per_node,
+            opts.cpus_per_task,
+            opts.time,
+            opts.partition,
+            opts.account,
+            opts.job_name,
+            None if opts.shipped else sys.executable,
+            train_args,
+            flags="".join(" " + shlex.quote(a) for a in given),
+        )
+    )
     return 0

@@ -30,22 +30,24 @@ logit_bias and the penalties act inside the compiled sampling step (`meshpar.ser
 What is not implemented gets 400 naming the field: `response_format` other than text, `tools`,
 `functions`, `tool_choice`, `best_of` > 1, and `echo` with `logprobs`.
 """
+
 from __future__ import annotations
 
 import asyncio
 import json
 import time
 
-from fastapi import FastAPI, Request as HTTPRequest
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse
 
 from meshpar.core.errors import ConfigError
 from meshpar.serve import completions as completions_lib
-from meshpar.serve.requests import Request
 from meshpar.serve.detokenizer import Detokenizer
 from meshpar.serve.fields import Fields
 from meshpar.serve.guard import APIError, Guard, api_keys, exposed
 from meshpar.serve.metrics import Observed, ServeMetrics
+from meshpar.serve.requests import Request
 from meshpar.serve.scheduler import QueueFull, Scheduler
 
 FINISH = {"eos": "stop", "max_tokens": "length", "cache_full": "length", "cancelled": "stop"}
@@ -57,7 +59,7 @@ class Server:
     def __init__(self, engine, serve_cfg, tokenizer, name: str, eos: list[int], replicas=None):
         self.engine, self.tok, self.name, self.eos = engine, tokenizer, name, eos
         self.fields = Fields(engine, tokenizer, name, eos, serve_cfg)
-        self.parse = self.fields.parse                         # a request body -> (Request, options)
+        self.parse = self.fields.parse  # a request body -> (Request, options)
         self.scheduler = Scheduler.for_config(engine, serve_cfg, bounded=True, replicas=replicas)
         self.metrics = ServeMetrics(self.scheduler, engine)
         self.created = int(time.time())
@@ -69,15 +71,25 @@ class Server:
         loop = asyncio.get_running_loop()
         queues = [asyncio.Queue() for _ in reqs]
 
-        def post(q, item):       # from the scheduler's thread; a closed loop (shutting down) drops it
+        def post(q, item):  # from the scheduler's thread; a closed loop (shutting down) drops it
             if not loop.is_closed():
                 loop.call_soon_threadsafe(q.put_nowait, item)
+
         try:
-            tickets = self.scheduler.submit_all([(r, lambda t, q=q: post(q, ("tok", t)), lambda c, q=q: post(q, ("done", c)))
-                                                 for r, q in zip(reqs, queues)])
+            tickets = self.scheduler.submit_all(
+                [
+                    (r, lambda t, q=q: post(q, ("tok", t)), lambda c, q=q: post(q, ("done", c)))
+                    for r, q in zip(reqs, queues)
+                ]
+            )
         except QueueFull as e:
-            raise APIError(429, f"the server is busy ({e}); retry shortly", code="rate_limit_exceeded",
-                           kind="rate_limit_error", headers={"Retry-After": "1"}) from None
+            raise APIError(
+                429,
+                f"the server is busy ({e}); retry shortly",
+                code="rate_limit_exceeded",
+                kind="rate_limit_error",
+                headers={"Retry-After": "1"},
+            ) from None
         except ConfigError as e:
             raise APIError(400, str(e)) from None
         return list(zip(tickets, queues))
@@ -95,9 +107,9 @@ class Server:
             while True:
                 try:
                     kind, value = await asyncio.wait_for(q.get(), 0.25)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     kind = None
-                if time.monotonic() - checked > 0.25:      # tokens may flow faster than the timeout: look anyway
+                if time.monotonic() - checked > 0.25:  # tokens may flow faster than the timeout: look anyway
                     checked = time.monotonic()
                     if await disconnected():
                         return
@@ -132,20 +144,27 @@ class Server:
         finally:
             if last is not None:
                 m.e2e.observe(last - start)
-            self.scheduler.cancel(ticket)                      # a no-op once finished; frees a vanished client's slot
+            self.scheduler.cancel(ticket)  # a no-op once finished; frees a vanished client's slot
 
-def create_app(server: Server, keys: list[str] = (), max_body: int = 4 * 2**20, cors_origins: list[str] = (),
-               openapi: bool = False):
+
+def create_app(
+    server: Server, keys: list[str] = (), max_body: int = 4 * 2**20, cors_origins: list[str] = (), openapi: bool = False
+):
     """The ASGI application of `server`: its FastAPI routes (the schema at /openapi.json with `openapi`)
     behind `Guard` (API keys, body type and size), behind CORS for `cors_origins` (none: a browser
     page of another origin may not read the answers; its preflights pass before the key check)."""
     app = Guard(_routes(server, openapi), list(keys), max_body)
-    if server is not None:                        # (None: the routes alone, for their schema)
+    if server is not None:  # (None: the routes alone, for their schema)
         app = Observed(app, server.metrics)
     if cors_origins:
         from starlette.middleware.cors import CORSMiddleware
-        app = CORSMiddleware(app, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
-                             allow_headers=["Authorization", "Content-Type"])
+
+        app = CORSMiddleware(
+            app,
+            allow_origins=list(cors_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type"],
+        )
     return app
 
 
@@ -161,17 +180,25 @@ def _routes(server: Server, openapi: bool = False):
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(HTTPException)
-    async def http_error(request, e: HTTPException):      # no such route (404), method (405), ...
+    async def http_error(request, e: HTTPException):  # no such route (404), method (405), ...
         what = f"no route {request.method} {request.url.path}" if e.status_code in (404, 405) else str(e.detail)
-        return JSONResponse(APIError(e.status_code, what, code="not_found" if e.status_code == 404 else None).body(),
-                            status_code=e.status_code)
+        return JSONResponse(
+            APIError(e.status_code, what, code="not_found" if e.status_code == 404 else None).body(),
+            status_code=e.status_code,
+        )
 
     @app.get("/health")
     async def health():
         sched = server.scheduler
-        return {"status": "ok", "waiting": len(sched.waiting) + len(sched.inbox), "active": len(sched.active),
-                "decode_steps": sched.decode_steps, "prefill_calls": sched.prefill_calls, "errors": sched.errors,
-                "compilations": sum(server.engine.traces.values())}     # a new (rows, bucket) shape compiles once
+        return {
+            "status": "ok",
+            "waiting": len(sched.waiting) + len(sched.inbox),
+            "active": len(sched.active),
+            "decode_steps": sched.decode_steps,
+            "prefill_calls": sched.prefill_calls,
+            "errors": sched.errors,
+            "compilations": sum(server.engine.traces.values()),
+        }  # a new (rows, bucket) shape compiles once
 
     @app.get("/metrics")
     async def metrics():
@@ -188,8 +215,12 @@ def _routes(server: Server, openapi: bool = False):
     @app.get("/v1/models/{model:path}")
     async def model(model: str):
         if model != server.name:
-            raise APIError(404, f"the model '{model}' does not exist; this server serves '{server.name}'", "model",
-                           "model_not_found")
+            raise APIError(
+                404,
+                f"the model '{model}' does not exist; this server serves '{server.name}'",
+                "model",
+                "model_not_found",
+            )
         return card()
 
     async def body_of(http: HTTPRequest):
@@ -229,12 +260,13 @@ def serve_http(cfg, host: str, sock, model_name: str | None = None, keys: list[s
     from meshpar.io.tokenizer import ByteTokenizer, HFTokenizer
     from meshpar.serve.engine import Engine
     from meshpar.serve.multihost import Replicas
-    leader = jax.process_index() == 0       # `sock`: process 0's listening socket (`listen`), None elsewhere
-    tok = HFTokenizer(cfg.data.tokenizer) if cfg.data.tokenizer else None    # on every process: fails alike
+
+    leader = jax.process_index() == 0  # `sock`: process 0's listening socket (`listen`), None elsewhere
+    tok = HFTokenizer(cfg.data.tokenizer) if cfg.data.tokenizer else None  # on every process: fails alike
     engine = Engine(cfg, info=lambda m: print(m, file=sys.stderr))
     replicas = Replicas() if jax.process_count() > 1 else None
-    if not leader:           # another process of the server: tick with process 0 until it says stop
-        for sig in (signal.SIGTERM, signal.SIGINT):                        # process 0 drains, then says stop
+    if not leader:  # another process of the server: tick with process 0 until it says stop
+        for sig in (signal.SIGTERM, signal.SIGINT):  # process 0 drains, then says stop
             signal.signal(sig, lambda signum, frame: None)
         engine.warmup()
         Scheduler.for_config(engine, cfg.serve, replicas=replicas).follow()
@@ -242,7 +274,9 @@ def serve_http(cfg, host: str, sock, model_name: str | None = None, keys: list[s
     for note in engine.notes:
         print(note, file=sys.stderr)
     if tok is not None and tok.vocab_size > engine.vocab:
-        raise ConfigError(f"data.tokenizer has {tok.vocab_size} tokens, more than the model's vocabulary {engine.vocab}")
+        raise ConfigError(
+            f"data.tokenizer has {tok.vocab_size} tokens, more than the model's vocabulary {engine.vocab}"
+        )
     tok = tok or ByteTokenizer(max(256, engine.vocab))
     source = cfg.checkpoint.dir or (cfg.model.init_from or "")[3:]
     name = model_name or (Path(source).name if source else cfg.model.name)
@@ -252,15 +286,22 @@ def serve_http(cfg, host: str, sock, model_name: str | None = None, keys: list[s
     worker = threading.Thread(target=server.scheduler.serve, args=(stop,), name="meshpar-scheduler", daemon=True)
     worker.start()
     procs = f" in {jax.process_count()} processes" if replicas is not None else ""
-    print(f"serving {name} ({engine.source}) on http://{host}:{sock.getsockname()[1]} with {engine.mesh.devices.size} "
-          f"devices{procs} ({cfg.serve.strategy}, {engine.slots} slots, cache {engine.length}, prefill batch "
-          f"{server.scheduler.prefill_batch}, prefix cache {cfg.serve.prefix_cache})", file=sys.stderr, flush=True)
+    print(
+        f"serving {name} ({engine.source}) on http://{host}:{sock.getsockname()[1]} with {engine.mesh.devices.size} "
+        f"devices{procs} ({cfg.serve.strategy}, {engine.slots} slots, cache {engine.length}, prefill batch "
+        f"{server.scheduler.prefill_batch}, prefix cache {cfg.serve.prefix_cache})",
+        file=sys.stderr,
+        flush=True,
+    )
     keys = api_keys(keys)
     warning = exposed(host, keys)
     if warning:
         print(warning, file=sys.stderr, flush=True)
-    config = uvicorn.Config(create_app(server, keys, cfg.serve.max_body_bytes, cfg.serve.cors_origins,
-                                       cfg.serve.openapi), log_level="warning", timeout_graceful_shutdown=None)
+    config = uvicorn.Config(
+        create_app(server, keys, cfg.serve.max_body_bytes, cfg.serve.cors_origins, cfg.serve.openapi),
+        log_level="warning",
+        timeout_graceful_shutdown=None,
+    )
     # uvicorn drains on SIGTERM, then raises it again under the handler it found: make that one a no-op,
     # so a drained server exits 0 (Ctrl-C still ends with 130, through interrupts_exit's handler)
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
@@ -269,14 +310,20 @@ def serve_http(cfg, host: str, sock, model_name: str | None = None, keys: list[s
         drain.server(config).run(sockets=[sock])
     finally:
         drain.done()
-        stop.set()                       # the scheduler finishes what it took, then (other processes) says stop
+        stop.set()  # the scheduler finishes what it took, then (other processes) says stop
         worker.join()
     if drain.cut:
-        print(f"serve.drain_timeout_s={cfg.serve.drain_timeout_s:g} passed: {drain.cut} requests in flight were cut "
-              "(answered 503)", file=sys.stderr)
+        print(
+            f"serve.drain_timeout_s={cfg.serve.drain_timeout_s:g} passed: {drain.cut} requests in flight were cut "
+            "(answered 503)",
+            file=sys.stderr,
+        )
     p = server.scheduler.prefix
-    print(f"stopped: {server.scheduler.decode_steps} decode steps, {server.scheduler.prefill_calls} prefill calls"
-          + (f", prefix cache {p.hits} hits / {p.misses} misses" if p is not None else ""), file=sys.stderr)
+    print(
+        f"stopped: {server.scheduler.decode_steps} decode steps, {server.scheduler.prefill_calls} prefill calls"
+        + (f", prefix cache {p.hits} hits / {p.misses} misses" if p is not None else ""),
+        file=sys.stderr,
+    )
 
 
 class Drain:
@@ -290,24 +337,29 @@ class Drain:
 
     def server(self, config):
         import uvicorn
+
         drain = self
 
         class Draining(uvicorn.Server):
             def handle_exit(self, sig, frame):
                 drain.start()
                 super().handle_exit(sig, frame)
+
         return Draining(config)
 
     def start(self) -> None:
         import threading
+
         if self.timeout_s is not None and self.timer is None:
             self.timer = threading.Timer(self.timeout_s, self._cut)
             self.timer.daemon = True
             self.timer.start()
 
     def _cut(self) -> None:
-        self.cut = self.scheduler.cut(f"the server is shutting down: serve.drain_timeout_s={self.timeout_s:g} passed "
-                                      "before this request finished; send it again (to another replica)")
+        self.cut = self.scheduler.cut(
+            f"the server is shutting down: serve.drain_timeout_s={self.timeout_s:g} passed "
+            "before this request finished; send it again (to another replica)"
+        )
 
     def done(self) -> None:
         if self.timer is not None:
@@ -317,6 +369,7 @@ class Drain:
 def listen(host: str, port: int):
     """A socket listening on host:port (0: any free port), or one line saying why not."""
     import socket
+
     if not 0 <= port <= 65535:
         raise ConfigError(f"--port {port} is out of range: use 1..65535 (0: any free one)")
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -324,7 +377,8 @@ def listen(host: str, port: int):
     try:
         sock.bind((host, port))
     except OSError as e:
-        raise ConfigError(f"--host {host} --port {port}: cannot listen there ({e.strerror}); "
-                          "choose another port (0: any free one)") from None
+        raise ConfigError(
+            f"--host {host} --port {port}: cannot listen there ({e.strerror}); choose another port (0: any free one)"
+        ) from None
     sock.listen(1024)
     return sock

@@ -3,6 +3,7 @@ shapes (`text_completion`, `chat.completion`, `chat.completion.chunk`; server-se
 with `data: [DONE]`), their `usage`, `logprobs` objects and errors (500: the step failed; 503: a
 draining server's deadline cut the request).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -30,16 +31,21 @@ async def complete(server, http, chat: bool, body_of):
     where asked (module docstring)."""
     # off the event loop: a long prompt's tokenizing never stalls the other clients or /health
     req, opt = await asyncio.to_thread(server.parse, await body_of(http), chat)
-    head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}",
-            "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": int(time.time()), "model": server.name}
+    head = {
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}",
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": server.name,
+    }
     # `n` choices: one request each (seed + i), submitted together so that they share one prefill
-    reqs = [req] + [dataclasses.replace(req, sampling=dataclasses.replace(
-        req.sampling, seed=(req.sampling.seed + i) % (2 ** 31))) for i in range(1, opt["n"])]
+    reqs = [req] + [
+        dataclasses.replace(req, sampling=dataclasses.replace(req.sampling, seed=(req.sampling.seed + i) % (2**31)))
+        for i in range(1, opt["n"])
+    ]
     opened = server.open(reqs)
     streams = [server.events(o, opt["stop"], http.is_disconnected) for o in opened]
-    firsts = await asyncio.gather(*(anext(e, None) for e in streams))   # errors before any byte is sent
-    if any(f is None for f in firsts):                                 # the client went away while it waited
+    firsts = await asyncio.gather(*(anext(e, None) for e in streams))  # errors before any byte is sent
+    if any(f is None for f in firsts):  # the client went away while it waited
         return Response(status_code=499)
     for f in firsts:
         if f[0] == "done" and f[1] in ("error", "shutdown"):
@@ -66,6 +72,7 @@ async def complete(server, http, chat: bool, body_of):
             async for ev in stream:
                 await q.put((i, ev))
             await q.put((i, None))
+
         tasks = [asyncio.create_task(pump(i, st, f)) for i, (st, f) in enumerate(zip(streams, firsts))]
         try:
             ended = 0
@@ -104,6 +111,7 @@ async def complete(server, http, chat: bool, body_of):
             if opt["include_usage"]:
                 yield chunk({"choices": [], "usage": usage(total)})
             yield "data: [DONE]\n\n"
+
         return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     texts, lps = [echo] * len(streams), [[] for _ in streams]
     finish, count = ["stop"] * len(streams), [0] * len(streams)
@@ -116,27 +124,51 @@ async def complete(server, http, chat: bool, body_of):
         else:
             finish[i], count[i] = ev[1], ev[2]
     if chat:
-        out = [{"index": i, "message": {"role": "assistant", "content": texts[i]},
+        out = [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": texts[i]},
                 "logprobs": logprobs_object(server.tok, lps[i], True) if opt["logprobs"] is not None else None,
-                "finish_reason": finish[i]} for i in range(len(streams))]
+                "finish_reason": finish[i],
+            }
+            for i in range(len(streams))
+        ]
         return head | {"object": "chat.completion", "choices": out, "usage": usage(sum(count))}
-    return head | {"choices": [choice(i, texts[i], finish[i], lps=lps[i], offset=len(echo))
-                               for i in range(len(streams))], "usage": usage(sum(count))}
+    return head | {
+        "choices": [choice(i, texts[i], finish[i], lps=lps[i], offset=len(echo)) for i in range(len(streams))],
+        "usage": usage(sum(count)),
+    }
 
 
 def logprobs_object(tok, entries: list, chat: bool, offset: int = 0) -> dict:
     """OpenAI's `logprobs` object of `entries` [(token, log p, [(id, log p)] most likely first)]:
     chat's {"content": [...]}, completions' {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
     (`offset`: where the first token's text starts in the choice's text)."""
+
     def piece(t):
         return tok.decode([t])
+
     if chat:
-        return {"content": [{"token": piece(t), "logprob": lp, "bytes": list(piece(t).encode()),
-                             "top_logprobs": [{"token": piece(i), "logprob": v, "bytes": list(piece(i).encode())}
-                                              for i, v in top]} for t, lp, top in entries]}
+        return {
+            "content": [
+                {
+                    "token": piece(t),
+                    "logprob": lp,
+                    "bytes": list(piece(t).encode()),
+                    "top_logprobs": [
+                        {"token": piece(i), "logprob": v, "bytes": list(piece(i).encode())} for i, v in top
+                    ],
+                }
+                for t, lp, top in entries
+            ]
+        }
     offsets, at = [], offset
     for t, _, _ in entries:
         offsets.append(at)
         at += len(piece(t))
-    return {"tokens": [piece(t) for t, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
-            "top_logprobs": [{piece(i): v for i, v in top} for _, _, top in entries], "text_offset": offsets}
+    return {
+        "tokens": [piece(t) for t, _, _ in entries],
+        "token_logprobs": [lp for _, lp, _ in entries],
+        "top_logprobs": [{piece(i): v for i, v in top} for _, _, top in entries],
+        "text_offset": offsets,
+    }

@@ -1,4 +1,5 @@
 """A completion's text as its tokens come (`Detokenizer`): what can be sent to a client now."""
+
 from __future__ import annotations
 
 
@@ -11,7 +12,7 @@ class Detokenizer:
 
     def __init__(self, tok, prompt, eos, stop: list[str]):
         self.tok, self.eos, self.stop = tok, set(eos), stop
-        self.window = [int(t) for t in prompt[-4:]]    # tokens decoded together: [0, read) already text
+        self.window = [int(t) for t in prompt[-4:]]  # tokens decoded together: [0, read) already text
         self.read = len(self.window)
         self.hold = max((len(x) - 1 for x in stop), default=0)
         self.tokens, self.all, self.sent, self.searched, self.stopped = [], "", "", 0, False
@@ -19,12 +20,12 @@ class Detokenizer:
     def _grow(self, final: bool) -> None:
         """Append the text of the tokens past `read`, decoded after those before it; a character still
         unfinished waits (unless final, or 16 tokens wait: far more than a character has bytes)."""
-        before = self.tok.decode(self.window[:self.read])
+        before = self.tok.decode(self.window[: self.read])
         now = self.tok.decode(self.window)
         if len(now) > len(before) and (final or not now.endswith("\ufffd") or len(self.window) - self.read > 16):
-            self.all += now[len(before):] if now.startswith(before) else self.tok.decode(self.window[self.read:])
+            self.all += now[len(before) :] if now.startswith(before) else self.tok.decode(self.window[self.read :])
             # the tokens just read become the context: they end on a character boundary
-            self.window = self.window[self.read:]
+            self.window = self.window[self.read :]
             self.read = len(self.window)
 
     def _ready(self, final: bool) -> str:
@@ -33,14 +34,14 @@ class Detokenizer:
         self.searched = len(self.all)
         if hits:
             self.stopped = True
-            self.all = self.all[:min(hits)]
+            self.all = self.all[: min(hits)]
             return self.all
-        return self.all if final else self.all[:max(0, len(self.all) - self.hold)]
+        return self.all if final else self.all[: max(0, len(self.all) - self.hold)]
 
     def _delta(self, ready: str) -> str:
         if len(ready) <= len(self.sent) or not ready.startswith(self.sent):
             return ""
-        delta, self.sent = ready[len(self.sent):], ready
+        delta, self.sent = ready[len(self.sent) :], ready
         return delta
 
     def add(self, token: int) -> tuple[str, bool]:

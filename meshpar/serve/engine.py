@@ -31,18 +31,19 @@ The model protocol (any nnx.Module can implement it; see `meshpar.models.decoder
         tokens' keys and values at their positions, each token attending to every cached position
         <= its own (so a prompt may be prefilled in pieces)
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import numpy as np
 
 from meshpar.core import precision as precision_lib
 from meshpar.core.errors import ConfigError
-from meshpar.serve.requests import Completion, Request
 from meshpar.serve.placement import Placement
 from meshpar.serve.programs import DecodePrograms
+from meshpar.serve.requests import Completion, Request
 from meshpar.serve.sampling import Sampling
 
 
@@ -51,8 +52,10 @@ def _check_length(request: Request, length: int) -> None:
     if n == 0:
         raise ConfigError("empty prompt: give at least one token")
     if n > length:
-        raise ConfigError(f"prompt of {n} tokens is longer than the KV cache (serve.cache_length={length}); "
-                          "raise serve.cache_length or shorten the prompt")
+        raise ConfigError(
+            f"prompt of {n} tokens is longer than the KV cache (serve.cache_length={length}); "
+            "raise serve.cache_length or shorten the prompt"
+        )
 
 
 def _check_ids(request: Request, vocab: int) -> None:
@@ -74,7 +77,7 @@ def _tails(prompts: list, starts: list, length: int) -> np.ndarray:
     """Each prompt's tokens from its start, zero-padded to `length` -> [n, length] int32."""
     tail = np.zeros((len(prompts), length), np.int32)
     for r, (t, st) in enumerate(zip(prompts, starts)):
-        tail[r, :len(t) - st] = t[st:]
+        tail[r, : len(t) - st] = t[st:]
     return tail
 
 
@@ -89,7 +92,7 @@ def _padded(prompts: list, width: int) -> tuple[np.ndarray, np.ndarray]:
     tokens, lengths = np.zeros((rows, width), np.int32), np.zeros((rows,), np.int32)
     for r in range(rows):
         t = prompts[r if r < len(prompts) else 0]
-        tokens[r, :len(t)], lengths[r] = t, len(t)
+        tokens[r, : len(t)], lengths[r] = t, len(t)
     return tokens, lengths
 
 
@@ -109,8 +112,11 @@ def precheck(cfg, requests, model: Callable | None = None) -> int | None:
     from meshpar.core.registry import default_model
     from meshpar.core.sharding import model_spec
     from meshpar.serve.placement import cache_length
+
     length = cache_length(cfg)
-    vocab = getattr(model_spec(model or default_model(cfg), precision_lib.get_policy(cfg.precision)).model_config, "vocab", None)
+    vocab = getattr(
+        model_spec(model or default_model(cfg), precision_lib.get_policy(cfg.precision)).model_config, "vocab", None
+    )
     vocab = vocab if isinstance(vocab, int) and vocab > 0 else None
     for r in requests:
         _check_length(r, length)
@@ -131,27 +137,53 @@ class Engine:
     their state (`decode_state`), and the host side here: padding to buckets, sampling rows, request
     checks, and `run` (continuous batching, reading `serve`: the `cfg.serve` section)."""
 
-    def __init__(self, cfg, *, model: Callable | None = None, devices=None, weights=None,
-                 info: Callable[[str], None] = print, flush: bool = False, ticks: int | None = None,
-                 device_memory: int | None = None):
-        self.placement = Placement(cfg, model=model, devices=devices, weights=weights, info=info,
-                                   device_memory=device_memory)
+    def __init__(
+        self,
+        cfg,
+        *,
+        model: Callable | None = None,
+        devices=None,
+        weights=None,
+        info: Callable[[str], None] = print,
+        flush: bool = False,
+        ticks: int | None = None,
+        device_memory: int | None = None,
+    ):
+        self.placement = Placement(
+            cfg, model=model, devices=devices, weights=weights, info=info, device_memory=device_memory
+        )
         self.programs = DecodePrograms(self.placement, flush=flush, ticks=ticks, microbatches=cfg.pipeline.microbatches)
         self.decode_state = self.programs.state
         self.serve = cfg.serve
-        self.decode_steps, self.decode_s = 0, 0.0      # set by `run` (meshpar.serve.scheduler)
+        self.decode_steps, self.decode_s = 0, 0.0  # set by `run` (meshpar.serve.scheduler)
 
-    mesh, layout, policy, dtype, spec, stages, slots = (_placed(n) for n in (
-        "mesh", "layout", "policy", "dtype", "spec", "stages", "slots"))
-    vocab, length, buckets, bucket, can_extend, cache_spec, weight_shapes, weights, source, notes = (_placed(n) for n in (
-        "vocab", "length", "buckets", "bucket", "can_extend", "cache_spec", "weight_shapes", "weights", "source", "notes"))
-    state_shardings, traces, in_flight, ticks = (_placed(n, "programs") for n in (
-        "state_shardings", "traces", "in_flight", "ticks"))
+    mesh, layout, policy, dtype, spec, stages, slots = (
+        _placed(n) for n in ("mesh", "layout", "policy", "dtype", "spec", "stages", "slots")
+    )
+    vocab, length, buckets, bucket, can_extend, cache_spec, weight_shapes, weights, source, notes = (
+        _placed(n)
+        for n in (
+            "vocab",
+            "length",
+            "buckets",
+            "bucket",
+            "can_extend",
+            "cache_spec",
+            "weight_shapes",
+            "weights",
+            "source",
+            "notes",
+        )
+    )
+    state_shardings, traces, in_flight, ticks = (
+        _placed(n, "programs") for n in ("state_shardings", "traces", "in_flight", "ticks")
+    )
     # the decode state (`DecodeState`): its shapes, an empty one, a cache tree of (rows, length), bytes per device
-    state_shapes, new_state, entry_spec, bytes_per_device = (_placed(n, "decode_state") for n in (
-        "shapes", "new", "entry_spec", "bytes_per_device"))
+    state_shapes, new_state, entry_spec, bytes_per_device = (
+        _placed(n, "decode_state") for n in ("shapes", "new", "entry_spec", "bytes_per_device")
+    )
 
-    precheck = staticmethod(precheck)          # the checks that need no weights (`precheck`)
+    precheck = staticmethod(precheck)  # the checks that need no weights (`precheck`)
 
     def check(self, request: Request) -> None:
         """One line naming what is wrong with a request."""
@@ -167,9 +199,10 @@ class Engine:
         for t, s in zip(prompts, samplings):
             self.check(Request(list(t), 1, s))
         tokens, lengths = _padded(prompts, self.bucket(max(length, *map(len, prompts))))
-        entry, tok, last = self.programs.prefill(self._weights(params), tokens, lengths,
-                                                 sampling_rows(samplings, len(tokens), self.vocab))
-        return entry, tok[:len(prompts)], last[:len(prompts)]
+        entry, tok, last = self.programs.prefill(
+            self._weights(params), tokens, lengths, sampling_rows(samplings, len(tokens), self.vocab)
+        )
+        return entry, tok[: len(prompts)], last[: len(prompts)]
 
     def prefill(self, tokens, true_length: int | None = None, sampling: Sampling | None = None, params=None):
         """One prompt (its ids, or ids padded with `true_length` the real count) -> (entry, its first
@@ -196,12 +229,20 @@ class Engine:
             self.placement.check_extend(len(t), st)
         n = len(prompts)
         pick = [r if r < n else 0 for r in range(_pow2(n))]
-        tail = _tails([prompts[i] for i in pick], [starts[i] for i in pick],
-                      self.bucket(max(len(t) - st for t, st in zip(prompts, starts))))
+        tail = _tails(
+            [prompts[i] for i in pick],
+            [starts[i] for i in pick],
+            self.bucket(max(len(t) - st for t, st in zip(prompts, starts))),
+        )
         ends = np.asarray([len(prompts[i]) for i in pick], np.int32)
-        entry, tok, last = self.programs.extend(self._weights(params), tuple(caches[i] for i in pick), tail,
-                                                np.asarray([starts[i] for i in pick], np.int32), ends,
-                                                sampling_rows(samplings[:n], len(pick), self.vocab))
+        entry, tok, last = self.programs.extend(
+            self._weights(params),
+            tuple(caches[i] for i in pick),
+            tail,
+            np.asarray([starts[i] for i in pick], np.int32),
+            ends,
+            sampling_rows(samplings[:n], len(pick), self.vocab),
+        )
         return entry, tok[:n], last[:n]
 
     def full(self, entry, row: int = 0):
@@ -240,6 +281,7 @@ class Engine:
     def run(self, requests: list[Request], on_token: Callable[[int, int], None] | None = None) -> list[Completion]:
         """Continuous batching to each request's end; `on_token(request index, token)` streams (`scheduler`)."""
         from meshpar.serve.scheduler import run_all
+
         return run_all(self, requests, on_token)
 
     def compiled_generate(self):

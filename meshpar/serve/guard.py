@@ -4,6 +4,7 @@ Unicode; and `APIError`, the refusals' shape (OpenAI's `{"error": {"message", "t
 "code"}}`). As vLLM's `--api-key`: keys from the command line and `MESHPAR_API_KEY`, compared in
 constant time; `/health` stays open.
 """
+
 from __future__ import annotations
 
 import hmac
@@ -14,8 +15,15 @@ import os
 class APIError(Exception):
     """An HTTP error in OpenAI's body shape."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error", headers: dict | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+        headers: dict | None = None,
+    ):
         super().__init__(message)
         self.status, self.param, self.code, self.kind, self.headers = status, param, code, kind, headers
 
@@ -34,8 +42,10 @@ def exposed(host: str, keys: list[str]) -> str | None:
     """One warning line when the server listens beyond loopback without an API key, else None."""
     if keys or host in ("127.0.0.1", "localhost", "::1") or host.startswith("127."):
         return None
-    return (f"warning: serving on {host} without an API key: anyone who can reach this address can use the "
-            "model; give --api-key KEY (or MESHPAR_API_KEY=KEY)")
+    return (
+        f"warning: serving on {host} without an API key: anyone who can reach this address can use the "
+        "model; give --api-key KEY (or MESHPAR_API_KEY=KEY)"
+    )
 
 
 def invalid_text(value, where: str = "") -> str | None:
@@ -80,7 +90,7 @@ class Guard:
     def authorized(self, headers: dict) -> bool:
         scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
         ok = False
-        for key in self.keys:                  # every key compared, in constant time
+        for key in self.keys:  # every key compared, in constant time
             ok |= hmac.compare_digest(token.strip(), key)
         return ok and scheme.lower() == b"bearer"
 
@@ -89,24 +99,39 @@ class Guard:
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         if self.keys and scope["path"].startswith("/v1") and not self.authorized(headers):
-            return await self.refuse(send, APIError(401, "a valid API key is required: send the header "
-                                                         "'Authorization: Bearer KEY'", code="invalid_api_key"))
+            return await self.refuse(
+                send,
+                APIError(
+                    401,
+                    "a valid API key is required: send the header 'Authorization: Bearer KEY'",
+                    code="invalid_api_key",
+                ),
+            )
         if scope["method"] != "POST":
             return await self.app(scope, receive, send)
         kind = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
         if kind != b"application/json":
-            return await self.refuse(send, APIError(415, f"the request body must be 'application/json', got "
-                                                         f"'{kind.decode('latin-1') or 'no content type'}'"))
-        too_big = APIError(413, f"the request body is larger than this server's limit of {self.max_body} bytes "
-                                f"(serve.max_body_bytes)", code="request_too_large")
+            return await self.refuse(
+                send,
+                APIError(
+                    415,
+                    f"the request body must be 'application/json', got '{kind.decode('latin-1') or 'no content type'}'",
+                ),
+            )
+        too_big = APIError(
+            413,
+            f"the request body is larger than this server's limit of {self.max_body} bytes (serve.max_body_bytes)",
+            code="request_too_large",
+        )
         length = headers.get(b"content-length", b"0").strip() or b"0"
         if not length.isdigit():
-            return await self.refuse(send, APIError(400, f"the Content-Length header is not a number: "
-                                                         f"'{length[:20].decode('latin-1')}'"))
+            return await self.refuse(
+                send, APIError(400, f"the Content-Length header is not a number: '{length[:20].decode('latin-1')}'")
+            )
         if int(length) > self.max_body:
             return await self.refuse(send, too_big)
         chunks, size, more = [], 0, True
-        while more:                            # chunked bodies: read up to the limit, then replay
+        while more:  # chunked bodies: read up to the limit, then replay
             message = await receive()
             if message["type"] == "http.disconnect":
                 return
@@ -121,5 +146,6 @@ class Guard:
             if not sent:
                 sent.append(True)
                 return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()             # then the client's disconnect, as the app expects
+            return await receive()  # then the client's disconnect, as the app expects
+
         return await self.app(scope, replay, send)

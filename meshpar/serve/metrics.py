@@ -16,6 +16,7 @@ Each server has a registry of its own (two servers in one process never share co
 scheduler and engine already keep (slots, queue, prefix cache, compilations) are read at scrape
 time by a collector, not copied. The latencies are what the API's event loop sees, as a client would.
 """
+
 from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
@@ -34,12 +35,15 @@ class ServeMetrics:
         self.requests = Counter("meshpar_requests", "HTTP answers to /v1/* by status code", ["status"], registry=r)
         self.prompt_tokens = Counter("meshpar_prompt_tokens", "Prompt tokens of the requests served", registry=r)
         self.generation_tokens = Counter("meshpar_generation_tokens", "Tokens generated", registry=r)
-        self.ttft = Histogram("meshpar_time_to_first_token_seconds", "Submission to first token", buckets=LATENCY,
-                              registry=r)
-        self.itl = Histogram("meshpar_inter_token_latency_seconds", "Between two tokens of one request",
-                             buckets=LATENCY, registry=r)
-        self.e2e = Histogram("meshpar_e2e_request_latency_seconds", "Submission to last token", buckets=LATENCY,
-                             registry=r)
+        self.ttft = Histogram(
+            "meshpar_time_to_first_token_seconds", "Submission to first token", buckets=LATENCY, registry=r
+        )
+        self.itl = Histogram(
+            "meshpar_inter_token_latency_seconds", "Between two tokens of one request", buckets=LATENCY, registry=r
+        )
+        self.e2e = Histogram(
+            "meshpar_e2e_request_latency_seconds", "Submission to last token", buckets=LATENCY, registry=r
+        )
         r.register(_Live(scheduler, engine))
 
     def exposition(self) -> tuple[bytes, str]:
@@ -64,12 +68,15 @@ class _Live:
         yield GaugeMetricFamily("meshpar_kv_cache_slots", "KV-cache slots of the decode batch", value=e.slots)
         yield GaugeMetricFamily("meshpar_kv_cache_slots_in_use", "KV-cache slots holding a request", value=running)
         p = s.prefix
-        yield CounterMetricFamily("meshpar_prefix_cache_hits", "Prompts that reused a cached prefix",
-                                  value=p.hits if p is not None else 0)
-        yield CounterMetricFamily("meshpar_prefix_cache_misses", "Prompts that found no cached prefix",
-                                  value=p.misses if p is not None else 0)
-        yield CounterMetricFamily("meshpar_compilations", "Programs compiled since the start",
-                                  value=sum(e.traces.values()))
+        yield CounterMetricFamily(
+            "meshpar_prefix_cache_hits", "Prompts that reused a cached prefix", value=p.hits if p is not None else 0
+        )
+        yield CounterMetricFamily(
+            "meshpar_prefix_cache_misses", "Prompts that found no cached prefix", value=p.misses if p is not None else 0
+        )
+        yield CounterMetricFamily(
+            "meshpar_compilations", "Programs compiled since the start", value=sum(e.traces.values())
+        )
         yield CounterMetricFamily("meshpar_decode_steps", "Decode ticks", value=s.decode_steps)
 
 
@@ -88,4 +95,5 @@ class Observed:
             if message["type"] == "http.response.start":
                 self.metrics.requests.labels(status=str(message["status"])).inc()
             await send(message)
+
         return await self.app(scope, receive, observed)

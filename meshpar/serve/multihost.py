@@ -15,6 +15,7 @@ One tick's intake is JSON: {"new": [{"id", "tokens", "max_new_tokens", "sampling
 top_k, top_p, seed], "eos"}], "cancel": [ids], "stop": bool}, sent as its byte length, then the bytes
 padded to a power of two (two broadcasts; one compilation per padded size).
 """
+
 from __future__ import annotations
 
 import json
@@ -28,10 +29,11 @@ from meshpar.serve.sampling import Sampling
 def broadcast_json(obj, leader: bool):
     """`obj` of process 0 (None elsewhere) -> the same object on every process."""
     from jax.experimental import multihost_utils
+
     data = json.dumps(obj).encode() if leader else b""
     n = int(multihost_utils.broadcast_one_to_all(np.int32(len(data))))
     buf = np.zeros(1 << max(6, (n - 1).bit_length()), np.uint8)
-    buf[:len(data)] = np.frombuffer(data, np.uint8)
+    buf[: len(data)] = np.frombuffer(data, np.uint8)
     out = np.asarray(multihost_utils.broadcast_one_to_all(buf))
     return json.loads(out[:n].tobytes())
 
@@ -40,13 +42,20 @@ def encode(ticket) -> dict:
     """A ticket's request as JSON: everything that decides which compiled calls a tick makes and what
     they are fed (sampling, bias, penalties, logprobs, `n` siblings), so every process makes the same."""
     r, s = ticket.request, ticket.request.sampling
-    return {"id": ticket.id, "tokens": [int(t) for t in r.tokens], "max_new_tokens": r.max_new_tokens,
-            "sampling": [s.temperature, s.top_k, s.top_p, s.seed, s.presence, s.frequency, [list(b) for b in s.bias]],
-            "eos": r.eos, "logprobs": r.logprobs, "share": r.share}
+    return {
+        "id": ticket.id,
+        "tokens": [int(t) for t in r.tokens],
+        "max_new_tokens": r.max_new_tokens,
+        "sampling": [s.temperature, s.top_k, s.top_p, s.seed, s.presence, s.frequency, [list(b) for b in s.bias]],
+        "eos": r.eos,
+        "logprobs": r.logprobs,
+        "share": r.share,
+    }
 
 
 def decode(d: dict):
     from meshpar.serve.scheduler import Ticket
+
     t, k, p, seed, presence, frequency, bias = d["sampling"]
     sampling = Sampling(t, k, p, seed, presence, frequency, tuple((int(i), float(v)) for i, v in bias))
     request = Request(d["tokens"], d["max_new_tokens"], sampling, d["eos"], d["logprobs"], d["share"])
@@ -58,13 +67,16 @@ class Replicas:
 
     def __init__(self):
         import jax
+
         self.leader = jax.process_index() == 0
 
     def share(self, new: list, cancels: set, stop: bool) -> tuple[list, set, bool]:
         """Process 0's (new tickets, cancelled ids, stop) -> the same on every process (tickets rebuilt
         from their requests elsewhere, without callbacks)."""
-        msg = broadcast_json({"new": [encode(t) for t in new], "cancel": sorted(cancels), "stop": stop}
-                             if self.leader else None, self.leader)
+        msg = broadcast_json(
+            {"new": [encode(t) for t in new], "cancel": sorted(cancels), "stop": stop} if self.leader else None,
+            self.leader,
+        )
         if self.leader:
             return new, cancels, stop
         return [decode(d) for d in msg["new"]], set(msg["cancel"]), bool(msg["stop"])

@@ -19,22 +19,24 @@ model that states none), capped so that the slots' caches and the prefix cache's
 (`meshpar.serve.prefix`; an entry is one row, whole on every data shard) take at most half of what
 a device has beside the weights.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from meshpar.core import precision as precision_lib
 from meshpar.core.batch import is_leaf
 from meshpar.core.errors import ConfigError
-from meshpar.core.rules import BATCH_AXES, get_strategy, parse_user_rules, spec_axes, table
 from meshpar.core.layout import Layout, for_rows
+from meshpar.core.rules import BATCH_AXES, get_strategy, parse_user_rules, spec_axes, table
 from meshpar.core.sharding import building, param_shardings, path_name, var_shardings
 from meshpar.runtime.placed import PlacedModel
 from meshpar.serve.sampling import ROW_KEYS
@@ -49,7 +51,7 @@ def buckets(cache_length: int, min_bucket: int) -> list[int]:
     return out + [cache_length]
 
 
-DEFAULT_POSITIONS = 4096       # a model that states no maximum (RoPE runs on; the cache is the limit)
+DEFAULT_POSITIONS = 4096  # a model that states no maximum (RoPE runs on; the cache is the limit)
 
 
 def model_positions(cfg, abstract=None) -> int:
@@ -58,6 +60,7 @@ def model_positions(cfg, abstract=None) -> int:
     n = getattr(abstract, "max_positions", None)
     if n is None and cfg.model.init_from:
         from meshpar.io.hf import read_config
+
         n = read_config(cfg.model.init_from).get("max_position_embeddings")
     return int(n) if isinstance(n, int) and n > 0 else DEFAULT_POSITIONS
 
@@ -66,6 +69,7 @@ def device_bytes() -> int:
     """Memory of one local device: its allocator's limit, or on a host (CPU) platform the host's
     memory shared by its devices."""
     import os
+
     dev = jax.local_devices()[0]
     limit = (getattr(dev, "memory_stats", lambda: None)() or {}).get("bytes_limit")
     if limit:
@@ -89,8 +93,11 @@ def serving_layout(mesh, strategy: str, user_rules, cache_spec, slots: int) -> t
     layout = Layout(mesh, get_strategy(strategy), parse_user_rules(user_rules))
     shape, notes = layout.shape, []
     t = shape.get("tensor", 1)
-    kv = {leaf.shape[leaf.axes.index("kv_heads")] for leaf in jax.tree.leaves(cache_spec, is_leaf=is_leaf)
-          if "kv_heads" in leaf.axes}
+    kv = {
+        leaf.shape[leaf.axes.index("kv_heads")]
+        for leaf in jax.tree.leaves(cache_spec, is_leaf=is_leaf)
+        if "kv_heads" in leaf.axes
+    }
     if t > 1 and any(k % t for k in kv):
         k = min(kv)
         data = math.prod(shape.get(a, 1) for a in BATCH_AXES)
@@ -99,18 +106,22 @@ def serving_layout(mesh, strategy: str, user_rules, cache_spec, slots: int) -> t
         where = "slots over data x tensor" if "tensor" in over else "replicated over tensor (serve.slots not divisible)"
         notes.append(f"note: kv_heads={k} cannot split over tensor={t}: K/V heads replicated, KV cache {where}")
     cp = shape.get("context", 1)
-    if cp > 1:       # decoding feeds one token per step: `context` holds requests (KV-cache slots) instead
+    if cp > 1:  # decoding feeds one token per step: `context` holds requests (KV-cache slots) instead
         data = math.prod(shape.get(a, 1) for a in BATCH_AXES)
         over = (*BATCH_AXES, "context") if slots % (data * cp) == 0 else BATCH_AXES
         layout = _before(layout, table(length=None, seq=None, batch=[over], cache_batch=[over]))
-        notes.append(f"note: serving splits requests, not sequences, over context={cp}"
-                     + ("" if "context" in over else " (serve.slots not divisible: replicated over context)"))
+        notes.append(
+            f"note: serving splits requests, not sequences, over context={cp}"
+            + ("" if "context" in over else " (serve.slots not divisible: replicated over context)")
+        )
     return layout, notes
 
 
 def _before(layout: Layout, rules) -> Layout:
     """`layout` with `rules` tried before its strategy's parameter rules."""
-    return dataclasses.replace(layout, strategy=dataclasses.replace(layout.strategy, params=rules + layout.strategy.params))
+    return dataclasses.replace(
+        layout, strategy=dataclasses.replace(layout.strategy, params=rules + layout.strategy.params)
+    )
 
 
 def _gather_warning(strategy: str, param_shardings) -> list[str]:
@@ -118,8 +129,10 @@ def _gather_warning(strategy: str, param_shardings) -> list[str]:
     split = {a for s in jax.tree.leaves(param_shardings) for a in spec_axes(s.spec)} & set(BATCH_AXES)
     if not split:
         return []
-    return [f"warning: serve.strategy={strategy} splits weights over {', '.join(sorted(split))}: "
-            "every decoded token all-gathers them; serve.strategy=serve_tp keeps them in place"]
+    return [
+        f"warning: serve.strategy={strategy} splits weights over {', '.join(sorted(split))}: "
+        "every decoded token all-gathers them; serve.strategy=serve_tp keeps them in place"
+    ]
 
 
 def zeros(spec):
@@ -127,7 +140,7 @@ def zeros(spec):
     return jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype), spec, is_leaf=is_leaf)
 
 
-ABSTRACT = "abstract"     # Placement(weights=ABSTRACT): shapes and shardings, no arrays
+ABSTRACT = "abstract"  # Placement(weights=ABSTRACT): shapes and shardings, no arrays
 
 
 class Placement:
@@ -140,8 +153,16 @@ class Placement:
     compile for a deviceless target, `meshpar inspect --serve --target`). `device_memory`: bytes per
     device the KV cache is sized against (default: the local device's)."""
 
-    def __init__(self, cfg, *, model: Callable | None = None, devices=None, weights=None,
-                 info: Callable[[str], None] = print, device_memory: int | None = None):
+    def __init__(
+        self,
+        cfg,
+        *,
+        model: Callable | None = None,
+        devices=None,
+        weights=None,
+        info: Callable[[str], None] = print,
+        device_memory: int | None = None,
+    ):
         self.cfg, self.info, self.device_memory = cfg, info, device_memory
         self.placed = placed = PlacedModel.from_config(cfg, model, devices, strict=False)
         self.mesh, self.policy, self.factory, self.spec = placed.mesh, placed.policy, placed.factory, placed.spec
@@ -150,32 +171,40 @@ class Placement:
         self.abstract = abstract = placed.abstract
         name = type(abstract).__name__
         if not (callable(getattr(abstract, "decode", None)) and callable(getattr(abstract, "cache_spec", None))):
-            raise ConfigError(f"model {name} cannot be served: it needs decode(tokens, positions, cache) and "
-                              "cache_spec(batch, length) (see meshpar.serve.engine)")
+            raise ConfigError(
+                f"model {name} cannot be served: it needs decode(tokens, positions, cache) and "
+                "cache_spec(batch, length) (see meshpar.serve.engine)"
+            )
         self.slots = cfg.serve.slots
         with precision_lib.use_policy(self.policy):
             one = abstract.cache_spec(self.slots, 1)
         for path, leaf in jax.tree_util.tree_leaves_with_path(one, is_leaf=is_leaf):
             if not is_leaf(leaf) or "cache_batch" not in leaf.axes or "cache_length" not in leaf.axes:
-                raise ConfigError(f"{name}.cache_spec: leaf {path_name(path) or 'cache'} must be a meshpar.Leaf "
-                                  "with a 'cache_batch' and a 'cache_length' axis")
-        if self.stages > 1:             # decode steps cut into microbatches that follow each other through the stages
+                raise ConfigError(
+                    f"{name}.cache_spec: leaf {path_name(path) or 'cache'} must be a meshpar.Leaf "
+                    "with a 'cache_batch' and a 'cache_length' axis"
+                )
+        if self.stages > 1:  # decode steps cut into microbatches that follow each other through the stages
             from meshpar.parallel import pipeline_decode
+
             pipeline_decode.check(abstract, self.spec.var_shapes, one, self.slots, self.stages)
         self.vocab = self._vocab(abstract)
         self.layout, self.notes = serving_layout(self.mesh, cfg.serve.strategy, cfg.rules, one, self.slots)
         rep = NamedSharding(self.mesh, P())
         params = jax.tree.map(lambda s: s.update(dtype=self.serve_dtype(s.dtype)), self.spec.shapes)
-        self.weight_shardings = {"params": param_shardings(self.spec, self.layout),
-                                 "vars": var_shardings(self.spec, self.layout)}
+        self.weight_shardings = {
+            "params": param_shardings(self.spec, self.layout),
+            "vars": var_shardings(self.spec, self.layout),
+        }
         self.length = self._cache_length(one, params)
         self.buckets = buckets(self.length, cfg.serve.min_bucket)
         with precision_lib.use_policy(self.policy):
             self.cache_spec = abstract.cache_spec(self.slots, self.length)
         self.notes += _gather_warning(cfg.serve.strategy, self.weight_shardings["params"])
         self.weight_shapes = {"params": params, "vars": self.spec.var_shapes}
-        cache_sh = jax.tree.map(lambda leaf: self.layout.sharding(leaf.axes, leaf.shape, "KV cache"),
-                                self.cache_spec, is_leaf=is_leaf)
+        cache_sh = jax.tree.map(
+            lambda leaf: self.layout.sharding(leaf.axes, leaf.shape, "KV cache"), self.cache_spec, is_leaf=is_leaf
+        )
         self.state_shardings = {"cache": cache_sh, **{k: rep for k in ("pos", "token", *ROW_KEYS, "counts")}}
         self.weights, self.source = _load(self, weights, cfg.checkpoint.dir, cfg.model.init_from, cfg.train.seed)
 
@@ -183,20 +212,33 @@ class Placement:
     def _cache_length(self, one, params) -> int:
         """S (see the module docstring): one position of every slot and prefix entry, per device."""
         from meshpar.core.sharding import bytes_per_device
+
         if self.cfg.serve.cache_length:
             return self.cfg.serve.cache_length
+
         def position_bytes(spec, layout) -> float:
-            return sum(bytes_per_device(leaf.shape, leaf.dtype, layout.sharding(leaf.axes, leaf.shape, "KV cache"))
-                       for leaf in jax.tree.leaves(spec, is_leaf=is_leaf))
+            return sum(
+                bytes_per_device(leaf.shape, leaf.dtype, layout.sharding(leaf.axes, leaf.shape, "KV cache"))
+                for leaf in jax.tree.leaves(spec, is_leaf=is_leaf)
+            )
+
         with precision_lib.use_policy(self.policy):
-            entry = self.abstract.cache_spec(1, 1)        # a prefix entry: one row, whole on every data shard
-        position = int(position_bytes(one, self.layout)
-                       + self.cfg.serve.prefix_cache * position_bytes(entry, for_rows(self.layout, 1))) + 1
-        weights = sum(bytes_per_device(s.shape, s.dtype, sh) for s, sh in zip(
-            jax.tree.leaves(params), jax.tree.leaves(self.weight_shardings["params"])))
+            entry = self.abstract.cache_spec(1, 1)  # a prefix entry: one row, whole on every data shard
+        position = (
+            int(
+                position_bytes(one, self.layout)
+                + self.cfg.serve.prefix_cache * position_bytes(entry, for_rows(self.layout, 1))
+            )
+            + 1
+        )
+        weights = sum(
+            bytes_per_device(s.shape, s.dtype, sh)
+            for s, sh in zip(jax.tree.leaves(params), jax.tree.leaves(self.weight_shardings["params"]))
+        )
         n = cache_length(self.cfg, self.abstract, position, max(0, (self.device_memory or device_bytes()) - weights))
-        if jax.process_count() > 1:        # every process of a server must agree (hosts may differ in memory)
+        if jax.process_count() > 1:  # every process of a server must agree (hosts may differ in memory)
             from jax.experimental import multihost_utils
+
             n = int(multihost_utils.broadcast_one_to_all(np.int32(n)))
         return n
 
@@ -209,6 +251,7 @@ class Placement:
                 m = self.factory(nnx.Rngs(0))
             with precision_lib.use_policy(self.policy):
                 return m.decode(t, t, zeros(m.cache_spec(1, 1)))[0]
+
         return int(jax.eval_shape(one, jax.ShapeDtypeStruct((1, 1), jnp.int32)).shape[-1])
 
     def serve_dtype(self, dtype):
@@ -223,7 +266,7 @@ class Placement:
         """The nnx.Module of served `weights` ({"params", "vars"}), in eval mode."""
         model = self.placed.module(weights["params"], weights["vars"])
         if hasattr(model, "eval"):
-            model.eval()                      # dropout off, running statistics used
+            model.eval()  # dropout off, running statistics used
         return model
 
     def bucket(self, n: int) -> int:
@@ -242,37 +285,48 @@ class Placement:
     def bytes_per_device(self) -> dict:
         """Weight and KV-cache bytes one device holds (what a decode step reads)."""
         from meshpar.core.sharding import bytes_per_device
+
         w = sum(bytes_per_device(a.shape, a.dtype, a.sharding) for a in jax.tree.leaves(self.weights))
-        c = sum(bytes_per_device(leaf.shape, leaf.dtype, sh) for leaf, sh in zip(
-            jax.tree.leaves(self.cache_spec, is_leaf=is_leaf), jax.tree.leaves(self.state_shardings["cache"])))
+        c = sum(
+            bytes_per_device(leaf.shape, leaf.dtype, sh)
+            for leaf, sh in zip(
+                jax.tree.leaves(self.cache_spec, is_leaf=is_leaf), jax.tree.leaves(self.state_shardings["cache"])
+            )
+        )
         return {"weights": int(w), "cache": int(c)}
 
 
-def _load(placement: "Placement", weights, checkpoint_dir: str | None, init_from: str | None, seed: int):
+def _load(placement: Placement, weights, checkpoint_dir: str | None, init_from: str | None, seed: int):
     """A placement's weights in the serving layout and dtype, and where they came from: `weights`
     given, else the newest checkpoint in `checkpoint_dir`, else `init_from`, else a fresh init from
     `seed` (see `Placement`)."""
-    target = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                          {"params": placement.spec.shapes, "vars": placement.spec.var_shapes},
-                          placement.weight_shardings)
+    target = jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+        {"params": placement.spec.shapes, "vars": placement.spec.var_shapes},
+        placement.weight_shardings,
+    )
     if isinstance(weights, str) and weights == ABSTRACT:
         return target, "abstract: shapes and shardings only, nothing allocated"
     source, shardings, cast = "given", placement.weight_shardings, placement.cast
     if weights is None and checkpoint_dir:
         from meshpar.io.checkpoint import restore_weights
+
         found = restore_weights(checkpoint_dir, target, placement.info)
         if found is not None:
             tree, step, _ = found
             weights, source = {"params": tree["params"], "vars": tree.get("vars", {})}, f"checkpoint step {step}"
         elif not init_from:
-            raise ConfigError(f"checkpoint.dir '{checkpoint_dir}' holds no checkpoint to serve; train into it first, "
-                              "or leave checkpoint.dir unset to serve a fresh random init")
-    if weights is None and init_from:   # a Hugging Face model, read into the serving layout
+            raise ConfigError(
+                f"checkpoint.dir '{checkpoint_dir}' holds no checkpoint to serve; train into it first, "
+                "or leave checkpoint.dir unset to serve a fresh random init"
+            )
+    if weights is None and init_from:  # a Hugging Face model, read into the serving layout
         params = placement.placed.pretrained(shardings["params"], placement.weight_shapes["params"])
         vars = jax.jit(lambda key: placement.placed.init(key)["vars"], out_shardings=shardings["vars"])(
-            jax.random.key(seed))
+            jax.random.key(seed)
+        )
         return {"params": params, "vars": vars}, init_from
-    if weights is None:                 # born in place, in the serving dtype: one compiled call
+    if weights is None:  # born in place, in the serving dtype: one compiled call
         init = jax.jit(lambda key: cast(placement.placed.init(key)), out_shardings=shardings)
         return init(jax.random.key(seed)), f"fresh init (train.seed={seed})"
     if all(jnp.dtype(x.dtype) == jnp.dtype(placement.serve_dtype(x.dtype)) for x in jax.tree.leaves(weights)):

@@ -19,6 +19,7 @@
 
 Each prompt's first token is emitted as it is placed, with its log probabilities where asked.
 """
+
 from __future__ import annotations
 
 import collections
@@ -81,16 +82,17 @@ class Prefills:
                 groups[e.bucket(n)].append((t, slot))
         for group in groups.values():
             for i in range(0, len(group), self.prefill_batch):
-                part = group[i:i + self.prefill_batch]
-                entry, toks, last = e.prefill_batch([t.request.tokens for t, _ in part],
-                                                    [t.request.sampling for t, _ in part])
+                part = group[i : i + self.prefill_batch]
+                entry, toks, last = e.prefill_batch(
+                    [t.request.tokens for t, _ in part], [t.request.sampling for t, _ in part]
+                )
                 self.prefill_calls += 1
                 if self.prefix is not None:
                     for r, (t, _) in enumerate(part):
                         if self.prefix.wants(t.request.tokens):
                             self.prefix.store(t.request.tokens, e.full(entry, r))
                 self._place(entry, [t for t, _ in part], [s for _, s in part], np.asarray(toks), last)
-                for r, (t, _) in enumerate(part):        # `n`: the siblings recompute the last position only
+                for r, (t, _) in enumerate(part):  # `n`: the siblings recompute the last position only
                     for sib, slot in followers.get(_share(t), []):
                         tokens = sib.request.tokens
                         one, tok, lg = e.extend(e.full(entry, r), tokens, len(tokens) - 1, sib.request.sampling)
@@ -111,18 +113,21 @@ class Prefills:
             (fresh if ref is None else later)[e.bucket(n)].append((slot, t, ref, done, n))
         for group in fresh.values():
             for i in range(0, len(group), self.prefill_batch):
-                part = group[i:i + self.prefill_batch]
-                entry, toks, last = e.prefill_batch([t.request.tokens[:n] for _, t, _, _, n in part],
-                                                    [t.request.sampling for _, t, _, _, _ in part])
+                part = group[i : i + self.prefill_batch]
+                entry, toks, last = e.prefill_batch(
+                    [t.request.tokens[:n] for _, t, _, _, n in part], [t.request.sampling for _, t, _, _, _ in part]
+                )
                 self.prefill_calls += 1
                 self._advance(entry, part, toks, last)
         for group in later.values():
             for i in range(0, len(group), self.prefill_batch):
-                part = group[i:i + self.prefill_batch]
-                entry, toks, last = e.extend_batch([e.full({"cache": ref[0]}, ref[1]) for _, _, ref, _, _ in part],
-                                                   [t.request.tokens[:done + n] for _, t, _, done, n in part],
-                                                   [done for _, _, _, done, _ in part],
-                                                   [t.request.sampling for _, t, _, _, _ in part])
+                part = group[i : i + self.prefill_batch]
+                entry, toks, last = e.extend_batch(
+                    [e.full({"cache": ref[0]}, ref[1]) for _, _, ref, _, _ in part],
+                    [t.request.tokens[: done + n] for _, t, _, done, n in part],
+                    [done for _, _, _, done, _ in part],
+                    [t.request.sampling for _, t, _, _, _ in part],
+                )
                 self._advance(entry, part, toks, last)
 
     def _advance(self, entry, part, toks, logits) -> None:

@@ -10,6 +10,7 @@ choose the first new token). Entries are evicted least recently used; an entry i
 slot's cache. What follows the prefix in a stored cache is never read: the engine writes a
 position before any query at or after it attends to it (causal masks).
 """
+
 from __future__ import annotations
 
 import collections
@@ -22,8 +23,9 @@ def block_names(tokens, block: int, count: int) -> list[bytes]:
     """The chained names of the first `count` whole blocks of `tokens`."""
     names, h = [], b""
     for j in range(count):
-        h = hashlib.blake2b(h + np.asarray(tokens[j * block:(j + 1) * block], np.int64).tobytes(),
-                            digest_size=16).digest()
+        h = hashlib.blake2b(
+            h + np.asarray(tokens[j * block : (j + 1) * block], np.int64).tobytes(), digest_size=16
+        ).digest()
         names.append(h)
     return names
 
@@ -34,8 +36,8 @@ class PrefixCache:
 
     def __init__(self, entries: int, block: int):
         self.capacity, self.block = entries, block
-        self._entries = collections.OrderedDict()          # id -> cache
-        self._names = {}                                   # block name -> (id, whole blocks it covers)
+        self._entries = collections.OrderedDict()  # id -> cache
+        self._names = {}  # block name -> (id, whole blocks it covers)
         self._next = 0
         self.hits = self.misses = self.reused = 0
 

@@ -10,6 +10,7 @@
 decode state's layout is `state_shapes`. With `mesh.pipeline` > 1 the decode runs through the
 stages (`meshpar.parallel.pipeline_decode`), kept in flight across calls (`meshpar.serve.in_flight`).
 """
+
 from __future__ import annotations
 
 import collections
@@ -17,13 +18,14 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from meshpar.core import precision as precision_lib
 from meshpar.core.batch import is_leaf
 from meshpar.core.errors import ConfigError
-from meshpar.core.platform import compiling_for, of_mesh
 from meshpar.core.layout import active_layout, for_rows, use_layout
+from meshpar.core.platform import compiling_for, of_mesh
 from meshpar.core.sharding import bytes_per_device
 from meshpar.parallel import pipeline_decode
 from meshpar.serve import in_flight
@@ -49,8 +51,9 @@ def stack(spec, caches: list):
     """Caches [.., 1, S, ..] (tree of `spec`'s leaves) -> one [.., n, S, ..] along each's cache_batch."""
     if len(caches) == 1:
         return caches[0]
-    return jax.tree.map(lambda leaf, *c: jnp.concatenate(c, axis=leaf.axes.index("cache_batch")), spec, *caches,
-                        is_leaf=is_leaf)
+    return jax.tree.map(
+        lambda leaf, *c: jnp.concatenate(c, axis=leaf.axes.index("cache_batch")), spec, *caches, is_leaf=is_leaf
+    )
 
 
 class DecodeState:
@@ -69,12 +72,14 @@ class DecodeState:
     def shapes(self) -> dict:
         """Every leaf's shape, dtype and sharding (ShapeDtypeStructs)."""
         b, vocab, sds = self.placement.slots, self.placement.vocab, jax.ShapeDtypeStruct
-        rows = jax.eval_shape(lambda: Sampling().arrays(vocab))               # one row's settings
-        shapes = {"cache": jax.tree.map(lambda leaf: sds(leaf.shape, leaf.dtype), self.placement.cache_spec,
-                                        is_leaf=is_leaf),
-                  "pos": sds((b,), jnp.int32), "token": sds((b,), jnp.int32),
-                  **{k: sds((b, *rows[k].shape), rows[k].dtype) for k in ROW_KEYS},
-                  "counts": sds((b, vocab), jnp.int32)}               # tokens generated so far (penalties)
+        rows = jax.eval_shape(lambda: Sampling().arrays(vocab))  # one row's settings
+        shapes = {
+            "cache": jax.tree.map(lambda leaf: sds(leaf.shape, leaf.dtype), self.placement.cache_spec, is_leaf=is_leaf),
+            "pos": sds((b,), jnp.int32),
+            "token": sds((b,), jnp.int32),
+            **{k: sds((b, *rows[k].shape), rows[k].dtype) for k in ROW_KEYS},
+            "counts": sds((b, vocab), jnp.int32),
+        }  # tokens generated so far (penalties)
         if self.in_flight:
             shapes.update(in_flight.state_shapes(self.placement))
         return jax.tree.map(lambda a, sh: sds(a.shape, a.dtype, sharding=sh), shapes, self.shardings)
@@ -83,8 +88,13 @@ class DecodeState:
         """An empty decode state, born in its shardings (all slots free)."""
         if self._empty is None:
             fill = {"top_k": self.placement.vocab, "top_p": 1}
-            self._empty = jax.jit(lambda: {k: jax.tree.map(lambda a: jnp.full(a.shape, fill.get(k, 0), a.dtype), v)
-                                           for k, v in self.shapes().items()}, out_shardings=self.shardings)
+            self._empty = jax.jit(
+                lambda: {
+                    k: jax.tree.map(lambda a, k=k: jnp.full(a.shape, fill.get(k, 0), a.dtype), v)
+                    for k, v in self.shapes().items()
+                },
+                out_shardings=self.shardings,
+            )
         return self._empty()
 
     def entry_spec(self, rows: int, length: int):
@@ -98,8 +108,10 @@ class DecodeState:
         """`Placement.bytes_per_device`, and the slots' own state beside the cache (positions, tokens,
         sampling settings, the penalties' token counts)."""
         rest = [a for k, v in self.shapes().items() if k != "cache" for a in jax.tree.leaves(v)]
-        return {**self.placement.bytes_per_device(),
-                "slots": int(sum(bytes_per_device(a.shape, a.dtype, a.sharding) for a in rest))}
+        return {
+            **self.placement.bytes_per_device(),
+            "slots": int(sum(bytes_per_device(a.shape, a.dtype, a.sharding) for a in rest)),
+        }
 
 
 class DecodePrograms:
@@ -109,8 +121,18 @@ class DecodePrograms:
 
     def __init__(self, placement: Placement, *, flush: bool = False, ticks: int | None = None, microbatches: int = 1):
         self.placement, self.microbatches = placement, microbatches
-        self.mesh, self.layout, self.policy, self.stages = placement.mesh, placement.layout, placement.policy, placement.stages
-        self.slots, self.vocab, self.length, self.cache_spec = placement.slots, placement.vocab, placement.length, placement.cache_spec
+        self.mesh, self.layout, self.policy, self.stages = (
+            placement.mesh,
+            placement.layout,
+            placement.policy,
+            placement.stages,
+        )
+        self.slots, self.vocab, self.length, self.cache_spec = (
+            placement.slots,
+            placement.vocab,
+            placement.length,
+            placement.cache_spec,
+        )
         self.weight_shardings = placement.weight_shardings
         rep = NamedSharding(self.mesh, P())
         # mesh.pipeline > 1: one group of slots per stage in flight across generate calls, `ticks` (1..P,
@@ -122,20 +144,25 @@ class DecodePrograms:
             raise ConfigError(f"ticks={ticks}: a decode call runs 1 to mesh.pipeline={self.stages} ticks")
         self.state = DecodeState(placement, self.in_flight)
         self.state_shardings, self.entry_spec = self.state.shardings, self.state.entry_spec
-        self.traces = collections.Counter()      # compilations: one trace per compiled shape
+        self.traces = collections.Counter()  # compilations: one trace per compiled shape
         self.prefill = jax.jit(self._prefill_fn, out_shardings=(None, rep, rep))
         self.extend = jax.jit(self._extend_fn, out_shardings=(None, rep, rep))
         self.full = jax.jit(self._full_fn)
         self.logprobs = jax.jit(logprobs)
         self.insert = jax.jit(self._insert_fn, out_shardings=self.state_shardings, donate_argnums=(1,))
-        self.generate = jax.jit(self._generate_fn, in_shardings=(self.weight_shardings, self.state_shardings),
-                                 out_shardings=(self.state_shardings, rep, rep), donate_argnums=(1,))
+        self.generate = jax.jit(
+            self._generate_fn,
+            in_shardings=(self.weight_shardings, self.state_shardings),
+            out_shardings=(self.state_shardings, rep, rep),
+            donate_argnums=(1,),
+        )
 
     def compiled_generate(self):
         """The compiled decode step (HLO text, memory_analysis) without running it, for this mesh's
         platform (a deviceless target's GPU or TPU too)."""
-        shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
-                              self.placement.weights)
+        shapes = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.placement.weights
+        )
         with compiling_for(of_mesh(self.mesh)):
             return self.generate.lower(shapes, self.state.shapes()).compile()
 
@@ -144,15 +171,24 @@ class DecodePrograms:
         the stages in `pipeline.microbatches` microbatches (`meshpar.parallel.pipeline_decode`)."""
         if self.stages == 1:
             return self.placement.model(weights).decode(tokens, positions, cache)
-        return pipeline_decode.decode(self.placement.spec, active_layout(), self.policy, weights, tokens, positions,
-                                      cache, self.cache_spec, self.microbatches)
+        return pipeline_decode.decode(
+            self.placement.spec,
+            active_layout(),
+            self.policy,
+            weights,
+            tokens,
+            positions,
+            cache,
+            self.cache_spec,
+            self.microbatches,
+        )
 
     def _first(self, weights, tokens, positions, cache, last_at, samp):
         """Decode `tokens` [n, T] at `positions` into `cache`; sample each row's token after index
         `last_at` [n] -> (entry, first tokens [n], their logits [n, V])."""
         with use_layout(for_rows(self.layout, tokens.shape[0])), precision_lib.use_policy(self.policy):
             logits, cache = self._decode(weights, tokens, positions, cache)
-        last = jnp.take_along_axis(logits, last_at[:, None, None], axis=1)[:, 0].astype(jnp.float32)   # [n, V]
+        last = jnp.take_along_axis(logits, last_at[:, None, None], axis=1)[:, 0].astype(jnp.float32)  # [n, V]
         at = jnp.take_along_axis(positions, last_at[:, None], axis=1)[:, 0]
         keys = jax.vmap(position_key)(samp["key"], at)
         tok = sample(adjust(last, samp), samp["temp"], samp["top_k"], samp["top_p"], keys)
@@ -177,27 +213,37 @@ class DecodePrograms:
     def _full_fn(self, cache, row):
         """Row `row` of a prefill's cache [.., n, P, ..], padded to [.., 1, S, ..] (a prefix to keep)."""
         self.traces["full"] += 1
-        return jax.tree.map(lambda leaf, c: _padded_to(leaf, jax.lax.dynamic_index_in_dim(
-            c, row, leaf.axes.index("cache_batch"), keepdims=True), self.length), self.entry_spec(1, self.length),
-            cache, is_leaf=is_leaf)
+        return jax.tree.map(
+            lambda leaf, c: _padded_to(
+                leaf, jax.lax.dynamic_index_in_dim(c, row, leaf.axes.index("cache_batch"), keepdims=True), self.length
+            ),
+            self.entry_spec(1, self.length),
+            cache,
+            is_leaf=is_leaf,
+        )
 
     def _insert_fn(self, entry, state, slots):
         """Write entry row r into slot slots[r] (a slot of -1: a padding row, dropped): its cache rows
         (padded to S), position, token and sampling settings."""
         self.traces["insert"] += 1
-        hit = slots[:, None] == jnp.arange(self.slots)[None, :]                          # [n, B]
-        has, row = jnp.any(hit, axis=0), jnp.argmax(hit, axis=0)                         # [B] each
+        hit = slots[:, None] == jnp.arange(self.slots)[None, :]  # [n, B]
+        has, row = jnp.any(hit, axis=0), jnp.argmax(hit, axis=0)  # [B] each
         take = partial(_take, has, row)
-        cache = jax.tree.map(lambda leaf, e, c: take(_padded_to(leaf, e, c.shape[leaf.axes.index("cache_length")]), c,
-                                                     leaf.axes.index("cache_batch")),
-                             self.cache_spec, entry["cache"], state["cache"], is_leaf=is_leaf)
-        new = {**state, "cache": cache,
-               "pos": take(entry["length"], state["pos"], 0)}
+        cache = jax.tree.map(
+            lambda leaf, e, c: take(
+                _padded_to(leaf, e, c.shape[leaf.axes.index("cache_length")]), c, leaf.axes.index("cache_batch")
+            ),
+            self.cache_spec,
+            entry["cache"],
+            state["cache"],
+            is_leaf=is_leaf,
+        )
+        new = {**state, "cache": cache, "pos": take(entry["length"], state["pos"], 0)}
         for k in ("token", *ROW_KEYS):
             new[k] = take(entry[k], state[k], 0)
-        first = jax.nn.one_hot(entry["token"], self.vocab, dtype=jnp.int32)                  # the first token, counted
+        first = jax.nn.one_hot(entry["token"], self.vocab, dtype=jnp.int32)  # the first token, counted
         new["counts"] = take(first, state["counts"], 0)
-        if self.in_flight:          # the slot's tokens still in the pipe are the old request's: stale from now on
+        if self.in_flight:  # the slot's tokens still in the pipe are the old request's: stale from now on
             new.update(in_flight.inserted(state, has))
         return new
 
@@ -206,10 +252,10 @@ class DecodePrograms:
         self.traces["generate"] += 1
         if self.in_flight:
             return in_flight.generate(self.placement, self.ticks, weights, state)
-        pos = jnp.minimum(state["pos"], self.length - 1)     # a full slot is never read back (run frees it)
+        pos = jnp.minimum(state["pos"], self.length - 1)  # a full slot is never read back (run frees it)
         with use_layout(self.layout), precision_lib.use_policy(self.policy):
             logits, cache = self._decode(weights, state["token"][:, None], pos[:, None], state["cache"])
-        logits = logits[:, 0].astype(jnp.float32)                                       # [B, V]
+        logits = logits[:, 0].astype(jnp.float32)  # [B, V]
         keys = jax.vmap(position_key)(state["key"], pos)
         nxt = sample(adjust(logits, state, state["counts"]), state["temp"], state["top_k"], state["top_p"], keys)
         counts = state["counts"].at[jnp.arange(self.slots), nxt].add(1)

@@ -23,6 +23,7 @@ Before that, `adjust` applies OpenAI's logit_bias and penalties to the logits (p
 and `logprobs` reads the model's own distribution (log_softmax of the logits before any of this) at
 the chosen tokens and its TOP_LOGPROBS most likely ones.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -33,16 +34,16 @@ import numpy as np
 
 from meshpar.core.errors import ConfigError
 
-
-MAX_BIAS = 300          # logit_bias entries per request (a fixed [MAX_BIAS] row: one compiled shape)
-TOP_LOGPROBS = 20       # most likely tokens `logprobs` returns per position (OpenAI's top_logprobs bound)
-ROW_KEYS = ("temp", "top_k", "top_p", "key", "presence", "frequency", "bias_ids", "bias_vals")   # per row, traced
+MAX_BIAS = 300  # logit_bias entries per request (a fixed [MAX_BIAS] row: one compiled shape)
+TOP_LOGPROBS = 20  # most likely tokens `logprobs` returns per position (OpenAI's top_logprobs bound)
+ROW_KEYS = ("temp", "top_k", "top_p", "key", "presence", "frequency", "bias_ids", "bias_vals")  # per row, traced
 
 
 @dataclass(frozen=True)
 class Sampling:
     """One request's sampling settings. temperature 0 is greedy; top_k None and top_p 1.0 are off;
     presence and frequency penalties 0 and no `bias` ((token id, value) pairs) leave the logits alone."""
+
     temperature: float = 0.0
     top_k: int | None = None
     top_p: float = 1.0
@@ -51,7 +52,7 @@ class Sampling:
     frequency: float = 0.0
     bias: tuple = ()
 
-    def check(self, vocab: int | None) -> "Sampling":
+    def check(self, vocab: int | None) -> Sampling:
         """One line naming the bad value (vocab None: the model is not known yet); returns self."""
         t, k, p = self.temperature, self.top_k, self.top_p
         if not (t >= 0.0) or t != t:
@@ -59,8 +60,10 @@ class Sampling:
         if k is not None and k < 1:
             raise ConfigError(f"top-k must be >= 1, got {k}; omit it to sample from the whole vocabulary")
         if k is not None and vocab is not None and k > vocab:
-            raise ConfigError(f"top-k must be between 1 and the vocabulary size {vocab}, got {k}; "
-                              "omit it to sample from the whole vocabulary")
+            raise ConfigError(
+                f"top-k must be between 1 and the vocabulary size {vocab}, got {k}; "
+                "omit it to sample from the whole vocabulary"
+            )
         if not 0.0 < p <= 1.0:
             raise ConfigError(f"top-p must be in (0, 1], got {p}; use 1.0 to turn nucleus sampling off")
         for name, v in (("presence_penalty", self.presence), ("frequency_penalty", self.frequency)):
@@ -81,10 +84,16 @@ class Sampling:
         ids, vals = np.zeros(MAX_BIAS, np.int32), np.zeros(MAX_BIAS, np.float32)
         for i, (tok, v) in enumerate(self.bias):
             ids[i], vals[i] = tok, v
-        return {"temp": jnp.float32(self.temperature), "top_k": jnp.int32(self.top_k or vocab),
-                "top_p": jnp.float32(self.top_p), "key": jax.random.key_data(jax.random.key(self.seed)),
-                "presence": jnp.float32(self.presence), "frequency": jnp.float32(self.frequency),
-                "bias_ids": ids, "bias_vals": vals}
+        return {
+            "temp": jnp.float32(self.temperature),
+            "top_k": jnp.int32(self.top_k or vocab),
+            "top_p": jnp.float32(self.top_p),
+            "key": jax.random.key_data(jax.random.key(self.seed)),
+            "presence": jnp.float32(self.presence),
+            "frequency": jnp.float32(self.frequency),
+            "bias_ids": ids,
+            "bias_vals": vals,
+        }
 
 
 def adjust(logits, rows: dict, counts=None):
@@ -98,6 +107,7 @@ def adjust(logits, rows: dict, counts=None):
     def penalize(z):
         c = counts.astype(jnp.float32)
         return z - rows["frequency"][:, None] * c - rows["presence"][:, None] * (c > 0)
+
     # a batch with no penalized row skips the [B, V] arithmetic (as `sample` skips its sort)
     return jax.lax.cond(jnp.any((rows["frequency"] != 0) | (rows["presence"] != 0)), penalize, lambda z: z, logits)
 
@@ -119,16 +129,16 @@ def position_key(key, position):
 
 def _truncate(z, top_k, top_p):
     """z [B, V] with the entries outside each row's top-k and top-p set to -inf (module docstring)."""
-    desc = -jnp.sort(-z, axis=-1)                                                      # [B, V] largest first
+    desc = -jnp.sort(-z, axis=-1)  # [B, V] largest first
     v = z.shape[-1]
     k = jnp.clip(top_k, 1, v)
-    kth = jnp.take_along_axis(desc, (k - 1)[:, None], axis=-1)                          # [B, 1] top-k threshold
+    kth = jnp.take_along_axis(desc, (k - 1)[:, None], axis=-1)  # [B, 1] top-k threshold
     ranked = jnp.where(jnp.arange(v)[None, :] < k[:, None], desc, -jnp.inf)
     probs = jax.nn.softmax(ranked, axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs                                         # mass strictly above
-    keep = before < top_p[:, None]                                                       # entry 0 always kept
-    last = jnp.sum(keep, axis=-1) - 1                                                    # index of the last kept
-    pth = jnp.take_along_axis(desc, last[:, None], axis=-1)                             # [B, 1] top-p threshold
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above
+    keep = before < top_p[:, None]  # entry 0 always kept
+    last = jnp.sum(keep, axis=-1) - 1  # index of the last kept
+    pth = jnp.take_along_axis(desc, last[:, None], axis=-1)  # [B, 1] top-p threshold
     return jnp.where(z >= jnp.maximum(kth, pth), z, -jnp.inf)
 
 
@@ -144,4 +154,5 @@ def sample(logits, temperature, top_k, top_p, keys):
         z = jax.lax.cond(jnp.any((top_k < v) | (top_p < 1.0)), lambda z: _truncate(z, top_k, top_p), lambda z: z, z)
         drawn = jax.vmap(lambda key, row: jax.random.categorical(jax.random.wrap_key_data(key), row))(keys, z)
         return jnp.where(temperature > 0, drawn.astype(jnp.int32), greedy)
+
     return jax.lax.cond(jnp.any(temperature > 0), draw, lambda _: greedy, None)

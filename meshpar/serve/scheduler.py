@@ -19,20 +19,21 @@ Callbacks run on the scheduler's thread, in token order. Submissions and cancell
 effect only at the start of a tick, so that on several processes (`meshpar.serve.multihost`) process
 0 can hand every tick's intake to the others, whose schedulers then make the same calls.
 """
+
 from __future__ import annotations
 
 import collections
 import itertools
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 
-from meshpar.serve.requests import Completion, Request
 from meshpar.serve.prefill import Prefills
 from meshpar.serve.prefix import PrefixCache
+from meshpar.serve.requests import Completion, Request
 
 
 class QueueFull(Exception):
@@ -42,6 +43,7 @@ class QueueFull(Exception):
 @dataclass(eq=False)
 class Ticket:
     """A submitted request: its completion so far and where its tokens go."""
+
     request: Request
     completion: Completion
     on_token: Callable[[int], None] | None = None
@@ -49,7 +51,7 @@ class Ticket:
     submitted: float = field(default_factory=time.perf_counter)
     cancelled: bool = False
     id: int = 0
-    cut: str | None = None          # why it was cut short (`Scheduler.cut`), None if it was not
+    cut: str | None = None  # why it was cut short (`Scheduler.cut`), None if it was not
 
 
 class TickLoop(Prefills):
@@ -58,20 +60,28 @@ class TickLoop(Prefills):
     bound (None: unbounded); `replicas`: a `meshpar.serve.multihost.Replicas` that shares each tick's
     intake between processes; `prefill_chunk`: prompt tokens prefilled per tick at most (None: all)."""
 
-    def __init__(self, engine, *, prefill_batch: int = 1, prefix: PrefixCache | None = None,
-                 max_waiting: int | None = None, replicas=None, prefill_chunk: int | None = None):
+    def __init__(
+        self,
+        engine,
+        *,
+        prefill_batch: int = 1,
+        prefix: PrefixCache | None = None,
+        max_waiting: int | None = None,
+        replicas=None,
+        prefill_chunk: int | None = None,
+    ):
         self.engine, self.prefill_batch, self.prefix, self.max_waiting = engine, prefill_batch, prefix, max_waiting
         self.replicas, self.prefill_chunk = replicas, prefill_chunk
-        self.partial: dict[int, list] = {}          # slot -> a prompt in prefill (`Prefills`)
+        self.partial: dict[int, list] = {}  # slot -> a prompt in prefill (`Prefills`)
         self.waiting: collections.deque[Ticket] = collections.deque()
         self.active: dict[int, Ticket] = {}
         self.free = list(range(engine.slots))
-        self.inbox: list[Ticket] = []                # submitted since the last tick
-        self.cancels: set[int] = set()               # ids cancelled since the last tick
-        self.tickets: dict[int, Ticket] = {}         # id -> not yet finished
+        self.inbox: list[Ticket] = []  # submitted since the last tick
+        self.cancels: set[int] = set()  # ids cancelled since the last tick
+        self.tickets: dict[int, Ticket] = {}  # id -> not yet finished
         self.halted = False
-        self.queued = 0                              # in the inbox or waiting (the queue bound counts these)
-        self.errors = 0                              # ticks that failed (their requests finished with an error)
+        self.queued = 0  # in the inbox or waiting (the queue bound counts these)
+        self.errors = 0  # ticks that failed (their requests finished with an error)
         self._ids = itertools.count()
         self.state = None
         self.cv = threading.Condition()
@@ -113,7 +123,7 @@ class TickLoop(Prefills):
             if t.cancelled:
                 self._finish(t, slot, "cancelled")
         for slot, (t, _, _) in list(self.partial.items()):
-            if t.cancelled:                          # a prompt cancelled while in prefill: its slot was never active
+            if t.cancelled:  # a prompt cancelled while in prefill: its slot was never active
                 del self.partial[slot]
                 self.free.append(slot)
                 self._finish(t, None, "cancelled")
@@ -133,7 +143,7 @@ class TickLoop(Prefills):
             self.decode_steps += 1
             lp = self._logprobs(self.active.values(), logits, np.maximum(toks, 0))
             for slot, t in list(self.active.items()):
-                if toks[slot] >= 0:                  # -1: its token is still in a pipeline (meshpar.serve.in_flight)
+                if toks[slot] >= 0:  # -1: its token is still in a pipeline (meshpar.serve.in_flight)
                     self._emit(t, slot, int(toks[slot]), lp and [a[slot] for a in lp])
         with self.cv:
             return self.busy()
@@ -143,7 +153,9 @@ class TickLoop(Prefills):
         finish the request when it ends."""
         r, c = t.request, t.completion
         if r.logprobs is not None and lp is not None:
-            c.logprobs.append((float(lp[0]), [(int(i), float(v)) for i, v in zip(lp[1][:r.logprobs], lp[2][:r.logprobs])]))
+            c.logprobs.append(
+                (float(lp[0]), [(int(i), float(v)) for i, v in zip(lp[1][: r.logprobs], lp[2][: r.logprobs])])
+            )
         c.tokens.append(tok)
         if t.on_token:
             _call(t.on_token, tok)
@@ -152,7 +164,7 @@ class TickLoop(Prefills):
             self._finish(t, slot, "eos")
         elif len(c.tokens) >= r.max_new_tokens:
             self._finish(t, slot, "max_tokens")
-        elif len(r.tokens) + len(c.tokens) > self.engine.length:       # no room to write the last token
+        elif len(r.tokens) + len(c.tokens) > self.engine.length:  # no room to write the last token
             self._finish(t, slot, "cache_full")
 
     def _finish(self, t: Ticket, slot: int | None, why: str) -> None:
@@ -172,22 +184,28 @@ class Scheduler(TickLoop):
     (submit, cancel) and the loops a server runs (`serve` on process 0, `follow` elsewhere)."""
 
     @classmethod
-    def for_config(cls, engine, serve, bounded: bool = False, replicas=None) -> "Scheduler":
+    def for_config(cls, engine, serve, bounded: bool = False, replicas=None) -> Scheduler:
         """From `cfg.serve`: prefill batch, prefix cache and (a server's) queue bound."""
         prefix = PrefixCache(serve.prefix_cache, serve.prefix_block) if serve.prefix_cache else None
-        return cls(engine, prefill_batch=min(serve.prefill_batch, engine.slots), prefix=prefix,
-                   max_waiting=serve.max_waiting if bounded else None, replicas=replicas,
-                   prefill_chunk=serve.prefill_chunk)
+        return cls(
+            engine,
+            prefill_batch=min(serve.prefill_batch, engine.slots),
+            prefix=prefix,
+            max_waiting=serve.max_waiting if bounded else None,
+            replicas=replicas,
+            prefill_chunk=serve.prefill_chunk,
+        )
 
     def _fail(self, error: BaseException) -> None:
         """A tick raised: every request taken finishes with the error, the slots and the decode state
         start afresh, and serving goes on (a shape that cannot compile fails its requests, not the server)."""
         import traceback
+
         traceback.print_exception(error)
         self.errors += 1
         message = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         with self.cv:
-            taken = list(self.tickets.values())        # waiting, active, and admitted this tick but not placed
+            taken = list(self.tickets.values())  # waiting, active, and admitted this tick but not placed
             self.queued -= len(self.waiting)
             self.waiting.clear()
         for t in taken:
@@ -277,8 +295,9 @@ def run_all(engine, requests: list[Request], on_token: Callable[[int, int], None
     """Every request decoded to its end (`cfg.serve`'s prefill batch and prefix cache);
     `on_token(request index, token)` streams. Sets `engine.decode_steps` and `engine.decode_s`."""
     sched = Scheduler.for_config(engine, engine.serve)
-    tickets = [sched.submit(r, (lambda tok, i=i: on_token(i, tok)) if on_token else None)
-               for i, r in enumerate(requests)]
+    tickets = [
+        sched.submit(r, (lambda tok, i=i: on_token(i, tok)) if on_token else None) for i, r in enumerate(requests)
+    ]
     while sched.step():
         pass
     engine.decode_steps, engine.decode_s = sched.decode_steps, sched.decode_s

@@ -1,6 +1,7 @@
 """Global batches from a source (`meshpar.train.data`), sharded on arrival: each process builds only
 the rows its devices hold (`jax.make_array_from_callback`), and `Prefetch` builds them ahead on a
 background thread. A batch iterator's checkpointable state is one integer, the next step."""
+
 from __future__ import annotations
 
 import jax
@@ -45,11 +46,13 @@ class Batches:
         rows, built = self._build(self.step, leaves, shardings)
         out = []
         for i, (leaf, sh) in enumerate(zip(leaves, shardings)):
+
             def local(index, i=i, leaf=leaf):
                 want = np.arange(leaf.shape[0])[index[0]]
                 tree = jax.tree.map(lambda a: a[np.searchsorted(rows, want)], built)
                 part = jax.tree.leaves(tree)[i] if len(leaves) > 1 else tree
                 return np.asarray(part, leaf.dtype)[(slice(None),) + tuple(index[1:])]
+
             out.append(jax.make_array_from_callback(tuple(leaf.shape), sh, local))
         self.step += 1
         return jax.tree.unflatten(treedef, out)
@@ -84,6 +87,7 @@ class Prefetch:
     def __init__(self, batches: Batches, depth: int = 2):
         import queue
         import threading
+
         self.batches, self.depth = batches, max(1, depth)
         self.next_step = batches.step
         self._queue: queue.Queue = queue.Queue(maxsize=self.depth)
@@ -100,6 +104,7 @@ class Prefetch:
 
     def _produce(self, stop, out) -> None:
         import queue
+
         while not stop.is_set():
             step = self.batches.step
             try:
@@ -121,11 +126,13 @@ class Prefetch:
     def __next__(self):
         import queue
         import threading
+
         if self._thread is None:
             self._stop = threading.Event()
             self._queue = queue.Queue(maxsize=self.depth)
-            self._thread = threading.Thread(target=self._produce, args=(self._stop, self._queue),
-                                            name="meshpar-prefetch", daemon=True)
+            self._thread = threading.Thread(
+                target=self._produce, args=(self._stop, self._queue), name="meshpar-prefetch", daemon=True
+            )
             self._thread.start()
         step, batch, err = self._queue.get()
         if err is not None:

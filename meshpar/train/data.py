@@ -21,6 +21,7 @@ sources declare [B, T+1], inputs and shifted targets, and ask themselves for T+1
 source returns is checked against its spec (keys, shapes, dtypes) before it reaches the devices,
 first once before the step compiles: one line naming the leaf.
 """
+
 from __future__ import annotations
 
 import math
@@ -49,25 +50,31 @@ def check_rows(spec, tree, n: int, length: int) -> None:
     keys, each leaf [n, *spec.shape[1:]] and of the declared kind of dtype (ints for ints, floats for
     floats); one line naming the leaf otherwise."""
     import jax
+
     leaves, treedef = jax.tree.flatten(spec, is_leaf=is_leaf)
     try:
         got = treedef.flatten_up_to(tree)
     except (ValueError, TypeError):
         have = sorted(tree) if isinstance(tree, dict) else type(tree).__name__
         want = sorted(spec) if isinstance(spec, dict) else type(spec).__name__
-        raise ConfigError(f"the data source's rows() returned {have}; its batch_spec declares {want}: return one "
-                          "numpy array per batch leaf") from None
+        raise ConfigError(
+            f"the data source's rows() returned {have}; its batch_spec declares {want}: return one "
+            "numpy array per batch leaf"
+        ) from None
     kinds = {"i": "int", "u": "int", "f": "float", "b": "bool", "c": "complex"}
     for (path, leaf), array in zip(jax.tree_util.tree_leaves_with_path(spec, is_leaf=is_leaf), got):
         name = jax.tree_util.keystr(path) or "batch"
         want, shape = (n, *leaf.shape[1:]), tuple(np.shape(array))
         if shape != want:
-            raise ConfigError(f"batch leaf {name}: the data source's rows(rows={n}, length={length}) returned shape "
-                              f"{shape}, its batch_spec declares {want} (rows get the length batch_spec gets)")
+            raise ConfigError(
+                f"batch leaf {name}: the data source's rows(rows={n}, length={length}) returned shape "
+                f"{shape}, its batch_spec declares {want} (rows get the length batch_spec gets)"
+            )
         have, declared = np.asarray(array).dtype, np.dtype(leaf.dtype)
         if kinds.get(have.kind) != kinds.get(declared.kind):
-            raise ConfigError(f"batch leaf {name}: the data source's rows() returned {have}, its batch_spec declares "
-                              f"{declared}")
+            raise ConfigError(
+                f"batch leaf {name}: the data source's rows() returned {have}, its batch_spec declares {declared}"
+            )
 
 
 def _row_rng(seed: int, step: int, row: int) -> np.random.Generator:
@@ -90,7 +97,7 @@ class MarkovLanguage(LMSource):
 
     def _stationary(self, iters: int = 2000) -> np.ndarray:
         pi = np.full(self.vocab, 1.0 / self.vocab)
-        for _ in range(iters):    # lazy chain 1/2 (I + P): same stationary law, no periodicity trouble
+        for _ in range(iters):  # lazy chain 1/2 (I + P): same stationary law, no periodicity trouble
             nxt = np.zeros_like(pi)
             np.add.at(nxt, self.succ, pi[:, None] * self.probs)
             pi = 0.5 * pi + 0.5 * nxt
@@ -104,7 +111,7 @@ class MarkovLanguage(LMSource):
 
     def sample(self, seed: int, step: int, rows: range, length: int) -> np.ndarray:
         """Token rows [len(rows), length]; row r of step s is the same on every process."""
-        u = np.stack([_row_rng(seed, step, r).random(length) for r in rows])       # [R, L]
+        u = np.stack([_row_rng(seed, step, r).random(length) for r in rows])  # [R, L]
         out = np.empty((len(rows), length), np.int32)
         cdf_pi = np.cumsum(self.stationary)
         out[:, 0] = np.minimum(np.searchsorted(cdf_pi, u[:, 0]), self.vocab - 1)
@@ -119,7 +126,7 @@ def documents_of(starts: np.ndarray, offsets: np.ndarray, n: int) -> tuple[np.nd
     """Segment ids and positions [R, n] of the windows at `offsets` [R] of a stream whose documents
     begin at `starts` (sorted, starting with 0): documents numbered from 0 in each window, positions
     counted from each document's first token in the window."""
-    at = offsets[:, None] + np.arange(n)[None, :]                                   # [R, n]
+    at = offsets[:, None] + np.arange(n)[None, :]  # [R, n]
     doc = np.searchsorted(starts, at, side="right") - 1
     first = np.maximum(starts[doc], offsets[:, None])
     return (doc - doc[:, :1]).astype(np.int32), (at - first).astype(np.int32)
@@ -127,7 +134,7 @@ def documents_of(starts: np.ndarray, offsets: np.ndarray, n: int) -> tuple[np.nd
 
 def eos_starts(tokens: np.ndarray, eos_id: int, chunk: int = 1 << 24) -> np.ndarray:
     """Document starts of a stream: 0 and every position after an `eos_id` (in chunks of `chunk`)."""
-    ends = [np.flatnonzero(tokens[i:i + chunk] == eos_id) + i + 1 for i in range(0, len(tokens), chunk)]
+    ends = [np.flatnonzero(tokens[i : i + chunk] == eos_id) + i + 1 for i in range(0, len(tokens), chunk)]
     after = np.concatenate([np.zeros(1, np.int64), *ends]) if ends else np.zeros(1, np.int64)
     return np.unique(after[after < max(len(tokens), 1)])
 
@@ -135,6 +142,7 @@ def eos_starts(tokens: np.ndarray, eos_id: int, chunk: int = 1 << 24) -> np.ndar
 class _Windows(LMSource):
     """Random fixed-length windows of a flat token array; with document `starts` (sorted offsets, 0
     first), rows are packed documents: {"tokens", "segment_ids", "positions"}."""
+
     tokens: np.ndarray
     starts: np.ndarray | None = None
     entropy_rate = None
@@ -160,14 +168,14 @@ class _Windows(LMSource):
     def _windows(self, offsets: np.ndarray, length: int) -> np.ndarray:
         out = np.empty((len(offsets), length), np.int32)
         for i, start in enumerate(offsets):
-            out[i] = self.tokens[start:start + length]
+            out[i] = self.tokens[start : start + length]
         return out
 
     def sample(self, seed: int, step: int, rows: range, length: int) -> np.ndarray:
         """Windows [len(rows), length] at random starts."""
         return self._windows(self._offsets(seed, step, rows, length), length)
 
-    def part(self, lo: int, hi: int, what: str) -> "Span":
+    def part(self, lo: int, hi: int, what: str) -> Span:
         """Tokens lo..hi-1 as a source of their own (document starts kept, shifted)."""
         starts = None
         if self.starts is not None:
@@ -180,6 +188,7 @@ class TokenFile(_Windows):
     """A flat binary file of token ids (`data.dtype`), memory-mapped. The whole file is checked once
     against the vocabulary, in chunks of CHUNK tokens (one vectorised max per chunk), so a bad id
     anywhere stops the run at start, naming its position, instead of at some later step."""
+
     CHUNK = 1 << 24
 
     def __init__(self, path: str, dtype: str, vocab: int, eos_id: int | None = None):
@@ -188,15 +197,19 @@ class TokenFile(_Windows):
             raise ConfigError(f"data.path '{path}' is not a file")
         dt = np.dtype(dtype)
         if p.stat().st_size % dt.itemsize:
-            raise ConfigError(f"data.path '{path}' has {p.stat().st_size} bytes, not a whole number of "
-                              f"{dtype} tokens; is data.dtype right?")
+            raise ConfigError(
+                f"data.path '{path}' has {p.stat().st_size} bytes, not a whole number of "
+                f"{dtype} tokens; is data.dtype right?"
+            )
         self.tokens = np.memmap(p, dtype=dt, mode="r") if p.stat().st_size else np.zeros(0, dt)
         for start in range(0, len(self.tokens), self.CHUNK):
-            chunk = self.tokens[start:start + self.CHUNK]
+            chunk = self.tokens[start : start + self.CHUNK]
             if int(chunk.max()) >= vocab:
                 at = start + int(np.argmax(chunk >= vocab))
-                raise ConfigError(f"data.path '{path}' holds token id {int(self.tokens[at])} >= model.vocab={vocab} "
-                                  f"at position {at}; raise model.vocab or fix the file")
+                raise ConfigError(
+                    f"data.path '{path}' holds token id {int(self.tokens[at])} >= model.vocab={vocab} "
+                    f"at position {at}; raise model.vocab or fix the file"
+                )
         if eos_id is not None:
             if not 0 <= eos_id < vocab:
                 raise ConfigError(f"data.eos_id={eos_id} is not a token id of model.vocab={vocab}")
@@ -235,8 +248,9 @@ EVAL_STEP = 1 << 62
 
 
 def _file_source(kind: str, path: str, data: DataConfig, vocab: int):
-    if kind == "text" and data.tokenizer:   # documents tokenized, packed with EOS between
+    if kind == "text" and data.tokenizer:  # documents tokenized, packed with EOS between
         from meshpar.io.tokenizer import packed_text
+
         tokens, starts = packed_text(path, data.tokenizer, vocab)
         return Span(tokens, f"data.path '{path}' (tokenized)", starts if data.documents else None)
     if kind == "tokens":
@@ -255,11 +269,15 @@ def _split(source, holdout: float, length: int):
     cut = int(round(n * (1.0 - holdout)))
     need = length + 2
     if cut < need or n - cut < need:
-        raise ConfigError(f"eval.holdout={holdout} splits data.path ({n} tokens) into {cut} training "
-                          f"and {n - cut} held-out tokens; each part needs more than batch.length+1="
-                          f"{length + 1}: change eval.holdout or give eval.path")
-    return (source.part(0, cut, f"the training part of data.path (1 - eval.holdout={holdout})"),
-            source.part(cut, n, f"the held-out part of data.path (eval.holdout={holdout})"))
+        raise ConfigError(
+            f"eval.holdout={holdout} splits data.path ({n} tokens) into {cut} training "
+            f"and {n - cut} held-out tokens; each part needs more than batch.length+1="
+            f"{length + 1}: change eval.holdout or give eval.path"
+        )
+    return (
+        source.part(0, cut, f"the training part of data.path (1 - eval.holdout={holdout})"),
+        source.part(cut, n, f"the held-out part of data.path (eval.holdout={holdout})"),
+    )
 
 
 def make_source(d: DataConfig, batch: BatchConfig, evaluation: EvalConfig, vocab: int):

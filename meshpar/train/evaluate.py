@@ -14,6 +14,7 @@ The eval step is the train step's loss without gradients or update: the model in
 logs as `loss` (for the built-in LM loss the cross-entropy, without the MoE auxiliary terms);
 perplexity = exp(mean loss) (meaningful for the LM loss). One compiled program serves every call.
 """
+
 from __future__ import annotations
 
 import math
@@ -21,13 +22,14 @@ import time
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from meshpar.core import precision as precision_lib
 from meshpar.core.config import BatchConfig, EvalConfig
-from meshpar.train.data import EVAL_STEP
-from meshpar.train.batches import Batches
 from meshpar.core.layout import use_layout
+from meshpar.train.batches import Batches
+from meshpar.train.data import EVAL_STEP
 
 
 class Evaluator:
@@ -40,22 +42,32 @@ class Evaluator:
         self.batches = None
         tr = trainer
         replicated = NamedSharding(tr.mesh, P())
-        self._step = jax.jit(self._loss, in_shardings=(tr.state_shardings["params"], tr.state_shardings["vars"],
-                                                       tr.batch_sharding), out_shardings=replicated)
+        self._step = jax.jit(
+            self._loss,
+            in_shardings=(tr.state_shardings["params"], tr.state_shardings["vars"], tr.batch_sharding),
+            out_shardings=replicated,
+        )
 
     def _loss(self, params, vars, batch):
         tr = self.trainer
         with use_layout(tr.layout), precision_lib.use_policy(tr.policy):
             model = tr.spec.merge(params, vars)
             if hasattr(model, "eval"):
-                model.eval()          # deterministic: dropout off (a no-op for models without it)
+                model.eval()  # deterministic: dropout off (a no-op for models without it)
             loss, metrics = tr.loss(model, batch)
         return metrics.get("ce", loss) if isinstance(metrics, dict) else loss
 
     def _held_out(self):
         if self.batches is None:
-            it = Batches(self.source, self.trainer.batch_sharding, self.batch.global_size, self.batch.length,
-                         self.seed, step=EVAL_STEP, batch_spec=self.trainer.batch_spec)
+            it = Batches(
+                self.source,
+                self.trainer.batch_sharding,
+                self.batch.global_size,
+                self.batch.length,
+                self.seed,
+                step=EVAL_STEP,
+                batch_spec=self.trainer.batch_spec,
+            )
             self.batches = [next(it) for _ in range(self.evaluation.batches)]
         return self.batches
 
@@ -65,7 +77,10 @@ class Evaluator:
         losses = [self._step(state["params"], state["vars"], b) for b in self._held_out()]
         loss = float(jax.device_get(jnp.mean(jnp.stack(losses))))
         rows = self.batch.global_size * len(losses)
-        return {"loss": loss, "perplexity": math.exp(loss) if loss < 700 else float("inf"),
-                "batches": len(losses),
-                "tokens": rows * self.batch.length if self.trainer.is_lm else None,
-                "eval_s": time.perf_counter() - t0}
+        return {
+            "loss": loss,
+            "perplexity": math.exp(loss) if loss < 700 else float("inf"),
+            "batches": len(losses),
+            "tokens": rows * self.batch.length if self.trainer.is_lm else None,
+            "eval_s": time.perf_counter() - t0,
+        }

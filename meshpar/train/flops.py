@@ -4,6 +4,7 @@ MFU = model FLOPs per step / (step time x devices x peak), after PaLM (Chowdhery
 appendix B. Works for any model: the attention term needs `layers`, `heads` and `head_dim` on the
 model's `cfg` (the reference decoders have them); without them it is 6N per token.
 """
+
 from __future__ import annotations
 
 import math
@@ -19,8 +20,9 @@ def active_params(spec: ModelSpec, top_k: int = 2) -> float:
     top_k / E share its token is routed to (`meshpar.core.config.top_k(cfg.moe)`); shared experts
     are dense weights, counted whole."""
     total = 0.0
-    for shape, names in zip(jax.tree.leaves(spec.shapes),
-                            jax.tree.leaves(spec.logical, is_leaf=lambda x: isinstance(x, tuple))):
+    for shape, names in zip(
+        jax.tree.leaves(spec.shapes), jax.tree.leaves(spec.logical, is_leaf=lambda x: isinstance(x, tuple))
+    ):
         if names == ("vocab", "embed"):
             continue
         n = float(math.prod(shape.shape))
@@ -39,8 +41,17 @@ def flops_per_token(model_cfg, n_active: float, length: int) -> float:
     return 6.0 * n_active + (12.0 * math.prod(attn) * length if all(attn) else 0.0)
 
 
-_PEAK_BF16 = [("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("B200", 2250e12), ("L4", 121e12),
-              ("TPU v6", 918e12), ("TPU v5p", 459e12), ("TPU v5", 197e12), ("TPU v4", 275e12)]
+_PEAK_BF16 = [
+    ("H200", 989e12),
+    ("H100", 989e12),
+    ("A100", 312e12),
+    ("B200", 2250e12),
+    ("L4", 121e12),
+    ("TPU v6", 918e12),
+    ("TPU v5p", 459e12),
+    ("TPU v5", 197e12),
+    ("TPU v4", 275e12),
+]
 
 
 def peak_flops_per_device(peak_tflops: float | None = None) -> tuple[float, str]:
@@ -49,11 +60,12 @@ def peak_flops_per_device(peak_tflops: float | None = None) -> tuple[float, str]
     by the fake devices."""
     if peak_tflops:
         return peak_tflops * 1e12, "train.peak_tflops"
-    dev = jax.local_devices()[0]      # this process's own (jax.devices()[0] may be another process's)
+    dev = jax.local_devices()[0]  # this process's own (jax.devices()[0] may be another process's)
     for key, peak in _PEAK_BF16:
         if key in dev.device_kind:
             return peak, f"{dev.device_kind} datasheet"
     from meshpar.train.hostpeak import host_flops
+
     host, where = host_flops()
     n = jax.local_device_count()
     return host / n, f"host matmul {host / 1e12:.3g} TFLOP/s / {n} fake devices, {where}"
@@ -64,6 +76,7 @@ def matmul_flops(jaxpr) -> float:
     convolution, sub-jaxprs included (a scan's body times its length; a cond's costliest branch; a
     while loop's body once, its trip count being unknown)."""
     import numpy as np
+
     total = 0.0
     for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
         prim = eqn.primitive.name
@@ -90,13 +103,16 @@ def loss_forward_flops(trainer, seed: int = 0) -> float:
     from meshpar.core.batch import is_leaf
     from meshpar.core.precision import use_policy
     from meshpar.nn import dropout
-    spec = trainer.spec
-    batch = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(tuple(leaf.shape), leaf.dtype), trainer.batch_spec,
-                         is_leaf=is_leaf)
 
-    def forward(params, vars, b):   # traced as the train step traces it (dropout of stacked layers drawn)
+    spec = trainer.spec
+    batch = jax.tree.map(
+        lambda leaf: jax.ShapeDtypeStruct(tuple(leaf.shape), leaf.dtype), trainer.batch_spec, is_leaf=is_leaf
+    )
+
+    def forward(params, vars, b):  # traced as the train step traces it (dropout of stacked layers drawn)
         with use_policy(trainer.policy), dropout.training(seed, 0):
             return trainer.loss(spec.merge(params, vars), b)[0]
+
     return matmul_flops(jax.make_jaxpr(forward)(spec.shapes, spec.var_shapes or {}, batch))
 
 

@@ -9,6 +9,7 @@ CPU model, the core count and the jax version. Delete the file to measure again;
 cache only means measuring every run. Processes that start together (`meshpar launch`) take turns
 through a lock on the file: the first measures, the others read its result.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,7 +18,7 @@ import platform
 import time
 from pathlib import Path
 
-N = 1024                    # matrix side: 2 GFLOP a product, tens of ms on a laptop core
+N = 1024  # matrix side: 2 GFLOP a product, tens of ms on a laptop core
 WINDOW_S, TOTAL_S = 0.05, 1.0
 
 
@@ -29,6 +30,7 @@ def cache_file() -> Path:
 def machine_key() -> str:
     """CPU model, core count, jax version: what the measured rate depends on."""
     import jax
+
     model = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -44,6 +46,7 @@ def measure(device=None, seconds: float = TOTAL_S) -> float:
     """FLOP/s of an N x N fp32 matmul on `device`: the best ~WINDOW_S window within `seconds`."""
     import jax
     import jax.numpy as jnp
+
     a = jax.device_put(jnp.ones((N, N), jnp.float32), device or jax.local_devices()[0])
     f = jax.jit(lambda x: x @ x)
     f(a).block_until_ready()
@@ -53,7 +56,7 @@ def measure(device=None, seconds: float = TOTAL_S) -> float:
         while reps == 0 or time.perf_counter() - t0 < WINDOW_S:
             f(a).block_until_ready()
             reps += 1
-        best = max(best, 2.0 * N ** 3 * reps / (time.perf_counter() - t0))
+        best = max(best, 2.0 * N**3 * reps / (time.perf_counter() - t0))
     return best
 
 
@@ -80,13 +83,14 @@ def host_flops() -> tuple[float, str]:
             f.truncate()
             f.write(json.dumps(table, indent=1) + "\n")
             return flops, f"measured now, kept in {path}"
-    except OSError:                       # no writable cache: measure every run
+    except OSError:  # no writable cache: measure every run
         return measure(), "measured now (no writable cache)"
 
 
 def _lock(f) -> None:
     try:
         import fcntl
-        fcntl.flock(f, fcntl.LOCK_EX)     # released when the file closes
+
+        fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
     except ImportError:
         pass

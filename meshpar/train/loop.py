@@ -13,6 +13,7 @@ evaluations, before a checkpoint is written and at the end. In between, steps ar
 to back. The non-finite flag of every step is kept on the device until then and checked in order,
 so `train.on_nan=stop` still names the first bad step and no checkpoint is ever written after it.
 """
+
 from __future__ import annotations
 
 import time
@@ -24,9 +25,9 @@ from meshpar.core import precision as precision_lib
 from meshpar.train.flops import peak_flops_per_device
 from meshpar.train.step import Trainer, trainer_for, user_source
 
-PREFETCH = 2          # batches built ahead of the step that consumes them (0: build in the loop)
+PREFETCH = 2  # batches built ahead of the step that consumes them (0: build in the loop)
 DATA_KEYS = ("data.seed", "batch.global_size", "batch.length", "data.kind", "data.path")
-SCHEDULE_KEYS = ("steps", "train.lr", "train.warmup_steps", "train.min_lr_ratio")   # the lr schedule's shape
+SCHEDULE_KEYS = ("steps", "train.lr", "train.warmup_steps", "train.min_lr_ratio")  # the lr schedule's shape
 
 
 def data_changes(saved_config: dict, cfg, keys=DATA_KEYS) -> list[str]:
@@ -46,11 +47,13 @@ def make_data_source(cfg, trainer: Trainer):
     """`data.kind` -> a source: built-in token sources (vocabulary from the model or `model.vocab`)
     or `PKG.MODULE:FN` called as `FN(cfg)`."""
     from meshpar.train.data import make_source
+
     if ":" in cfg.data.kind:
         return user_source(cfg)
     vocab = _vocab(cfg, trainer)
     if vocab is None:
         from meshpar.core.errors import ConfigError
+
         raise ConfigError(f"data.kind={cfg.data.kind} needs the vocabulary size: set model.vocab (or model.args.vocab)")
     return make_source(cfg.data, cfg.batch, cfg.eval, vocab)
 
@@ -59,6 +62,7 @@ def make_evaluator(cfg, trainer: Trainer, source):
     """The held-out evaluation of a run training on `source` (`meshpar.train.evaluate`)."""
     from meshpar.train.data import make_eval_source
     from meshpar.train.evaluate import Evaluator
+
     held_out = make_eval_source(cfg.data, cfg.batch, cfg.eval, _vocab(cfg, trainer), source)
     return Evaluator(trainer, held_out, cfg.eval, cfg.batch, cfg.data.seed)
 
@@ -77,8 +81,8 @@ def run(cfg, metrics_out: str | None = None, console=None, trainer: Trainer | No
     skips it); with `train.on_nan=stop` the loop raises naming the step before any later save.
     """
     from meshpar.io.checkpoint import Checkpointer
-    from meshpar.train.batches import Batches, Prefetch
     from meshpar.runtime.distributed import PreemptionGuard, progress
+    from meshpar.train.batches import Batches, Prefetch
     from meshpar.train.metrics import MetricsLogger
     from meshpar.train.profile import ProfileWindow
 
@@ -99,15 +103,24 @@ def run(cfg, metrics_out: str | None = None, console=None, trainer: Trainer | No
     try:
         ckpt = Checkpointer(cfg.checkpoint, trainer, info=log.info) if cfg.checkpoint.dir else None
         found = ckpt.restore_latest() if ckpt else None
-        resumed = {} if found is None else {"resumed_from": found.step, "resumed_path": found.path,
-                                            "damaged_checkpoints": found.damaged}
+        resumed = (
+            {}
+            if found is None
+            else {"resumed_from": found.step, "resumed_path": found.path, "damaged_checkpoints": found.damaged}
+        )
         peak, peak_src = _log_start(log, cfg, trainer, {**facts, "entropy_floor": floor, **resumed}, found)
 
-        data = Batches(source, trainer.batch_sharding, cfg.batch.global_size, cfg.batch.length, cfg.data.seed,
-                       batch_spec=trainer.batch_spec)
+        data = Batches(
+            source,
+            trainer.batch_sharding,
+            cfg.batch.global_size,
+            cfg.batch.length,
+            cfg.data.seed,
+            batch_spec=trainer.batch_spec,
+        )
         if found:
             data.restore(found.data)
-        data.probe()                         # the source against the batch spec, before compiling
+        data.probe()  # the source against the batch spec, before compiling
         t0 = time.perf_counter()
         compiled = trainer.compile()
         compile_s = time.perf_counter() - t0
@@ -116,7 +129,7 @@ def run(cfg, metrics_out: str | None = None, console=None, trainer: Trainer | No
             data = Prefetch(data, PREFETCH)
         evaluate = make_evaluator(cfg, trainer, source) if cfg.eval.every else None
         profiler = ProfileWindow(cfg.profile, info=log.info)
-        step_flops, _ = trainer.model_flops()     # model FLOPs of one step (meshpar.train.flops)
+        step_flops, _ = trainer.model_flops()  # model FLOPs of one step (meshpar.train.flops)
         log.info(f"compiled train step in {compile_s:.1f}s; MFU against {peak / 1e12:.3g} TFLOP/s/device ({peak_src})")
 
         start = int(_read(state["step"]))
@@ -124,7 +137,7 @@ def run(cfg, metrics_out: str | None = None, console=None, trainer: Trainer | No
         # the whole run's first logged loss: kept in every checkpoint, so a resumed run reports its gap too
         first_loss = found.meta.get("initial_loss") if found else None
         stop, metrics = None, None
-        unchecked = []     # (step, nonfinite, loss) on the device, not yet read (train.on_nan=stop)
+        unchecked = []  # (step, nonfinite, loss) on the device, not yet read (train.on_nan=stop)
         window_start, window_steps = time.perf_counter(), 0
 
         def check_finite(values=None):
@@ -141,7 +154,7 @@ def run(cfg, metrics_out: str | None = None, console=None, trainer: Trainer | No
         with PreemptionGuard() as guard:
             try:
                 for step in range(start, cfg.steps):
-                    n = step + 1                     # steps are numbered from 1 in logs, checkpoints, profiles
+                    n = step + 1  # steps are numbered from 1 in logs, checkpoints, profiles
                     batch = next(data)
                     profiler.before(n, state)
                     with profiler.annotate(n):
@@ -152,9 +165,14 @@ def run(cfg, metrics_out: str | None = None, console=None, trainer: Trainer | No
                         unchecked.append((n, metrics["nonfinite"], metrics["loss"]))
                     progress["step"] = n
                     if n % cfg.train.log_every == 0 or n == cfg.steps or step == start:
-                        metrics, flags = _read((metrics, [u[1:] for u in unchecked]))   # waits for step n
-                        rec = _record(n, metrics, (time.perf_counter() - window_start) / window_steps, facts,
-                                      step_flops / (peak * facts["devices"]))
+                        metrics, flags = _read((metrics, [u[1:] for u in unchecked]))  # waits for step n
+                        rec = _record(
+                            n,
+                            metrics,
+                            (time.perf_counter() - window_start) / window_steps,
+                            facts,
+                            step_flops / (peak * facts["devices"]),
+                        )
                         first_loss = rec["loss"] if first_loss is None else first_loss
                         log.step(rec)
                         check_finite(flags)
@@ -165,28 +183,36 @@ def run(cfg, metrics_out: str | None = None, console=None, trainer: Trainer | No
                         window_start, window_steps = time.perf_counter(), 0
                     stop = guard.reached(n)
                     if ckpt and (ckpt.due(n) or stop or n == cfg.steps):
-                        check_finite()                # never save past a step that must stop the run
+                        check_finite()  # never save past a step that must stop the run
                         path = ckpt.save(n, state, data.state(), wait=bool(stop), run={"initial_loss": first_loss})
                         log.info(f"checkpoint step {n} -> {path}" + (" (written)" if stop else " (writing)"))
                     if stop:
                         break
                 check_finite()
             except Exception as e:
-                if jax.process_count() > 1:      # a collective failed: if a peer died, exit naming it
+                if jax.process_count() > 1:  # a collective failed: if a peer died, exit naming it
                     from meshpar.runtime.distributed import await_peer_verdict
+
                     await_peer_verdict(e)
                 raise
             finally:
                 close_all()
     except BaseException:
-        log.close()           # the bar stopped, the JSON Lines and TensorBoard files hold every step logged
+        log.close()  # the bar stopped, the JSON Lines and TensorBoard files hold every step logged
         raise
-    finally:                  # also on an error before the loop
+    finally:  # also on an error before the loop
         close_all()
     # the loss at the step reached (after an interrupt that may be past the last logged step)
     final = None if metrics is None else float(_read(metrics["loss"]))
-    end = {"steps": cfg.steps, "initial_loss": first_loss, "final_loss": final,
-           "entropy_floor": floor, "compile_s": compile_s, "wall_s": time.perf_counter() - t0, **resumed}
+    end = {
+        "steps": cfg.steps,
+        "initial_loss": first_loss,
+        "final_loss": final,
+        "entropy_floor": floor,
+        "compile_s": compile_s,
+        "wall_s": time.perf_counter() - t0,
+        **resumed,
+    }
     return _finish(log, end, stop, ckpt)
 
 
@@ -194,6 +220,7 @@ def _close(profiler, data, ckpt) -> bool:
     """Stop the profiler and the prefetch thread, finish the checkpoint writes in flight (they hold
     good states)."""
     from meshpar.train.batches import Prefetch
+
     if profiler is not None:
         profiler.stop()
     if isinstance(data, Prefetch):
@@ -207,9 +234,19 @@ def _log_start(log, cfg, trainer: Trainer, facts: dict, found) -> tuple[float, s
     """The start record (the run's facts, the peak MFU divides by, measured before compiling), the
     trainer's warnings and what a resume restored -> (peak FLOP/s per device, where it came from)."""
     from meshpar.runtime.distributed import scheduler_job
+
     peak, peak_src = peak_flops_per_device(cfg.train.peak_tflops)
-    log.start({**facts, "processes": jax.process_count(), "scheduler": scheduler_job(),
-               "peak_flops_per_device": peak, "peak_source": peak_src, "config": cfg}, trainer)
+    log.start(
+        {
+            **facts,
+            "processes": jax.process_count(),
+            "scheduler": scheduler_job(),
+            "peak_flops_per_device": peak,
+            "peak_source": peak_src,
+            "config": cfg,
+        },
+        trainer,
+    )
     for line in trainer.warnings():
         log.info(line)
     if found:
@@ -221,19 +258,24 @@ def _first_state(trainer: Trainer, found, precision: str):
     """The state the loop starts from: the checkpoint's (with a fresh loss scale if it was saved under
     another precision policy), else a sharded init."""
     state = found.state if found else trainer.init()
-    if found and found.meta.get("precision") != precision:   # the loss scale belongs to the old policy
-        state["numerics"] = jax.device_put(precision_lib.LOSS_SCALE.init(trainer.policy),
-                                           trainer.state_shardings["numerics"])
+    if found and found.meta.get("precision") != precision:  # the loss scale belongs to the old policy
+        state["numerics"] = jax.device_put(
+            precision_lib.LOSS_SCALE.init(trainer.policy), trainer.state_shardings["numerics"]
+        )
     return state
 
 
 def _record(n: int, metrics: dict, dt: float, facts: dict, mfu_per_s: float) -> dict:
     """The logged record of step n: its metrics, the mean step time `dt` since the last record, the
     rates, and MFU (`mfu_per_s`: the step's model FLOPs over the devices' peak, per second of step)."""
-    return {"step": n, **{k: _jsonable(v) for k, v in metrics.items()}, "step_time_s": dt,
-            "examples_per_s": facts["examples_per_step"] / dt,
-            "tokens_per_s": facts["tokens_per_step"] / dt if facts["tokens_per_step"] else None,
-            "mfu": mfu_per_s / dt}
+    return {
+        "step": n,
+        **{k: _jsonable(v) for k, v in metrics.items()},
+        "step_time_s": dt,
+        "examples_per_s": facts["examples_per_step"] / dt,
+        "tokens_per_s": facts["tokens_per_step"] / dt if facts["tokens_per_step"] else None,
+        "mfu": mfu_per_s / dt,
+    }
 
 
 def _finish(log, end: dict, stop, ckpt) -> dict:
@@ -242,6 +284,7 @@ def _finish(log, end: dict, stop, ckpt) -> dict:
     the checkpoint that holds it."""
     if None not in (end["entropy_floor"], end["initial_loss"], end["final_loss"]):
         from meshpar.train.data import floor_gap_closed
+
         end["gap_closed"] = floor_gap_closed(end["initial_loss"], end["final_loss"], end["entropy_floor"])
     if not stop:
         log.end(end)
@@ -249,11 +292,15 @@ def _finish(log, end: dict, stop, ckpt) -> dict:
     import signal as signal_lib
 
     from meshpar.runtime.distributed import Preempted, progress
+
     name = signal_lib.Signals(stop).name
     end.update(preempted=name, stopped_at=progress["step"], checkpoint=ckpt.path(progress["step"]) if ckpt else None)
     log.end(end)
-    where = (f"saved checkpoint {ckpt.path(progress['step'])}; rerun the same command to resume" if ckpt
-             else "no checkpoint.dir, nothing saved")
+    where = (
+        f"saved checkpoint {ckpt.path(progress['step'])}; rerun the same command to resume"
+        if ckpt
+        else "no checkpoint.dir, nothing saved"
+    )
     raise Preempted(stop, f"stopped by {name} after step {progress['step']}; {where}")
 
 
@@ -261,31 +308,40 @@ def _report_resume(found, cfg, info) -> None:
     """One line on where the run resumed from, and a warning for each way its data stream or its
     learning-rate schedule now differs from the saved run's."""
     saved_mesh = " ".join(f"{a}={n}" for a, n in (found.meta.get("mesh") or {}).items() if n > 1) or "1 device"
-    info(f"resumed from step {found.step} ({found.path}; saved with {found.meta.get('strategy')} on "
-             f"{saved_mesh}, {found.meta.get('processes')} process(es), precision {found.meta.get('precision')})")
+    info(
+        f"resumed from step {found.step} ({found.path}; saved with {found.meta.get('strategy')} on "
+        f"{saved_mesh}, {found.meta.get('processes')} process(es), precision {found.meta.get('precision')})"
+    )
     saved = found.meta.get("config") or {}
     changes = data_changes(saved, cfg) + _holdout_change(saved, cfg)
     if changes:
-        info(f"warning: resuming with a different data stream: {', '.join(changes)}; batches from step "
-             f"{found.step + 1} on are not the ones the saved run would have seen")
+        info(
+            f"warning: resuming with a different data stream: {', '.join(changes)}; batches from step "
+            f"{found.step + 1} on are not the ones the saved run would have seen"
+        )
     changes = data_changes(saved, cfg, SCHEDULE_KEYS)
     if changes:
-        info(f"warning: resuming with a different learning-rate schedule: {', '.join(changes)}; warmup and "
-             f"cosine decay from step {found.step + 1} on follow the new values, not the saved run's")
+        info(
+            f"warning: resuming with a different learning-rate schedule: {', '.join(changes)}; warmup and "
+            f"cosine decay from step {found.step + 1} on follow the new values, not the saved run's"
+        )
 
 
 def _holdout_change(saved: dict | None, cfg) -> list[str]:
     """Token/text data trains on the first 1 - eval.holdout of data.path when evaluation is on without
     eval.path (meshpar.train.data.make_source): a resume that turns that split on, off or resizes it reads
     other windows."""
+
     def split(ev):
         return ev.get("holdout", 0.1) if ev.get("every") and not ev.get("path") else None
+
     if cfg.data.kind not in ("tokens", "text") or not saved or "eval" not in saved:
         return []
     old = split(saved["eval"])
     new = split({"every": cfg.eval.every, "path": cfg.eval.path, "holdout": cfg.eval.holdout})
-    return [] if old == new else [f"training part of data.path: eval.holdout={new} (checkpoint: {old}; "
-                                  "None: whole file)"]
+    return (
+        [] if old == new else [f"training part of data.path: eval.holdout={new} (checkpoint: {old}; None: whole file)"]
+    )
 
 
 def _read(tree):
@@ -298,12 +354,14 @@ def _check_finite(on_nan: str, step: int, nonfinite, loss) -> None:
     """`train.on_nan=stop`: raise if `step` had a non-finite loss or gradients (its update was skipped)."""
     if on_nan == "stop" and int(nonfinite):
         from meshpar.core.errors import MeshparError
-        raise MeshparError(f"non-finite loss or gradients at step {step} (loss {float(loss)}); its update was "
-                           "not applied and no checkpoint was written after it (train.on_nan=stop). Lower "
-                           "train.lr, check the data, or set train.on_nan=skip to skip such steps")
+
+        raise MeshparError(
+            f"non-finite loss or gradients at step {step} (loss {float(loss)}); its update was "
+            "not applied and no checkpoint was written after it (train.on_nan=stop). Lower "
+            "train.lr, check the data, or set train.on_nan=skip to skip such steps"
+        )
 
 
 def _jsonable(v):
     a = np.asarray(v)
     return float(a) if a.ndim == 0 else a.tolist()
-

@@ -1,5 +1,6 @@
 """Losses a step can take: `lm_loss`, next-token cross-entropy (the default), and the contract every
 loss keeps: `(model, batch) -> (scalar loss, metrics dict)`, checked by `meshpar.nn.stages.check_loss`."""
+
 from __future__ import annotations
 
 import inspect
@@ -63,7 +64,7 @@ def _pinned_head(model, dtype, out_dtype):
     from meshpar.core.sharding import logical_axes
 
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    is_var = lambda v: isinstance(v, nnx.Variable)     # noqa: E731
+    is_var = lambda v: isinstance(v, nnx.Variable)  # noqa: E731
 
     def pin(v):
         names = logical_axes(v)
@@ -72,6 +73,7 @@ def _pinned_head(model, dtype, out_dtype):
     def head(z):
         pinned = nnx.merge(graphdef, jax.tree.map(pin, params, is_leaf=is_var), rest)
         return pinned.head(z, dtype).astype(out_dtype)
+
     return head
 
 
@@ -79,10 +81,12 @@ def _check_splits(model) -> None:
     """One line when a model cannot run its head chunk by chunk (`train.loss_chunks` > 1)."""
     missing = [m for m in ("features", "head") if not callable(getattr(model, m, None))]
     if missing:
-        raise ConfigError(f"train.loss_chunks > 1 runs the LM head chunk by chunk, and model {type(model).__name__} "
-                          f"has no {' or '.join('.' + m for m in missing)}; give it features(tokens, dtype, **kw) -> "
-                          "(x [B, T, E], aux) and head(x, dtype) -> logits (see meshpar.models.decoder), "
-                          "or set train.loss_chunks=1")
+        raise ConfigError(
+            f"train.loss_chunks > 1 runs the LM head chunk by chunk, and model {type(model).__name__} "
+            f"has no {' or '.join('.' + m for m in missing)}; give it features(tokens, dtype, **kw) -> "
+            "(x [B, T, E], aux) and head(x, dtype) -> logits (see meshpar.models.decoder), "
+            "or set train.loss_chunks=1"
+        )
 
 
 def _check_accepts(model, kwargs: dict, cp: int, method: str = "__call__") -> None:
@@ -95,8 +99,13 @@ def _check_accepts(model, kwargs: dict, cp: int, method: str = "__call__") -> No
         return
     missing = [k for k in kwargs if k not in params]
     if missing:
-        why = ("mesh.context > 1 stores each row in the balanced order" if cp > 1 and "positions" in missing
-               else "the data are packed documents")
-        raise ConfigError(f"model {type(model).__name__} takes no {', '.join(m + '=' for m in missing)} argument, and "
-                          f"{why}; add `{'=None, '.join(missing)}=None` to its {method} (see meshpar.models.decoder), "
-                          "or set data.documents=false")
+        why = (
+            "mesh.context > 1 stores each row in the balanced order"
+            if cp > 1 and "positions" in missing
+            else "the data are packed documents"
+        )
+        raise ConfigError(
+            f"model {type(model).__name__} takes no {', '.join(m + '=' for m in missing)} argument, and "
+            f"{why}; add `{'=None, '.join(missing)}=None` to its {method} (see meshpar.models.decoder), "
+            "or set data.documents=false"
+        )

@@ -22,19 +22,21 @@ drop_fraction / load_min / load_max / aux_loss ...), a per-layer list `train/<ke
 records are `eval/loss` and `eval/perplexity`; all at the record's step, the same values as the JSON
 Lines (stored as float32). View with `tensorboard --logdir DIR`.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import json
 from pathlib import Path
 
-from meshpar.runtime.distributed import on_interrupt, is_main
+from meshpar.runtime.distributed import is_main, on_interrupt
 
 
 def make_console(stderr: bool = False):
     """A rich Console: the terminal's width on a terminal; in a pipe or a log file, lines as long as
     they are (rich would wrap tables at 80 columns there: `PartitionSpe c`)."""
     from rich.console import Console
+
     console = Console(stderr=stderr)
     return console if console.is_terminal else Console(stderr=stderr, width=1000)
 
@@ -45,7 +47,9 @@ def _devices(facts: dict) -> str:
     where = f"{n} devices" + (f" in {procs} processes" if procs > 1 else "")
     job = facts.get("scheduler") or {}
     if job.get("job_id"):
-        where += f", {job['name']} job {job['job_id']}" + (f" restart {job['restart_count']}" if job.get("restart_count") else "")
+        where += f", {job['name']} job {job['job_id']}" + (
+            f" restart {job['restart_count']}" if job.get("restart_count") else ""
+        )
     return where
 
 
@@ -63,6 +67,7 @@ class MetricsLogger:
         self.tb = None
         if tensorboard and self.main:
             from tensorboardX import SummaryWriter
+
             self.tb = SummaryWriter(logdir=str(tensorboard), flush_secs=30)
         self.total = total_steps
         self.progress = None
@@ -86,16 +91,21 @@ class MetricsLogger:
         if not self.main:
             return
         floor = facts.get("entropy_floor")
-        self.console.print(f"[bold]meshpar[/] {facts['strategy']} on {facts['mesh_str']} ({_devices(facts)}), "
-                           f"{facts['params'] / 1e6:.2f}M params, precision {facts['precision']}"
-                           + (f", entropy floor {floor:.4f} nats/token" if floor is not None else ""))
+        self.console.print(
+            f"[bold]meshpar[/] {facts['strategy']} on {facts['mesh_str']} ({_devices(facts)}), "
+            f"{facts['params'] / 1e6:.2f}M params, precision {facts['precision']}"
+            + (f", entropy floor {floor:.4f} nats/token" if floor is not None else "")
+        )
         if trainer is not None:
             from meshpar.core.sharding import render_sharding_table
+
             self.console.print(render_sharding_table(trainer.sharding_table()))
-        if self.console.is_terminal:   # the bar stays below the step lines (which stay on screen)
+        if self.console.is_terminal:  # the bar stays below the step lines (which stay on screen)
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-            self.progress = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                                     console=self.console)
+
+            self.progress = Progress(
+                TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), console=self.console
+            )
             self.task = self.progress.add_task("train", total=self.total, completed=facts.get("resumed_from") or 0)
             self.progress.start()
 
@@ -130,11 +140,18 @@ class MetricsLogger:
             return
         # the loss function's own metrics (MoE: aux_loss, load_... per layer; a classifier: accuracy)
         extra = "".join(f" {k} {_fmt(v)}" for k, v in rec.items() if k not in _SHOWN_ELSEWHERE and v is not None)
-        rate = (f"{rec['tokens_per_s']:,.0f} tok/s" if rec.get("tokens_per_s") is not None
-                else f"{rec['examples_per_s']:,.1f} examples/s")
-        parts = [f"step {rec['step']:>5}/{self.total}", f"loss {rec['loss']:.4f}",
-                 *(f"{name} {rec[k]:.3g}" for k, name in (("lr", "lr"), ("grad_norm", "grad norm")) if k in rec),
-                 rate, f"MFU {100 * rec['mfu']:.2f}%"]
+        rate = (
+            f"{rec['tokens_per_s']:,.0f} tok/s"
+            if rec.get("tokens_per_s") is not None
+            else f"{rec['examples_per_s']:,.1f} examples/s"
+        )
+        parts = [
+            f"step {rec['step']:>5}/{self.total}",
+            f"loss {rec['loss']:.4f}",
+            *(f"{name} {rec[k]:.3g}" for k, name in (("lr", "lr"), ("grad_norm", "grad norm")) if k in rec),
+            rate,
+            f"MFU {100 * rec['mfu']:.2f}%",
+        ]
         self._print(" | ".join(parts) + extra)
         if self.progress is not None:
             self.progress.update(self.task, completed=rec["step"])
@@ -144,9 +161,9 @@ class MetricsLogger:
         if self.progress is not None:
             self.progress.stop()
             self.progress = None
-        if self.main and rec.get("final_loss") is None:   # e.g. resumed at the last step: nothing to train
+        if self.main and rec.get("final_loss") is None:  # e.g. resumed at the last step: nothing to train
             self.console.print(f"done: no steps left to train ({rec.get('steps')} steps)")
-        elif self.main:                                   # losses of the whole run, resumes included
+        elif self.main:  # losses of the whole run, resumes included
             what = f"stopped after step {rec['stopped_at']}" if rec.get("preempted") else "done"
             msg = f"{what}: loss {rec['initial_loss']:.4f} -> {rec['final_loss']:.4f}"
             if rec.get("entropy_floor") is not None:
@@ -168,8 +185,21 @@ class MetricsLogger:
             self.tb = None
 
 
-_SHOWN_ELSEWHERE = {"step", "loss", "total_loss", "ce", "grad_norm", "lr", "nonfinite", "skipped_steps", "overflows",
-                    "step_time_s", "examples_per_s", "tokens_per_s", "mfu"}
+_SHOWN_ELSEWHERE = {
+    "step",
+    "loss",
+    "total_loss",
+    "ce",
+    "grad_norm",
+    "lr",
+    "nonfinite",
+    "skipped_steps",
+    "overflows",
+    "step_time_s",
+    "examples_per_s",
+    "tokens_per_s",
+    "mfu",
+}
 
 
 def _fmt(v) -> str:

@@ -9,6 +9,7 @@ each start (it waits for the first execution's warm-up). One colour per run, lab
 strategy and mesh. Needs matplotlib (`pip install 'meshpar[plot]'`); drawn with the non-interactive
 Agg backend, so no display is needed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,7 +36,7 @@ def read_run(path: str) -> dict:
         try:
             rec = json.loads(line)
         except json.JSONDecodeError:
-            if i == len(lines):     # a run still writing its last line
+            if i == len(lines):  # a run still writing its last line
                 break
             raise MeshparError(f"metrics file '{path}' line {i} is not JSON; is it a --metrics-out file?") from None
         kind = rec.get("event") if isinstance(rec, dict) else None
@@ -44,7 +45,7 @@ def read_run(path: str) -> dict:
             mesh = rec.get("mesh_str") or " ".join(f"{a}={n}" for a, n in (rec.get("mesh") or {}).items() if n > 1)
             out["label"] = " ".join(x for x in (p.stem, rec.get("strategy"), mesh and f"({mesh})") if x)
             resumed = rec.get("resumed_from")
-            if resumed is not None:     # the steps a resumed run redoes replace the ones the file holds
+            if resumed is not None:  # the steps a resumed run redoes replace the ones the file holds
                 for key in ("steps", "evals", "warmup"):
                     out[key] = [r for r in out[key] if (r if key == "warmup" else r["step"]) <= resumed]
             first = True
@@ -72,8 +73,9 @@ def parse_size(text: str) -> tuple[int, int]:
 
 def plot(paths: list[str], out: str, size: tuple[int, int] = (1200, 800), dpi: int = 100) -> str:
     """Draw the runs of `paths` into the PNG `out` of exactly `size` pixels; returns `out`."""
-    fig = draw([read_run(p) for p in paths], size, dpi)     # says so when matplotlib is missing
+    fig = draw([read_run(p) for p in paths], size, dpi)  # says so when matplotlib is missing
     import matplotlib.pyplot as plt
+
     fig.savefig(out, dpi=dpi, format="png")
     plt.close(fig)
     return out
@@ -83,6 +85,7 @@ def draw(runs: list[dict], size: tuple[int, int] = (1200, 800), dpi: int = 100):
     """The matplotlib figure of `read_run` results: loss, throughput and MFU panels."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -95,20 +98,38 @@ def draw(runs: list[dict], size: tuple[int, int] = (1200, 800), dpi: int = 100):
         steps = [r["step"] for r in run["steps"]]
         loss_ax.plot(steps, [r.get("loss") for r in run["steps"]], color=color, label=f"{run['label']} train")
         if run["evals"]:
-            loss_ax.plot([r["step"] for r in run["evals"]], [r["loss"] for r in run["evals"]], color=color,
-                         linestyle="--", marker="o", markersize=3, label=f"{run['label']} eval")
+            loss_ax.plot(
+                [r["step"] for r in run["evals"]],
+                [r["loss"] for r in run["evals"]],
+                color=color,
+                linestyle="--",
+                marker="o",
+                markersize=3,
+                label=f"{run['label']} eval",
+            )
         if run["floor"] is not None and run["floor"] not in floors:
             floors.add(run["floor"])
             loss_ax.axhline(run["floor"], color="grey", linestyle=":", label=f"entropy floor {run['floor']:.3f}")
         lm = any(r.get("tokens_per_s") is not None for r in run["steps"])
         rate_key = "tokens_per_s" if lm else "examples_per_s"
         timed = [r for r in run["steps"] if r["step"] not in run["warmup"]] or run["steps"]
-        rate_ax.plot([r["step"] for r in timed], [r.get(rate_key) for r in timed], color=color,
-                     label=f"{run['label']} ({'tokens' if lm else 'examples'}/s)")
-        mfu_ax.plot([r["step"] for r in timed], [100 * r["mfu"] if r.get("mfu") is not None else None for r in timed],
-                    color=color, label=run["label"])
-    for ax, title, ylabel in ((loss_ax, "loss", "nats/token"), (rate_ax, "throughput", "per second"),
-                              (mfu_ax, "MFU", "% of peak")):
+        rate_ax.plot(
+            [r["step"] for r in timed],
+            [r.get(rate_key) for r in timed],
+            color=color,
+            label=f"{run['label']} ({'tokens' if lm else 'examples'}/s)",
+        )
+        mfu_ax.plot(
+            [r["step"] for r in timed],
+            [100 * r["mfu"] if r.get("mfu") is not None else None for r in timed],
+            color=color,
+            label=run["label"],
+        )
+    for ax, title, ylabel in (
+        (loss_ax, "loss", "nats/token"),
+        (rate_ax, "throughput", "per second"),
+        (mfu_ax, "MFU", "% of peak"),
+    ):
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.set_ylabel(ylabel)
@@ -117,7 +138,8 @@ def draw(runs: list[dict], size: tuple[int, int] = (1200, 800), dpi: int = 100):
     losses = [r.get("loss") for run in runs for r in run["steps"] + run["evals"]]
     if all(isinstance(v, (int, float)) and v > 0 for v in losses):
         from matplotlib.ticker import FuncFormatter
-        loss_ax.set_yscale("log")    # step 1's loss would flatten the range where training happens
+
+        loss_ax.set_yscale("log")  # step 1's loss would flatten the range where training happens
         for axis in (loss_ax.yaxis.set_major_formatter, loss_ax.yaxis.set_minor_formatter):
             axis(FuncFormatter(lambda v, _: f"{v:.3g}"))
     fig.tight_layout()

@@ -10,6 +10,7 @@ people open):
     D/plugins/profile/<timestamp>/<host>.xplane.pb        TensorBoard's profile plugin (tensorboard --logdir D)
     D/plugins/profile/<timestamp>/perfetto_trace.json.gz  https://ui.perfetto.dev -> Open trace file
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -35,8 +36,10 @@ class ProfileWindow:
         if not self.dir:
             return
         if self.first < first_step or self.first > last_step:
-            self.info(f"warning: profile.start_step={self.first} is outside the steps this run trains "
-                      f"({first_step}..{last_step}); no trace is written")
+            self.info(
+                f"warning: profile.start_step={self.first} is outside the steps this run trains "
+                f"({first_step}..{last_step}); no trace is written"
+            )
             self.done = True
         else:
             self.info(f"profiling steps {self.first}..{min(self.last, last_step)} -> {Path(self.dir).absolute()}")
@@ -44,7 +47,7 @@ class ProfileWindow:
     def before(self, n: int, state) -> None:
         """Call before dispatching step n (1-based)."""
         if self.dir and not self.done and not self.active and n == self.first:
-            jax.block_until_ready(state)          # earlier steps' device work stays out of the trace
+            jax.block_until_ready(state)  # earlier steps' device work stays out of the trace
             jax.profiler.start_trace(self.dir, create_perfetto_trace=True)
             self.active = True
 
@@ -62,5 +65,7 @@ class ProfileWindow:
             jax.profiler.stop_trace()
             self.active = False
             self.done = True
-            self.info(f"profile written to {Path(self.dir).absolute()} (tensorboard --logdir {self.dir}, "
-                      "or perfetto_trace.json.gz in https://ui.perfetto.dev)")
+            self.info(
+                f"profile written to {Path(self.dir).absolute()} (tensorboard --logdir {self.dir}, "
+                "or perfetto_trace.json.gz in https://ui.perfetto.dev)"
+            )

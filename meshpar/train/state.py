@@ -5,31 +5,43 @@ The state is a dict of pure pytrees: `params` (nnx.Param, optimized), `vars` (al
 RNG streams, counters, statistics; carried, never optimized), `opt`, `step`, `numerics`. The step
 that updates it is `meshpar.train.step.Trainer`.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from meshpar.core import precision as precision_lib
 from meshpar.core.batch import Leaf, check_batch_spec, is_leaf, lm_batch_spec
 from meshpar.core.config import BatchConfig, ModelConfig, top_k
+from meshpar.core.config.checks import check_length
 from meshpar.core.errors import ConfigError, ShardingError
+from meshpar.core.layout import Layout
 from meshpar.core.mesh import describe, mesh_shape
 from meshpar.core.platform import of_mesh
 from meshpar.core.registry import loss_function
 from meshpar.core.rules import check_rule_names, get_strategy, parse_user_rules
-from meshpar.core.layout import Layout
-from meshpar.core.sharding import (batch_shardings, building, context_unsplit, opt_state_shardings,
-                                   param_shardings, sharding_table, state_shardings, unruled_batch_axes, var_shardings)
-from meshpar.core.config.checks import check_length
+from meshpar.core.sharding import (
+    batch_shardings,
+    building,
+    context_unsplit,
+    opt_state_shardings,
+    param_shardings,
+    sharding_table,
+    state_shardings,
+    unruled_batch_axes,
+    var_shardings,
+)
+from meshpar.runtime.placed import PlacedModel
 from meshpar.train.data import packs_documents
 from meshpar.train.loss import lm_loss
-from meshpar.runtime.placed import PlacedModel
 from meshpar.train.optimizer import make_optimizer
 
 
@@ -52,19 +64,29 @@ def check_batch(batch: BatchConfig, layout: Layout) -> None:
         raise ShardingError(f"batch.global_size={b} is not divisible by batch.microbatches={m}")
     dp, axes = data_parallel_size(layout)
     if (b // m) % dp:
-        what = f"batch.global_size={b}" if m == 1 else f"the microbatch size {b // m} (batch.global_size={b} / batch.microbatches={m})"
-        raise ShardingError(f"{what} is not divisible by the data-parallel size {dp} ({axes}); "
-                            f"use a multiple of {dp * m} for batch.global_size")
+        what = (
+            f"batch.global_size={b}"
+            if m == 1
+            else f"the microbatch size {b // m} (batch.global_size={b} / batch.microbatches={m})"
+        )
+        raise ShardingError(
+            f"{what} is not divisible by the data-parallel size {dp} ({axes}); "
+            f"use a multiple of {dp * m} for batch.global_size"
+        )
 
 
 def check_platform(model: ModelConfig, backend: str) -> None:
     """Options that only some platforms have (`backend`: the mesh's, `meshpar.core.platform`)."""
     if model.attention == "cudnn" and backend != "gpu":
-        raise ShardingError(f"model.attention=cudnn needs an NVIDIA GPU (this backend is {backend}); "
-                            "use model.attention=xla, or auto to let JAX choose")
+        raise ShardingError(
+            f"model.attention=cudnn needs an NVIDIA GPU (this backend is {backend}); "
+            "use model.attention=xla, or auto to let JAX choose"
+        )
     if model.attention == "splash" and backend != "tpu":
-        raise ShardingError(f"model.attention=splash needs a TPU (this backend is {backend}; elsewhere Pallas would "
-                            "interpret it, slowly); use model.attention=flash, or auto to let meshpar choose")
+        raise ShardingError(
+            f"model.attention=splash needs a TPU (this backend is {backend}; elsewhere Pallas would "
+            "interpret it, slowly); use model.attention=flash, or auto to let meshpar choose"
+        )
 
 
 @dataclass
@@ -75,6 +97,7 @@ class TrainSetup:
     (scalar, metrics)` (default: `cfg.train.loss`, i.e. `lm_loss`). `batch_spec`: tree of
     `meshpar.Leaf` (default: token rows [B, T+1] from `cfg.batch`).
     """
+
     cfg: Any
     devices: list | None = None
     model: Callable | None = None
@@ -87,7 +110,7 @@ class TrainSetup:
         cfg = self.cfg
         self.placed = placed = PlacedModel.from_config(cfg, self.model, self.devices)
         self.mesh, self.policy, self.factory, self.spec = placed.mesh, placed.policy, placed.factory, placed.spec
-        if (cp := mesh_shape(self.mesh)["context"]) > 1:    # (validate said it if the mesh was cfg.devices')
+        if (cp := mesh_shape(self.mesh)["context"]) > 1:  # (validate said it if the mesh was cfg.devices')
             check_length(cfg.batch.length, cp)
             precision_lib.check_loss_chunks(cfg.train.loss_chunks, cfg.batch.length, cp)
         self.layout = Layout(self.mesh, get_strategy(cfg.strategy), parse_user_rules(cfg.rules))
@@ -95,8 +118,11 @@ class TrainSetup:
         self.loss = _loss_of(self.loss, cfg.train, cfg.batch.length)
         self.loss_name = getattr(self.loss, "__qualname__", repr(self.loss))
         check_batch(cfg.batch, self.layout)
-        self.batch_spec = (self.batch_spec if self.batch_spec is not None
-                           else lm_batch_spec(cfg.batch.global_size, cfg.batch.length, packs_documents(cfg.data)))
+        self.batch_spec = (
+            self.batch_spec
+            if self.batch_spec is not None
+            else lm_batch_spec(cfg.batch.global_size, cfg.batch.length, packs_documents(cfg.data))
+        )
         self.batch_warnings = _batch_warnings(self.batch_spec, self.layout, cfg.train.require_annotations, self.is_lm)
         self.idle_rules = check_rule_names(self.layout.user_rules, _names_used(self.spec, self.batch_spec))
         self.pipelined = self.layout.shape.get("pipeline", 1) > 1
@@ -116,23 +142,39 @@ class TrainSetup:
         activations), batch axes no rule maps, a `context` axis that splits no batch leaf of a user's
         loss, and the padded exchange dropless expert parallelism falls back to."""
         from meshpar.core.notices import config_warnings
+
         out = config_warnings(self.cfg)
         if self.idle_rules:
-            out.append(f"warning: {', '.join(self.idle_rules)} name no parameter, variable or batch leaf of this "
-                       "model: they apply only to activations constrained with those names")
-        return (out + _dropless_note(self.cfg, self.layout) + _staged_attention_note(self.pipelined, self.mesh, self.cfg.model.attention)
-                + [f"warning: {w}" for w in self.batch_warnings])
+            out.append(
+                f"warning: {', '.join(self.idle_rules)} name no parameter, variable or batch leaf of this "
+                "model: they apply only to activations constrained with those names"
+            )
+        return (
+            out
+            + _dropless_note(self.cfg, self.layout)
+            + _staged_attention_note(self.pipelined, self.mesh, self.cfg.model.attention)
+            + [f"warning: {w}" for w in self.batch_warnings]
+        )
 
     def sharding_table(self) -> list[dict]:
         """The sharding table of this run: parameters, other state, batch leaves, and with the
         built-in LM loss its tokens' activations [batch, length] (`length` over `context`)."""
-        return sharding_table(self.spec, self.layout, self.batch_spec, _lm_activations(self.cfg.batch, self.policy.compute_dtype) if self.is_lm else None)
+        return sharding_table(
+            self.spec,
+            self.layout,
+            self.batch_spec,
+            _lm_activations(self.cfg.batch, self.policy.compute_dtype) if self.is_lm else None,
+        )
 
     # -- init ------------------------------------------------------------------------------------
     def _init_fn(self, key):
         born = self.placed.init(key)
-        return {"step": jnp.zeros((), jnp.int32), **born, "opt": self.tx.init(born["params"]),
-                "numerics": precision_lib.LOSS_SCALE.init(self.policy)}
+        return {
+            "step": jnp.zeros((), jnp.int32),
+            **born,
+            "opt": self.tx.init(born["params"]),
+            "numerics": precision_lib.LOSS_SCALE.init(self.policy),
+        }
 
     def init(self, seed: int | None = None):
         """Sharded init: the jitted constructor writes each variable straight into its shard. With
@@ -149,9 +191,11 @@ class TrainSetup:
 
     def _init_from(self, params, key):
         """The train state around given parameters: fresh optimizer state and variables, step 0."""
+
         def fn(params, key):
-            state = self._init_fn(key)   # its random parameters are dead code (XLA drops them)
+            state = self._init_fn(key)  # its random parameters are dead code (XLA drops them)
             return {**state, "params": params, "opt": self.tx.init(params)}
+
         return jax.jit(fn, out_shardings=self.state_shardings, donate_argnums=(0,))(params, key)
 
     def abstract_state(self):
@@ -169,28 +213,38 @@ class TrainSetup:
     # -- facts for logs --------------------------------------------------------------------------
     @property
     def is_lm(self) -> bool:
-        return getattr(self.loss, "func", self.loss) is lm_loss      # (train.loss_chunks: a partial of it)
+        return getattr(self.loss, "func", self.loss) is lm_loss  # (train.loss_chunks: a partial of it)
 
     def model_flops(self) -> tuple[float, str]:
         """Model FLOPs of one optimizer step and how they were counted (`meshpar.train.flops`)."""
         from meshpar.train.flops import model_flops_per_step
+
         return model_flops_per_step(self, self.cfg.batch, self.cfg.train, top_k(self.cfg.moe))
 
     def run_facts(self) -> dict:
         """What a checkpoint keeps of the run that wrote it: its whole config, its seeds, its mesh,
         strategy and precision (`meshpar.io.checkpoint`)."""
         import dataclasses
+
         facts = self.describe()
-        return {"config": dataclasses.asdict(self.cfg), "rng": {"train.seed": self.cfg.train.seed,
-                                                               "data.seed": self.cfg.data.seed},
-                **{k: facts[k] for k in ("mesh", "strategy", "precision")}}
+        return {
+            "config": dataclasses.asdict(self.cfg),
+            "rng": {"train.seed": self.cfg.train.seed, "data.seed": self.cfg.data.seed},
+            **{k: facts[k] for k in ("mesh", "strategy", "precision")},
+        }
 
     def describe(self) -> dict:
         rows = self.cfg.batch.global_size
-        return {"mesh": mesh_shape(self.mesh), "mesh_str": describe(self.mesh), "strategy": self.cfg.strategy,
-                "precision": self.cfg.precision, "devices": self.mesh.devices.size,
-                "params": self.spec.num_params, "examples_per_step": rows,
-                "tokens_per_step": rows * self.cfg.batch.length if self.is_lm else None}
+        return {
+            "mesh": mesh_shape(self.mesh),
+            "mesh_str": describe(self.mesh),
+            "strategy": self.cfg.strategy,
+            "precision": self.cfg.precision,
+            "devices": self.mesh.devices.size,
+            "params": self.spec.num_params,
+            "examples_per_step": rows,
+            "tokens_per_step": rows * self.cfg.batch.length if self.is_lm else None,
+        }
 
 
 def _batch_warnings(batch_spec, layout: Layout, strict: bool, is_lm: bool) -> list[str]:
@@ -206,9 +260,11 @@ def _batch_warnings(batch_spec, layout: Layout, strict: bool, is_lm: bool) -> li
 
 def _names_used(spec, batch_spec) -> set[str]:
     """The logical names a model's parameters, variables and batch leaves use."""
-    leaves = [*jax.tree.leaves(spec.logical, is_leaf=lambda x: isinstance(x, tuple)),
-              *jax.tree.leaves(spec.var_logical or {}, is_leaf=lambda x: isinstance(x, tuple)),
-              *(leaf.axes for leaf in jax.tree.leaves(batch_spec, is_leaf=is_leaf))]
+    leaves = [
+        *jax.tree.leaves(spec.logical, is_leaf=lambda x: isinstance(x, tuple)),
+        *jax.tree.leaves(spec.var_logical or {}, is_leaf=lambda x: isinstance(x, tuple)),
+        *(leaf.axes for leaf in jax.tree.leaves(batch_spec, is_leaf=is_leaf)),
+    ]
     return {n for names in leaves if names for n in names if n}
 
 
@@ -218,8 +274,11 @@ def _loss_of(loss, train, length: int):
     if loss is None:
         return loss_function(train.loss, train.loss_chunks)
     if train.loss_chunks > 1:
-        precision_lib.check_loss_chunks(train.loss_chunks, length, other_loss=None if loss is lm_loss
-                                        else f"this Trainer's loss is {getattr(loss, '__qualname__', loss)}")
+        precision_lib.check_loss_chunks(
+            train.loss_chunks,
+            length,
+            other_loss=None if loss is lm_loss else f"this Trainer's loss is {getattr(loss, '__qualname__', loss)}",
+        )
         return loss_function("lm", train.loss_chunks)
     return loss
 
@@ -227,10 +286,15 @@ def _loss_of(loss, train, length: int):
 def _state_shardings(setup: TrainSetup, replicated) -> dict:
     """Where each part of the train state lives: step and numerics replicated, params as the layout
     puts them, the other variables, the optimizer state (sharded under ZeRO)."""
-    return {"step": replicated, "params": setup.param_shardings, "vars": var_shardings(setup.spec, setup.layout),
-            "opt": opt_state_shardings(setup.tx, setup.spec, setup.layout),
-            "numerics": jax.tree.map(lambda _: replicated, jax.eval_shape(
-                lambda: precision_lib.LOSS_SCALE.init(setup.policy)))}
+    return {
+        "step": replicated,
+        "params": setup.param_shardings,
+        "vars": var_shardings(setup.spec, setup.layout),
+        "opt": opt_state_shardings(setup.tx, setup.spec, setup.layout),
+        "numerics": jax.tree.map(
+            lambda _: replicated, jax.eval_shape(lambda: precision_lib.LOSS_SCALE.init(setup.policy))
+        ),
+    }
 
 
 def _check_pipeline(setup: TrainSetup, m, pc, batch) -> None:
@@ -238,22 +302,29 @@ def _check_pipeline(setup: TrainSetup, m, pc, batch) -> None:
     with embed/layers/head, or `stage_loss` of one with pre/layers/post/loss. Errors name the stack
     as its user wrote it: `model.layers=4`, `model.size=tiny`, or a user model's `MyModel.layers`.
     m, pc, batch: the run's `cfg.model`, `cfg.pipeline` and `cfg.batch`."""
-    from meshpar.parallel import pipeline
     from meshpar.nn.stages import check_protocol, check_state, stage_loss
+    from meshpar.parallel import pipeline
+
     if not setup.is_lm and setup.loss is not stage_loss:
-        raise ConfigError(f"pipelining (mesh.pipeline > 1) cuts the loss into stages: train.loss=lm (a model with "
-                          f"embed/layers/head) or train.loss=stages (a model with pre/layers/post/loss, see "
-                          f"meshpar.nn.stages); {setup.loss_name} is neither. Set mesh.pipeline=1, or give the model "
-                          "those parts and train it with train.loss=stages")
+        raise ConfigError(
+            f"pipelining (mesh.pipeline > 1) cuts the loss into stages: train.loss=lm (a model with "
+            f"embed/layers/head) or train.loss=stages (a model with pre/layers/post/loss, see "
+            f"meshpar.nn.stages); {setup.loss_name} is neither. Set mesh.pipeline=1, or give the model "
+            "those parts and train it with train.loss=stages"
+        )
     abstract = setup.placed.abstract
     with building(setup.policy):
         check_protocol(abstract, lm=setup.is_lm)
     check_state(setup.spec)
-    reference = setup.model is None and ":" not in m.name        # a meshpar.models model, sized by model.*
-    stack = (f"{type(abstract).__name__}.layers" if not reference else
-             f"model.layers={m.layers}" if m.layers else f"model.size={m.size}")
-    pipeline.check(pc, batch, setup.layout, setup.spec.shapes, stack,
-                   loss=None if setup.is_lm else setup.loss_name)
+    reference = setup.model is None and ":" not in m.name  # a meshpar.models model, sized by model.*
+    stack = (
+        f"{type(abstract).__name__}.layers"
+        if not reference
+        else f"model.layers={m.layers}"
+        if m.layers
+        else f"model.size={m.size}"
+    )
+    pipeline.check(pc, batch, setup.layout, setup.spec.shapes, stack, loss=None if setup.is_lm else setup.loss_name)
 
 
 def _lm_activations(b, dtype) -> dict:
@@ -264,13 +335,16 @@ def _lm_activations(b, dtype) -> dict:
 def _staged_attention_note(pipelined: bool, mesh, attention: str) -> list[str]:
     """A pipeline on GPU or TPU with model.attention=auto: its stages attend with flash (one line why)."""
     from meshpar.nn.attention import AUTO_FLASH_FROM
+
     where = of_mesh(mesh)
     if not pipelined or where == "cpu" or attention != "auto":
         return []
     kernel = "cuDNN" if where == "gpu" else "splash"
-    return [f"note: model.attention=auto inside pipeline stages uses flash (xla below {AUTO_FLASH_FROM} keys), not "
-            f"{kernel}: its backward loses the "
-            "stage's varying axes under shard_map (meshpar.nn.attention)"]
+    return [
+        f"note: model.attention=auto inside pipeline stages uses flash (xla below {AUTO_FLASH_FROM} keys), not "
+        f"{kernel}: its backward loses the "
+        "stage's varying axes under shard_map (meshpar.nn.attention)"
+    ]
 
 
 def _dropless_note(cfg, layout) -> list[str]:
@@ -278,5 +352,7 @@ def _dropless_note(cfg, layout) -> list[str]:
     ep = layout.shape.get("expert", 1)
     if cfg.model.name != "moe" or cfg.moe.capacity_factor is not None or ep == 1 or of_mesh(layout.mesh) != "cpu":
         return []
-    return [f"note: dropless MoE over expert={ep} sends tokens with a padded all-to-all on CPU (each shard receives "
-            f"{ep} x its routed rows; XLA:CPU has no ragged all-to-all, which GPUs and TPUs use: meshpar.nn.exchange)"]
+    return [
+        f"note: dropless MoE over expert={ep} sends tokens with a padded all-to-all on CPU (each shard receives "
+        f"{ep} x its routed rows; XLA:CPU has no ragged all-to-all, which GPUs and TPUs use: meshpar.nn.exchange)"
+    ]

@@ -36,13 +36,14 @@ import math
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from meshpar.core import precision as precision_lib
 from meshpar.core.batch import is_leaf
+from meshpar.core.layout import use_layout
 from meshpar.core.platform import compiling_for, of_mesh
 from meshpar.core.registry import import_object
-from meshpar.core.layout import use_layout
 from meshpar.core.sharding import split_microbatches
 from meshpar.nn import dropout
 from meshpar.train.loss import check_loss
@@ -57,10 +58,13 @@ class Trainer(TrainSetup):
     def __post_init__(self):
         super().__post_init__()
         replicated = NamedSharding(self.mesh, P())
-        self._step = jax.jit(self._step_fn, in_shardings=(self.state_shardings, self.batch_sharding),
-                             out_shardings=(self.state_shardings, replicated), donate_argnums=(0,))
+        self._step = jax.jit(
+            self._step_fn,
+            in_shardings=(self.state_shardings, self.batch_sharding),
+            out_shardings=(self.state_shardings, replicated),
+            donate_argnums=(0,),
+        )
         self._compiled = None
-
 
     # -- step ------------------------------------------------------------------------------------
     def _grads(self, params, batch, loss_scale=None, vars=None, layout=None):
@@ -68,15 +72,31 @@ class Trainer(TrainSetup):
         the call. With `loss_scale` S (fp16) the grads are those of loss * S, for the caller to
         unscale; loss and aux are never scaled."""
         vars = {} if vars is None else vars
-        if self.pipelined:   # hand-written schedule (meshpar/parallel/pipeline.py)
+        if self.pipelined:  # hand-written schedule (meshpar/parallel/pipeline.py)
             from meshpar.parallel import pipeline
-            return pipeline.value_and_grad(self.spec, params, batch, self.cfg.pipeline, self.layout, self.policy, loss_scale,
-                                           vars, self.is_lm, self.batch_spec, self.cfg.train.loss_chunks)
+
+            return pipeline.value_and_grad(
+                self.spec,
+                params,
+                batch,
+                self.cfg.pipeline,
+                self.layout,
+                self.policy,
+                loss_scale,
+                vars,
+                self.is_lm,
+                self.batch_spec,
+                self.cfg.train.loss_chunks,
+            )
 
         def loss_fn(p, b):
             model = self.spec.merge(p, vars)
             loss, metrics = check_loss(self.loss(model, b), self.loss_name)
-            return precision_lib.LossScale.scale(loss, loss_scale), (loss, {**metrics, "vars": self.spec.vars_of(model)})
+            return precision_lib.LossScale.scale(loss, loss_scale), (
+                loss,
+                {**metrics, "vars": self.spec.vars_of(model)},
+            )
+
         with use_layout(layout or self.layout), precision_lib.use_policy(self.policy):
             (_, (loss, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
         return (loss, aux), grads
@@ -88,39 +108,43 @@ class Trainer(TrainSetup):
         strategy = self.layout.strategy
         replicas = batch_axes_of(self.layout)
         local = _per_replica(self, replicas, vars)
-        if local:   # ZeRO-1: per-replica gradients [R, ...], reduced once after the loop
+        if local:  # ZeRO-1: per-replica gradients [R, ...], reduced once after the loop
             r = math.prod(self.layout.shape[a] for a in replicas)
             inner = self.layout.hiding(replicas)
             mbs = jax.tree.map(lambda x: x.reshape((m, r, x.shape[1] // r) + x.shape[2:]), mbs)
-            grads_fn = jax.vmap(lambda p, b, v: self._grads(p, b, scale, v, inner), in_axes=(None, 0, None),
-                                spmd_axis_name=replicas[0] if len(replicas) == 1 else replicas)
+            grads_fn = jax.vmap(
+                lambda p, b, v: self._grads(p, b, scale, v, inner),
+                in_axes=(None, 0, None),
+                spmd_axis_name=replicas[0] if len(replicas) == 1 else replicas,
+            )
 
             def pin(g):
                 return g
         else:
+
             def grads_fn(p, b, v):
                 return self._grads(p, b, scale, v)
 
-            def pin(g):   # ZeRO-2: reduce-scatter each microbatch's grads, accumulate 1/N shards
+            def pin(g):  # ZeRO-2: reduce-scatter each microbatch's grads, accumulate 1/N shards
                 return jax.lax.with_sharding_constraint(g, self.grad_shardings) if strategy.shard_grads else g
 
         def acc(carry, xs):
             (total, v), (mb, k) = carry, xs
-            with dropout.accumulating(k, m):      # microbatch k's dropout keys (meshpar.nn.dropout)
+            with dropout.accumulating(k, m):  # microbatch k's dropout keys (meshpar.nn.dropout)
                 (l, a), g = grads_fn(params, mb, v)
             v = a.pop("vars")
             return (jax.tree.map(jnp.add, total, (l, a, pin(g))), v), None
 
         zeros = _zero_sums(grads_fn, params, jax.tree.map(lambda x: x[0], mbs), vars, pin)
         ((loss, aux, grads), vars), _ = jax.lax.scan(acc, (zeros, vars), (mbs, jnp.arange(m)))
-        if local:   # sum the replicas' partial sums: one reduce(-scatter) per optimizer step
+        if local:  # sum the replicas' partial sums: one reduce(-scatter) per optimizer step
             loss, aux, grads = jax.tree.map(lambda x: jnp.sum(x, axis=0) / r, (loss, aux, grads))
         return jax.tree.map(lambda x: x / m, (loss, aux, grads)), vars
 
     def _step_fn(self, state, batch):
         params = state["params"]
         scale = state["numerics"]["loss_scale"] if self.policy.loss_scaling else None
-        with dropout.training(self.cfg.train.seed, state["step"]):   # keys of stacked layers' dropout
+        with dropout.training(self.cfg.train.seed, state["step"]):  # keys of stacked layers' dropout
             if self.cfg.batch.microbatches == 1:
                 (loss, aux), grads = self._grads(params, batch, scale, state["vars"])
                 vars = aux.pop("vars")
@@ -131,21 +155,31 @@ class Trainer(TrainSetup):
         # state and the model's other state stay bitwise as they were; `numerics` counts it and
         # adapts the fp16 loss scale
         apply, bad, numerics = precision_lib.LOSS_SCALE.update(self.policy, state["numerics"], loss, grads)
-        lr = lr_schedule(self.cfg.train, self.cfg.steps)(applied_count(state["opt"]))   # the rate this update applies
+        lr = lr_schedule(self.cfg.train, self.cfg.steps)(applied_count(state["opt"]))  # the rate this update applies
         updates, opt = self.tx.update(grads, state["opt"], params)
         new_params = optax.apply_updates(params, updates)
         params, opt, vars = precision_lib.select(apply, (new_params, opt, vars), (params, state["opt"], state["vars"]))
         aux = dict(aux)
-        metrics = {"loss": aux.pop("ce", loss), "total_loss": loss, "grad_norm": optax.tree.norm(grads),
-                   "lr": jnp.where(apply, lr, 0.0), **aux,
-                   "nonfinite": bad.astype(jnp.int32), "skipped_steps": numerics["skipped_steps"]}
+        metrics = {
+            "loss": aux.pop("ce", loss),
+            "total_loss": loss,
+            "grad_norm": optax.tree.norm(grads),
+            "lr": jnp.where(apply, lr, 0.0),
+            **aux,
+            "nonfinite": bad.astype(jnp.int32),
+            "skipped_steps": numerics["skipped_steps"],
+        }
         if self.policy.loss_scaling:
             metrics.update(loss_scale=state["numerics"]["loss_scale"], overflows=numerics["overflows"])
         return {"step": state["step"] + 1, "params": params, "vars": vars, "opt": opt, "numerics": numerics}, metrics
 
     def abstract_batch(self):
-        return jax.tree.map(lambda leaf, sh: jax.ShapeDtypeStruct(tuple(leaf.shape), leaf.dtype, sharding=sh),
-                            self.batch_spec, self.batch_sharding, is_leaf=is_leaf)
+        return jax.tree.map(
+            lambda leaf, sh: jax.ShapeDtypeStruct(tuple(leaf.shape), leaf.dtype, sharding=sh),
+            self.batch_spec,
+            self.batch_sharding,
+            is_leaf=is_leaf,
+        )
 
     def lower(self):
         """The step traced for this mesh's platform (a deviceless target's GPU or TPU too)."""
@@ -161,9 +195,15 @@ class Trainer(TrainSetup):
             if self.pipelined:
                 from meshpar.core.mesh import describe
                 from meshpar.parallel import lockstep
-                lockstep.check(compiled.as_text(), self.mesh, f"pipeline.schedule={self.cfg.pipeline.schedule} on "
-                               f"mesh {describe(self.mesh)} with strategy={self.cfg.strategy}",
-                               self.mesh.devices.flat[0].platform, self.cfg.pipeline.schedule)
+
+                lockstep.check(
+                    compiled.as_text(),
+                    self.mesh,
+                    f"pipeline.schedule={self.cfg.pipeline.schedule} on "
+                    f"mesh {describe(self.mesh)} with strategy={self.cfg.strategy}",
+                    self.mesh.devices.flat[0].platform,
+                    self.cfg.pipeline.schedule,
+                )
             self._compiled = compiled
         return self._compiled
 
@@ -171,7 +211,7 @@ class Trainer(TrainSetup):
         return self.compile()(state, batch)
 
 
-def _per_replica(trainer: "Trainer", replicas: tuple, vars) -> bool:
+def _per_replica(trainer: Trainer, replicas: tuple, vars) -> bool:
     """Whether ZeRO-1 accumulates per data-parallel replica (a `vmap` over the replicas, reduced once
     per step). It needs a model without non-Param state: under the vmap every replica would draw the
     same dropout masks (and keep its own counters), so such a model takes the general path
@@ -179,9 +219,15 @@ def _per_replica(trainer: "Trainer", replicas: tuple, vars) -> bool:
     `context`: their attention's shard_map (manual over `context`) cannot sit under the replicas'
     vmap, whose spmd axes JAX would make varying inside it (a ValueError)."""
     strategy = trainer.layout.strategy
-    return bool(strategy.opt_state is not None and not strategy.shard_grads and replicas and not trainer.pipelined
-                and not jax.tree.leaves(vars) and not dropout.draws(trainer.spec.graphdef)
-                and trainer.layout.shape["context"] == 1)
+    return bool(
+        strategy.opt_state is not None
+        and not strategy.shard_grads
+        and replicas
+        and not trainer.pipelined
+        and not jax.tree.leaves(vars)
+        and not dropout.draws(trainer.spec.graphdef)
+        and trainer.layout.shape["context"] == 1
+    )
 
 
 def _zero_sums(grads_fn, params, mb, vars, pin):
@@ -199,7 +245,7 @@ def user_source(cfg):
     return import_object(cfg.data.kind, "data.kind")(cfg)
 
 
-def trainer_for(cfg, devices=None, source=None) -> "Trainer":
+def trainer_for(cfg, devices=None, source=None) -> Trainer:
     """The Trainer a config names: its model, its loss, and its data source's batch layout."""
     source = source if source is not None else user_source(cfg)
     spec = source.batch_spec(cfg.batch.global_size, cfg.batch.length) if hasattr(source, "batch_spec") else None

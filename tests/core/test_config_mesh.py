@@ -1,4 +1,5 @@
 """Config loading/overrides and mesh construction, with the exact error messages users see."""
+
 import jax
 import pytest
 from jax.sharding import AxisType
@@ -9,22 +10,37 @@ from tests.conftest import devices, make_cfg
 
 
 def test_overrides_are_typed_and_dotted():
-    cfg = load_config(None, ["steps=20", "strategy=fsdp", "mesh.tensor=2", "mesh.data=-1", "precision=fp32",
-                             "model.layers=2", "batch.global_size=16", "train.log_every=1", "train.lr=1e-3"])
+    cfg = load_config(
+        None,
+        [
+            "steps=20",
+            "strategy=fsdp",
+            "mesh.tensor=2",
+            "mesh.data=-1",
+            "precision=fp32",
+            "model.layers=2",
+            "batch.global_size=16",
+            "train.log_every=1",
+            "train.lr=1e-3",
+        ],
+    )
     assert (cfg.steps, cfg.strategy, cfg.mesh.tensor, cfg.mesh.data, cfg.model.layers) == (20, "fsdp", 2, -1, 2)
     assert cfg.train.lr == pytest.approx(1e-3) and cfg.batch.global_size == 16
 
 
-@pytest.mark.parametrize("override, message", [
-    (["mesh.tensr=2"], "unknown config key 'mesh.tensr' (did you mean 'mesh.tensor'?)"),
-    (["stesp=3"], "unknown config key 'stesp' (did you mean 'steps'?)"),
-    (["strategy=fsdpp"], "config key 'strategy' has unknown value 'fsdpp' (did you mean 'fsdp'?)"),
-    (["precision=fp8"], "config key 'precision' has unknown value 'fp8'"),
-    (["steps=many"], "config key 'steps' must be an integer, got 'many'"),
-    (["steps=0"], "config key 'steps' must be >= 1, got 0"),
-    (["model.remat=some"], "config key 'model.remat' has unknown value 'some'"),
-    (["mesh.tensor"], "override 'mesh.tensor' must look like KEY=VALUE"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (["mesh.tensr=2"], "unknown config key 'mesh.tensr' (did you mean 'mesh.tensor'?)"),
+        (["stesp=3"], "unknown config key 'stesp' (did you mean 'steps'?)"),
+        (["strategy=fsdpp"], "config key 'strategy' has unknown value 'fsdpp' (did you mean 'fsdp'?)"),
+        (["precision=fp8"], "config key 'precision' has unknown value 'fp8'"),
+        (["steps=many"], "config key 'steps' must be an integer, got 'many'"),
+        (["steps=0"], "config key 'steps' must be >= 1, got 0"),
+        (["model.remat=some"], "config key 'model.remat' has unknown value 'some'"),
+        (["mesh.tensor"], "override 'mesh.tensor' must look like KEY=VALUE"),
+    ],
+)
 def test_bad_config_values_name_the_key(override, message):
     with pytest.raises(ConfigError) as e:
         load_config(None, override)
@@ -53,7 +69,14 @@ def test_fill_axis_and_size_checks():
 def test_mesh_has_named_auto_axes_over_all_devices():
     mesh = make_mesh(make_cfg(mesh={"data": 2, "fsdp": 2, "tensor": 2}).mesh, devices(8))
     assert mesh.axis_names == MESH_AXES
-    assert dict(zip(mesh.axis_names, mesh.devices.shape)) == {"pipeline": 1, "data": 2, "fsdp": 2, "context": 1, "expert": 1, "tensor": 2}
+    assert dict(zip(mesh.axis_names, mesh.devices.shape)) == {
+        "pipeline": 1,
+        "data": 2,
+        "fsdp": 2,
+        "context": 1,
+        "expert": 1,
+        "tensor": 2,
+    }
     assert all(t == AxisType.Auto for t in mesh.axis_types)
     assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in jax.devices()[:8])
 
@@ -72,14 +95,22 @@ def test_meshpar_config_prints_every_key_with_its_meaning_as_yaml_train_reads(ca
     import dataclasses
 
     from meshpar.cli import main
+
     assert main(["config", "steps=7", "mesh.dcn={data: 2}", "rules=[[embed, [tensor]]]"]) == 0
     text = capsys.readouterr().out
     lines = [ln for ln in text.splitlines() if ln.strip()]
     leaves = [ln for ln in lines if not ln.rstrip().split("#")[0].rstrip().endswith(":")]
-    assert all(" # " in ln for ln in lines), [ln for ln in lines if " # " not in ln]   # keys and sections
+    assert all(" # " in ln for ln in lines), [ln for ln in lines if " # " not in ln]  # keys and sections
+
     def keys(obj):
-        return sum((keys(getattr(obj, f.name)) if dataclasses.is_dataclass(getattr(obj, f.name)) else 1
-                    for f in dataclasses.fields(obj)), 0)
+        return sum(
+            (
+                keys(getattr(obj, f.name)) if dataclasses.is_dataclass(getattr(obj, f.name)) else 1
+                for f in dataclasses.fields(obj)
+            ),
+            0,
+        )
+
     assert len(leaves) == keys(load_config()) > 70 and "steps: 7" in text and "checkpoint:" in text
     assert any(ln.startswith("  every: 0") and "only at the end" in ln for ln in lines)
     (tmp_path / "c.yaml").write_text(text)
@@ -96,31 +127,37 @@ def test_a_file_meshpar_config_wrote_reads_back_without_warnings(capsys, tmp_pat
     override) still does, on a dense model."""
     from meshpar.cli import main
     from meshpar.core.notices import config_warnings
+
     assert main(["config"]) == 0
     path = tmp_path / "my.yaml"
     path.write_text(capsys.readouterr().out)
     assert "  num_experts: 4" in path.read_text() and "  schedule: gpipe" in path.read_text()
     cfg = load_config(path)
     assert cfg.ignored == [] and config_warnings(cfg) == []
-    assert load_config(path, ["moe.num_experts=4"]).ignored == ["moe.num_experts"]      # typed: given, even at its default
+    assert load_config(path, ["moe.num_experts=4"]).ignored == ["moe.num_experts"]  # typed: given, even at its default
     path.write_text(path.read_text().replace("  num_experts: 4", "  num_experts: 8"))
     assert config_warnings(load_config(path)) == [
-        "warning: ignoring moe.num_experts: moe.* needs model.name=moe (model.name=decoder)"]
+        "warning: ignoring moe.num_experts: moe.* needs model.name=moe (model.name=decoder)"
+    ]
 
 
 def test_a_warmup_longer_than_the_run_warns_in_one_line():
     """The README's 5-step runs under the default warmup of 10: lr never reaches its peak, said once
     among the run's warnings (train and inspect print them)."""
     from meshpar.train.step import Trainer
+
     lines = Trainer(make_cfg("steps=5", "train.warmup_steps=10", "train.lr=0.01"), devices=devices(8)).warnings()
-    assert lines == ["warning: train.warmup_steps=10 is more than steps=5: the learning rate rises to only 50% of "
-                     "train.lr=0.01; set train.warmup_steps <= 5"]
+    assert lines == [
+        "warning: train.warmup_steps=10 is more than steps=5: the learning rate rises to only 50% of "
+        "train.lr=0.01; set train.warmup_steps <= 5"
+    ]
     assert Trainer(make_cfg("steps=5", "train.warmup_steps=5"), devices=devices(8)).warnings() == []
 
 
 def test_meshpar_version_and_help_point_to_the_keys(capsys):
     from meshpar import __version__
     from meshpar.cli import main
+
     with pytest.raises(SystemExit) as e:
         main(["--version"])
     assert e.value.code == 0 and capsys.readouterr().out.strip() == f"meshpar {__version__}"
@@ -131,7 +168,8 @@ def test_meshpar_version_and_help_point_to_the_keys(capsys):
 
 LATE_DEVICE = """
 import os, sys, time
-os.environ["XLA_FLAGS"] = __import__("meshpar.core.mesh", fromlist=["x"]).fake_cpu_flags(4, sys.argv[1], int(sys.argv[2]))
+mesh_lib = __import__("meshpar.core.mesh", fromlist=["x"])
+os.environ["XLA_FLAGS"] = mesh_lib.fake_cpu_flags(4, sys.argv[1], int(sys.argv[2]))
 import numpy as np, jax, jax.numpy as jnp
 from jax.sharding import AxisType, PartitionSpec as P
 
@@ -161,16 +199,25 @@ def test_fake_devices_wait_out_a_late_collective_where_xla_would_abort_the_proce
     from pathlib import Path
 
     from meshpar.core.mesh import COLLECTIVE_WAIT_S, fake_cpu_flags
+
     name = "--xla_cpu_collective_call_terminate_timeout_seconds"
     assert f"{name}={COLLECTIVE_WAIT_S}" in fake_cpu_flags(8).split() and COLLECTIVE_WAIT_S >= 300
-    assert fake_cpu_flags(8, f"{name}=7").split().count(f"{name}=7") == 1 and f"{name}={COLLECTIVE_WAIT_S}" not in \
-        fake_cpu_flags(8, f"{name}=7")
+    assert fake_cpu_flags(8, f"{name}=7").split().count(
+        f"{name}=7"
+    ) == 1 and f"{name}={COLLECTIVE_WAIT_S}" not in fake_cpu_flags(8, f"{name}=7")
     (tmp_path / "late.py").write_text(LATE_DEVICE)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
 
     def run(wait_s: int):
-        return subprocess.run([sys.executable, "late.py", "--xla_cpu_collective_call_warn_stuck_timeout_seconds=1",
-                               str(wait_s)], cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
+        return subprocess.run(
+            [sys.executable, "late.py", "--xla_cpu_collective_call_warn_stuck_timeout_seconds=1", str(wait_s)],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
+
     short = run(1)
     assert short.returncode == -6 and "Termination timeout" in short.stderr, (short.returncode, short.stderr[-1500:])
     patient = run(30)

@@ -1,4 +1,5 @@
 """Logical-axis resolution: first match, skip size-1 and used axes, joint axes, divisibility errors."""
+
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -9,7 +10,7 @@ MESH = {"pipeline": 1, "data": 2, "fsdp": 2, "expert": 1, "tensor": 2}
 
 
 def test_first_candidate_that_exists_with_size_above_one_wins():
-    rules = table(embed=["expert", "fsdp", "data"])          # expert has size 1: skipped
+    rules = table(embed=["expert", "fsdp", "data"])  # expert has size 1: skipped
     assert resolve(("embed",), rules, MESH) == P("fsdp")
 
 
@@ -44,6 +45,7 @@ def test_indivisible_dimension_is_an_error_naming_tensor_dimension_and_axes():
 def test_open_vocabulary_a_name_no_rule_covers_is_replicated_and_listed():
     """A user model may name its own dimensions; without a rule they replicate (and are listed)."""
     from meshpar.core.rules import uncovered
+
     rules = PRESETS["fsdp_tp"].param_rules()
     assert resolve(("patch", "embed"), rules, MESH) == P(None, ("data", "fsdp"))
     assert uncovered(("patch", "embed", None), rules) == ["patch"]
@@ -78,6 +80,7 @@ def test_user_rules_reject_unknown_mesh_axes():
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_every_preset_names_only_known_logical_and_mesh_axes(name):
     from meshpar.core.mesh import MESH_AXES
+
     s = PRESETS[name]
     for rules in (s.param_rules(), s.rest_rules(), s.opt_rules()):
         for logical, cands in rules:
@@ -103,10 +106,13 @@ STATE_OVER_CONTEXT = {
     "hsdp": (P(("fsdp", "context")), P(("fsdp", "context")), P("fsdp")),
     "tp": (P(None, "tensor"), P(None, "tensor"), P(None, "tensor")),
     "tp_sp": (P(None, "tensor"), P(None, "tensor"), P(None, "tensor")),
-    "fsdp_tp": (P(("data", "fsdp", "context"), "tensor"), P(("data", "fsdp", "context"), "tensor"),
-                P(("data", "fsdp"), "tensor")),
+    "fsdp_tp": (
+        P(("data", "fsdp", "context"), "tensor"),
+        P(("data", "fsdp", "context"), "tensor"),
+        P(("data", "fsdp"), "tensor"),
+    ),
 }
-STATE_OVER_CONTEXT["fsdp_tp_sp"] = STATE_OVER_CONTEXT["fsdp_tp"]          # SP moves activations only
+STATE_OVER_CONTEXT["fsdp_tp_sp"] = STATE_OVER_CONTEXT["fsdp_tp"]  # SP moves activations only
 
 
 @pytest.mark.parametrize("name", list(STATE_OVER_CONTEXT))
@@ -124,7 +130,7 @@ def test_the_train_state_is_split_over_context_as_over_the_data_axes(name):
     assert layout.spec(("embed", "mlp"), (64, 64), kind="rest") == rest
     assert layout.spec(("embed", "mlp"), (64, 64), kind="opt_state") == opt
     assert layout.spec(("embed", "mlp"), (64, 64)) == use
-    length = ("context", "tensor") if name.endswith("tp_sp") else "context"   # SP splits it over tensor too
+    length = ("context", "tensor") if name.endswith("tp_sp") else "context"  # SP splits it over tensor too
     assert layout.spec(("batch", "length", "embed"), (8, 16, 64)) == P(("data", "fsdp"), length)
 
 

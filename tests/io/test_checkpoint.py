@@ -4,6 +4,7 @@ damaged checkpoints (fallback, or stop and delete nothing), and runs that do not
 The resume tests run `python -m meshpar.cli train` in subprocesses and compare the per-step losses
 of their `--metrics-out` JSON Lines with an uninterrupted run, bit for bit.
 """
+
 import hashlib
 import os
 import signal
@@ -16,9 +17,9 @@ import jax
 import numpy as np
 import pytest
 
-from meshpar.io.checkpoint import CheckpointError, Checkpointer
-from meshpar.train.data import make_source
+from meshpar.io.checkpoint import Checkpointer, CheckpointError
 from meshpar.train.batches import Batches
+from meshpar.train.data import make_source
 from meshpar.train.step import Trainer
 from tests.conftest import FAST, checkpoint_steps, devices, make_cfg, metrics_losses, metrics_records
 
@@ -26,8 +27,13 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _batches(cfg, tr):
-    return Batches(make_source(cfg.data, cfg.batch, cfg.eval, tr.spec.model_config.vocab), tr.batch_sharding, cfg.batch.global_size,
-                   cfg.batch.length, cfg.data.seed)
+    return Batches(
+        make_source(cfg.data, cfg.batch, cfg.eval, tr.spec.model_config.vocab),
+        tr.batch_sharding,
+        cfg.batch.global_size,
+        cfg.batch.length,
+        cfg.data.seed,
+    )
 
 
 def _host(tree):
@@ -46,7 +52,7 @@ def saved(tmp_path_factory):
     for s in (1, 2, 3, 4):
         state, _ = tr.step(state, next(data))
         if s in (2, 4):
-            ck.save(s, state, data.state())      # asynchronous; the next step donates `state`
+            ck.save(s, state, data.state())  # asynchronous; the next step donates `state`
             states[s] = _host(state)
     _, m = tr.step(state, next(data))
     ck.close()
@@ -55,6 +61,7 @@ def saved(tmp_path_factory):
 
 def _copy(src: Path, dst: Path) -> Path:
     import shutil
+
     shutil.copytree(src, dst)
     return dst
 
@@ -65,8 +72,11 @@ def _largest_array_file(step_dir: Path) -> Path:
 
 
 def _tree_digest(root: Path) -> dict:
-    return {str(f.relative_to(root)): hashlib.sha256(f.read_bytes()).hexdigest()
-            for f in sorted(root.rglob("*")) if f.is_file()}
+    return {
+        str(f.relative_to(root)): hashlib.sha256(f.read_bytes()).hexdigest()
+        for f in sorted(root.rglob("*"))
+        if f.is_file()
+    }
 
 
 @pytest.mark.parametrize("strategy,mesh,n", [("tp", {"tensor": 4}, 4), ("dp", {"data": 2}, 2)])
@@ -82,7 +92,7 @@ def test_restore_onto_other_mesh_and_strategy(saved, strategy, mesh, n):
     for arr, target in zip(jax.tree.leaves(found.state), jax.tree.leaves(tr.state_shardings)):
         assert arr.sharding == target
         assert arr.addressable_shards[0].data.shape == target.shard_shape(arr.shape)  # born sharded
-    if strategy == "tp":   # tensor-parallel weights really are split 4 ways, not gathered
+    if strategy == "tp":  # tensor-parallel weights really are split 4 ways, not gathered
         w = found.state["params"]["lm_head"]
         assert w.addressable_shards[0].data.shape[1] == w.shape[1] // 4
     data = _batches(cfg, tr)
@@ -113,20 +123,20 @@ def _rewrite_first_frame(path: Path) -> None:
     """Replace the first zstd frame of an OCDBT data file by a valid frame of the same length and
     decoded size holding other bytes (an RLE block then a raw block): it decodes without error."""
     blob = bytearray(path.read_bytes())
-    i = blob.index(b"\x28\xb5\x2f\xfd")                  # zstd frame magic (RFC 8878)
+    i = blob.index(b"\x28\xb5\x2f\xfd")  # zstd frame magic (RFC 8878)
     fhd = blob[i + 4]
     single, did, fcs = (fhd >> 5) & 1, fhd & 3, fhd >> 6
     assert single and fcs == 1 and did == 0, f"unexpected zstd frame header {fhd:#x}"
-    head, size = 7, int.from_bytes(blob[i + 5:i + 7], "little") + 256
+    head, size = 7, int.from_bytes(blob[i + 5 : i + 7], "little") + 256
     end = i + head
-    while True:                                           # walk the blocks to the frame's end
-        h = int.from_bytes(blob[end:end + 3], "little")
+    while True:  # walk the blocks to the frame's end
+        h = int.from_bytes(blob[end : end + 3], "little")
         end += 3 + (1 if (h >> 1) & 3 == 1 else h >> 3)
         if h & 1:
             break
-    raw = end - i - head - 3 - 1 - 3                      # raw block bytes that keep the length
+    raw = end - i - head - 3 - 1 - 3  # raw block bytes that keep the length
     rle = (0 | 1 << 1 | (size - raw) << 3).to_bytes(3, "little") + b"\x3f"
-    blob[i + head:end] = rle + (1 | 0 << 1 | raw << 3).to_bytes(3, "little") + bytes(raw)
+    blob[i + head : end] = rle + (1 | 0 << 1 | raw << 3).to_bytes(3, "little") + bytes(raw)
     path.write_bytes(bytes(blob))
 
 
@@ -146,6 +156,7 @@ def test_damaged_step_that_stays_in_place_is_replaced_by_the_next_save(saved, tm
     """If the damaged step 4 cannot be moved aside (a read-only folder, a flaky bucket), it must not
     block the run: the next save of step 4 replaces it, and a restore then finds the new step 4."""
     import etils.epath
+
     d = _copy(saved["dir"], tmp_path / "ck")
     victim = _largest_array_file(d / "4")
     os.truncate(victim, victim.stat().st_size // 2)
@@ -156,6 +167,7 @@ def test_damaged_step_that_stays_in_place_is_replaced_by_the_next_save(saved, tm
 
     def refuse(self, target):
         raise PermissionError("read-only")
+
     monkeypatch.setattr(type(etils.epath.Path(str(d))), "rename", refuse)
     found = ck.restore_latest()
     assert found.step == 2 and (d / "4").exists() and ck.damaged_steps == {4}
@@ -178,6 +190,7 @@ def test_damaged_step_that_stays_in_place_is_replaced_by_the_next_save(saved, tm
 def test_remote_checkpoint_paths_keep_their_scheme():
     """`gs://b/r/4` set aside stays on the bucket (pathlib made it the local `gs:/b/r/4`)."""
     from meshpar.io.checkpoint import aside_path, local_or_remote
+
     root = local_or_remote("gs://b/r")
     assert str(root) == "gs://b/r"
     assert str(aside_path(root / "4", "T")) == "gs://b/r/4.damaged-T"
@@ -186,11 +199,16 @@ def test_remote_checkpoint_paths_keep_their_scheme():
 
 def test_resume_with_a_different_data_stream_is_said():
     from meshpar.train.loop import data_changes
+
     saved = {"data": {"seed": 0, "kind": "synthetic", "path": None}, "batch": {"global_size": 16, "length": 16}}
     cfg = make_cfg("batch.global_size=32", "data.seed=1")
     assert data_changes(saved, cfg) == ["data.seed=1 (checkpoint: 0)", "batch.global_size=32 (checkpoint: 16)"]
-    assert data_changes({**saved, "data": {**saved["data"], "seed": cfg.data.seed},
-                         "batch": {"global_size": 32, "length": 16}}, cfg) == []
+    assert (
+        data_changes(
+            {**saved, "data": {**saved["data"], "seed": cfg.data.seed}, "batch": {"global_size": 32, "length": 16}}, cfg
+        )
+        == []
+    )
 
 
 def test_no_usable_checkpoint_stops_and_deletes_nothing(saved, tmp_path):
@@ -211,7 +229,9 @@ def test_no_usable_checkpoint_stops_and_deletes_nothing(saved, tmp_path):
 def test_checkpoint_of_another_model_is_refused(saved):
     """Not damage: a different model is a user error naming the leaf, and nothing is moved."""
     cfg = make_cfg("strategy=fsdp", "model.layers=3", f"checkpoint.dir={saved['dir']}", mesh={"fsdp": 8})
-    with pytest.raises(CheckpointError, match=r"does not fit this run: state\[.*\] is \[\[2, [^]]*\], 'float32'\] there and \[\[3, "):
+    with pytest.raises(
+        CheckpointError, match=r"does not fit this run: state\[.*\] is \[\[2, [^]]*\], 'float32'\] there and \[\[3, "
+    ):
         Checkpointer(cfg.checkpoint, Trainer(cfg, devices=devices(8)), info=lambda m: None).restore_latest()
     assert sorted(p.name for p in Path(saved["dir"]).iterdir()) == ["2", "4"]
 
@@ -227,15 +247,15 @@ def _launch(tmp: Path, name: str, *extra: str) -> tuple[subprocess.Popen, Path]:
     out = tmp / f"{name}.jsonl"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("XLA_FLAGS", None)
-    p = subprocess.Popen([sys.executable, "-m", "meshpar.cli", "train", "--metrics-out", str(out), *RUN, *extra],
-                         cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "meshpar.cli", "train", "--metrics-out", str(out), *RUN, *extra],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     return p, out
-
-
-
-
-
-
 
 
 def _wait(proc, cond, what: str, timeout: float = 120.0):
@@ -257,8 +277,11 @@ def test_exact_resume_after_sigkill_and_sigterm(tmp_path):
     ck = tmp_path / "ck"
     ref, ref_out = _launch(tmp_path, "ref")
     run1, out1 = _launch(tmp_path, "run1", f"checkpoint.dir={ck}", "checkpoint.every=2")
-    _wait(run1, lambda: max(metrics_losses(out1), default=0) >= 5 and any(s >= 4 for s in checkpoint_steps(ck)),
-          "step 5 and a complete checkpoint")
+    _wait(
+        run1,
+        lambda: max(metrics_losses(out1), default=0) >= 5 and any(s >= 4 for s in checkpoint_steps(ck)),
+        "step 5 and a complete checkpoint",
+    )
     run1.send_signal(signal.SIGKILL)
     run1.wait()
     assert run1.returncode == -signal.SIGKILL
@@ -285,7 +308,7 @@ def test_exact_resume_after_sigkill_and_sigterm(tmp_path):
     starts = [r for r in metrics_records(out3) if r["event"] == "start"]
     assert [r.get("resumed_from") for r in starts] == [start2["resumed_from"], stopped]
     assert min(metrics_losses(out3)) == start2["resumed_from"] + 1 and max(metrics_losses(out3)) == STEPS
-    assert len(checkpoint_steps(ck)) <= 3 and STEPS in checkpoint_steps(ck)     # checkpoint.keep=3
+    assert len(checkpoint_steps(ck)) <= 3 and STEPS in checkpoint_steps(ck)  # checkpoint.keep=3
 
     ref.communicate(timeout=300)
     want = metrics_losses(ref_out)

@@ -2,6 +2,7 @@
 softmax attention, values and gradients, for every mask (causal, segment ids, window, soft-cap, all
 together) with grouped KV heads; flash walks only the tiles a mask leaves (about half the matmul
 FLOPs when causal) and its compiled temporaries grow as S, not S^2; bad input fails in one line."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -43,9 +44,15 @@ def qkv():
     return q, k, v, seg, ct
 
 
-MASKS = {"causal": {}, "segments": {"seg": True}, "window": {"window": 7}, "softcap": {"softcap": 2.0},
-         "all": {"seg": True, "window": 9, "softcap": 3.0}, "bidirectional+segments": {"causal": False, "seg": True},
-         "bidirectional+window": {"causal": False, "window": 5}}
+MASKS = {
+    "causal": {},
+    "segments": {"seg": True},
+    "window": {"window": 7},
+    "softcap": {"softcap": 2.0},
+    "all": {"seg": True, "window": 9, "softcap": 3.0},
+    "bidirectional+segments": {"causal": False, "seg": True},
+    "bidirectional+window": {"causal": False, "window": 5},
+}
 
 
 @pytest.mark.parametrize("impl", ["xla", "flash"])
@@ -83,17 +90,20 @@ def test_flash_walks_only_the_tiles_the_mask_leaves():
     def fl(causal):
         f = lambda q: jnp.sum(meshpar.attention(q, q, q, causal=causal, implementation="flash", block=32))
         return matmul_flops(jax.make_jaxpr(jax.value_and_grad(f))(q))
+
     assert fl(True) / fl(False) == pytest.approx(36 / 64, rel=1e-6)
 
 
 def test_flash_temporaries_grow_with_s_not_s_squared():
     """Compiled temp bytes of value-and-grad at S and 4S on one device: xla's grow about 16x (the
     [B, N, S, S] scores and probabilities), flash's about 4x; at 2048 flash's are under 1/4 of xla's."""
+
     def temp(impl, s):
         q = jax.ShapeDtypeStruct((1, s, 2, 16), jnp.float32)
         f = lambda q, k, v: jnp.sum(meshpar.attention(q, k, v, implementation=impl))
         c = jax.jit(jax.value_and_grad(f, (0, 1, 2))).lower(q, q, q).compile()
         return c.memory_analysis().temp_size_in_bytes
+
     xla = [temp("xla", s) for s in (512, 2048)]
     fl = [temp("flash", s) for s in (512, 2048)]
     assert xla[1] / xla[0] > 10 and fl[1] / fl[0] < 6
@@ -102,6 +112,7 @@ def test_flash_temporaries_grow_with_s_not_s_squared():
 
 def test_auto_picks_flash_for_long_keys_on_cpu(qkv):
     from meshpar.nn.attention import Mask, choose
+
     q = jnp.zeros((1, 2048, 2, 8))
     assert choose("auto", q, q, Mask(), False) == "flash"
     assert choose("auto", q[:, :256], q[:, :256], Mask(), False) == "xla"
@@ -115,16 +126,19 @@ def test_a_query_that_sees_no_key_gets_zeros_from_every_kernel(qkv):
         assert float(jnp.abs(o).max()) == 0.0
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(window=0), "window=0 must be a positive"),
-    (dict(window=-3), "window=-3 must be a positive"),
-    (dict(softcap=0.0), "softcap=0.0 must be a positive number"),
-    (dict(segment_ids=jnp.zeros((B, T - 1), jnp.int32)), r"segment_ids has shape \(2, 63\)"),
-    (dict(implementation="flsh"), "did you mean 'flash'"),
-    (dict(implementation="cudnn"), "cudnn cannot serve this call"),
-    (dict(window="abc"), "window='abc' must be a positive number"),
-    (dict(kv_segment_ids=jnp.zeros((B, T), jnp.int32)), "kv_segment_ids needs segment_ids"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(window=0), "window=0 must be a positive"),
+        (dict(window=-3), "window=-3 must be a positive"),
+        (dict(softcap=0.0), "softcap=0.0 must be a positive number"),
+        (dict(segment_ids=jnp.zeros((B, T - 1), jnp.int32)), r"segment_ids has shape \(2, 63\)"),
+        (dict(implementation="flsh"), "did you mean 'flash'"),
+        (dict(implementation="cudnn"), "cudnn cannot serve this call"),
+        (dict(window="abc"), "window='abc' must be a positive number"),
+        (dict(kv_segment_ids=jnp.zeros((B, T), jnp.int32)), "kv_segment_ids needs segment_ids"),
+    ],
+)
 def test_bad_input_is_one_line(qkv, kwargs, match):
     q, k, v, _, _ = qkv
     with pytest.raises(ConfigError, match=match):
@@ -143,12 +157,14 @@ def test_splash_equals_naive_attention(name):
     """Pallas splash attention (`implementation="splash"`; TPU, here Pallas's interpreter) at 256
     tokens in blocks of 128, grouped KV heads: values and gradients as the naive attention's."""
     from meshpar.nn import splash
+
     if not splash.available():
         pytest.fail("this jax ships no splash attention kernel (jax.experimental.pallas.ops.tpu)")
     rng = np.random.default_rng(1)
     t = 256
-    q, k, v, ct = (jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((1, t, N, H), (1, t, K, H), (1, t, K, H),
-                                                                          (1, t, N, H)))
+    q, k, v, ct = (
+        jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((1, t, N, H), (1, t, K, H), (1, t, K, H), (1, t, N, H))
+    )
     kw = dict(MASKS[name])
     if kw.pop("seg", False):
         kw["segment_ids"] = jnp.asarray(np.repeat([0, 1, 2], [100, 100, 56])[None])

@@ -1,4 +1,5 @@
 """Grouped matmul by row tiles (meshpar.nn.gmm) equals `jax.lax.ragged_dot`, values and gradients."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,7 +32,7 @@ def test_tiles_equal_ragged_dot(tile):
     got = jax.jit(lambda x, w: _value_and_grads("tiles", x, w, sizes, dy, tile))(x, w)
     for a, b, name in zip(got, want, ("y", "dx", "dw")):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=name)
-    assert float(jnp.abs(got[0][int(sizes.sum()):]).max()) == 0.0
+    assert float(jnp.abs(got[0][int(sizes.sum()) :]).max()) == 0.0
 
 
 def test_tiles_in_bf16_accumulate_weight_grads_in_fp32():
@@ -48,11 +49,15 @@ def test_tiles_inside_shard_map_sum_weight_grads_over_token_shards():
     autodiff puts on the transpose of an invariant -> varying cast), as ragged_dot's autodiff gives."""
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     x, w, _, dy = _case(n=64)
-    sizes = jnp.asarray([10, 0, 7, 3, 12], jnp.int32)                  # per shard: 32 rows, 32 routed
+    sizes = jnp.asarray([10, 0, 7, 3, 12], jnp.int32)  # per shard: 32 rows, 32 routed
 
     def loss(impl, x, w):
-        fn = jax.shard_map(lambda x, w, dy: jnp.vdot(grouped_matmul(x, w, sizes, impl, 8), dy)[None],
-                           mesh=mesh, in_specs=(P("data"), P(), P("data")), out_specs=P("data"))
+        fn = jax.shard_map(
+            lambda x, w, dy: jnp.vdot(grouped_matmul(x, w, sizes, impl, 8), dy)[None],
+            mesh=mesh,
+            in_specs=(P("data"), P(), P("data")),
+            out_specs=P("data"),
+        )
         return jnp.sum(fn(x, w, dy))
 
     want = jax.grad(lambda x, w: loss("ragged_dot", x, w), argnums=(0, 1))(x, w)

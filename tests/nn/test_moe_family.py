@@ -5,6 +5,7 @@ auxiliary-loss-free balancing by a per-expert selection bias (DeepSeek-V3); each
 
 Letters: G groups, S tokens per group, E experts, K experts per token, M model width.
 """
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -69,22 +70,34 @@ def test_bias_balancing_evens_a_skewed_load(score):
 
 COMMON = ["batch.length=32", "batch.global_size=8", "model.layers=2", "model.name=moe", "moe.every=1"]
 STYLES = {
-    "deepseek": ["moe.num_experts=8", "moe.top_k=2", "moe.shared_experts=1", "moe.expert_mlp=64", "moe.score=sigmoid",
-                 "moe.balance=bias", "moe.capacity_factor=null"],
+    "deepseek": [
+        "moe.num_experts=8",
+        "moe.top_k=2",
+        "moe.shared_experts=1",
+        "moe.expert_mlp=64",
+        "moe.score=sigmoid",
+        "moe.balance=bias",
+        "moe.capacity_factor=null",
+    ],
     "mixtral": ["moe.num_experts=8", "moe.top_k=2", "moe.norm_topk=true"],
     "qwen3": ["moe.num_experts=8", "moe.top_k=4", "moe.norm_topk=true", "moe.expert_mlp=32"],
 }
 PIPE = ["pipeline.microbatches=2"]
-CASES = {   # name: (style, mesh, extra config)
+CASES = {  # name: (style, mesh, extra config)
     "deepseek: expert=4 x data=2": ("deepseek", {"expert": 4, "data": 2}, []),
     "mixtral: expert=4 x data=2": ("mixtral", {"expert": 4, "data": 2}, []),
     "qwen3: expert=2 x data=2 x tensor=2": ("qwen3", {"expert": 2, "data": 2, "tensor": 2}, []),
     "mixtral, gpipe: pipeline=2 x expert=2 x data=2": ("mixtral", {"pipeline": 2, "expert": 2, "data": 2}, PIPE),
-    "qwen3, 1f1b: pipeline=2 x expert=2 x data=2": ("qwen3", {"pipeline": 2, "expert": 2, "data": 2},
-                                                     [*PIPE, "pipeline.schedule=1f1b"]),
-    "mixtral, interleaved: pipeline=2 x expert=2 x data=2": ("mixtral", {"pipeline": 2, "expert": 2, "data": 2},
-                                                             [*PIPE, "pipeline.schedule=interleaved",
-                                                              "pipeline.virtual_stages=2", "model.layers=4"]),
+    "qwen3, 1f1b: pipeline=2 x expert=2 x data=2": (
+        "qwen3",
+        {"pipeline": 2, "expert": 2, "data": 2},
+        [*PIPE, "pipeline.schedule=1f1b"],
+    ),
+    "mixtral, interleaved: pipeline=2 x expert=2 x data=2": (
+        "mixtral",
+        {"pipeline": 2, "expert": 2, "data": 2},
+        [*PIPE, "pipeline.schedule=interleaved", "pipeline.virtual_stages=2", "model.layers=4"],
+    ),
 }
 _REF: dict = {}
 
@@ -104,9 +117,9 @@ def test_moe_styles_train_on_8_devices_as_on_one(name):
         _REF[ref_extra] = _train(ref_extra, {}, 1)
     (want, want_vars), (got, got_vars) = _REF[ref_extra], _train([*STYLES[style], *extra], mesh, 8)
     assert max(abs(a - b) / abs(a) for a, b in zip(want, got)) <= 1e-5, (want, got)
-    for a, b in zip(jax.tree.leaves(want_vars), jax.tree.leaves(got_vars)):   # the bias moved alike
+    for a, b in zip(jax.tree.leaves(want_vars), jax.tree.leaves(got_vars)):  # the bias moved alike
         np.testing.assert_allclose(a, b, atol=1e-7)
-    if style == "deepseek":   # one bias per MoE layer, moved by +-rate each step: 3 steps -> |b| <= 0.003
+    if style == "deepseek":  # one bias per MoE layer, moved by +-rate each step: 3 steps -> |b| <= 0.003
         bias = np.asarray(jax.tree.leaves(got_vars)[0])
         assert bias.shape == (2, 8) and 0 < np.abs(bias).max() <= 0.003 + 1e-7
 
@@ -116,6 +129,7 @@ def test_shared_and_fine_grained_experts_have_their_shapes():
     width 2 x expert_mlp, counted whole by the FLOPs' active parameters."""
     from meshpar.core.config import top_k
     from meshpar.train.flops import active_params
+
     cfg = make_cfg(*COMMON, *STYLES["deepseek"], "moe.shared_experts=2", mesh={})
     tr = Trainer(cfg, devices=devices(1))
     ffn = tr.spec.shapes["layers"]["moe"]["ffn"]
@@ -123,14 +137,18 @@ def test_shared_and_fine_grained_experts_have_their_shapes():
     experts = sum(int(np.prod(ffn[k].shape)) for k in ("w_gate", "w_up", "w_down"))
     emb = tr.spec.shapes["embedding"].shape
     assert active_params(tr.spec, top_k(cfg.moe)) == pytest.approx(
-        tr.spec.num_params - emb[0] * emb[1] - experts * (1 - 2 / 8))
+        tr.spec.num_params - emb[0] * emb[1] - experts * (1 - 2 / 8)
+    )
 
 
-@pytest.mark.parametrize("args,message", [
-    (["moe.top_k=9"], "moe.top_k=9 sends every token to 9 experts but moe.num_experts=8"),
-    (["moe.score=relu"], "config key 'moe.score' has unknown value 'relu'"),
-    (["moe.balance=bias", "mesh.pipeline=2"], "moe.balance=bias with mesh.pipeline > 1"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["moe.top_k=9"], "moe.top_k=9 sends every token to 9 experts but moe.num_experts=8"),
+        (["moe.score=relu"], "config key 'moe.score' has unknown value 'relu'"),
+        (["moe.balance=bias", "mesh.pipeline=2"], "moe.balance=bias with mesh.pipeline > 1"),
+    ],
+)
 def test_bad_moe_keys_are_one_line(args, message):
     with pytest.raises(ConfigError, match=message):
         make_cfg(*COMMON, "moe.num_experts=8", *args)
@@ -139,5 +157,9 @@ def test_bad_moe_keys_are_one_line(args, message):
 def test_dropless_expert_parallelism_says_its_exchange_is_padded():
     tr = Trainer(make_cfg(*COMMON, *STYLES["deepseek"], mesh={"expert": 4, "data": 2}), devices=devices(8))
     assert any("padded all-to-all" in w and "4 x its routed rows" in w for w in tr.warnings())
-    assert not any("padded" in w for w in Trainer(make_cfg(*COMMON, *STYLES["mixtral"], mesh={"expert": 4, "data": 2}),
-                                                  devices=devices(8)).warnings())
+    assert not any(
+        "padded" in w
+        for w in Trainer(
+            make_cfg(*COMMON, *STYLES["mixtral"], mesh={"expert": 4, "data": 2}), devices=devices(8)
+        ).warnings()
+    )

@@ -1,6 +1,7 @@
 """The gather dispatch/combine (meshpar.nn.moe's default) against GShard's einsum formulation (the
 reference): same outputs and gradients, no [G, S, E, C] tensor, and exactly two all-to-alls per MoE
 layer forward on the fsdp x expert mesh of issue 13."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,8 +13,11 @@ from tests.conftest import devices, make_cfg
 
 def _experts(e, m, h, key):
     k1, k2, k3 = jax.random.split(key, 3)
-    return (jax.random.normal(k1, (e, m, h)) / m ** 0.5, jax.random.normal(k2, (e, m, h)) / m ** 0.5,
-            jax.random.normal(k3, (e, h, m)) / h ** 0.5)
+    return (
+        jax.random.normal(k1, (e, m, h)) / m**0.5,
+        jax.random.normal(k2, (e, m, h)) / m**0.5,
+        jax.random.normal(k3, (e, h, m)) / h**0.5,
+    )
 
 
 def _with(mode, fn):
@@ -41,18 +45,18 @@ def test_gather_dispatch_equals_the_einsum_reference_values_and_gradients(k, cf,
 
     def run():
         return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))(X, ROUTER, *W)
+
     (ref, ref_drop), ref_g = _with("einsum", run)
     (got, drop), got_g = _with("gather", run)
     assert float(got) == pytest.approx(float(ref), rel=1e-6) and float(drop) == float(ref_drop)
     for a, b in zip(got_g, ref_g):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     if cf < 1:
-        assert float(drop) > 0               # the case exercises dropping
+        assert float(drop) > 0  # the case exercises dropping
 
 
 def _shapes(mode, settings):
-    jaxpr = _with(mode, lambda: jax.make_jaxpr(jax.grad(
-        lambda x: jnp.sum(moe.moe_ffn(x, ROUTER, *W, settings)[0])))(X))
+    jaxpr = _with(mode, lambda: jax.make_jaxpr(jax.grad(lambda x: jnp.sum(moe.moe_ffn(x, ROUTER, *W, settings)[0])))(X))
     out = set()
 
     def visit(jp):
@@ -60,6 +64,7 @@ def _shapes(mode, settings):
             out.update(tuple(v.aval.shape) for v in eqn.outvars if hasattr(v.aval, "shape"))
             for sub in jax.core.jaxprs_in_params(eqn.params):
                 visit(sub)
+
     visit(jaxpr.jaxpr)
     return out
 
@@ -78,12 +83,22 @@ def test_two_all_to_alls_per_moe_layer_forward_on_fsdp_x_expert():
     """Issue 13's mesh and preset (fsdp=4 x expert=2, strategy fsdp), every layer MoE: the compiled
     forward (the eval step: loss without gradients) moves tokens by exactly 2 all-to-alls over
     `expert` per MoE layer, dispatch and combine, as GShard counts them."""
+    from meshpar.plan.inspect import collectives
     from meshpar.train.data import make_source
     from meshpar.train.loop import make_evaluator
-    from meshpar.plan.inspect import collectives
     from meshpar.train.step import Trainer
-    cfg = make_cfg("model.name=moe", "moe.every=1", "moe.num_experts=4", "batch.global_size=8", "strategy=fsdp",
-                   "precision=bf16", "model.layers=2", "model.scan_layers=false", mesh={"fsdp": 4, "expert": 2})
+
+    cfg = make_cfg(
+        "model.name=moe",
+        "moe.every=1",
+        "moe.num_experts=4",
+        "batch.global_size=8",
+        "strategy=fsdp",
+        "precision=bf16",
+        "model.layers=2",
+        "model.scan_layers=false",
+        mesh={"fsdp": 4, "expert": 2},
+    )
     tr = Trainer(cfg, devices=devices(8))
     state = tr.abstract_state()
     ev = make_evaluator(cfg, tr, make_source(cfg.data, cfg.batch, cfg.eval, tr.spec.model_config.vocab))

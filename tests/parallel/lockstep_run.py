@@ -5,6 +5,7 @@ the tiny LM pipelined on pipeline=2 x data=2 x tensor=2 under STRATEGY against o
 same parameters and batch (norm-wise relative errors). A program with strays (collectives its stages
 would wait in apart, `meshpar.parallel.lockstep`) is not run: its errors are null.
 """
+
 import json
 import os
 import sys
@@ -32,8 +33,12 @@ def run(strategy: str, schedule: str) -> dict:
     if strays:
         return {"strays": strays, "loss": None, "ce": None, "grads": None}
     (loss, aux), grads = compiled(params, tokens)
-    return {"strays": [], "loss": abs(float(loss) - loss0) / loss0, "ce": abs(float(aux["ce"]) - loss0) / loss0,
-            "grads": rel(jax.device_get(grads), grads0)}
+    return {
+        "strays": [],
+        "loss": abs(float(loss) - loss0) / loss0,
+        "ce": abs(float(aux["ce"]) - loss0) / loss0,
+        "grads": rel(jax.device_get(grads), grads0),
+    }
 
 
 if __name__ == "__main__":

@@ -1,18 +1,34 @@
 """Shared by the pipeline tests: a tiny decoder, its pipelined config, and the single-device
 (non-pipelined) loss and gradients every schedule must reproduce (norm-wise, see test_equivalence.py)."""
+
 import jax
 import numpy as np
 
 from meshpar.train.step import Trainer
 from tests.conftest import devices, make_cfg, rel
 
-TINY = ["model.embed=32", "model.mlp=64", "model.heads=4", "model.kv_heads=2", "model.head_dim=8",
-        "model.vocab=64", "batch.global_size=16", "batch.length=8"]
+TINY = [
+    "model.embed=32",
+    "model.mlp=64",
+    "model.heads=4",
+    "model.kv_heads=2",
+    "model.head_dim=8",
+    "model.vocab=64",
+    "batch.global_size=16",
+    "batch.length=8",
+]
 
 
 def pp_cfg(schedule, p, m, v=1, layers=4, mesh=None, *extra):
-    return make_cfg(*TINY, f"model.layers={layers}", f"pipeline.schedule={schedule}", f"pipeline.microbatches={m}",
-                    f"pipeline.virtual_stages={v}", *extra, mesh=mesh or {"pipeline": p})
+    return make_cfg(
+        *TINY,
+        f"model.layers={layers}",
+        f"pipeline.schedule={schedule}",
+        f"pipeline.microbatches={m}",
+        f"pipeline.virtual_stages={v}",
+        *extra,
+        mesh=mesh or {"pipeline": p},
+    )
 
 
 _REF: dict = {}

@@ -8,6 +8,7 @@ preset with `mesh.context` 2 and 8 (with accumulation, MoE and pipelines where a
 device after 3 fp32 steps; the compiled step reduce-scatters gradients over (data, fsdp, context)
 and holds 1/8 of the state at context=8; checkpoints move between context=8, one device and fsdp=8.
 """
+
 import jax
 import numpy as np
 import pytest
@@ -20,21 +21,34 @@ from meshpar.train.step import Trainer
 from tests.conftest import devices, make_cfg
 from tests.parallel.test_context_train import CAPACITY_MOE, COMMON, MOE, PIPE, losses, reference
 
-STATE_SPLIT = {"zero1", "zero2", "fsdp", "hsdp", "fsdp_tp"}   # dp, tp, tp_sp replicate it, as over data
-CASES = {   # name: (config, mesh)
-    **{f"{p}: context=8": ([f"strategy={p}"], {"context": 8}) for p in ("dp", "zero1", "zero2", "fsdp", "hsdp", "tp",
-                                                                        "tp_sp", "fsdp_tp")},
-    **{f"{p}: context=2 x data=2 x fsdp=2": ([f"strategy={p}"], {"context": 2, "data": 2, "fsdp": 2})
-       for p in ("dp", "zero2", "fsdp", "hsdp")},
-    "zero1, accumulation: context=2 x data=2 x fsdp=2": (["strategy=zero1", "batch.microbatches=2"],
-                                                         {"context": 2, "data": 2, "fsdp": 2}),
+STATE_SPLIT = {"zero1", "zero2", "fsdp", "hsdp", "fsdp_tp"}  # dp, tp, tp_sp replicate it, as over data
+CASES = {  # name: (config, mesh)
+    **{
+        f"{p}: context=8": ([f"strategy={p}"], {"context": 8})
+        for p in ("dp", "zero1", "zero2", "fsdp", "hsdp", "tp", "tp_sp", "fsdp_tp")
+    },
+    **{
+        f"{p}: context=2 x data=2 x fsdp=2": ([f"strategy={p}"], {"context": 2, "data": 2, "fsdp": 2})
+        for p in ("dp", "zero2", "fsdp", "hsdp")
+    },
+    "zero1, accumulation: context=2 x data=2 x fsdp=2": (
+        ["strategy=zero1", "batch.microbatches=2"],
+        {"context": 2, "data": 2, "fsdp": 2},
+    ),
     "tp: context=2 x fsdp=2 x tensor=2": (["strategy=tp"], {"context": 2, "fsdp": 2, "tensor": 2}),
     "fsdp, moe: context=2 x expert=2 x fsdp=2": (["strategy=fsdp", *MOE], {"context": 2, "expert": 2, "fsdp": 2}),
-    "zero2, capacity moe: context=2 x expert=2 x data=2": (["strategy=zero2", *CAPACITY_MOE],
-                                                           {"context": 2, "expert": 2, "data": 2}),
-    "fsdp, gpipe: context=2 x pipeline=2 x fsdp=2": (["strategy=fsdp", *PIPE], {"context": 2, "pipeline": 2, "fsdp": 2}),
-    "zero1, 1f1b: context=2 x pipeline=2 x data=2": (["strategy=zero1", "pipeline.schedule=1f1b", *PIPE],
-                                                     {"context": 2, "pipeline": 2, "data": 2}),
+    "zero2, capacity moe: context=2 x expert=2 x data=2": (
+        ["strategy=zero2", *CAPACITY_MOE],
+        {"context": 2, "expert": 2, "data": 2},
+    ),
+    "fsdp, gpipe: context=2 x pipeline=2 x fsdp=2": (
+        ["strategy=fsdp", *PIPE],
+        {"context": 2, "pipeline": 2, "fsdp": 2},
+    ),
+    "zero1, 1f1b: context=2 x pipeline=2 x data=2": (
+        ["strategy=zero1", "pipeline.schedule=1f1b", *PIPE],
+        {"context": 2, "pipeline": 2, "data": 2},
+    ),
 }
 
 
@@ -42,15 +56,21 @@ def _embed_weights_split(tr) -> set:
     """{True}/{False}: whether every weight naming `embed` is split over `context`, at rest and in the
     optimizer state (Adam's m and v take `state_shardings`)."""
     names = jax.tree.leaves(tr.spec.logical, is_leaf=lambda x: isinstance(x, tuple))
-    return {"context" in spec_axes(sh.spec) for shardings in (tr.param_shardings, state_shardings(tr.spec, tr.layout))
-            for sh, n in zip(jax.tree.leaves(shardings), names) if "embed" in n}
+    return {
+        "context" in spec_axes(sh.spec)
+        for shardings in (tr.param_shardings, state_shardings(tr.spec, tr.layout))
+        for sh, n in zip(jax.tree.leaves(shardings), names)
+        if "embed" in n
+    }
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_every_preset_splits_its_state_over_context_and_equals_one_device(name):
     extra, mesh = CASES[name]
-    (got, tr), ref = losses(extra, mesh, 8, trainer=True), reference(
-        [e for e in extra if not e.startswith(("strategy=", "pipeline."))], False)
+    (got, tr), ref = (
+        losses(extra, mesh, 8, trainer=True),
+        reference([e for e in extra if not e.startswith(("strategy=", "pipeline."))], False),
+    )
     assert max(abs(a - b) / abs(b) for a, b in zip(got, ref)) <= 1e-5, (got, ref)
     assert _embed_weights_split(tr) == {tr.cfg.strategy in STATE_SPLIT}, name
 
@@ -67,6 +87,7 @@ def compiled():
             c = tr.compile()
             cache[name] = (tr, I.summarize(I.collectives(c.as_text(), tr.describe()["mesh"])), I.memory(c))
         return cache[name]
+
     return get
 
 
@@ -96,6 +117,7 @@ def _host(tree):
 def test_checkpoints_move_between_context_8_one_device_and_fsdp_8(tmp_path):
     """Saved with context=8 (the default fsdp_tp): restored onto one device and onto fsdp=8, every value
     equal and every array in its target sharding; saved again from fsdp=8 and restored onto context=8."""
+
     def trainer(d, mesh, n, strategy="fsdp_tp"):
         return Trainer(make_cfg(*COMMON, f"strategy={strategy}", f"checkpoint.dir={d}", mesh=mesh), devices=devices(n))
 
@@ -116,7 +138,7 @@ def test_checkpoints_move_between_context_8_one_device_and_fsdp_8(tmp_path):
     state["step"] = state["step"] + 3
     want = _host(state)
     save(src, state)
-    w = state["params"]["lm_head"]      # [embed, vocab]: embed split 8 ways
+    w = state["params"]["lm_head"]  # [embed, vocab]: embed split 8 ways
     assert w.addressable_shards[0].data.shape == (w.shape[0] // 8, w.shape[1])
     for mesh, n, strategy in (({}, 1, "fsdp_tp"), ({"fsdp": 8}, 8, "fsdp")):
         got = restore(trainer(tmp_path / "cp8", mesh, n, strategy))

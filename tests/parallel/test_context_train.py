@@ -5,6 +5,7 @@ where the balanced order must not change which tokens are dropped), accumulation
 and the ring give the losses of the 1-device run (relative difference <= 1e-5). A pipeline averages
 its microbatches' losses as gradient accumulation does, so packed documents (whose microbatches
 weigh different numbers of targets) are compared with a 1-device run accumulating as many."""
+
 import numpy as np
 import pytest
 
@@ -15,7 +16,7 @@ from tests.conftest import devices, make_cfg, stacked_stages, train_steps
 
 COMMON = ["model.attention=flash", "batch.length=32", "batch.global_size=8", "model.layers=2"]
 MOE = ["model.name=moe", "moe.num_experts=4", "moe.capacity_factor=null"]
-CAPACITY_MOE = ["model.name=moe", "moe.num_experts=4", "moe.capacity_factor=1.25"]   # drops tokens: order matters
+CAPACITY_MOE = ["model.name=moe", "moe.num_experts=4", "moe.capacity_factor=1.25"]  # drops tokens: order matters
 
 
 def packed_source(vocab: int):
@@ -48,24 +49,40 @@ def reference(extra, docs):
 
 
 PIPE = ["pipeline.microbatches=2"]
-CASES = {   # name: (config, mesh, packed documents?, what the 1-device reference adds)
+CASES = {  # name: (config, mesh, packed documents?, what the 1-device reference adds)
     "context=8": ([], {"context": 8}, False, []),
     "context=4 x data=2": ([], {"context": 4, "data": 2}, False, []),
     "fsdp_tp: context=2 x fsdp=2 x tensor=2": (["strategy=fsdp_tp"], {"context": 2, "fsdp": 2, "tensor": 2}, False, []),
-    "tp_sp: context=2 x tensor=2, remat, accumulation": (["strategy=tp_sp", "model.remat=save_dots",
-                                                          "batch.microbatches=2"], {"context": 2, "tensor": 2, "data": 2},
-                                                         False, []),
+    "tp_sp: context=2 x tensor=2, remat, accumulation": (
+        ["strategy=tp_sp", "model.remat=save_dots", "batch.microbatches=2"],
+        {"context": 2, "tensor": 2, "data": 2},
+        False,
+        [],
+    ),
     "moe: context=2 x expert=2 x data=2": (MOE, {"context": 2, "expert": 2, "data": 2}, False, []),
     "capacity moe: context=2 x data=4": (CAPACITY_MOE, {"context": 2, "data": 4}, False, []),
     "capacity moe: context=4 x expert=2": (CAPACITY_MOE, {"context": 4, "expert": 2}, False, []),
     "packed documents: context=4 x data=2": ([], {"context": 4, "data": 2}, True, []),
     "ring: context=4 x data=2": (["model.context_strategy=ring"], {"context": 4, "data": 2}, False, []),
     "gpipe: context=2 x pipeline=2 x data=2": (PIPE, {"context": 2, "pipeline": 2, "data": 2}, False, []),
-    "1f1b, tp_sp: context=2 x pipeline=2 x tensor=2": (["strategy=tp_sp", "pipeline.schedule=1f1b", *PIPE],
-                                                       {"context": 2, "pipeline": 2, "tensor": 2}, False, []),
+    "1f1b, tp_sp: context=2 x pipeline=2 x tensor=2": (
+        ["strategy=tp_sp", "pipeline.schedule=1f1b", *PIPE],
+        {"context": 2, "pipeline": 2, "tensor": 2},
+        False,
+        [],
+    ),
     "interleaved, ring, packed documents: context=2 x pipeline=2 x data=2": (
-        ["pipeline.schedule=interleaved", "pipeline.virtual_stages=2", "model.layers=4", "model.context_strategy=ring",
-         *PIPE], {"context": 2, "pipeline": 2, "data": 2}, True, ["batch.microbatches=2"]),
+        [
+            "pipeline.schedule=interleaved",
+            "pipeline.virtual_stages=2",
+            "model.layers=4",
+            "model.context_strategy=ring",
+            *PIPE,
+        ],
+        {"context": 2, "pipeline": 2, "data": 2},
+        True,
+        ["batch.microbatches=2"],
+    ),
 }
 
 
@@ -88,8 +105,13 @@ def test_context_with_pipeline_needs_the_lm_loss():
     Stages = stacked_stages(lambda r: nnx.Linear(4, 4, rngs=r), 2)
     cfg = make_cfg(*COMMON, mesh={"pipeline": 2, "context": 2, "data": 2})
     with pytest.raises(ConfigError, match="mesh.context=2 with mesh.pipeline > 1 needs the built-in LM loss"):
-        Trainer(cfg, devices=devices(8), model=Stages, loss=meshpar.stage_loss,
-                batch_spec=Leaf((8, 32, 4), np.float32, ("batch", "length", None)))
+        Trainer(
+            cfg,
+            devices=devices(8),
+            model=Stages,
+            loss=meshpar.stage_loss,
+            batch_spec=Leaf((8, 32, 4), np.float32, ("batch", "length", None)),
+        )
 
 
 def test_a_user_moe_model_in_a_pipeline_split_over_context_is_refused():
@@ -100,8 +122,11 @@ def test_a_user_moe_model_in_a_pipeline_split_over_context_is_refused():
 
     cfg = make_cfg(*COMMON, *PIPE, *CAPACITY_MOE[1:], "model.layers=4", mesh={"pipeline": 2, "context": 2, "data": 2})
     tr = Trainer(cfg, devices=devices(8), model=lambda rngs: REGISTRY["moe"](cfg, rngs))
-    with pytest.raises(ConfigError, match="an MoE layer inside a pipeline stage split over mesh.context would route "
-                                          "only the stage's share of each sequence"):
+    with pytest.raises(
+        ConfigError,
+        match="an MoE layer inside a pipeline stage split over mesh.context would route "
+        "only the stage's share of each sequence",
+    ):
         tr.lower()
 
 

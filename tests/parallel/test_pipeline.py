@@ -6,23 +6,31 @@ schedule trains: test_pipeline_combinations.py; users' models: test_stages.py.)
 
 Errors are norm-wise, ||a - b|| / ||b|| (see test_equivalence.py).
 """
+
 import jax
 import numpy as np
 import pytest
 
-from meshpar.parallel import schedules
 from meshpar.core.errors import ConfigError, ShardingError
+from meshpar.parallel import schedules
 from meshpar.train.step import Trainer
 from tests.conftest import devices, rel
 from tests.parallel.pipelines import check_equal, pp_cfg, reference
 
-ALONE = [(s, p, k * p, v, layers) for s, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))
-         for p in (2, 4) for k in (1, 2, 4) for layers in [p * v if p * v > 2 else 4]]
+ALONE = [
+    (s, p, k * p, v, layers)
+    for s, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))
+    for p in (2, 4)
+    for k in (1, 2, 4)
+    for layers in [p * v if p * v > 2 else 4]
+]
 FAST = {("gpipe", 2, 4), ("1f1b", 2, 2), ("1f1b", 4, 16), ("interleaved", 2, 8), ("interleaved", 4, 4)}
 
 
-@pytest.mark.parametrize("schedule,p,m,v,layers", [
-    pytest.param(*c, marks=() if c[:3] in FAST else pytest.mark.slow, id=f"{c[0]}-P{c[1]}-M{c[2]}") for c in ALONE])
+@pytest.mark.parametrize(
+    "schedule,p,m,v,layers",
+    [pytest.param(*c, marks=() if c[:3] in FAST else pytest.mark.slow, id=f"{c[0]}-P{c[1]}-M{c[2]}") for c in ALONE],
+)
 def test_pipelined_loss_and_grads_equal_the_plain_model(schedule, p, m, v, layers):
     check_equal(pp_cfg(schedule, p, m, v, layers), p)
 
@@ -30,9 +38,14 @@ def test_pipelined_loss_and_grads_equal_the_plain_model(schedule, p, m, v, layer
 COMBINED_FAST = {("gpipe", 4), ("1f1b", 8), ("interleaved", 2)}
 
 
-@pytest.mark.parametrize("schedule,m", [
-    pytest.param(s, m, marks=() if (s, m) in COMBINED_FAST else pytest.mark.slow, id=f"{s}-M{m}")
-    for s in ("gpipe", "1f1b", "interleaved") for m in (2, 4, 8)])
+@pytest.mark.parametrize(
+    "schedule,m",
+    [
+        pytest.param(s, m, marks=() if (s, m) in COMBINED_FAST else pytest.mark.slow, id=f"{s}-M{m}")
+        for s in ("gpipe", "1f1b", "interleaved")
+        for m in (2, 4, 8)
+    ],
+)
 def test_pipeline_composes_with_data_and_tensor(schedule, m):
     """P = 2 stages x data 2 x tensor 2 under fsdp_tp (the default strategy)."""
     v = 2 if schedule == "interleaved" else 1
@@ -41,8 +54,9 @@ def test_pipeline_composes_with_data_and_tensor(schedule, m):
 
 @pytest.mark.slow
 def test_pipeline_with_fsdp_and_gradient_accumulation():
-    cfg = pp_cfg("1f1b", 2, 2, 1, 4, {"pipeline": 2, "fsdp": 2, "tensor": 2}, "strategy=fsdp_tp",
-                 "batch.microbatches=2")
+    cfg = pp_cfg(
+        "1f1b", 2, 2, 1, 4, {"pipeline": 2, "fsdp": 2, "tensor": 2}, "strategy=fsdp_tp", "batch.microbatches=2"
+    )
     tr = Trainer(cfg, devices=devices(8))
     params, tokens, loss0, grads0 = reference(4)
     state = tr.init()
@@ -66,6 +80,7 @@ def test_loss_scale_scales_the_gradients_not_the_loss(schedule):
 
 
 # -- schedules: tick tables and bubbles ----------------------------------------------------------
+
 
 @pytest.mark.parametrize("p", [2, 4])
 @pytest.mark.parametrize("k", [1, 2, 4])
@@ -92,21 +107,21 @@ def test_one_f_one_b_branches_carry_their_share_of_the_ticks():
     p, m = 4, 8
     (f, b), _ = schedules.one_f_one_b_program(p, m)
     shares = schedules.branch_shares(schedules.one_f_one_b_branches(f, b), 10)
-    pairs = f.size                                      # ticks x stages
+    pairs = f.size  # ticks x stages
     assert sum(shares) == pytest.approx(1)
     count = [round(x * pairs) for x in shares]
-    stages = {0: 1, 1: p - 2, 2: 1}                     # stages per position
+    stages = {0: 1, 1: p - 2, 2: 1}  # stages per position
     for q in range(3):
-        n_f, n_b, n_fb = count[1 + 3 * q: 4 + 3 * q]
+        n_f, n_b, n_fb = count[1 + 3 * q : 4 + 3 * q]
         assert n_f + n_fb == m * stages[q] and n_b + n_fb == m * stages[q]
-    assert count[7] == count[8] == 0                    # the last stage's F and B share one tick
-    assert count[0] == pairs - sum(count[1:])           # idle
+    assert count[7] == count[8] == 0  # the last stage's F and B share one tick
+    assert count[0] == pairs - sum(count[1:])  # idle
 
 
 def test_one_f_one_b_holds_at_most_2_p_minus_s_minus_1_microbatches():
     """Lockstep 1F1B: stage s's output goes to the last stage and its cotangent comes back, 2(P-s)-1
     ticks, so stage s holds that many microbatches in flight (M when fewer), whatever M; GPipe M."""
-    for p in (2, 3, 4, 8):               # any M, fewer microbatches than stages included
+    for p in (2, 3, 4, 8):  # any M, fewer microbatches than stages included
         for m in (1, 3, 5, 16):
             assert len(schedules.schedule_table("1f1b", p, m)) == 2 * (m + p - 1)
             (f, _), k_res = schedules.one_f_one_b_program(p, m)
@@ -118,10 +133,14 @@ def test_one_f_one_b_holds_at_most_2_p_minus_s_minus_1_microbatches():
 
 # -- errors: one line naming the key and a fix ---------------------------------------------------
 
+
 def test_layers_not_divisible_by_stages_times_virtual():
-    with pytest.raises(ConfigError, match=r"model.layers=4 is not divisible by mesh.pipeline=2 x "
-                                          r"pipeline.virtual_stages=4 \(= 8 chunks\); "
-                                          r"use a multiple of 8 stacked layers"):
+    with pytest.raises(
+        ConfigError,
+        match=r"model.layers=4 is not divisible by mesh.pipeline=2 x "
+        r"pipeline.virtual_stages=4 \(= 8 chunks\); "
+        r"use a multiple of 8 stacked layers",
+    ):
         Trainer(pp_cfg("interleaved", 2, 4, 4, 4), devices=devices(2))
 
 
@@ -131,8 +150,11 @@ def test_microbatches_not_a_multiple_of_stages_for_interleaved():
 
 
 def test_batch_not_divisible_into_microbatches():
-    with pytest.raises(ConfigError, match=r"batch.global_size=16 does not split into pipeline.microbatches=3 "
-                                          r"microbatches; use a multiple of 3 for batch.global_size"):
+    with pytest.raises(
+        ConfigError,
+        match=r"batch.global_size=16 does not split into pipeline.microbatches=3 "
+        r"microbatches; use a multiple of 3 for batch.global_size",
+    ):
         Trainer(pp_cfg("gpipe", 2, 3), devices=devices(2))
     with pytest.raises(ShardingError, match=r"pipeline microbatch of 2 sequences .* data-parallel size 4"):
         Trainer(pp_cfg("1f1b", 2, 8, 1, 4, {"pipeline": 2, "data": 4}), devices=devices(8))

@@ -6,6 +6,7 @@ layer mixing rows split over `data`, under 1F1B) is refused in one line before i
 reader's groups and branches. The runs are subprocesses with XLA:CPU's collective timeout at 60 s:
 a deadlock fails a test instead of killing the worker.
 """
+
 import json
 import os
 import subprocess
@@ -31,8 +32,14 @@ def test_fsdp_beside_an_idle_tensor_axis_pipelines_like_one_device():
     """strategy=fsdp splits nothing over `tensor`: XLA reached the weights it gathers at use (the
     stacked layers' in 1F1B's branches, the LM head's in GPipe's and 1F1B's last-stage branch) through
     a collective-permute over all devices, which the other stage never joined."""
-    run = subprocess.run([sys.executable, "-m", "tests.parallel.lockstep_run", "fsdp", "gpipe", "1f1b"], cwd=REPO,
-                         env=_env(), capture_output=True, text=True, timeout=400)
+    run = subprocess.run(
+        [sys.executable, "-m", "tests.parallel.lockstep_run", "fsdp", "gpipe", "1f1b"],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert run.returncode == 0, f"exit {run.returncode}: {run.stderr[-3000:]}"
     out = json.loads(run.stdout.strip().splitlines()[-1])
     for schedule, got in out.items():
@@ -83,20 +90,49 @@ def test_a_program_whose_stages_would_wait_apart_is_refused_in_one_line(tmp_path
     one line naming the schedule, the mesh and the strategy. GPipe runs the layers outside any branch:
     it trains."""
     (tmp_path / "rollmod.py").write_text(ROLLING)
-    cmd = [sys.executable, "-m", "meshpar.cli", "train", "model.name=rollmod:rolling", "train.loss=stages",
-           "data.kind=rollmod:source", "batch.global_size=16", "model.layers=2", "mesh.pipeline=2", "mesh.data=2",
-           "mesh.fsdp=1", "mesh.tensor=1", "strategy=fsdp", f"pipeline.schedule={schedule}", "pipeline.microbatches=2",
-           "steps=1", "train.warmup_steps=1", "--devices", "4"]
-    run = subprocess.run(cmd, cwd=tmp_path, env=_env(PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO)])),
-                         capture_output=True, text=True, timeout=300)
+    cmd = [
+        sys.executable,
+        "-m",
+        "meshpar.cli",
+        "train",
+        "model.name=rollmod:rolling",
+        "train.loss=stages",
+        "data.kind=rollmod:source",
+        "batch.global_size=16",
+        "model.layers=2",
+        "mesh.pipeline=2",
+        "mesh.data=2",
+        "mesh.fsdp=1",
+        "mesh.tensor=1",
+        "strategy=fsdp",
+        f"pipeline.schedule={schedule}",
+        "pipeline.microbatches=2",
+        "steps=1",
+        "train.warmup_steps=1",
+        "--devices",
+        "4",
+    ]
+    run = subprocess.run(
+        cmd,
+        cwd=tmp_path,
+        env=_env(PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO)])),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if schedule == "gpipe":
         assert run.returncode == 0, f"exit {run.returncode}: {run.stderr[-3000:]}"
         return
     assert run.returncode == 2 and run.stderr.count("\n") == 1, f"exit {run.returncode}: {run.stderr[-3000:]}"
-    assert run.stderr.startswith("meshpar: error: pipeline.schedule=1f1b on mesh pipeline=2 data=2 with strategy=fsdp "
-                                 "compiled to a program that would deadlock: XLA placed a collective-permute over all "
-                                 "4 devices (pipeline stages 0, 1) inside a branch"), run.stderr
-    assert "jit(_roll_static)" in run.stderr and "Try pipeline.schedule=gpipe (it runs the stacked layers outside" in run.stderr, run.stderr
+    assert run.stderr.startswith(
+        "meshpar: error: pipeline.schedule=1f1b on mesh pipeline=2 data=2 with strategy=fsdp "
+        "compiled to a program that would deadlock: XLA placed a collective-permute over all "
+        "4 devices (pipeline stages 0, 1) inside a branch"
+    ), run.stderr
+    assert (
+        "jit(_roll_static)" in run.stderr
+        and "Try pipeline.schedule=gpipe (it runs the stacked layers outside" in run.stderr
+    ), run.stderr
 
 
 HLO = """HloModule m
@@ -138,8 +174,9 @@ def test_the_hlo_reader_finds_collectives_that_join_stages_inside_branches():
     pairs stay in a stage, but XLA:CPU waits for every device. Collectives outside a branch, and in a
     conditional outside the shard_map, do not count."""
     stages = np.array([0, 0, 1, 1])
-    assert [(s.op, s.devices, s.stages) for s in lockstep.strays(HLO, stages, False)] == \
-        [("all-reduce", (0, 2), (0, 1))]
+    assert [(s.op, s.devices, s.stages) for s in lockstep.strays(HLO, stages, False)] == [
+        ("all-reduce", (0, 2), (0, 1))
+    ]
     found = sorted((s.op, s.devices) for s in lockstep.strays(HLO, stages, True))
     assert found == [("all-reduce", (0, 2)), ("collective-permute", (0, 1, 2, 3))]
     assert lockstep.strays(HLO.replace("T(1,0)", ""), stages, False) == []

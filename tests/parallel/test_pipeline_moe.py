@@ -3,6 +3,7 @@
 trains or stops with one line: test_pipeline_combinations.py; a user's model through the stage
 protocol: test_stages.py.)
 """
+
 import jax
 import numpy as np
 import pytest
@@ -17,18 +18,20 @@ def test_pipelined_moe_with_expert_parallelism_equals_the_plain_moe():
     """MoE blocks return their weighted losses under aux "loss": 1F1B must feed those cotangents
     through its explicit per-stage vjp; per-layer metrics come back stacked [layers]."""
     mesh = {"pipeline": 2, "expert": 2, "tensor": 2}
-    cfg = make_cfg(*TINY, "model.layers=4", "model.name=moe", "pipeline.schedule=1f1b", "pipeline.microbatches=4",
-                   mesh=mesh)
+    cfg = make_cfg(
+        *TINY, "model.layers=4", "model.name=moe", "pipeline.schedule=1f1b", "pipeline.microbatches=4", mesh=mesh
+    )
     ref = make_cfg(*TINY, "model.layers=4", "model.name=moe", "strategy=dp", mesh={})
     tr0 = Trainer(ref, devices=devices(1))
     params = jax.device_get(tr0.init()["params"])
     tokens = np.asarray(jax.random.randint(jax.random.key(7), tr0.batch_shape, 0, 64))
     (loss0, aux0), grads0 = jax.jit(tr0._grads)(params, tokens)
     tr = Trainer(cfg, devices=devices(8))
-    (loss, aux), grads = jax.jit(tr._grads)(jax.device_put(params, tr.param_shardings),
-                                            jax.device_put(tokens, tr.batch_sharding))
+    (loss, aux), grads = jax.jit(tr._grads)(
+        jax.device_put(params, tr.param_shardings), jax.device_put(tokens, tr.batch_sharding)
+    )
     assert abs(float(loss) - float(loss0)) / float(loss0) <= 1e-5
-    assert float(loss) > float(aux["ce"])          # the MoE losses are part of the loss
+    assert float(loss) > float(aux["ce"])  # the MoE losses are part of the loss
     assert rel(grads, jax.device_get(grads0)) <= 1e-5
     assert set(aux) == set(aux0)
     # metrics are averaged over microbatches, as gradient accumulation does: exact for the means
@@ -42,14 +45,21 @@ def test_pipelined_dropless_moe_equals_the_plain_model(schedule):
     """GPipe (or 1F1B, whose per-device branches route replicated) over 2 stages with dropless experts
     split over `expert` inside each stage: loss and gradients equal the unpipelined model on one
     device (fp32)."""
-    extra = [*TINY, "model.name=moe", "model.layers=4", "moe.capacity_factor=null", "pipeline.microbatches=2",
-             f"pipeline.schedule={schedule}"]
+    extra = [
+        *TINY,
+        "model.name=moe",
+        "model.layers=4",
+        "moe.capacity_factor=null",
+        "pipeline.microbatches=2",
+        f"pipeline.schedule={schedule}",
+    ]
     tr0 = Trainer(make_cfg(*extra, "strategy=dp", mesh={}), devices=devices(1))
     params = jax.device_get(tr0.init()["params"])
     tokens = np.asarray(jax.random.randint(jax.random.key(7), tr0.batch_shape, 0, 64))
     (loss0, _), grads0 = jax.jit(tr0._grads)(params, tokens)
     tr = Trainer(make_cfg(*extra, mesh={"pipeline": 2, "expert": 2, "tensor": 2}), devices=devices(8))
-    (loss, _), grads = jax.jit(tr._grads)(jax.device_put(params, tr.param_shardings),
-                                          jax.device_put(tokens, tr.batch_sharding))
+    (loss, _), grads = jax.jit(tr._grads)(
+        jax.device_put(params, tr.param_shardings), jax.device_put(tokens, tr.batch_sharding)
+    )
     assert abs(float(loss) - float(loss0)) / float(loss0) <= 1e-5
     assert rel(jax.device_get(grads), jax.device_get(grads0)) <= 1e-5

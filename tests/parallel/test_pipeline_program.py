@@ -3,6 +3,7 @@ layer stack is never gathered; gradients are reduced over `data` once per step; 
 stashed residuals and reruns no stage, and its memory does not grow with M; `meshpar inspect`
 reports the pipeline; configs/pp-tiny.yaml learns like the default.
 """
+
 import re
 
 import jax
@@ -16,6 +17,7 @@ from tests.conftest import devices, make_cfg, tiered
 from tests.parallel.pipelines import pp_cfg
 
 # -- HLO: collective-permute between stages, no gather of the layer stack ------------------------
+
 
 @pytest.fixture(scope="module", params=["gpipe", "1f1b", "interleaved"])
 def compiled_2x2x2(request):
@@ -42,7 +44,7 @@ def test_hlo_permutes_activations_and_never_gathers_the_stack(compiled_2x2x2):
     # stacked layer params stay split over pipeline at rest
     for sh in jax.tree.leaves(tr.param_shardings["layers"]):
         assert sh.spec[0] == "pipeline"
-    if schedule == "1f1b":   # a real per-device conditional (idle + F/B x first/middle/last), permutes outside it
+    if schedule == "1f1b":  # a real per-device conditional (idle + F/B x first/middle/last), permutes outside it
         branches = set()
         for line in compiled.as_text().splitlines():
             found = re.search(r" conditional\(.*branch_computations=\{([^}]*)\}", line)
@@ -52,7 +54,7 @@ def test_hlo_permutes_activations_and_never_gathers_the_stack(compiled_2x2x2):
         assert not any(o["computation"] in branches for o in permutes)
         ticks = schedules.one_f_one_b_program(2, 4)[0][0].shape[0]
         tensor = [o for o in ops if o["axes"] == ["tensor"] and o["bytes"] > 1024]
-        assert tensor and all(o["times"] < ticks for o in tensor)   # counted by branch share, not every tick
+        assert tensor and all(o["times"] < ticks for o in tensor)  # counted by branch share, not every tick
 
 
 @pytest.mark.parametrize("schedule", tiered(["gpipe", "1f1b", "interleaved"], {"1f1b"}))
@@ -66,8 +68,8 @@ def test_gradients_are_reduced_over_data_once_per_step(schedule):
     tr = Trainer(cfg, devices=devices(8))
     ops = collectives(tr.compile().as_text(), tr.describe()["mesh"])
     over_data = [o for o in ops if o["kind"] == "all-reduce" and "data" in o["axes"] and o["bytes"] > 1024]
-    assert over_data and all(o.get("times", 1) == 1 for o in over_data), over_data   # (scalars aside)
-    per_device = sum(int(np.prod(a.shape)) * 4 for a in jax.tree.leaves(tr.spec.shapes)) / 2   # split over P or t
+    assert over_data and all(o.get("times", 1) == 1 for o in over_data), over_data  # (scalars aside)
+    per_device = sum(int(np.prod(a.shape)) * 4 for a in jax.tree.leaves(tr.spec.shapes)) / 2  # split over P or t
     assert sum(o["bytes"] for o in over_data) <= 1.05 * per_device
 
 
@@ -78,8 +80,9 @@ def test_one_f_one_b_backward_applies_the_stashed_residuals():
     reran the stage would hold the forward matmuls again."""
     p, m = 4, 8
     tr = Trainer(pp_cfg("1f1b", p, m, 1, 4, None, "model.remat=none"), devices=devices(p))
-    params = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
-                          tr.spec.shapes, tr.param_shardings)
+    params = jax.tree.map(
+        lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), tr.spec.shapes, tr.param_shardings
+    )
     tokens = jax.ShapeDtypeStruct(tr.batch_shape, np.int32, sharding=tr.batch_sharding)
     hlo = jax.jit(tr._grads).lower(params, tokens).compile().as_text()
     found = {}
@@ -87,12 +90,13 @@ def test_one_f_one_b_backward_applies_the_stashed_residuals():
         dots = [ln for ln in hlo.splitlines() if " dot(" in ln and f"/middle_{ops}/" in ln]
         forward = sum("transpose(" not in ln for ln in dots)
         found[ops] = (forward, len(dots) - forward)
-    assert found == {"F": (6, 0), "B": (0, 12), "FB": (6, 12)}      # q|k|v, scores, PV, wo, w_gate|up, w_down
+    assert found == {"F": (6, 0), "B": (0, 12), "FB": (6, 12)}  # q|k|v, scores, PV, wo, w_gate|up, w_down
 
 
 def test_inspect_reports_the_pipeline():
     """`meshpar inspect` JSON carries the tick table, its bubble and peak temporary memory."""
     from meshpar.plan.inspect import report
+
     cfg = pp_cfg("interleaved", 2, 4, 2, 4, {"pipeline": 2, "data": 2, "tensor": 2})
     rep = report(cfg)["pipeline"]
     assert rep["bubble"] == pytest.approx((2 - 1) / (2 * 4 + 2 - 1))
@@ -103,33 +107,50 @@ def test_inspect_reports_the_pipeline():
 
 # -- memory: 1F1B stashes at most 2P - 1 microbatches, GPipe M -------------------------------------
 
+
 @pytest.mark.slow
 def test_one_f_one_b_memory_does_not_grow_with_microbatches():
     """Pipelined loss+grads of a fixed microbatch (b=4, T=64, E=64, full remat), M = 4P = 8 and 16:
     GPipe stashes a stage input per microbatch, 1F1B the residuals (here the layer inputs) of at most
     2P - 1 microbatches whatever M, so from M = 8P it holds less."""
+
     def temp(schedule, m):
-        cfg = make_cfg("model.embed=64", "model.mlp=128", "model.heads=4", "model.kv_heads=4", "model.head_dim=16",
-                       "model.vocab=64", "model.layers=4", "batch.length=64", f"batch.global_size={4 * m}",
-                       f"pipeline.schedule={schedule}", f"pipeline.microbatches={m}", mesh={"pipeline": 2})
+        cfg = make_cfg(
+            "model.embed=64",
+            "model.mlp=128",
+            "model.heads=4",
+            "model.kv_heads=4",
+            "model.head_dim=16",
+            "model.vocab=64",
+            "model.layers=4",
+            "batch.length=64",
+            f"batch.global_size={4 * m}",
+            f"pipeline.schedule={schedule}",
+            f"pipeline.microbatches={m}",
+            mesh={"pipeline": 2},
+        )
         tr = Trainer(cfg, devices=devices(2))
-        params = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
-                              tr.spec.shapes, tr.param_shardings)
+        params = jax.tree.map(
+            lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), tr.spec.shapes, tr.param_shardings
+        )
         tokens = jax.ShapeDtypeStruct(tr.batch_shape, np.int32, sharding=tr.batch_sharding)
         return jax.jit(tr._grads).lower(params, tokens).compile().memory_analysis().temp_size_in_bytes
+
     g8, g16, f8, f16 = temp("gpipe", 8), temp("gpipe", 16), temp("1f1b", 8), temp("1f1b", 16)
-    stage_input = 4 * 64 * 64 * 4                       # one [b, T, E] fp32 activation
-    assert g16 - g8 >= 8 * stage_input                  # GPipe stashes every extra microbatch
-    assert f16 - f8 < 0.1 * (g16 - g8)                  # 1F1B at most 2P - 1, whatever M
+    stage_input = 4 * 64 * 64 * 4  # one [b, T, E] fp32 activation
+    assert g16 - g8 >= 8 * stage_input  # GPipe stashes every extra microbatch
+    assert f16 - f8 < 0.1 * (g16 - g8)  # 1F1B at most 2P - 1, whatever M
     assert f16 < g16
 
 
 # -- end to end ----------------------------------------------------------------------------------
 
+
 @pytest.mark.slow
 def test_pp_tiny_learns_like_the_default(tmp_path):
     from meshpar.core.config import CONFIG_DIR, load_config
     from meshpar.train.loop import run
+
     """configs/pp-tiny.yaml (1F1B over 2 stages x data 2 x tensor 2) against the non-pipelined
     default, 30 steps each on the same synthetic data: the loss falls as far."""
     pp = run(load_config(CONFIG_DIR / "pp-tiny.yaml", ["steps=30", "train.log_every=30"]))

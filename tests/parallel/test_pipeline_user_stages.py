@@ -4,6 +4,7 @@ partitioner aborted the process on it inside the pipeline's shard_map), and an e
 stages pass a pytree of two lengths (tests/train/encdec_stages.py, run in a subprocess: an abort
 must fail a test, not kill the test worker). Errors are norm-wise (see test_equivalence.py).
 """
+
 import json
 import subprocess
 import sys
@@ -19,8 +20,13 @@ RUNS = {"array": ("gpipe", "1f1b", "interleaved"), "head": ("gpipe", "1f1b"), "t
 def runs():
     """One subprocess for every run below (the compiles it shares: each variant's reference)."""
     args = [f"{variant}={','.join(schedules)}" for variant, schedules in RUNS.items()]
-    run = subprocess.run([sys.executable, "-m", "tests.train.encdec_stages", *args], cwd=REPO, capture_output=True,
-                         text=True, timeout=600)
+    run = subprocess.run(
+        [sys.executable, "-m", "tests.train.encdec_stages", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, f"exit {run.returncode}: {run.stderr[-3000:]}"
     return json.loads(run.stdout.strip().splitlines()[-1])
 

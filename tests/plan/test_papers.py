@@ -1,6 +1,7 @@
 """The planner against published runs (`meshpar.plan.papers`: Narayanan et al. 2021, Tables 1 and 2,
 on the `a100-80g` preset), so its calibration cannot drift silently. `bench/bench_plan_papers.py`
 prints every row with the search's winners; bench/RESULTS.md holds the table."""
+
 import pytest
 
 from meshpar.core.config import load_config
@@ -51,5 +52,5 @@ def test_the_search_finds_the_papers_layout_or_better_inside_the_node():
     w = result["candidates"][0]
     assert w["mesh"]["tensor"] <= 8 and "tensor" not in w["dcn"]
     assert w["time"]["mfu"] >= cost(run)["time"]["mfu"]
-    assert w["pipeline"]["microbatches"] & (w["pipeline"]["microbatches"] - 1)    # not a power of two
+    assert w["pipeline"]["microbatches"] & (w["pipeline"]["microbatches"] - 1)  # not a power of two
     assert result["costed"] < result["searched"] / 4

@@ -1,5 +1,6 @@
 """`meshpar plan`: the cost model against ZeRO's accounting and against the compiled step, the
 ranking against the field's advice, the winner as a runnable config, bad input as one line."""
+
 import json
 import os
 import subprocess
@@ -15,8 +16,17 @@ from meshpar.plan.search import plan, winner_yaml
 from tests.conftest import tiered
 
 REPO = Path(__file__).resolve().parents[2]
-GPT3 = ["model.size=7b", "model.layers=96", "model.embed=12288", "model.heads=96", "model.kv_heads=96",
-        "model.head_dim=128", "model.mlp=32768", "batch.global_size=256", "batch.length=2048"]
+GPT3 = [
+    "model.size=7b",
+    "model.layers=96",
+    "model.embed=12288",
+    "model.heads=96",
+    "model.kv_heads=96",
+    "model.head_dim=128",
+    "model.mlp=32768",
+    "batch.global_size=256",
+    "batch.length=2048",
+]
 
 
 def _mesh(**sizes):
@@ -35,9 +45,18 @@ def test_zero_accounting_with_2_2_12_bytes_per_param():
         mesh = _mesh(fsdp=n) if strategy == "fsdp" else _mesh(data=n)
         got = sum(state_bytes(facts, Candidate(mesh, _mesh(), strategy, "full"), res, (2, 2, 12)).values())
         assert abs(got / expected - 1) < 0.01, (strategy, got, expected)
-    got_gb = {s: sum(state_bytes(facts, Candidate(_mesh(fsdp=n) if s == "fsdp" else _mesh(data=n), _mesh(), s, "full"),
-                                 res, (2, 2, 12)).values()) * 7.5e9 / psi / 1e9 for s in want}
-    assert [round(got_gb[s], 1) for s in want] == [120.0, 31.4, 16.6, 1.9]   # the issue's numbers for Psi = 7.5e9
+    got_gb = {
+        s: sum(
+            state_bytes(
+                facts, Candidate(_mesh(fsdp=n) if s == "fsdp" else _mesh(data=n), _mesh(), s, "full"), res, (2, 2, 12)
+            ).values()
+        )
+        * 7.5e9
+        / psi
+        / 1e9
+        for s in want
+    }
+    assert [round(got_gb[s], 1) for s in want] == [120.0, 31.4, 16.6, 1.9]  # the issue's numbers for Psi = 7.5e9
 
 
 def _winner(result):
@@ -47,7 +66,7 @@ def _winner(result):
 def test_ranking_follows_the_costs_without_special_cases():
     h100 = load_hardware("h100")
     small = plan(load_config(None, ["model.size=125m", "batch.global_size=64", "batch.length=2048"]), 8, h100)
-    w = _winner(small)     # a small model: data parallel in some form, no tensor or pipeline axis
+    w = _winner(small)  # a small model: data parallel in some form, no tensor or pipeline axis
     assert w["strategy"] in ("dp", "zero1", "zero2", "fsdp", "hsdp") and w["mesh"]["tensor"] == 1
     assert w["mesh"]["pipeline"] == 1
     # a sharded optimizer state shortens the update (AdamW reads and writes 7 w bytes per element at
@@ -60,14 +79,20 @@ def test_ranking_follows_the_costs_without_special_cases():
     # bench/RESULTS.md), so the plan shards the state over 8 and recomputes or accumulates to fit with
     # the planner's margin; with flash (auto at 2k tokens) ZeRO-2 fits as it is, and FSDP comes within
     # a few percent (its gathers hide; its weights are cast again where the backward regathers them).
-    seven = plan(load_config(None, ["model.size=7b", "batch.global_size=64", "batch.length=2048",
-                                    "model.attention=xla"]), 8, h100, keep_all=True)
+    seven = plan(
+        load_config(None, ["model.size=7b", "batch.global_size=64", "batch.length=2048", "model.attention=xla"]),
+        8,
+        h100,
+        keep_all=True,
+    )
     dp = [c for c in seven["candidates"] if c["strategy"] == "dp" and c["mesh"]["data"] == 8]
-    assert dp and not any(c["fits"] for c in dp)                 # pure DP: 16 bytes x 6.7B > 80 GB
+    assert dp and not any(c["fits"] for c in dp)  # pure DP: 16 bytes x 6.7B > 80 GB
     w = _winner(seven)
     assert w["fits"] and w["strategy"] in ("zero2", "fsdp") and 8 in (w["mesh"]["data"], w["mesh"]["fsdp"])
     assert w["memory"]["total"] * 1.15 < h100.memory_bytes and (w["remat"] != "none" or w["microbatches"] > 1)
-    zero2 = [c for c in seven["candidates"] if c["strategy"] == "zero2" and c["remat"] == "none" and c["mesh"]["data"] == 8]
+    zero2 = [
+        c for c in seven["candidates"] if c["strategy"] == "zero2" and c["remat"] == "none" and c["mesh"]["data"] == 8
+    ]
     assert zero2 and all(c["memory"]["total"] * 1.15 > h100.memory_bytes for c in zero2)
     flash = plan(load_config(None, ["model.size=7b", "batch.global_size=64", "batch.length=2048"]), 8, h100)
     w2 = _winner(flash)
@@ -84,16 +109,16 @@ def test_ranking_follows_the_costs_without_special_cases():
     fits = [c for c in ranked if c["fits"]]
     w = fits[0]
     assert w["mesh"]["pipeline"] > 1 and w["pipeline"]["schedule"] == "1f1b" and w["remat"] == "save_dots"
-    assert 1 < w["mesh"]["tensor"] <= 8 and "tensor" not in w["dcn"]           # TP inside the NVLink node
-    assert w["dcn"].get("pipeline", 1) > 1                                      # PP across nodes
-    assert all(a in ("pipeline", "data") for a in w["dcn"])                     # DP, if any, outermost too
+    assert 1 < w["mesh"]["tensor"] <= 8 and "tensor" not in w["dcn"]  # TP inside the NVLink node
+    assert w["dcn"].get("pipeline", 1) > 1  # PP across nodes
+    assert all(a in ("pipeline", "data") for a in w["dcn"])  # DP, if any, outermost too
     assert w["dcn"].get("data", 1) == w["mesh"]["data"]
     fsdp = next(c for c in fits if c["mesh"]["pipeline"] == 1)
     assert fsdp["strategy"] in ("fsdp", "fsdp_tp", "fsdp_tp_sp", "hsdp") and fsdp["remat"] == "full"
-    assert fsdp["time"]["exposed_comm_s"] < 0.05 * fsdp["time"]["step_s"]      # its gathers overlap
-    assert fsdp["time"]["compute_s"] > 1.3 * w["time"]["compute_s"]            # the extra forward of full remat
+    assert fsdp["time"]["exposed_comm_s"] < 0.05 * fsdp["time"]["step_s"]  # its gathers overlap
+    assert fsdp["time"]["compute_s"] > 1.3 * w["time"]["compute_s"]  # the extra forward of full remat
     assert fsdp["time"]["step_s"] > w["time"]["step_s"]
-    assert all("tensor" not in c["dcn"] for c in fits[:6])                    # TP across nodes costs:
+    assert all("tensor" not in c["dcn"] for c in fits[:6])  # TP across nodes costs:
     assert all(c["time"]["step_s"] > 1.2 * w["time"]["step_s"] for c in fits if "tensor" in c["dcn"])
 
 
@@ -108,66 +133,137 @@ def _m(**k):
     return [f"mesh.{a}={k.get(a, 1)}" for a in ("data", "fsdp", "tensor", "pipeline", "expert")]
 
 
-SWEEP = {   # name: (overrides, collective kinds the model must predict within 10%)
+SWEEP = {  # name: (overrides, collective kinds the model must predict within 10%)
     "tiny dp": (_T + _m(data=8) + ["strategy=dp"], ["all-reduce"]),
     "tiny zero1": (_T + _m(data=8) + ["strategy=zero1"], ["all-gather", "reduce-scatter"]),
-    "tiny zero2 4 microbatches": (_T + _m(data=8) + ["strategy=zero2", "batch.global_size=32",
-                                                     "batch.microbatches=4"], ["all-gather", "reduce-scatter"]),
+    "tiny zero2 4 microbatches": (
+        _T + _m(data=8) + ["strategy=zero2", "batch.global_size=32", "batch.microbatches=4"],
+        ["all-gather", "reduce-scatter"],
+    ),
     "tiny fsdp": (_T + _m(fsdp=8) + ["strategy=fsdp"], ["all-gather", "reduce-scatter", "all-to-all"]),
-    "tiny fsdp remat none": (_T + _m(fsdp=8) + ["strategy=fsdp", "model.remat=none"],
-                             ["all-gather", "reduce-scatter", "all-to-all"]),
-    "tiny hsdp": (_T + _m(data=2, fsdp=4) + ["strategy=hsdp"], ["all-gather", "all-reduce", "reduce-scatter",
-                                                                 "all-to-all"]),
+    "tiny fsdp remat none": (
+        _T + _m(fsdp=8) + ["strategy=fsdp", "model.remat=none"],
+        ["all-gather", "reduce-scatter", "all-to-all"],
+    ),
+    "tiny hsdp": (
+        _T + _m(data=2, fsdp=4) + ["strategy=hsdp"],
+        ["all-gather", "all-reduce", "reduce-scatter", "all-to-all"],
+    ),
     "tiny tp remat none": (_T + _m(data=2, tensor=4) + ["strategy=tp", "model.remat=none"], ["all-reduce"]),
     "tiny tp_sp": (_T + _m(data=2, tensor=4) + ["strategy=tp_sp"], ["all-gather", "reduce-scatter"]),
     "tiny fsdp_tp": (_T + _m(fsdp=4, tensor=2) + ["strategy=fsdp_tp"], []),
-    "tiny pipeline 1f1b": (_T + _m(pipeline=2, data=4) + ["strategy=dp", "model.layers=4", "pipeline.schedule=1f1b",
-                                                          "pipeline.microbatches=4"], ["collective-permute", "all-reduce"]),
-    "tiny 1f1b tp": (_T + _m(pipeline=2, data=2, tensor=2) + ["strategy=tp", "model.layers=4", "pipeline.schedule=1f1b",
-                                                              "pipeline.microbatches=4"],
-                     ["collective-permute", "all-reduce"]),
-    "tiny 1f1b 4 stages tp": (_T + _m(pipeline=4, tensor=2) + ["strategy=tp", "model.layers=4", "pipeline.schedule=1f1b",
-                                                               "pipeline.microbatches=8"],
-                              ["collective-permute", "all-reduce"]),
-    "tiny 1f1b save_dots": (_T + _m(pipeline=2, data=2, tensor=2) + ["strategy=tp", "model.layers=4", "model.remat=save_dots",
-                                                                     "pipeline.schedule=1f1b", "pipeline.microbatches=4"],
-                            ["collective-permute", "all-reduce"]),
-    "tiny 1f1b tp_sp save_dots": (_T + _m(pipeline=2, data=2, tensor=2) + ["strategy=tp_sp", "model.layers=4",
-                                                                           "model.remat=save_dots", "pipeline.schedule=1f1b",
-                                                                           "pipeline.microbatches=4"],
-                                  ["collective-permute", "all-gather", "reduce-scatter"]),
-    "tiny gpipe remat none": (_T + _m(pipeline=2, data=4) + ["strategy=dp", "model.layers=4", "model.remat=none",
-                                                            "pipeline.schedule=gpipe"],
-                              ["collective-permute", "all-reduce"]),
-    "tiny gpipe tp": (_T + _m(pipeline=2, data=2, tensor=2) + ["strategy=tp", "model.layers=4",
-                                                               "pipeline.schedule=gpipe"],
-                      ["collective-permute", "all-reduce"]),
-    "tiny interleaved": (_T + _m(pipeline=2, data=4) + ["strategy=dp", "model.layers=4", "pipeline.schedule=interleaved",
-                                                        "pipeline.microbatches=4", "pipeline.virtual_stages=2"],
-                         ["collective-permute", "all-reduce", "all-to-all"]),
-    "tiny moe expert=4": (_T + _m(data=2, expert=4) + ["strategy=dp", "model.name=moe", "model.layers=4"],
-                          ["all-to-all", "all-reduce"]),
-    "tiny moe expert=2 tp": (_T + _m(expert=2, tensor=2, data=2) + ["strategy=tp", "model.name=moe", "model.layers=4"],
-                             ["all-to-all", "all-reduce"]),
-    "tiny moe dropless expert=4": (_T + _m(data=2, expert=4) + ["strategy=dp", "model.name=moe", "model.layers=4",
-                                                                 "moe.capacity_factor=null"], ["all-to-all", "all-reduce"]),
-    "tiny moe deepseek-style expert=4": (_T + _m(data=2, expert=4) + [
-        "strategy=dp", "model.name=moe", "model.layers=4", "moe.num_experts=8", "moe.top_k=2", "moe.shared_experts=1",
-        "moe.expert_mlp=32", "moe.score=sigmoid", "moe.balance=bias"], ["all-to-all", "all-reduce"]),
+    "tiny pipeline 1f1b": (
+        _T
+        + _m(pipeline=2, data=4)
+        + ["strategy=dp", "model.layers=4", "pipeline.schedule=1f1b", "pipeline.microbatches=4"],
+        ["collective-permute", "all-reduce"],
+    ),
+    "tiny 1f1b tp": (
+        _T
+        + _m(pipeline=2, data=2, tensor=2)
+        + ["strategy=tp", "model.layers=4", "pipeline.schedule=1f1b", "pipeline.microbatches=4"],
+        ["collective-permute", "all-reduce"],
+    ),
+    "tiny 1f1b 4 stages tp": (
+        _T
+        + _m(pipeline=4, tensor=2)
+        + ["strategy=tp", "model.layers=4", "pipeline.schedule=1f1b", "pipeline.microbatches=8"],
+        ["collective-permute", "all-reduce"],
+    ),
+    "tiny 1f1b save_dots": (
+        _T
+        + _m(pipeline=2, data=2, tensor=2)
+        + [
+            "strategy=tp",
+            "model.layers=4",
+            "model.remat=save_dots",
+            "pipeline.schedule=1f1b",
+            "pipeline.microbatches=4",
+        ],
+        ["collective-permute", "all-reduce"],
+    ),
+    "tiny 1f1b tp_sp save_dots": (
+        _T
+        + _m(pipeline=2, data=2, tensor=2)
+        + [
+            "strategy=tp_sp",
+            "model.layers=4",
+            "model.remat=save_dots",
+            "pipeline.schedule=1f1b",
+            "pipeline.microbatches=4",
+        ],
+        ["collective-permute", "all-gather", "reduce-scatter"],
+    ),
+    "tiny gpipe remat none": (
+        _T + _m(pipeline=2, data=4) + ["strategy=dp", "model.layers=4", "model.remat=none", "pipeline.schedule=gpipe"],
+        ["collective-permute", "all-reduce"],
+    ),
+    "tiny gpipe tp": (
+        _T + _m(pipeline=2, data=2, tensor=2) + ["strategy=tp", "model.layers=4", "pipeline.schedule=gpipe"],
+        ["collective-permute", "all-reduce"],
+    ),
+    "tiny interleaved": (
+        _T
+        + _m(pipeline=2, data=4)
+        + [
+            "strategy=dp",
+            "model.layers=4",
+            "pipeline.schedule=interleaved",
+            "pipeline.microbatches=4",
+            "pipeline.virtual_stages=2",
+        ],
+        ["collective-permute", "all-reduce", "all-to-all"],
+    ),
+    "tiny moe expert=4": (
+        _T + _m(data=2, expert=4) + ["strategy=dp", "model.name=moe", "model.layers=4"],
+        ["all-to-all", "all-reduce"],
+    ),
+    "tiny moe expert=2 tp": (
+        _T + _m(expert=2, tensor=2, data=2) + ["strategy=tp", "model.name=moe", "model.layers=4"],
+        ["all-to-all", "all-reduce"],
+    ),
+    "tiny moe dropless expert=4": (
+        _T + _m(data=2, expert=4) + ["strategy=dp", "model.name=moe", "model.layers=4", "moe.capacity_factor=null"],
+        ["all-to-all", "all-reduce"],
+    ),
+    "tiny moe deepseek-style expert=4": (
+        _T
+        + _m(data=2, expert=4)
+        + [
+            "strategy=dp",
+            "model.name=moe",
+            "model.layers=4",
+            "moe.num_experts=8",
+            "moe.top_k=2",
+            "moe.shared_experts=1",
+            "moe.expert_mlp=32",
+            "moe.score=sigmoid",
+            "moe.balance=bias",
+        ],
+        ["all-to-all", "all-reduce"],
+    ),
     "125m dp none": (_S + _m(data=8) + ["strategy=dp", "model.remat=none"], ["all-reduce"]),
-    "125m dp 4 microbatches none": (_S + _m(data=8) + ["strategy=dp", "model.remat=none", "batch.global_size=32",
-                                                       "batch.microbatches=4"], ["all-reduce"]),
-    "125m zero1 4 microbatches": (_S + _m(data=8) + ["strategy=zero1", "batch.global_size=32", "batch.microbatches=4"],
-                                  ["all-gather", "reduce-scatter"]),
+    "125m dp 4 microbatches none": (
+        _S + _m(data=8) + ["strategy=dp", "model.remat=none", "batch.global_size=32", "batch.microbatches=4"],
+        ["all-reduce"],
+    ),
+    "125m zero1 4 microbatches": (
+        _S + _m(data=8) + ["strategy=zero1", "batch.global_size=32", "batch.microbatches=4"],
+        ["all-gather", "reduce-scatter"],
+    ),
     "125m zero1 full": (_S + _m(data=8) + ["strategy=zero1"], ["all-gather", "reduce-scatter"]),
     "125m zero2 full": (_S + _m(data=8) + ["strategy=zero2"], ["all-gather", "reduce-scatter"]),
     "125m fsdp full": (_S + _m(fsdp=8) + ["strategy=fsdp"], ["all-gather", "reduce-scatter", "all-to-all"]),
-    "125m hsdp full": (_S + _m(data=2, fsdp=4) + ["strategy=hsdp"], ["all-gather", "reduce-scatter", "all-reduce",
-                                                                     "all-to-all"]),
+    "125m hsdp full": (
+        _S + _m(data=2, fsdp=4) + ["strategy=hsdp"],
+        ["all-gather", "reduce-scatter", "all-reduce", "all-to-all"],
+    ),
     "125m tp none": (_S + _m(data=2, tensor=4) + ["strategy=tp", "model.remat=none"], ["all-reduce"]),
     "125m tp_sp full": (_S + _m(data=2, tensor=4) + ["strategy=tp_sp"], ["all-gather", "reduce-scatter"]),
-    "125m fsdp_tp none": (_S + _m(fsdp=4, tensor=2) + ["strategy=fsdp_tp", "model.remat=none"],
-                          ["all-gather", "reduce-scatter", "all-reduce"]),
+    "125m fsdp_tp none": (
+        _S + _m(fsdp=4, tensor=2) + ["strategy=fsdp_tp", "model.remat=none"],
+        ["all-gather", "reduce-scatter", "all-reduce"],
+    ),
 }
 
 
@@ -175,13 +271,22 @@ SWEEP_FAST = {"tiny fsdp", "tiny 1f1b tp", "tiny moe expert=4", "125m zero1 4 mi
 
 
 def test_the_sweep_covers_presets_axes_remat_and_microbatches():
-    """31 configs (tiny and 125m; MoE with capacity, dropless and DeepSeek-style; every preset; tensor, pipeline and expert axes; remat none, full and
-    save_dots; microbatches 1 and 4), each checked against its compiled step below."""
+    """31 configs (tiny and 125m; MoE with capacity, dropless and DeepSeek-style; every preset; tensor, pipeline
+    and expert axes; remat none, full and save_dots; microbatches 1 and 4), each checked against its compiled step
+    below."""
     text = " ".join(" ".join(o) for o, _ in SWEEP.values())
     assert len(SWEEP) >= 20
-    for needle in ("model.size=tiny", "model.size=125m", "mesh.tensor=4", "mesh.pipeline=2", "mesh.expert=4",
-                   "model.remat=none", "model.remat=save_dots", "batch.microbatches=4",
-                   *[f"strategy={s}" for s in ("dp", "zero1", "zero2", "fsdp", "hsdp", "tp", "tp_sp", "fsdp_tp")]):
+    for needle in (
+        "model.size=tiny",
+        "model.size=125m",
+        "mesh.tensor=4",
+        "mesh.pipeline=2",
+        "mesh.expert=4",
+        "model.remat=none",
+        "model.remat=save_dots",
+        "batch.microbatches=4",
+        *[f"strategy={s}" for s in ("dp", "zero1", "zero2", "fsdp", "hsdp", "tp", "tp_sp", "fsdp_tp")],
+    ):
         assert needle in text, needle
 
 
@@ -191,6 +296,7 @@ def test_predictions_match_the_compiled_step(name):
     argument, the batch < 0.1%); total memory within 15% of `memory_analysis`; the collective bytes
     within 10% of the HLO's, and each kind the config lists within 10%."""
     from meshpar.plan.dryrun import compare
+
     overrides, kinds = SWEEP[name]
     pred, comp = compare(load_config(None, overrides))
     args_ratio = (pred["memory"]["params"] + pred["memory"]["optimizer"]) / comp["memory"]["argument"]
@@ -208,10 +314,14 @@ def test_ties_go_to_memory_headroom():
     """1B on 64 H100s, batch 256 x 2048 (issue 20): zero1 and zero2 tie on time and bytes; the plan
     with the most headroom wins. dp (71.8 GiB predicted, did not fit once compiled) ties no more: its
     replicated update is slower, and it is not the plan."""
-    result = plan(load_config(None, ["model.size=1b", "batch.global_size=256", "batch.length=2048"]), 64,
-                  load_hardware("h100"), top=40)
+    result = plan(
+        load_config(None, ["model.size=1b", "batch.global_size=256", "batch.length=2048"]),
+        64,
+        load_hardware("h100"),
+        top=40,
+    )
     w, rest = result["candidates"][0], result["candidates"][1:]
-    assert w["strategy"] == "zero1" and w["memory"]["total"] < 30 * 2 ** 30
+    assert w["strategy"] == "zero1" and w["memory"]["total"] < 30 * 2**30
     zero2 = next(c for c in rest if c["strategy"] == "zero2" and c["mesh"] == w["mesh"])
     assert zero2["time"]["step_s"] <= w["time"]["step_s"] * 1.001 and zero2["why"] == "tie: less memory headroom"
     dp = [c for c in rest if c["strategy"] == "dp"]
@@ -219,14 +329,26 @@ def test_ties_go_to_memory_headroom():
 
 
 def test_verify_writes_the_best_plan_that_fits_once_compiled(tmp_path, capsys, monkeypatch):
-    from meshpar.plan import dryrun
     from meshpar.cli import main
+    from meshpar.plan import dryrun
+
     seen = {}
 
     def fake(result, config_path, overrides, k, target=None):
         seen["k"], seen["candidates"], seen["target"] = k, result["candidates"], target
-        return [{"rank": i + 1, "mesh": c["mesh"], "strategy": c["strategy"], "predicted": {}, "compiled": {},
-                 "target_peak": 0, "fits_compiled": i == 1} for i, c in enumerate(result["candidates"][:k])]
+        return [
+            {
+                "rank": i + 1,
+                "mesh": c["mesh"],
+                "strategy": c["strategy"],
+                "predicted": {},
+                "compiled": {},
+                "target_peak": 0,
+                "fits_compiled": i == 1,
+            }
+            for i, c in enumerate(result["candidates"][:k])
+        ]
+
     monkeypatch.setattr(dryrun, "verify", fake)
     out = tmp_path / "p.yaml"
     argv = ["plan", "--devices", "8", "--json", "--verify", "2", "--out", str(out), "model.layers=2"]
@@ -249,15 +371,17 @@ def test_verify_of_a_bf16_plan_judges_the_target_not_the_cpu_upcast():
     and lands nearer the target's prediction."""
     from meshpar.plan.dryrun import verify
     from meshpar.plan.search import estimate
+
     over = ["model.layers=2", "batch.global_size=32", "batch.length=512"]
     result = plan(load_config(None, over), 8, load_hardware("h100"), ["dp"])
     row = verify(result, None, over, 1)[0]
     pred, peak = result["candidates"][0]["memory"]["total"], row["compiled"]["memory"]["peak_estimate"]
-    on_cpu = estimate(load_config(None, over + result["candidates"][0]["overrides"] + ["precision=fp32"]),
-                      compiler="cpu")["memory"]["total"]
+    on_cpu = estimate(
+        load_config(None, over + result["candidates"][0]["overrides"] + ["precision=fp32"]), compiler="cpu"
+    )["memory"]["total"]
     assert row["target_peak"] == pytest.approx(peak * pred / on_cpu, rel=1e-6)
     assert abs(row["target_peak"] / pred - 1) < abs(peak / pred - 1) and row["target_peak"] < peak
-    assert row["predicted"]["memory"]["total"] == pytest.approx(on_cpu, rel=1e-6)   # shown: what XLA:CPU compiles
+    assert row["predicted"]["memory"]["total"] == pytest.approx(on_cpu, rel=1e-6)  # shown: what XLA:CPU compiles
 
 
 def test_winner_yaml_is_a_config_train_accepts(tmp_path):
@@ -273,13 +397,34 @@ def test_winner_yaml_is_a_config_train_accepts(tmp_path):
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "meshpar.cli", "plan", *args], capture_output=True, text=True,
-                          cwd=REPO, env={**os.environ, "XLA_FLAGS": ""}, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "meshpar.cli", "plan", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "XLA_FLAGS": ""},
+        timeout=600,
+    )
 
 
 def test_verify_compiles_the_top_plan_on_16_fake_devices(tmp_path):
-    run = _cli("--devices", "16", "--hardware", "h100", "--verify", "1", "--json", "--out", str(tmp_path / "p.yaml"),
-               "precision=fp32", "model.layers=2", "batch.global_size=32", "batch.length=32", "--strategies", "dp,fsdp")
+    run = _cli(
+        "--devices",
+        "16",
+        "--hardware",
+        "h100",
+        "--verify",
+        "1",
+        "--json",
+        "--out",
+        str(tmp_path / "p.yaml"),
+        "precision=fp32",
+        "model.layers=2",
+        "batch.global_size=32",
+        "batch.length=32",
+        "--strategies",
+        "dp,fsdp",
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads(run.stdout)
     row = result["verify"][0]
@@ -290,14 +435,18 @@ def test_verify_compiles_the_top_plan_on_16_fake_devices(tmp_path):
     assert load_config(tmp_path / "p.yaml").devices == 16
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--hardware", "h10"], "unknown hardware 'h10' (did you mean 'h100'?)"),
-    (["--devices", "12"], "--devices 12 cannot be formed from h100 nodes of 8"),
-    (["--strategies", "dp,fdsp"], "unknown strategy 'fdsp' in --strategies (did you mean 'fsdp'?)"),
-    (["--devices", "1", "model.size=7b", "batch.length=2048"], "fits on no plan of 1 h100: the smallest needs"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--hardware", "h10"], "unknown hardware 'h10' (did you mean 'h100'?)"),
+        (["--devices", "12"], "--devices 12 cannot be formed from h100 nodes of 8"),
+        (["--strategies", "dp,fdsp"], "unknown strategy 'fdsp' in --strategies (did you mean 'fsdp'?)"),
+        (["--devices", "1", "model.size=7b", "batch.length=2048"], "fits on no plan of 1 h100: the smallest needs"),
+    ],
+)
 def test_bad_input_is_one_line(capsys, args, message):
     from meshpar.cli import main
+
     argv = ["plan", "--devices", "8", "--out", "-", *args]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
@@ -306,6 +455,7 @@ def test_bad_input_is_one_line(capsys, args, message):
 
 def test_a_hardware_file_is_read_with_its_time_keys_and_a_bad_latency_is_one_line(tmp_path):
     from meshpar.core.errors import ConfigError
+
     keys = "peak_flops: 1e15\nmemory_bytes: 8e10\ndomain: 8\nici_bw: 4e11\ndcn_bw: 5e10\n"
     good = tmp_path / "gpu.yaml"
     good.write_text(keys + "hbm_bw: 3e12\nlatency: [1e-5, 2e-6, 8e-6]\n")
@@ -322,18 +472,35 @@ def test_plan_modules_sit_on_their_floor():
     serving, the launcher or the CLI (the layers themselves: tests/test_layout.py), and the hardware
     presets import nothing but the errors."""
     import ast
-    above = {"meshpar.train.loop", "meshpar.io.checkpoint", "meshpar.train.metrics", "meshpar.serve", "meshpar.cli",
-             "meshpar.models", "meshpar.runtime.launch"}
+
+    above = {
+        "meshpar.train.loop",
+        "meshpar.io.checkpoint",
+        "meshpar.train.metrics",
+        "meshpar.serve",
+        "meshpar.cli",
+        "meshpar.models",
+        "meshpar.runtime.launch",
+    }
     for name in ("hardware", "costmodel", "search", "dryrun"):
         tree = ast.parse((REPO / "meshpar" / "plan" / f"{name}.py").read_text())
         for node in ast.walk(tree):
-            mods = ([a.name for a in node.names] if isinstance(node, ast.Import) else
-                    [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            mods = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             for m in mods:
                 assert not any(m == a or m.startswith(a + ".") for a in above), (name, m)
         if name == "hardware":
-            assert all(not (m.startswith("meshpar.") and m != "meshpar.core.errors")
-                       for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) for m in [node.module or ""])
+            assert all(
+                not (m.startswith("meshpar.") and m != "meshpar.core.errors")
+                for node in ast.walk(tree)
+                if isinstance(node, ast.ImportFrom)
+                for m in [node.module or ""]
+            )
 
 
 def test_embed_and_heads_imply_head_dim_for_every_command():
@@ -345,11 +512,20 @@ def test_embed_and_heads_imply_head_dim_for_every_command():
     from meshpar.core.precision import get_policy
     from meshpar.core.registry import default_model
     from meshpar.core.sharding import model_spec
-    dims = ["model.layers=2", "model.embed=1024", "model.heads=16", "model.kv_heads=16", "model.mlp=4096",
-            "model.vocab=32000", "batch.global_size=8", "batch.length=512"]
+
+    dims = [
+        "model.layers=2",
+        "model.embed=1024",
+        "model.heads=16",
+        "model.kv_heads=16",
+        "model.mlp=4096",
+        "model.vocab=32000",
+        "batch.global_size=8",
+        "batch.length=512",
+    ]
     implied, explicit = (ModelFacts.from_config(load_config(None, dims + x)) for x in ([], ["model.head_dim=64"]))
     assert implied.dims["head_dim"] == 64 and implied.params == explicit.params
-    assert abs(implied.params / 1e9 - 0.0991) < 5e-4          # the issue's `meshpar plan` figure
+    assert abs(implied.params / 1e9 - 0.0991) < 5e-4  # the issue's `meshpar plan` figure
     for name in ("decoder", "moe"):
         cfg = load_config(None, ["model.name=" + name, "model.embed=96", "model.heads=4", "model.kv_heads=2"])
         assert model_spec(default_model(cfg), get_policy(cfg.precision)).model_config.head_dim == 24, name

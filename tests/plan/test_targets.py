@@ -5,6 +5,7 @@ The compilers are installed once into their own folder (`meshpar compilers --ins
 PyPI) if they are not there; only where that install fails does this file skip, with one line.
 Every program is compiled once (module fixtures) and asserted on many times.
 """
+
 import json
 import subprocess
 import sys
@@ -29,11 +30,13 @@ def _compilers():
 
 def _target(name):
     from meshpar.plan.target import resolve
+
     return resolve(name, 8)
 
 
 def _report(target, *overrides):
     from meshpar.plan.program import report
+
     return report(load_config(None, TINY + list(overrides)), target)
 
 
@@ -61,7 +64,7 @@ def test_the_targets_are_the_real_devices(h100, v5p):
     assert len(h100.devices) == 8 and {d.device_kind for d in h100.devices} == {"NVIDIA H100 80GB HBM3"}
     assert h100.topology == "1x1x8" and h100.platform == "gpu"
     assert len(v5p.devices) == 8 and {d.device_kind for d in v5p.devices} == {"TPU v5"}
-    assert v5p.topology == "v5p:2x2x2"     # a 2x2x2 cube of chips, with their torus coordinates
+    assert v5p.topology == "v5p:2x2x2"  # a 2x2x2 cube of chips, with their torus coordinates
     assert sorted(tuple(d.coords) for d in v5p.devices) == [(x, y, z) for x in (0, 1) for y in (0, 1) for z in (0, 1)]
 
 
@@ -70,9 +73,9 @@ def test_every_preset_compiles_for_h100_with_cudnn_attention(gpu_presets, preset
     rep = gpu_presets[preset]
     t = rep["target"]
     assert t["device_kind"] == "NVIDIA H100 80GB HBM3" and t["fits"] and 0 < t["peak_bytes"] < 80e9
-    assert {"cudnn:fmhaSoftmax", "cudnn:fmhaSoftmaxBackward"} <= set(t["kernels"])   # auto -> cuDNN fused attention
+    assert {"cudnn:fmhaSoftmax", "cudnn:fmhaSoftmaxBackward"} <= set(t["kernels"])  # auto -> cuDNN fused attention
     kinds = rep["collectives"]["summary"]
-    if preset in ("fsdp", "fsdp_tp", "zero1"):   # XLA:GPU emits a real reduce-scatter, not all-reduce + slice
+    if preset in ("fsdp", "fsdp_tp", "zero1"):  # XLA:GPU emits a real reduce-scatter, not all-reduce + slice
         rs = [op for op in rep["collectives"]["ops"] if op["kind"] == "reduce-scatter"]
         assert rs and not any(op.get("lowered_as") for op in rs)
     if preset in ("fsdp", "fsdp_tp"):
@@ -86,8 +89,11 @@ def test_every_preset_compiles_for_tpu_v5p_with_splash_attention(tpu_presets, pr
     t = tpu_presets[preset]["target"]
     assert t["device_kind"] == "TPU v5" and t["fits"]
     # auto -> splash (Mosaic kernels, forward and both backward passes), each device on its own rows and heads
-    assert {"mosaic:splash_mqa_fwd_residuals", "mosaic:splash_mqa_dq_no_residuals",
-            "mosaic:splash_mqa_dkv_no_residuals"} <= set(t["kernels"])
+    assert {
+        "mosaic:splash_mqa_fwd_residuals",
+        "mosaic:splash_mqa_dq_no_residuals",
+        "mosaic:splash_mqa_dkv_no_residuals",
+    } <= set(t["kernels"])
     assert t["cost"]["flops"] > 0
 
 
@@ -99,34 +105,63 @@ def test_the_target_memory_is_the_targets_own_not_the_cpu_upcast(gpu_presets, h1
 
 def test_the_schedule_shows_which_collectives_compute_hides(gpu_presets):
     ov = gpu_presets["fsdp"]["target"]["overlap"]
-    assert ov["hidden_bytes"] > 0                                # XLA:GPU's latency-hiding scheduler at work
-    assert sum(d["ops"] for d in ov["by_kind"].values()) >= gpu_presets["fsdp"]["collectives"]["summary"]["all-gather"]["count"] / 4
+    assert ov["hidden_bytes"] > 0  # XLA:GPU's latency-hiding scheduler at work
+    assert (
+        sum(d["ops"] for d in ov["by_kind"].values())
+        >= gpu_presets["fsdp"]["collectives"]["summary"]["all-gather"]["count"] / 4
+    )
 
 
 @pytest.mark.parametrize("name, schedule", [("h100", "1f1b"), ("tpu-v5p", "gpipe")])
 def test_pipelines_compile_for_both_targets(h100, v5p, name, schedule):
     target = h100 if name == "h100" else v5p
-    rep = _report(target, "mesh.pipeline=2", "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=2", "strategy=fsdp_tp",
-                  f"pipeline.schedule={schedule}", "pipeline.microbatches=4", "batch.global_size=16")
-    assert rep["collectives"]["summary"]["collective-permute"]["bytes"] > 0     # activations between the stages
+    rep = _report(
+        target,
+        "mesh.pipeline=2",
+        "mesh.data=2",
+        "mesh.fsdp=1",
+        "mesh.tensor=2",
+        "strategy=fsdp_tp",
+        f"pipeline.schedule={schedule}",
+        "pipeline.microbatches=4",
+        "batch.global_size=16",
+    )
+    assert rep["collectives"]["summary"]["collective-permute"]["bytes"] > 0  # activations between the stages
     assert rep["target"]["fits"]
-    assert not any(k.startswith(("cudnn:", "mosaic:splash")) for k in rep["target"]["kernels"])   # xla/flash in stages
+    assert not any(k.startswith(("cudnn:", "mosaic:splash")) for k in rep["target"]["kernels"])  # xla/flash in stages
     assert any("inside pipeline stages uses flash (xla below 1024 keys), not" in w for w in rep["warnings"])
 
 
 @pytest.mark.parametrize("name, strategy", [("h100", "all_gather"), ("tpu-v5p", "ring")])
 def test_context_parallelism_compiles_for_both_targets(h100, v5p, name, strategy):
     target = h100 if name == "h100" else v5p
-    rep = _report(target, "mesh.context=4", "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=1", "model.attention=flash",
-                  f"model.context_strategy={strategy}", "batch.length=512")
+    rep = _report(
+        target,
+        "mesh.context=4",
+        "mesh.data=2",
+        "mesh.fsdp=1",
+        "mesh.tensor=1",
+        "model.attention=flash",
+        f"model.context_strategy={strategy}",
+        "batch.length=512",
+    )
     kinds = rep["collectives"]["summary"]
     assert "context" in kinds["all-gather" if strategy == "all_gather" else "collective-permute"]["axes"]
 
 
 def test_dropless_moe_over_expert_uses_ragged_all_to_all_on_h100_and_gathers_no_expert_weights(h100):
-    rep = _report(h100, "model.name=moe", "mesh.expert=8", "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1",
-                  "strategy=dp", "moe.num_experts=8", "moe.capacity_factor=null")
-    assert rep["target"]["kernels"]["ragged-all-to-all"] >= 4     # dispatch and return, forward and backward
+    rep = _report(
+        h100,
+        "model.name=moe",
+        "mesh.expert=8",
+        "mesh.data=1",
+        "mesh.fsdp=1",
+        "mesh.tensor=1",
+        "strategy=dp",
+        "moe.num_experts=8",
+        "moe.capacity_factor=null",
+    )
+    assert rep["target"]["kernels"]["ragged-all-to-all"] >= 4  # dispatch and return, forward and backward
     assert any(k.startswith("triton:") or k.startswith("cublas:") for k in rep["target"]["kernels"])
     # tokens travel, weights stay: no all-gather over the expert axis
     assert not any(op["kind"] == "all-gather" and "expert" in op["axes"] for op in rep["collectives"]["ops"])
@@ -136,6 +171,7 @@ def test_dropless_moe_over_expert_uses_ragged_all_to_all_on_h100_and_gathers_no_
 @pytest.mark.parametrize("name", ["h100", "tpu-v5p"])
 def test_the_serving_decode_step_compiles_for_both_targets(h100, v5p, name):
     from meshpar.plan.program import serve_report
+
     target = h100 if name == "h100" else v5p
     rep = serve_report(load_config(None, ["precision=bf16", "serve.slots=8", "serve.cache_length=512"]), target)
     assert rep["target"]["device_kind"] == target.devices[0].device_kind and rep["target"]["fits"]
@@ -150,6 +186,7 @@ def test_a_users_pipelined_vit_compiles_for_h100(h100):
     from pathlib import Path
 
     from meshpar.plan.program import report
+
     vit = Path(__file__).resolve().parents[2] / "examples" / "vit.yaml"
     rep = report(load_config(str(vit), ["mesh.pipeline=2", "mesh.fsdp=1", "precision=bf16"]), h100)
     assert rep["target"]["fits"] and rep["collectives"]["summary"]["collective-permute"]["bytes"] > 0
@@ -163,26 +200,43 @@ def _cli(*args):
 
 def test_inspect_json_target_end_to_end():
     """The issue's own command, at 1b and 4096 tokens: H100s, the peak under 80 GB, cuDNN attention."""
-    out = _cli("inspect", "--json", "--target", "h100", "--devices", "8", "model.size=1b", "batch.length=4096",
-               "batch.global_size=8", "strategy=fsdp")
+    out = _cli(
+        "inspect",
+        "--json",
+        "--target",
+        "h100",
+        "--devices",
+        "8",
+        "model.size=1b",
+        "batch.length=4096",
+        "batch.global_size=8",
+        "strategy=fsdp",
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     t = json.loads(out.stdout)["target"]
     assert t["devices"] == 8 and t["device_kind"] == "NVIDIA H100 80GB HBM3" and t["peak_bytes"] < 80e9 and t["fits"]
     assert any(k.startswith("cudnn:fmha") for k in t["kernels"]) and t["compile_s"] > 0
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--target", "h10"], "unknown hardware 'h10' (did you mean 'h100'?)"),
-    (["--target", "h100", "--devices", "12"], "--devices 12 cannot be formed from h100 nodes of 8"),
-    (["--target", "tpu-v5p", "--devices", "2"], "a deviceless tpu-v5p slice holds a power of two chips, at least one host of 4"),
-    (["--target", "tpu-v5p", "--topology", "2x2"], "--topology '2x2' is not a shape"),
-    (["--topology", "1x1x8"], "--topology and --slices describe a --target"),
-    (["--target", "tpu-v5p", "--slices", "0"], "--slices must be >= 1, got 0"),
-    (["--target", "h100", "--topology", "1x2x8"], "--topology 1x2x8 holds 16 GPUs, not --devices 8"),
-    (["--target", "h100", "model.attention=splash"], "model.attention=splash needs a TPU (this backend is gpu"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--target", "h10"], "unknown hardware 'h10' (did you mean 'h100'?)"),
+        (["--target", "h100", "--devices", "12"], "--devices 12 cannot be formed from h100 nodes of 8"),
+        (
+            ["--target", "tpu-v5p", "--devices", "2"],
+            "a deviceless tpu-v5p slice holds a power of two chips, at least one host of 4",
+        ),
+        (["--target", "tpu-v5p", "--topology", "2x2"], "--topology '2x2' is not a shape"),
+        (["--topology", "1x1x8"], "--topology and --slices describe a --target"),
+        (["--target", "tpu-v5p", "--slices", "0"], "--slices must be >= 1, got 0"),
+        (["--target", "h100", "--topology", "1x2x8"], "--topology 1x2x8 holds 16 GPUs, not --devices 8"),
+        (["--target", "h100", "model.attention=splash"], "model.attention=splash needs a TPU (this backend is gpu"),
+    ],
+)
 def test_bad_target_input_is_one_line(capsys, args, message):
     from meshpar.cli import main
+
     code = main(["inspect", *args])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and err and message in err[-1], err
@@ -191,20 +245,28 @@ def test_bad_target_input_is_one_line(capsys, args, message):
 def test_a_compiler_refusal_is_one_line_with_the_config(h100):
     from meshpar.core.errors import MeshparError
     from meshpar.plan.target import compile_errors
+
     with pytest.raises(MeshparError) as e:
         with compile_errors(h100, ["strategy=fsdp", "mesh.tensor=2"]):
             raise RuntimeError("INTERNAL: RET_CHECK failure (xla/service/spmd.cc:1) bad\nstack frames ...")
-    assert str(e.value) == ("the h100 compiler refused this step (RuntimeError: INTERNAL: RET_CHECK failure "
-                            "(xla/service/spmd.cc:1) bad); config: strategy=fsdp mesh.tensor=2")
+    assert str(e.value) == (
+        "the h100 compiler refused this step (RuntimeError: INTERNAL: RET_CHECK failure "
+        "(xla/service/spmd.cc:1) bad); config: strategy=fsdp mesh.tensor=2"
+    )
 
 
 def test_a_missing_compiler_names_the_command_that_installs_it(tmp_path, monkeypatch):
     monkeypatch.setenv("MESHPAR_COMPILERS", str(tmp_path))
     out = _cli("inspect", "--target", "tpu-v5p")
     assert out.returncode == 2
-    assert out.stderr.strip().splitlines()[-1].endswith(
-        f"the TPU compiler is not installed in {tmp_path}: run `meshpar compilers --install tpu` once "
-        "(it downloads about 0.2 GB from PyPI)")
+    assert (
+        out.stderr.strip()
+        .splitlines()[-1]
+        .endswith(
+            f"the TPU compiler is not installed in {tmp_path}: run `meshpar compilers --install tpu` once "
+            "(it downloads about 0.2 GB from PyPI)"
+        )
+    )
 
 
 @pytest.mark.parametrize("remat", ["none", "full"])
@@ -215,12 +277,25 @@ def test_the_planner_counts_what_the_h100_compile_keeps(h100, remat):
     plan at 68 GiB that needed 95 GiB and ran out of memory on a real H100 (bench/RESULTS.md)."""
     from meshpar.plan.program import report
     from meshpar.plan.search import estimate
-    cfg = load_config(None, ["precision=bf16", "model.size=125m", "batch.length=1024", "batch.global_size=16",
-                             "strategy=fsdp", "mesh.data=1", "mesh.fsdp=8", "mesh.tensor=1", f"model.remat={remat}"])
+
+    cfg = load_config(
+        None,
+        [
+            "precision=bf16",
+            "model.size=125m",
+            "batch.length=1024",
+            "batch.global_size=16",
+            "strategy=fsdp",
+            "mesh.data=1",
+            "mesh.fsdp=8",
+            "mesh.tensor=1",
+            f"model.remat={remat}",
+        ],
+    )
     cfg.devices = 8
     compiled = report(cfg, h100)["target"]["peak_bytes"]
     predicted = estimate(cfg, h100.hardware)["memory"]["total"]
-    assert 0.92 < predicted / compiled < 1.1, (predicted / 2 ** 20, compiled / 2 ** 20)
+    assert 0.92 < predicted / compiled < 1.1, (predicted / 2**20, compiled / 2**20)
 
 
 def test_a_full_v5p_cube_is_a_torus_and_gathers_fsdp_weights_with_all_gather():
@@ -228,9 +303,10 @@ def test_a_full_v5p_cube_is_a_torus_and_gathers_fsdp_weights_with_all_gather():
     MaxText's accelerator map). Without them libtpu lowered FSDP's weight gathers as
     dynamic-update-slice + all-reduce, twice the bytes on the wire (bench/RESULTS.md, issue 43)."""
     from meshpar.plan.target import resolve, tpu_wrap
+
     assert tpu_wrap((4, 4, 4)) == (True,) * 3 and tpu_wrap((2, 2, 4)) == (False,) * 3
     assert tpu_wrap((8, 16)) == (False, True, False) and tpu_wrap((16, 16)) == (True, True, False)
-    assert len(resolve("tpu-v5e", 256).devices) == 256          # a 2D pod's wrap as libtpu takes it
+    assert len(resolve("tpu-v5e", 256).devices) == 256  # a 2D pod's wrap as libtpu takes it
     cube = resolve("tpu-v5p", 64)
     rep = _report(cube, "strategy=fsdp", "mesh.data=1", "mesh.fsdp=64", "mesh.tensor=1", "batch.global_size=64")
     kinds = rep["collectives"]["summary"]
@@ -244,6 +320,7 @@ def test_a_users_libtpu_is_the_compiler_and_is_named(tmp_path, monkeypatch):
     by a child process, is not mistaken for the user's."""
     from meshpar.core.errors import MeshparError
     from meshpar.runtime import compilers
+
     (tmp_path / "libtpu").mkdir()
     (tmp_path / "libtpu" / "libtpu.so").write_bytes(b"")
     (tmp_path / "libtpu-9.9.9.dist-info").mkdir()
@@ -268,14 +345,18 @@ def test_the_head_weight_is_gathered_after_the_layer_stack_not_held_across_it(v5
 
     from meshpar.plan.program import compile_with_live_ranges
     from meshpar.train.step import trainer_for
-    cfg = load_config(None, TINY + ["strategy=fsdp", "model.vocab=4096", "model.layers=4", "mesh.data=1", "mesh.fsdp=8",
-                                    "mesh.tensor=1"])
+
+    cfg = load_config(
+        None,
+        TINY + ["strategy=fsdp", "model.vocab=4096", "model.layers=4", "mesh.data=1", "mesh.fsdp=8", "mesh.tensor=1"],
+    )
     compiled, _, live = compile_with_live_ranges(v5p, trainer_for(cfg, devices=v5p.devices))
     hlo = compiled.as_text()
-    gather = next(m.group(1) for m in re.finditer(r"%(all-gather[.\d]*) = bf16\[(\d+),(\d+)\]", hlo)
-                  if "4096" in m.group(2, 3))                                  # [E, V], V = 4096
+    gather = next(
+        m.group(1) for m in re.finditer(r"%(all-gather[.\d]*) = bf16\[(\d+),(\d+)\]", hlo) if "4096" in m.group(2, 3)
+    )  # [E, V], V = 4096
     start = int(re.search(rf"^\s*{re.escape(gather)}\{{\}}:(\d+)-\d+$", live, re.M).group(1))
-    loop = int(re.search(r"^\s*(\d+):while[.\d]*$", live, re.M).group(1))   # the forward loop comes first
+    loop = int(re.search(r"^\s*(\d+):while[.\d]*$", live, re.M).group(1))  # the forward loop comes first
     assert start > loop
 
 

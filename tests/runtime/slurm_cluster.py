@@ -14,6 +14,7 @@ the installed SLURM still ships it (22.05 does), else a private `munged` on its 
 The clients (`sbatch`, `srun` inside jobs, `scontrol`) find this cluster through SLURM_CONF, which
 `env` sets and jobs inherit.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,8 +27,12 @@ from pathlib import Path
 
 from meshpar.runtime.launch import free_port
 
-PLUGIN_DIRS = ("/usr/lib/x86_64-linux-gnu/slurm-wlm", "/usr/lib/aarch64-linux-gnu/slurm-wlm", "/usr/lib64/slurm",
-               "/usr/lib/slurm")
+PLUGIN_DIRS = (
+    "/usr/lib/x86_64-linux-gnu/slurm-wlm",
+    "/usr/lib/aarch64-linux-gnu/slurm-wlm",
+    "/usr/lib64/slurm",
+    "/usr/lib/slurm",
+)
 
 
 def unavailable() -> str | None:
@@ -54,7 +59,7 @@ class SlurmCluster:
 
     # -- set-up ------------------------------------------------------------------------------------
     @classmethod
-    def start(cls, root: Path, kill_wait_s: int = 30) -> "SlurmCluster":
+    def start(cls, root: Path, kill_wait_s: int = 30) -> SlurmCluster:
         cluster = cls(Path(root))
         try:
             cluster._start(kill_wait_s)
@@ -67,29 +72,42 @@ class SlurmCluster:
         for d in ("state", "spool", "log"):
             (self.root / d).mkdir(parents=True, exist_ok=True)
         auth = self._auth()
-        self.conf.write_text("\n".join([
-            "ClusterName=meshpartest",
-            f"SlurmctldHost={self.node}(127.0.0.1)",
-            f"SlurmctldPort={free_port()}",
-            f"SlurmdPort={free_port()}",
-            *auth,
-            "SlurmUser=root", "SlurmdUser=root",
-            f"StateSaveLocation={self.root / 'state'}",
-            f"SlurmdSpoolDir={self.root / 'spool'}",
-            f"SlurmctldPidFile={self.root / 'slurmctld.pid'}",
-            f"SlurmdPidFile={self.root / 'slurmd.pid'}",
-            f"SlurmctldLogFile={self.root / 'log' / 'slurmctld.log'}",
-            f"SlurmdLogFile={self.root / 'log' / 'slurmd.log'}",
-            "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none",
-            "SelectType=select/cons_tres", "SelectTypeParameters=CR_CPU",
-            "MpiDefault=none", "ReturnToService=2", "JobRequeue=1",
-            f"KillWait={kill_wait_s}", "MinJobAge=600",
-            "SchedulerParameters=sched_interval=1",
-            f"NodeName={self.node} NodeAddr=127.0.0.1 CPUs={os.cpu_count()} State=UNKNOWN",
-            f"PartitionName=test Nodes={self.node} Default=YES MaxTime=INFINITE State=UP",
-        ]) + "\n")
-        for daemon in (["slurmctld", "-D", "-i", "-f", str(self.conf)],
-                       ["slurmd", "-D", "-N", self.node, "-f", str(self.conf)]):
+        self.conf.write_text(
+            "\n".join(
+                [
+                    "ClusterName=meshpartest",
+                    f"SlurmctldHost={self.node}(127.0.0.1)",
+                    f"SlurmctldPort={free_port()}",
+                    f"SlurmdPort={free_port()}",
+                    *auth,
+                    "SlurmUser=root",
+                    "SlurmdUser=root",
+                    f"StateSaveLocation={self.root / 'state'}",
+                    f"SlurmdSpoolDir={self.root / 'spool'}",
+                    f"SlurmctldPidFile={self.root / 'slurmctld.pid'}",
+                    f"SlurmdPidFile={self.root / 'slurmd.pid'}",
+                    f"SlurmctldLogFile={self.root / 'log' / 'slurmctld.log'}",
+                    f"SlurmdLogFile={self.root / 'log' / 'slurmd.log'}",
+                    "ProctrackType=proctrack/linuxproc",
+                    "TaskPlugin=task/none",
+                    "SelectType=select/cons_tres",
+                    "SelectTypeParameters=CR_CPU",
+                    "MpiDefault=none",
+                    "ReturnToService=2",
+                    "JobRequeue=1",
+                    f"KillWait={kill_wait_s}",
+                    "MinJobAge=600",
+                    "SchedulerParameters=sched_interval=1",
+                    f"NodeName={self.node} NodeAddr=127.0.0.1 CPUs={os.cpu_count()} State=UNKNOWN",
+                    f"PartitionName=test Nodes={self.node} Default=YES MaxTime=INFINITE State=UP",
+                ]
+            )
+            + "\n"
+        )
+        for daemon in (
+            ["slurmctld", "-D", "-i", "-f", str(self.conf)],
+            ["slurmd", "-D", "-N", self.node, "-f", str(self.conf)],
+        ):
             log = open(self.root / "log" / f"{daemon[0]}.out", "w")  # noqa: SIM115 - the daemon holds it
             p = subprocess.Popen(daemon, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             self.pids.append(p.pid)
@@ -104,13 +122,24 @@ class SlurmCluster:
     def _auth(self) -> list[str]:
         if _plugin("auth_none") and _plugin("cred_none"):
             return ["AuthType=auth/none", "CredType=cred/none"]
-        socket_path, key = self.root / "munge.socket", self.root / "munge.key"   # a private munged
+        socket_path, key = self.root / "munge.socket", self.root / "munge.key"  # a private munged
         key.write_bytes(os.urandom(1024))
         key.chmod(0o400)
-        p = subprocess.Popen(["munged", "--force", "-F", f"--socket={socket_path}", f"--key-file={key}",
-                              f"--pid-file={self.root / 'munged.pid'}", f"--log-file={self.root / 'log' / 'munged.log'}",
-                              f"--seed-file={self.root / 'munge.seed'}"], start_new_session=True,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        p = subprocess.Popen(
+            [
+                "munged",
+                "--force",
+                "-F",
+                f"--socket={socket_path}",
+                f"--key-file={key}",
+                f"--pid-file={self.root / 'munged.pid'}",
+                f"--log-file={self.root / 'log' / 'munged.log'}",
+                f"--seed-file={self.root / 'munge.seed'}",
+            ],
+            start_new_session=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         self.pids.append(p.pid)
         return ["AuthType=auth/munge", "CredType=cred/munge", f"AuthInfo=socket={socket_path}"]
 
@@ -156,8 +185,11 @@ class SlurmCluster:
     def _processes(self, jobs_only: bool = False) -> list[int]:
         """Processes of this cluster other than its daemons: slurmstepd and the jobs' processes (their
         environment holds its SLURM_CONF; `jobs_only`: those with a SLURM_JOB_ID)."""
-        return [pid for pid, env, _ in self._environs() if pid not in self.pids
-                and (not jobs_only or any(v.startswith(b"SLURM_JOB_ID=") for v in env))]
+        return [
+            pid
+            for pid, env, _ in self._environs()
+            if pid not in self.pids and (not jobs_only or any(v.startswith(b"SLURM_JOB_ID=") for v in env))
+        ]
 
     def task_pid(self, job_id: int, rank: int) -> int:
         """The pid of task `rank` of the job's first step (`srun`'s meshpar process)."""
@@ -190,8 +222,14 @@ class SlurmCluster:
 
     def sbatch(self, args: list[str], cwd: Path, env: dict | None = None) -> int:
         """Submit; the job id. `env` adds to the cluster's environment (SLURM_CONF)."""
-        r = subprocess.run(["sbatch", "--parsable", *args], env={**self.env, **(env or {})}, cwd=cwd,
-                           capture_output=True, text=True, timeout=60)
+        r = subprocess.run(
+            ["sbatch", "--parsable", *args],
+            env={**self.env, **(env or {})},
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         if r.returncode:
             raise RuntimeError(f"sbatch {' '.join(args)}: {r.stderr.strip()}")
         return int(r.stdout.strip().split(";")[0])
@@ -209,5 +247,7 @@ class SlurmCluster:
             if info.get("JobState") in until:
                 return info
             if time.monotonic() > deadline:
-                raise TimeoutError(f"job {job_id} still {info.get('JobState')} ({info.get('Reason')}) after {timeout} s")
+                raise TimeoutError(
+                    f"job {job_id} still {info.get('JobState')} ({info.get('Reason')}) after {timeout} s"
+                )
             time.sleep(poll_s)

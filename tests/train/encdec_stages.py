@@ -10,6 +10,7 @@ of two lengths, (y [b, T, E], {"enc": [b, S, E], "mask": bool [b, S]}) with S !=
 the output head [E, V]; `tied`: that pytree, post pools a token per row (a gather in post) and the
 loss applies the embedding table [V, E] itself.
 """
+
 import json
 import os
 import sys
@@ -40,7 +41,7 @@ class Block(nnx.Module):
         self.o = meshpar.param(rngs, (E, E), ("mlp", "embed"), 0.2)
 
     def __call__(self, x):
-        if not isinstance(x, tuple):                 # variant `array`: y attends to itself
+        if not isinstance(x, tuple):  # variant `array`: y attends to itself
             return self((x, {"enc": x, "mask": jnp.ones(x.shape[:2], bool)}))[0]
         y, side = x
         enc = side["enc"] + jnp.tanh(side["enc"] @ self.up[...]) @ self.down[...]
@@ -70,7 +71,7 @@ class EncDec(nnx.Module):
         y = x if self.variant == "array" else x[0]
         if self.variant in ("array", "head"):
             return y @ self.head[...]
-        pick = jnp.argmax(y[..., 0], axis=1)                       # one token per row
+        pick = jnp.argmax(y[..., 0], axis=1)  # one token per row
         return y + jnp.take_along_axis(y, pick[:, None, None], axis=1)
 
     def loss(self, outputs, batch):
@@ -84,14 +85,24 @@ def trainer(variant: str, schedule: str | None):
     mesh = {"pipeline": 2, "data": 2, "tensor": 2} if schedule else {}
     items = [f"mesh.{a}={mesh.get(a, 1)}" for a in ("data", "fsdp", "tensor", "pipeline", "expert", "context")]
     if schedule:
-        items += [f"pipeline.schedule={schedule}", "pipeline.microbatches=2",
-                  f"pipeline.virtual_stages={2 if schedule == 'interleaved' else 1}"]
-    cfg = load_config(None, ["precision=fp32", f"model.layers={L}", f"batch.global_size={B}", f"batch.length={T}",
-                             *items])
-    spec = {k: meshpar.Leaf((B, n), np.int32, ("batch", "length")) for k, n in (("src", S), ("tgt_in", T),
-                                                                                ("tgt_out", T))}
-    return meshpar.Trainer(cfg, devices=jax.devices()[:8 if schedule else 1], model=lambda r: EncDec(variant, r),
-                           loss=meshpar.stage_loss, batch_spec=spec)
+        items += [
+            f"pipeline.schedule={schedule}",
+            "pipeline.microbatches=2",
+            f"pipeline.virtual_stages={2 if schedule == 'interleaved' else 1}",
+        ]
+    cfg = load_config(
+        None, ["precision=fp32", f"model.layers={L}", f"batch.global_size={B}", f"batch.length={T}", *items]
+    )
+    spec = {
+        k: meshpar.Leaf((B, n), np.int32, ("batch", "length")) for k, n in (("src", S), ("tgt_in", T), ("tgt_out", T))
+    }
+    return meshpar.Trainer(
+        cfg,
+        devices=jax.devices()[: 8 if schedule else 1],
+        model=lambda r: EncDec(variant, r),
+        loss=meshpar.stage_loss,
+        batch_spec=spec,
+    )
 
 
 def grads(tr, params, batch):
@@ -103,8 +114,10 @@ def grads(tr, params, batch):
 
 
 def rel(a, b) -> float:
-    num = sum(float(np.sum((np.asarray(x, np.float64) - np.asarray(y, np.float64)) ** 2))
-              for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    num = sum(
+        float(np.sum((np.asarray(x, np.float64) - np.asarray(y, np.float64)) ** 2))
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+    )
     return (num / sum(float(np.sum(np.asarray(y, np.float64) ** 2)) for y in jax.tree.leaves(b))) ** 0.5
 
 
@@ -112,8 +125,11 @@ def main(variant: str, schedules: list[str]) -> dict:
     ref = trainer(variant, None)
     params = jax.device_get(ref.init()["params"])
     rng = np.random.default_rng(0)
-    batch = {"src": rng.integers(0, V, (B, S)), "tgt_in": rng.integers(0, V, (B, T)),
-             "tgt_out": rng.integers(0, V, (B, T))}
+    batch = {
+        "src": rng.integers(0, V, (B, S)),
+        "tgt_in": rng.integers(0, V, (B, T)),
+        "tgt_out": rng.integers(0, V, (B, T)),
+    }
     batch = {k: v.astype(np.int32) for k, v in batch.items()}
     loss0, metrics0, grads0 = grads(ref, params, batch)
     out = {"one device": {"loss": loss0, "metrics": metrics0}}

@@ -4,14 +4,15 @@ One compile per strategy (module fixture), fp32, remat off (so the backward's co
 strategy's own, not a recomputed forward's). Bytes are whole-tensor sizes per step, loop trip
 counts applied (meshpar.plan.inspect). BLE = batch x length x embed activation bytes.
 """
+
 import math
 
 import jax
 import numpy as np
 import pytest
 
-from meshpar.plan import inspect as I
 from meshpar.core.sharding import bytes_per_device, sharding_table
+from meshpar.plan import inspect as I
 from meshpar.train.step import Trainer
 from tests.conftest import devices, make_cfg
 
@@ -43,6 +44,7 @@ def compiled():
             ops = I.collectives(c.as_text(), tr.describe()["mesh"])
             cache[name] = (tr, ops, I.summarize(ops), I.memory(c))
         return cache[name]
+
     return get
 
 
@@ -57,7 +59,7 @@ def param_bytes(tr):
 def test_dp_all_reduces_exactly_the_gradient_bytes(compiled):
     tr, _, s, _ = compiled("dp")
     assert set(s) == {"all-reduce"}
-    assert param_bytes(tr) <= kind_bytes(s, "all-reduce") <= param_bytes(tr) * 1.001   # + the loss scalar
+    assert param_bytes(tr) <= kind_bytes(s, "all-reduce") <= param_bytes(tr) * 1.001  # + the loss scalar
     assert s["all-reduce"]["axes"] == ["data"]
 
 
@@ -65,12 +67,12 @@ def test_fsdp_gathers_weights_scatters_gradients_and_holds_one_nth(compiled):
     tr, _, s, mem = compiled("fsdp")
     pb = param_bytes(tr)
     norms = sum(r["bytes"] for r in sharding_table(tr.spec, tr.layout) if r["spec"] == "replicated")
-    assert kind_bytes(s, "all-gather") >= pb - norms               # every sharded weight gathered for use
-    assert kind_bytes(s, "reduce-scatter") >= 0.9 * pb             # gradients reduce-scattered ...
-    assert kind_bytes(s, "all-reduce") <= norms + 1024             # ... only norm scales and scalars all-reduced
+    assert kind_bytes(s, "all-gather") >= pb - norms  # every sharded weight gathered for use
+    assert kind_bytes(s, "reduce-scatter") >= 0.9 * pb  # gradients reduce-scattered ...
+    assert kind_bytes(s, "all-reduce") <= norms + 1024  # ... only norm scales and scalars all-reduced
     held = sum(r["bytes_per_device"] for r in sharding_table(tr.spec, tr.layout))
     assert held <= pb / 8 + norms
-    _, _, _, dp_mem = compiled("dp")                                # params + Adam state per device: 1/N
+    _, _, _, dp_mem = compiled("dp")  # params + Adam state per device: 1/N
     assert mem["argument"] <= dp_mem["argument"] / 8 * 1.15
 
 
@@ -81,7 +83,7 @@ def _layer_ops(ops, kind):
 
 def test_tp_all_reduces_activations_twice_per_layer_each_way_and_never_gathers_weights(compiled):
     _, ops, s, _ = compiled("tp")
-    assert _layer_ops(ops, "all-reduce") == 4 * LAYERS * BLE       # Megatron f/g: 2 forward + 2 backward
+    assert _layer_ops(ops, "all-reduce") == 4 * LAYERS * BLE  # Megatron f/g: 2 forward + 2 backward
     assert kind_bytes(s, "all-gather") == 0
     assert s["all-reduce"]["axes"] == ["tensor"]
 
@@ -89,12 +91,12 @@ def test_tp_all_reduces_activations_twice_per_layer_each_way_and_never_gathers_w
 def test_tp_sp_replaces_all_reduces_with_gathers_and_scatters(compiled):
     _, tp_ops, _, _ = compiled("tp")
     _, ops, s, _ = compiled("tp_sp")
-    tp_volume = 2 * _layer_ops(tp_ops, "all-reduce")               # ring all-reduce = reduce-scatter + all-gather
+    tp_volume = 2 * _layer_ops(tp_ops, "all-reduce")  # ring all-reduce = reduce-scatter + all-gather
     assert _layer_ops(ops, "all-reduce") == 0
     rs, ag = _layer_ops(ops, "reduce-scatter"), _layer_ops(ops, "all-gather")
-    assert rs == 4 * LAYERS * BLE                                  # each all-reduce became one reduce-scatter ...
-    assert 4 * LAYERS * BLE <= ag <= 6 * LAYERS * BLE              # ... and one all-gather (XLA may regather the
-    assert tp_volume <= rs + ag <= tp_volume * 1.5                 # column-parallel input for the weight grad)
+    assert rs == 4 * LAYERS * BLE  # each all-reduce became one reduce-scatter ...
+    assert 4 * LAYERS * BLE <= ag <= 6 * LAYERS * BLE  # ... and one all-gather (XLA may regather the
+    assert tp_volume <= rs + ag <= tp_volume * 1.5  # column-parallel input for the weight grad)
 
 
 def _opt_bytes_per_device(tr):
@@ -108,7 +110,7 @@ def test_zero1_keeps_params_whole_and_optimizer_state_at_one_nth(compiled):
     assert all(r["bytes_per_device"] == r["bytes"] for r in sharding_table(tr.spec, tr.layout))
     assert _opt_bytes_per_device(tr) <= _opt_bytes_per_device(dp) / 8 * 1.1
     pb = param_bytes(tr)
-    assert mem["argument"] <= dp_mem["argument"] - 0.8 * 2 * pb * (1 - 1 / 8)   # Adam's m and v: 2 x params
+    assert mem["argument"] <= dp_mem["argument"] - 0.8 * 2 * pb * (1 - 1 / 8)  # Adam's m and v: 2 x params
 
 
 def _reduced(s):
@@ -137,9 +139,9 @@ def test_zero2_reduce_scatters_gradients_into_a_sharded_accumulator(compiled):
     tr, _, s, mem = compiled("zero2")
     _, _, _, z1_mem = compiled("zero1")
     pb = param_bytes(tr)
-    assert kind_bytes(s, "reduce-scatter") >= 0.95 * 2 * pb         # each of 2 microbatches reduce-scattered
+    assert kind_bytes(s, "reduce-scatter") >= 0.95 * 2 * pb  # each of 2 microbatches reduce-scattered
     assert kind_bytes(s, "all-reduce") <= 0.01 * pb
-    assert mem["temp"] < z1_mem["temp"]                              # 1/N gradient accumulator
+    assert mem["temp"] < z1_mem["temp"]  # 1/N gradient accumulator
 
 
 def test_sharded_init_never_materialises_the_whole_model_on_one_device():
@@ -154,11 +156,13 @@ def test_sharded_init_never_materialises_the_whole_model_on_one_device():
 def test_layers_axis_survives_into_optimizer_state_shardings():
     tr = Trainer(make_cfg("strategy=fsdp", mesh={"data": 8}), devices=devices(8))
     params = tr.state_shardings["params"]
-    adam = tr.state_shardings["opt"][1][0]                          # chain(clip, adamw) -> ScaleByAdamState
+    adam = tr.state_shardings["opt"][1][0]  # chain(clip, adamw) -> ScaleByAdamState
     for tree in (adam.mu, adam.nu):
-        for (path, sh), (_, psh), (_, shape) in zip(jax.tree_util.tree_leaves_with_path(tree),
-                                                    jax.tree_util.tree_leaves_with_path(params),
-                                                    jax.tree_util.tree_leaves_with_path(tr.spec.shapes)):
+        for (_path, sh), (_, psh), (_, _shape) in zip(
+            jax.tree_util.tree_leaves_with_path(tree),
+            jax.tree_util.tree_leaves_with_path(params),
+            jax.tree_util.tree_leaves_with_path(tr.spec.shapes),
+        ):
             assert sh.spec == psh.spec
     wq = tr.spec.logical["layers"]["attn"]["wqkv"]
     assert wq[0] == "layers" and tr.spec.shapes["layers"]["attn"]["wqkv"].shape[0] == LAYERS

@@ -1,12 +1,13 @@
 """Data sources: the Markov language's entropy rate is its true per-token loss floor; batches are
 a pure function of (seed, step, row), so any process split and any resume sees the same tokens."""
+
 import numpy as np
 import pytest
 
-from meshpar.train.data import MarkovLanguage, TextFiles, TokenFile
-from meshpar.train.batches import Batches
 from meshpar.core.config import top_k
 from meshpar.core.errors import ConfigError
+from meshpar.train.batches import Batches
+from meshpar.train.data import MarkovLanguage, TextFiles, TokenFile
 from tests.conftest import devices
 
 
@@ -28,7 +29,9 @@ def test_rows_do_not_depend_on_which_rows_a_process_asks_for():
 
 def test_batches_are_sharded_and_resume_exactly():
     import jax
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
     mesh = jax.sharding.Mesh(np.array(devices(8)), ("data",))
     lang = MarkovLanguage(vocab=32, branching=3, seed=0)
     it = Batches(lang, NamedSharding(mesh, P("data")), global_size=16, length=8, seed=1)
@@ -43,7 +46,7 @@ def test_token_file_and_text_sources(tmp_path):
     tokens = np.arange(1000, dtype=np.uint16) % 50
     tokens.tofile(tmp_path / "t.bin")
     src = TokenFile(str(tmp_path / "t.bin"), "uint16", vocab=64)
-    rows = src.rows(seed=0, step=0, rows=range(3), length=17)     # an LM source: length + 1 tokens a row
+    rows = src.rows(seed=0, step=0, rows=range(3), length=17)  # an LM source: length + 1 tokens a row
     assert rows.shape == (3, 18) and all(np.all(np.diff(r) % 50 == 1) for r in rows)
     with pytest.raises(ConfigError, match="holds token id 32 >= model.vocab=32 at position 32"):
         TokenFile(str(tmp_path / "t.bin"), "uint16", vocab=32)
@@ -68,21 +71,24 @@ def test_token_file_is_checked_to_its_last_token(tmp_path, monkeypatch):
 
 
 def test_active_params_count_matmul_weights_and_routed_experts_only():
+    from meshpar.core.registry import default_model
     from meshpar.core.sharding import model_spec
     from meshpar.train.flops import active_params
-    from meshpar.core.registry import default_model
     from tests.conftest import make_cfg
+
     dense = make_cfg()
     spec = model_spec(default_model(dense))
     emb = spec.shapes["embedding"].shape
     assert active_params(spec, top_k(dense.moe)) == spec.num_params - emb[0] * emb[1]
     moe = make_cfg("model.name=moe", "moe.num_experts=4", "moe.routing=top1")
     mspec = model_spec(default_model(moe))
-    experts = sum(np.prod(s.shape) for s, n in zip(jax_leaves(mspec.shapes), jax_leaves(mspec.logical))
-                  if "expert" in n)
+    experts = sum(
+        np.prod(s.shape) for s, n in zip(jax_leaves(mspec.shapes), jax_leaves(mspec.logical)) if "expert" in n
+    )
     assert active_params(mspec, top_k(moe.moe)) == pytest.approx(mspec.num_params - emb[0] * emb[1] - experts * 3 / 4)
 
 
 def jax_leaves(tree):
     import jax
+
     return jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, tuple))

@@ -3,6 +3,7 @@ document boundaries with segment ids and per-document positions; a packed row A|
 the loss it has in A or B alone (attention never crosses the boundary, RoPE restarts), with the xla
 and flash kernels; the loss drops the target that crosses a boundary; a model that cannot take the
 packing's arguments fails in one line."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -81,7 +82,7 @@ def test_a_packed_row_gives_each_document_its_own_losses(model, impl):
     assert float(jnp.abs(packed[11:] - alone_b).max()) <= 1e-6
     batch = {"tokens": row, "segment_ids": seg, "positions": pos}
     with use_policy(get_policy("fp32")):
-        loss, _ = lm_loss(m, batch)      # the A -> B target (index 10) is not counted
+        loss, _ = lm_loss(m, batch)  # the A -> B target (index 10) is not counted
     assert float(loss) == pytest.approx(float(jnp.concatenate([alone_a, alone_b]).mean()), rel=1e-6)
 
 
@@ -89,8 +90,11 @@ def test_a_model_without_the_packing_arguments_is_one_line():
     class Plain(nnx.Module):
         def __call__(self, tokens):
             return jnp.zeros(tokens.shape + (8,))
+
     batch = {k: jnp.zeros((1, 9), jnp.int32) for k in ("tokens", "segment_ids", "positions")}
-    with pytest.raises(ConfigError, match=r"model Plain takes no positions=, segment_ids= argument.*data.documents=false"):
+    with pytest.raises(
+        ConfigError, match=r"model Plain takes no positions=, segment_ids= argument.*data.documents=false"
+    ):
         lm_loss(Plain(), batch)
 
 
@@ -108,4 +112,7 @@ def test_a_prefill_that_fills_its_cache_attends_through_flash(model):
         with use_policy(get_policy("fp32")):
             out[impl] = m.decode(tokens, positions, cache)
     assert float(jnp.abs(out["xla"][0] - out["flash"][0]).max()) <= 1e-5
-    assert all(float(jnp.abs(a - b).max()) == 0 for a, b in zip(jax.tree.leaves(out["xla"][1]), jax.tree.leaves(out["flash"][1])))
+    assert all(
+        float(jnp.abs(a - b).max()) == 0
+        for a, b in zip(jax.tree.leaves(out["xla"][1]), jax.tree.leaves(out["flash"][1]))
+    )

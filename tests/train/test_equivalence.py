@@ -4,11 +4,12 @@ Errors are norm-wise, ||a - b|| / ||b||: Adam's first update is ~lr * sign(g), s
 gradient is ~0 can flip sign under a different (equally valid) reduction order; a max-norm would
 measure that flip, not the partitioning.
 """
+
 import jax
 import pytest
 
-from meshpar.train.data import make_source
 from meshpar.train.batches import Batches
+from meshpar.train.data import make_source
 from meshpar.train.step import Trainer
 from tests.conftest import devices, make_cfg, rel, tiered
 
@@ -25,13 +26,18 @@ CASES = {
 }
 
 
-
-
 def one_step(cfg, devs):
     tr = Trainer(cfg, devices=devs)
     state = tr.init()
-    batch = next(Batches(make_source(cfg.data, cfg.batch, cfg.eval, tr.spec.model_config.vocab), tr.batch_sharding, cfg.batch.global_size,
-                         cfg.batch.length, seed=0))
+    batch = next(
+        Batches(
+            make_source(cfg.data, cfg.batch, cfg.eval, tr.spec.model_config.vocab),
+            tr.batch_sharding,
+            cfg.batch.global_size,
+            cfg.batch.length,
+            seed=0,
+        )
+    )
     (loss, _), grads = jax.jit(tr._grads)(state["params"], batch)
     grads = jax.device_get(grads)
     state, metrics = tr.step(state, batch)
@@ -56,8 +62,9 @@ def test_sharded_step_equals_single_device(strategy, reference):
 def test_gradient_accumulation_equals_one_big_batch(reference):
     """batch.microbatches=4 under ZeRO-2 (sharded accumulator) gives the same update."""
     loss1, _, params1, _ = reference
-    _, _, params, metrics = one_step(make_cfg("strategy=zero2", "batch.microbatches=4", mesh={"data": 2, "fsdp": 2,
-                                                                                           "tensor": 2}), devices(8))
+    _, _, params, metrics = one_step(
+        make_cfg("strategy=zero2", "batch.microbatches=4", mesh={"data": 2, "fsdp": 2, "tensor": 2}), devices(8)
+    )
     assert abs(float(metrics["loss"]) - loss1) / loss1 <= 1e-5
     assert rel(params, params1) <= 1e-5
 
@@ -69,7 +76,9 @@ def test_loss_chunks_equal_the_whole_logits(strategy, reference):
     the vocabulary split over `tensor` (fsdp_tp_sp) or not at all (dp, one device's layout)."""
     loss1, grads1, params1, _ = reference
     mesh = CASES[strategy]
-    loss, grads, params, metrics = one_step(make_cfg(f"strategy={strategy}", "train.loss_chunks=4", mesh=mesh), devices(8))
+    loss, grads, params, metrics = one_step(
+        make_cfg(f"strategy={strategy}", "train.loss_chunks=4", mesh=mesh), devices(8)
+    )
     assert abs(loss - loss1) / loss1 <= 1e-5
     assert rel(grads, grads1) <= 1e-5
     assert rel(params, params1) <= 1e-5

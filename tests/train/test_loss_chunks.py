@@ -2,6 +2,7 @@
 recomputed in the backward, equal the whole logits' loss and gradients, in the plain step (see
 test_equivalence.py for the sharded one) and in a pipeline's last stage; what a model lacks, or a
 config that cannot slice, is one line."""
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -20,8 +21,9 @@ def test_slices_give_the_whole_logits_loss_and_gradients_with_weights():
     weights = (jax.random.uniform(k[3], (2, 16)) > 0.3).astype(jnp.float32)
     whole = jax.value_and_grad(lambda x, w: cross_entropy(x @ w, targets, weights), (0, 1))(x, w)
     for n in (2, 4, 16):
-        sliced = jax.value_and_grad(lambda x, w: chunked_cross_entropy(lambda z: z @ w, x, targets, weights, n),
-                                    (0, 1))(x, w)
+        sliced = jax.value_and_grad(
+            lambda x, w, n=n: chunked_cross_entropy(lambda z: z @ w, x, targets, weights, n), (0, 1)
+        )(x, w)
         assert float(jnp.abs(sliced[0] - whole[0])) <= 1e-6
         assert all(float(jnp.max(jnp.abs(a - b))) <= 1e-6 for a, b in zip(sliced[1], whole[1]))
 
@@ -42,8 +44,12 @@ def test_a_model_without_features_and_head_is_one_line():
     class Plain(nnx.Module):
         def __call__(self, tokens):
             return jnp.zeros(tokens.shape + (8,))
-    with pytest.raises(ConfigError, match=r"train.loss_chunks > 1 .* model Plain has no .features or .head; .* "
-                                          r"or set train.loss_chunks=1"):
+
+    with pytest.raises(
+        ConfigError,
+        match=r"train.loss_chunks > 1 .* model Plain has no .features or .head; .* "
+        r"or set train.loss_chunks=1",
+    ):
         lm_loss(Plain(), jnp.zeros((1, 9), jnp.int32), chunks=4)
 
 
@@ -52,13 +58,16 @@ def test_a_glu_projects_the_same_fused_or_split():
     libtpu packs the smaller buffers better) give the same gate and up projections."""
     from meshpar.core.platform import compiling_for
     from meshpar.nn.layers import gated_inputs
+
     k = jax.random.split(jax.random.key(1), 2)
     x, w = jax.random.normal(k[0], (2, 8, 16)), jax.random.normal(k[1], (16, 2, 32))
     fused = gated_inputs(x, w)
-    assert "f32[2,8,2,32]" in str(jax.make_jaxpr(lambda *a: gated_inputs(*a))(x, w))   # one [B, T, 2, F] product
+    assert "f32[2,8,2,32]" in str(jax.make_jaxpr(lambda *a: gated_inputs(*a))(x, w))  # one [B, T, 2, F] product
     with compiling_for("tpu"):
         split = gated_inputs(x, w)
-        assert "f32[2,8,2,32]" not in str(jax.make_jaxpr(lambda *a: gated_inputs(*a))(x, w))   # two [B, T, F] (traced anew)
+        assert "f32[2,8,2,32]" not in str(
+            jax.make_jaxpr(lambda *a: gated_inputs(*a))(x, w)
+        )  # two [B, T, F] (traced anew)
     for a, b, i in zip(fused, split, (0, 1)):
         assert a.shape == (2, 8, 32) and float(jnp.max(jnp.abs(a - b))) <= 1e-5
         assert float(jnp.max(jnp.abs(a - x @ w[:, i]))) <= 1e-4
@@ -70,19 +79,29 @@ def test_the_planner_counts_one_slice_of_logits_and_the_head_once_more():
     from meshpar.core.config import load_config
     from meshpar.plan.hardware import load_hardware
     from meshpar.plan.search import estimate
-    base = ["model.size=125m", "batch.length=1024", "batch.global_size=8", "strategy=fsdp", "mesh.data=1",
-            "mesh.fsdp=8", "mesh.tensor=1", "precision=bf16"]
+
+    base = [
+        "model.size=125m",
+        "batch.length=1024",
+        "batch.global_size=8",
+        "strategy=fsdp",
+        "mesh.data=1",
+        "mesh.fsdp=8",
+        "mesh.tensor=1",
+        "precision=bf16",
+    ]
     out = {}
     for n in (1, 4):
         cfg = load_config(None, base + [f"train.loss_chunks={n}"])
         cfg.devices = 8
         out[n] = estimate(cfg, load_hardware("h100"))
     from meshpar.plan.costmodel import ModelFacts
+
     facts = ModelFacts.from_config(cfg)
     v, e = facts.dims["vocab"], facts.dims["embed"]
     tokens = 8 * 1024 / 8
     held = out[1]["memory"]["activations"] - out[4]["memory"]["activations"]
-    assert held == pytest.approx(0.75 * 2 * tokens * v, rel=1e-6)          # one bf16 [b s, V] buffer, 3/4 of it gone
+    assert held == pytest.approx(0.75 * 2 * tokens * v, rel=1e-6)  # one bf16 [b s, V] buffer, 3/4 of it gone
     assert out[4]["time"]["flops"] - out[1]["time"]["flops"] == pytest.approx(2 * v * e * tokens, rel=1e-6)
 
 
@@ -92,10 +111,14 @@ def test_a_trainer_given_a_loss_slices_the_built_in_one_and_refuses_any_other():
     from meshpar.nn.stages import stage_loss
     from meshpar.train.step import Trainer
     from tests.conftest import devices, make_cfg
+
     cfg = make_cfg("train.loss_chunks=4", mesh={"data": 1, "fsdp": 1, "tensor": 1})
     assert getattr(Trainer(cfg, loss=lm_loss, devices=devices(1)).loss, "keywords", {}) == {"chunks": 4}
-    with pytest.raises(ConfigError, match=r"train.loss_chunks=4 slices the built-in lm loss, and this Trainer's "
-                                          r"loss is stage_loss; set train.loss_chunks=1"):
+    with pytest.raises(
+        ConfigError,
+        match=r"train.loss_chunks=4 slices the built-in lm loss, and this Trainer's "
+        r"loss is stage_loss; set train.loss_chunks=1",
+    ):
         Trainer(cfg, loss=stage_loss, devices=devices(1))
 
 
@@ -106,6 +129,7 @@ def test_a_features_without_the_packing_arguments_is_one_line():
 
         def head(self, x, dtype):
             return jnp.zeros(x.shape[:2] + (8,))
+
     batch = {k: jnp.zeros((1, 9), jnp.int32) for k in ("tokens", "segment_ids", "positions")}
     with pytest.raises(ConfigError, match=r"model Split takes no positions=, segment_ids= argument.*to its features"):
         lm_loss(Split(), batch, chunks=2)

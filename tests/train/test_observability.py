@@ -5,6 +5,7 @@ a profiler trace of exactly the window, and `meshpar plot`.
 One instrumented 30-step run of the default tiny config (module fixture) serves the read-count,
 eval, TensorBoard, profiler and plot tests.
 """
+
 import gzip
 import json
 import math
@@ -17,10 +18,10 @@ import jax
 import numpy as np
 import pytest
 
-from meshpar.train import loop as loop_lib
-from meshpar.train.data import EVAL_STEP, MarkovLanguage, make_eval_source, make_source
-from meshpar.train.batches import Batches, Prefetch
 from meshpar.core.errors import ConfigError, MeshparError
+from meshpar.train import loop as loop_lib
+from meshpar.train.batches import Batches, Prefetch
+from meshpar.train.data import EVAL_STEP, MarkovLanguage, make_eval_source, make_source
 from meshpar.train.loop import run
 from meshpar.train.step import Trainer
 from tests.conftest import devices, make_cfg, metrics_losses, metrics_records
@@ -34,18 +35,21 @@ def _instrument(monkeypatch, trainer):
     (`ArrayImpl._value`: what np.asarray, float, int and jax.device_get all go through), how many
     steps had been dispatched when it happened."""
     from jax._src.array import ArrayImpl
+
     compiled = trainer.compile()
     steps, reads = {"n": 0}, []
 
     def counting(state, batch):
         steps["n"] += 1
         return compiled(state, batch)
+
     monkeypatch.setattr(trainer, "compile", lambda: counting)
     original = ArrayImpl._value
 
     def value(self):
         reads.append(steps["n"])
         return original.fget(self)
+
     monkeypatch.setattr(ArrayImpl, "_value", property(value))
     return reads
 
@@ -53,15 +57,29 @@ def _instrument(monkeypatch, trainer):
 @pytest.fixture(scope="module")
 def observed(tmp_path_factory):
     d = tmp_path_factory.mktemp("obs")
-    cfg = make_cfg(f"steps={STEPS}", f"train.log_every={LOG_EVERY}", f"eval.every={EVAL_EVERY}", "eval.batches=2",
-                   f"metrics.tensorboard={d / 'tb'}", f"profile.dir={d / 'prof'}",
-                   f"profile.start_step={PROFILE[0]}", f"profile.steps={PROFILE[1]}", fast=False)
+    cfg = make_cfg(
+        f"steps={STEPS}",
+        f"train.log_every={LOG_EVERY}",
+        f"eval.every={EVAL_EVERY}",
+        "eval.batches=2",
+        f"metrics.tensorboard={d / 'tb'}",
+        f"profile.dir={d / 'prof'}",
+        f"profile.start_step={PROFILE[0]}",
+        f"profile.steps={PROFILE[1]}",
+        fast=False,
+    )
     tr = Trainer(cfg, devices=devices(8))
     with pytest.MonkeyPatch.context() as mp:
         reads = _instrument(mp, tr)
         end = run(cfg, metrics_out=str(d / "run.jsonl"), trainer=tr)
-    return {"dir": d, "cfg": cfg, "trainer": tr, "reads": reads, "end": end,
-            "records": metrics_records(d / "run.jsonl")}
+    return {
+        "dir": d,
+        "cfg": cfg,
+        "trainer": tr,
+        "reads": reads,
+        "end": end,
+        "records": metrics_records(d / "run.jsonl"),
+    }
 
 
 def test_device_values_are_read_only_at_logging_and_eval_steps(observed):
@@ -89,6 +107,7 @@ def test_the_host_peak_is_measured_once_per_machine(monkeypatch, tmp_path):
     cache folder, keyed by CPU model, cores and jax version (one measured 19% and 59% MFU before)."""
     from meshpar.train import hostpeak
     from meshpar.train.flops import peak_flops_per_device
+
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     rates = iter([8e11, 1e11])
     monkeypatch.setattr(hostpeak, "measure", lambda *a, **k: next(rates))
@@ -105,14 +124,15 @@ def test_on_nan_stop_still_names_the_first_bad_step(monkeypatch, tmp_path):
     """lr 1e30: step 2 is the first non-finite step. Read only at logging steps (1 and 5), the run
     still stops naming step 2 (after logging step 5); with on_nan=skip it finishes, counting the
     skipped steps."""
-    cfg = make_cfg("precision=fp32", "train.lr=1e30", "train.on_nan=stop", "steps=8", "train.log_every=5",
-                   "model.layers=1")
+    cfg = make_cfg(
+        "precision=fp32", "train.lr=1e30", "train.on_nan=stop", "steps=8", "train.log_every=5", "model.layers=1"
+    )
     tr = Trainer(cfg, devices=devices(8))
     reads = _instrument(monkeypatch, tr)
     with pytest.raises(MeshparError, match=r"non-finite loss or gradients at step 2\b.*train.on_nan=stop"):
         run(cfg, metrics_out=str(tmp_path / "m.jsonl"), trainer=tr)
     assert set(reads) == {0, 1, 5} and sorted(metrics_losses(tmp_path / "m.jsonl")) == [1, 5]
-    cfg.train.on_nan = "skip"            # read by the loop only: the same compiled step serves
+    cfg.train.on_nan = "skip"  # read by the loop only: the same compiled step serves
     end = run(cfg, metrics_out=str(tmp_path / "skip.jsonl"), trainer=tr)
     last = [r for r in metrics_records(tmp_path / "skip.jsonl") if r["event"] == "step"][-1]
     assert end["steps"] == 8 and last["skipped_steps"] >= 1
@@ -151,8 +171,11 @@ def test_prefetch_raises_a_source_error_at_the_step_that_needs_it():
         def rows(self, seed, step, rows, length):
             if step == 2:
                 raise ConfigError("the source broke at step 2")
-            return np.full((len(rows), length + 1), step, np.int32)     # the LM batch: [B, T+1]
-    from jax.sharding import NamedSharding, PartitionSpec as P
+            return np.full((len(rows), length + 1), step, np.int32)  # the LM batch: [B, T+1]
+
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
     mesh = jax.sharding.Mesh(np.array(devices(8)), ("data",))
     it = Prefetch(Batches(Breaks(), NamedSharding(mesh, P("data")), 8, 3, 0))
     assert int(np.asarray(next(it))[0, 0]) == 0 and int(np.asarray(next(it))[0, 0]) == 1
@@ -164,7 +187,9 @@ def test_prefetch_raises_a_source_error_at_the_step_that_needs_it():
 def test_each_row_is_built_once_per_process_whatever_the_local_devices():
     """Batch split 4 ways and replicated 2 ways (8 local devices): one `rows` call per step covering
     every row exactly once."""
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
     lang = MarkovLanguage(vocab=32, branching=3, seed=0)
     calls = []
 
@@ -172,6 +197,7 @@ def test_each_row_is_built_once_per_process_whatever_the_local_devices():
         def rows(self, seed, step, rows, length):
             calls.append((step, list(rows)))
             return lang.rows(seed, step, rows, length)
+
     mesh = jax.sharding.Mesh(np.array(devices(8)).reshape(4, 2), ("data", "tensor"))
     it = Batches(Counting(), NamedSharding(mesh, P("data")), global_size=16, length=8, seed=1)
     first = np.asarray(next(it))
@@ -185,11 +211,12 @@ def test_eval_records_every_n_steps_close_to_the_training_loss(observed):
     assert all(math.isfinite(r["loss"]) and r["perplexity"] == pytest.approx(math.exp(r["loss"])) for r in evals)
     train = metrics_losses(observed["dir"] / "run.jsonl")
     assert evals[-1]["loss"] == pytest.approx(train[STEPS], rel=0.05), (evals[-1], train[STEPS])
-    assert evals[-1]["loss"] < evals[0]["loss"]          # it measures the model, which trained
+    assert evals[-1]["loss"] < evals[0]["loss"]  # it measures the model, which trained
 
 
 def test_eval_stream_is_disjoint_from_training(observed, tmp_path):
     from meshpar.train.loop import make_evaluator
+
     cfg, tr = observed["cfg"], observed["trainer"]
     ev = make_evaluator(cfg, tr, make_source(cfg.data, cfg.batch, cfg.eval, tr.spec.model_config.vocab))
     held = np.concatenate([np.asarray(b) for b in ev._held_out()])
@@ -202,8 +229,9 @@ def test_eval_stream_is_disjoint_from_training(observed, tmp_path):
 
     # token data: training windows never reach the held-out tail; eval windows never leave it
     np.arange(2000, dtype=np.uint16).tofile(tmp_path / "t.bin")
-    tcfg = make_cfg("data.kind=tokens", f"data.path={tmp_path / 't.bin'}", "data.dtype=uint16", "eval.every=5",
-                    "eval.holdout=0.25")
+    tcfg = make_cfg(
+        "data.kind=tokens", f"data.path={tmp_path / 't.bin'}", "data.dtype=uint16", "eval.every=5", "eval.holdout=0.25"
+    )
     train_src = make_source(tcfg.data, tcfg.batch, tcfg.eval, 4096)
     eval_src = make_eval_source(tcfg.data, tcfg.batch, tcfg.eval, 4096, train_src)
     for step in range(20):
@@ -217,6 +245,7 @@ def test_eval_stream_is_disjoint_from_training(observed, tmp_path):
 
 def test_tensorboard_scalars_equal_the_json_lines(observed):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     acc = EventAccumulator(str(observed["dir"] / "tb"), size_guidance={"scalars": 0})
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
@@ -235,10 +264,22 @@ def test_tensorboard_scalars_equal_the_json_lines(observed):
 def test_tensorboard_holds_moe_and_loss_scale_scalars(tmp_path):
     """MoE load/drops per layer and the fp16 loss scale reach TensorBoard like every other number."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     from meshpar.train.metrics import MetricsLogger
+
     log = MetricsLogger(None, 2, tensorboard=str(tmp_path / "tb"))
-    log.step({"step": 2, "loss": 1.5, "loss_scale": 32768.0, "drop_fraction": [0.01, 0.03], "load_max": [0.3, 0.4],
-              "tokens_per_s": None, "examples_per_s": 3.0, "mfu": 0.1})
+    log.step(
+        {
+            "step": 2,
+            "loss": 1.5,
+            "loss_scale": 32768.0,
+            "drop_fraction": [0.01, 0.03],
+            "load_max": [0.3, 0.4],
+            "tokens_per_s": None,
+            "examples_per_s": 3.0,
+            "mfu": 0.1,
+        }
+    )
     log.close()
     acc = EventAccumulator(str(tmp_path / "tb"))
     acc.Reload()
@@ -249,8 +290,8 @@ def test_tensorboard_holds_moe_and_loss_scale_scalars(tmp_path):
 
 def test_profiler_traces_exactly_the_window(observed):
     runs = list((observed["dir"] / "prof" / "plugins" / "profile").iterdir())
-    assert len(runs) == 1 and list(runs[0].glob("*.xplane.pb"))        # TensorBoard's profile plugin
-    trace = json.load(gzip.open(runs[0] / "perfetto_trace.json.gz"))    # Perfetto
+    assert len(runs) == 1 and list(runs[0].glob("*.xplane.pb"))  # TensorBoard's profile plugin
+    trace = json.load(gzip.open(runs[0] / "perfetto_trace.json.gz"))  # Perfetto
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     traced = sorted({int(e["args"]["step_num"]) for e in events if e.get("name") == "train"})
     assert traced == list(range(PROFILE[0], PROFILE[0] + PROFILE[1]))
@@ -271,18 +312,22 @@ def test_plot_writes_a_png_of_the_requested_size(observed, tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert out.stat().st_size > 10_000 and _png_size(out) == (900, 600)
-    bad = subprocess.run(cmd[:4] + [str(tmp_path / "missing.jsonl")], capture_output=True, text=True, cwd=REPO,
-                         timeout=120)
+    bad = subprocess.run(
+        cmd[:4] + [str(tmp_path / "missing.jsonl")], capture_output=True, text=True, cwd=REPO, timeout=120
+    )
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "does not exist" in bad.stderr
 
 
-@pytest.mark.parametrize("override, match", [
-    ("eval.holdout=1.5", "'eval.holdout' must be between 0 and 1"),
-    ("profile.steps=0", "'profile.steps' must be >= 1"),
-    ("eval.every=-1", "'eval.every' must be >= 0"),
-    ("eval.path=x.bin", "'eval.path' is read for data.kind=tokens or text"),
-    ("metrics.tensorbord=d", "did you mean 'metrics.tensorboard'"),
-])
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        ("eval.holdout=1.5", "'eval.holdout' must be between 0 and 1"),
+        ("profile.steps=0", "'profile.steps' must be >= 1"),
+        ("eval.every=-1", "'eval.every' must be >= 0"),
+        ("eval.path=x.bin", "'eval.path' is read for data.kind=tokens or text"),
+        ("metrics.tensorbord=d", "did you mean 'metrics.tensorboard'"),
+    ],
+)
 def test_bad_settings_are_one_line(override, match):
     with pytest.raises(ConfigError, match=match):
         make_cfg(override)
@@ -290,13 +335,14 @@ def test_bad_settings_are_one_line(override, match):
 
 def test_resume_names_a_changed_training_split_of_token_data():
     from meshpar.train.loop import _holdout_change
+
     tokens = ["data.kind=tokens", "data.path=t.bin"]
     saved = {"eval": {"every": 0, "batches": 4, "path": None, "holdout": 0.1}}
     assert _holdout_change(saved, make_cfg(*tokens)) == []
-    assert _holdout_change(saved, make_cfg(*tokens, "eval.every=10", "eval.path=v.bin")) == []   # no split
+    assert _holdout_change(saved, make_cfg(*tokens, "eval.every=10", "eval.path=v.bin")) == []  # no split
     changed = _holdout_change(saved, make_cfg(*tokens, "eval.every=10"))
     assert changed and "eval.holdout=0.1 (checkpoint: None" in changed[0]
-    assert _holdout_change(saved, make_cfg("eval.every=10")) == []          # synthetic: the stream is the same
+    assert _holdout_change(saved, make_cfg("eval.every=10")) == []  # synthetic: the stream is the same
 
 
 def test_a_resumed_run_appends_its_metrics_and_plots_as_one_run(tmp_path):
@@ -309,14 +355,23 @@ def test_a_resumed_run_appends_its_metrics_and_plots_as_one_run(tmp_path):
 
     from meshpar.train.data import floor_gap_closed
     from meshpar.train.plot import draw, read_run
+
     out, ck = tmp_path / "m.jsonl", tmp_path / "ck"
     run(make_cfg("steps=3", f"checkpoint.dir={ck}"), metrics_out=str(out))
     text = StringIO()
     end = run(make_cfg("steps=5", f"checkpoint.dir={ck}"), metrics_out=str(out), console=Console(file=text, width=300))
     recs = metrics_records(out)
     assert [(r["event"], r.get("step"), r.get("resumed_from")) for r in recs] == [
-        ("start", None, None), ("step", 1, None), ("step", 2, None), ("step", 3, None), ("end", None, None),
-        ("start", None, 3), ("step", 4, None), ("step", 5, None), ("end", None, 3)]
+        ("start", None, None),
+        ("step", 1, None),
+        ("step", 2, None),
+        ("step", 3, None),
+        ("end", None, None),
+        ("start", None, 3),
+        ("step", 4, None),
+        ("step", 5, None),
+        ("end", None, 3),
+    ]
     assert "warning: resuming with a different learning-rate schedule: steps=5 (checkpoint: 3)" in text.getvalue()
     loss = {r["step"]: r["loss"] for r in recs if r["event"] == "step"}
     assert end["initial_loss"] == loss[1] and end["final_loss"] == pytest.approx(loss[5])
@@ -329,14 +384,23 @@ def test_a_resumed_run_appends_its_metrics_and_plots_as_one_run(tmp_path):
     # a run that got further than its last checkpoint: the steps it redoes replace the old ones
     lines = out.read_text().splitlines()
     redo = tmp_path / "redo.jsonl"
-    redo.write_text("\n".join(lines[:5] + [lines[5].replace('"resumed_from": 3', '"resumed_from": 1'),
-                                           lines[2].replace('"loss": ', '"loss": 1'), *lines[6:]]) + "\n")
+    redo.write_text(
+        "\n".join(
+            lines[:5]
+            + [
+                lines[5].replace('"resumed_from": 3', '"resumed_from": 1'),
+                lines[2].replace('"loss": ', '"loss": 1'),
+                *lines[6:],
+            ]
+        )
+        + "\n"
+    )
     again = read_run(str(redo))
     assert [r["step"] for r in again["steps"]] == [1, 2, 4, 5] and again["steps"][1]["loss"] > 10
     fig = draw([whole])
     loss_ax, rate_ax, _ = fig.axes
     assert loss_ax.get_yscale() == "log"
-    assert list(rate_ax.lines[0].get_xdata()) == [2, 3, 5]          # steps 1 and 4 waited for warm-up
+    assert list(rate_ax.lines[0].get_xdata()) == [2, 3, 5]  # steps 1 and 4 waited for warm-up
     assert "m fsdp_tp (data=2 fsdp=2 tensor=2) train" in [t.get_text() for t in loss_ax.get_legend().get_texts()]
 
 
@@ -348,20 +412,30 @@ def test_logged_steps_are_lines_that_stay_above_the_bar_and_pipes_do_not_wrap(ca
 
     from rich.console import Console
 
-    from meshpar.train.metrics import MetricsLogger, make_console
     from meshpar.core.sharding import render_sharding_table, sharding_table
+    from meshpar.train.metrics import MetricsLogger, make_console
+
     buf = io.StringIO()
     log = MetricsLogger(None, 20, console=Console(file=buf, force_terminal=True, width=100))
     log.start({"strategy": "dp", "mesh_str": "data=8", "devices": 8, "params": 1e6, "precision": "fp32"})
     assert log.progress is not None
     for n in (1, 10, 20):
-        log.step({"step": n, "loss": 2.0 / n, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 1000.0,
-                  "examples_per_s": 10.0, "mfu": 0.1})
+        log.step(
+            {
+                "step": n,
+                "loss": 2.0 / n,
+                "lr": 1e-3,
+                "grad_norm": 0.5,
+                "tokens_per_s": 1000.0,
+                "examples_per_s": 10.0,
+                "mfu": 0.1,
+            }
+        )
     log.end({"steps": 20, "initial_loss": 2.0, "final_loss": 0.1, "wall_s": 1.0})
     text = re.sub(r"\x1b\[[0-9;?]*[a-zA-Z]", "", buf.getvalue())
     for n in (1, 10, 20):
         assert text.count(f"step {n:>5}/20 | loss {2.0 / n:.4f} | lr 0.001 | grad norm 0.5 | 1,000 tok/s") == 1
-    piped = make_console()                      # pytest captures stdout: not a terminal
+    piped = make_console()  # pytest captures stdout: not a terminal
     tr = Trainer(make_cfg(), devices=devices(8))
     piped.print(render_sharding_table(sharding_table(tr.spec, tr.layout)))
     lines = capsys.readouterr().out.splitlines()

@@ -4,6 +4,7 @@ loss; pipelined with GPipe and 1F1B it equals one device accumulating the same m
 seed gives the same run, another step other masks; evaluation draws nothing; a draw with no key is
 refused in one line naming the block.
 """
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,8 +23,13 @@ normal, zeros = nnx.initializers.normal(0.3), nnx.initializers.zeros
 
 
 def linear(a, b, names, rngs):
-    return nnx.Linear(a, b, kernel_init=nnx.with_partitioning(normal, names),
-                      bias_init=nnx.with_partitioning(zeros, names[1:]), rngs=rngs)
+    return nnx.Linear(
+        a,
+        b,
+        kernel_init=nnx.with_partitioning(normal, names),
+        bias_init=nnx.with_partitioning(zeros, names[1:]),
+        rngs=rngs,
+    )
 
 
 class Block(nnx.Module):
@@ -54,6 +60,7 @@ class Net(nnx.Module):
 
     def loss(self, logits, batch):
         import optax
+
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean(), {}
 
 
@@ -62,22 +69,28 @@ SPEC = {"x": Leaf((ROWS, INPUTS), jnp.float32, ("batch", None)), "y": Leaf((ROWS
 
 def _batches(steps: int):
     k = jax.random.key(3)
-    return [{"x": jax.random.normal(jax.random.fold_in(k, 2 * s), (ROWS, INPUTS)),
-             "y": jax.random.randint(jax.random.fold_in(k, 2 * s + 1), (ROWS,), 0, CLASSES)} for s in range(steps)]
+    return [
+        {
+            "x": jax.random.normal(jax.random.fold_in(k, 2 * s), (ROWS, INPUTS)),
+            "y": jax.random.randint(jax.random.fold_in(k, 2 * s + 1), (ROWS,), 0, CLASSES),
+        }
+        for s in range(steps)
+    ]
 
 
 def _trainer(rate: float, mesh: dict, *extra):
     cfg = make_cfg("train.loss=stages", f"batch.global_size={ROWS}", "train.lr=0.01", *extra, mesh=mesh)
     n = int(np.prod(list(mesh.values()))) if mesh else 1
-    return meshpar.Trainer(cfg, devices=devices(n), model=lambda rngs: Net(rate, rngs), loss=meshpar.stage_loss,
-                           batch_spec=SPEC)
+    return meshpar.Trainer(
+        cfg, devices=devices(n), model=lambda rngs: Net(rate, rngs), loss=meshpar.stage_loss, batch_spec=SPEC
+    )
 
 
 def _run(tr, steps: int = 3):
     """`steps` steps from init -> (losses, params, the last state before its step)."""
     state, losses = tr.init(), []
     for b in _batches(steps):
-        before = jax.tree.map(jnp.copy, state)          # the step donates its state
+        before = jax.tree.map(jnp.copy, state)  # the step donates its state
         state, m = tr.step(state, jax.device_put(b, tr.batch_sharding))
         losses.append(float(m["loss"]))
     return losses, jax.device_get(state["params"]), before
@@ -101,7 +114,7 @@ def test_dropout_in_stacked_layers_trains_and_changes_the_loss(one_device, no_dr
     off, _, _ = _run(no_dropout)
     assert all(np.isfinite(losses)) and abs(losses[0] - off[0]) > 1e-3, (losses, off)
     assert not jax.tree.leaves(tr.spec.var_shapes), "the stacked layers' streams should not be carried state"
-    assert tr.model_flops()[0] > 0         # the loop's MFU traces the loss as the step does
+    assert tr.model_flops()[0] > 0  # the loop's MFU traces the loss as the step does
 
 
 def test_same_seed_same_run_and_each_step_draws_new_masks(one_device):
@@ -109,20 +122,23 @@ def test_same_seed_same_run_and_each_step_draws_new_masks(one_device):
     again, params2, _ = _run(tr)
     assert again == losses and jax.tree.all(jax.tree.map(np.array_equal, params2, params))
     batch = jax.device_put(_batches(3)[2], tr.batch_sharding)
-    copy = lambda s: jax.tree.map(jnp.copy, s)            # noqa: E731
+    copy = lambda s: jax.tree.map(jnp.copy, s)  # noqa: E731
     here = float(tr.step(copy(state), batch)[1]["loss"])
     later = float(tr.step({**copy(state), "step": state["step"] + 1}, batch)[1]["loss"])
     assert here == losses[2] and later != here
 
 
-@pytest.mark.parametrize("schedule,extra", [("gpipe", ["pipeline.microbatches=4"]),
-                                            ("1f1b", ["pipeline.microbatches=2", "batch.microbatches=2"])])
+@pytest.mark.parametrize(
+    "schedule,extra",
+    [("gpipe", ["pipeline.microbatches=4"]), ("1f1b", ["pipeline.microbatches=2", "batch.microbatches=2"])],
+)
 def test_pipelined_dropout_equals_one_device_accumulating_the_same_microbatches(one_device, schedule, extra):
     """pipeline=2 x data=2: 4 pipeline microbatches (GPipe), or 2 accumulation steps of 2 (1F1B, the
     microbatch a + 2 i), equal 1 device accumulating the same 4 microbatches, masks and all."""
     _, want_l, want_p, _ = one_device
-    got_l, got_p, _ = _run(_trainer(0.5, {"pipeline": 2, "data": 2}, "strategy=dp", f"pipeline.schedule={schedule}",
-                                    *extra))
+    got_l, got_p, _ = _run(
+        _trainer(0.5, {"pipeline": 2, "data": 2}, "strategy=dp", f"pipeline.schedule={schedule}", *extra)
+    )
     assert rel(got_l, want_l) <= 1e-5 and rel(got_p, want_p) <= 1e-5, (got_l, want_l)
 
 
@@ -142,13 +158,17 @@ def test_evaluation_draws_no_dropout_and_a_draw_without_a_key_is_refused(one_dev
     off_eval = Evaluator(off, None, off.cfg.eval, off.cfg.batch, 0)._step(state["params"], state["vars"], batch)
     assert float(on_eval) == pytest.approx(float(off_eval), rel=1e-6)
     model = tr.spec.merge(state["params"], state["vars"])
-    with pytest.raises(ConfigError, match=r"^Block \(in meshpar.stacked\) draws its 'dropout' RNG stream outside a "
-                                          r"train step .* call model.eval\(\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^Block \(in meshpar.stacked\) draws its 'dropout' RNG stream outside a "
+        r"train step .* call model.eval\(\)",
+    ):
         meshpar.stage_loss(model, batch)
 
 
 def test_keys_depend_on_the_layer_and_the_draw_and_a_stage_offset_names_the_same_layer():
     """Layer 1 of a stack equals layer 0 of the stack a pipeline stage starting at layer 1 runs."""
+
     class Probe(nnx.Module):
         def __init__(self, rngs):
             self.w = nnx.Param(jnp.zeros(()))
@@ -156,10 +176,11 @@ def test_keys_depend_on_the_layer_and_the_draw_and_a_stage_offset_names_the_same
 
         def __call__(self, x):
             return x, {"a": self.drop(jnp.ones(64)), "b": self.drop(jnp.ones(64))}
+
     stack = meshpar.stacked(Probe, 2, nnx.Rngs(0))
     with dropout.training(0, jnp.int32(5)):
         _, aux = meshpar.scan_layers(stack, jnp.zeros(()), None, "none")
-        with dropout.at(0, 1, jnp.zeros((1,))):      # chunk 1 of 1-layer chunks
+        with dropout.at(0, 1, jnp.zeros((1,))):  # chunk 1 of 1-layer chunks
             _, aux1 = meshpar.scan_layers(stack, jnp.zeros(()), None, "none")
     a, b = np.asarray(aux["a"]), np.asarray(aux["b"])
     assert not np.array_equal(a[0], a[1]) and not np.array_equal(a[0], b[0])

@@ -4,6 +4,7 @@ accumulating the same microbatches; what the protocol cannot express is refused 
 is a part that breaks it, pipelined or not. (Pytree activations and gathering losses, pipelined:
 tests/parallel/test_pipeline_user_stages.py.)
 """
+
 import jax
 import numpy as np
 import pytest
@@ -14,8 +15,8 @@ from meshpar.train.step import Trainer
 from tests.conftest import devices, make_cfg, rel, stacked_stages, tiered, train_steps
 from tests.parallel.pipelines import TINY
 
-
 # -- a user's model with its own loss: the stage protocol (meshpar.nn.stages) ----------------------
+
 
 def _vit(mesh: dict, n: int, *extra, steps: int = 3):
     """examples/vit.py (BatchNorm stem and dropout in `pre`, its own loss) for `steps` steps ->
@@ -24,15 +25,29 @@ def _vit(mesh: dict, n: int, *extra, steps: int = 3):
     from pathlib import Path
 
     import meshpar
+
     repo = Path(__file__).resolve().parents[2]
     sys.path.insert(0, str(repo))
     from examples import vision, vit
-    cfg = meshpar.load_config(repo / "examples" / "vit.yaml", [
-        "precision=fp32", "train.warmup_steps=1", "batch.global_size=16",
-        *[f"mesh.{a}={mesh.get(a, 1)}" for a in ("data", "fsdp", "tensor", "pipeline", "expert")], *extra])
+
+    cfg = meshpar.load_config(
+        repo / "examples" / "vit.yaml",
+        [
+            "precision=fp32",
+            "train.warmup_steps=1",
+            "batch.global_size=16",
+            *[f"mesh.{a}={mesh.get(a, 1)}" for a in ("data", "fsdp", "tensor", "pipeline", "expert")],
+            *extra,
+        ],
+    )
     src = vision.source(cfg)
-    tr = Trainer(cfg, devices=devices(n), model=lambda rngs: vit.vit(cfg, rngs), loss=meshpar.stage_loss,
-                 batch_spec=src.batch_spec(cfg.batch.global_size, cfg.batch.length))
+    tr = Trainer(
+        cfg,
+        devices=devices(n),
+        model=lambda rngs: vit.vit(cfg, rngs),
+        loss=meshpar.stage_loss,
+        batch_spec=src.batch_spec(cfg.batch.global_size, cfg.batch.length),
+    )
     state, losses = train_steps(tr, src, cfg, steps)
     return losses, jax.device_get(state["params"]), jax.device_get(state["vars"])
 
@@ -48,13 +63,14 @@ def test_a_user_model_with_its_own_loss_and_a_batchnorm_stem_pipelines_like_one_
     if "ref" not in _VIT:
         _VIT["ref"] = _vit({}, 1, "batch.microbatches=4")
     want_l, want_p, want_v = _VIT["ref"]
-    got_l, got_p, got_v = _vit({"pipeline": 2, "data": 2, "tensor": 2}, 8, f"pipeline.schedule={schedule}",
-                               "pipeline.microbatches=4")
+    got_l, got_p, got_v = _vit(
+        {"pipeline": 2, "data": 2, "tensor": 2}, 8, f"pipeline.schedule={schedule}", "pipeline.microbatches=4"
+    )
     assert rel(got_l, want_l) <= 1e-5 and rel(got_p, want_p) <= 1e-5, (got_l, want_l)
     stats = lambda v: {k: v["stem"][k] for k in ("mean", "var")}
     assert rel(stats(got_v), stats(want_v)) <= 1e-5
-    assert not np.allclose(want_v["stem"]["mean"], 0.0)                          # the statistics trained
-    assert jax.tree.all(jax.tree.map(np.array_equal, got_v["drop"], want_v["drop"]))   # the RNG stream
+    assert not np.allclose(want_v["stem"]["mean"], 0.0)  # the statistics trained
+    assert jax.tree.all(jax.tree.map(np.array_equal, got_v["drop"], want_v["drop"]))  # the RNG stream
 
 
 def test_pipelining_refuses_what_the_stage_protocol_cannot_express_in_one_line():
@@ -63,8 +79,12 @@ def test_pipelining_refuses_what_the_stage_protocol_cannot_express_in_one_line()
     with pytest.raises(ConfigError, match=r"cuts the loss into stages: train.loss=lm .* or train.loss=stages"):
         Trainer(cfg, devices=devices(2), loss=lambda model, tokens: (0.0, {}))
     from meshpar.nn.stages import stage_loss
-    with pytest.raises(ConfigError, match=r"model Decoder cannot be pipelined: train.loss=stages needs .* it lacks "
-                                          r"\.pre, \.post, \.loss"):
+
+    with pytest.raises(
+        ConfigError,
+        match=r"model Decoder cannot be pipelined: train.loss=stages needs .* it lacks "
+        r"\.pre, \.post, \.loss",
+    ):
         Trainer(cfg, devices=devices(2), loss=stage_loss)
 
     from flax import nnx
@@ -76,16 +96,23 @@ def test_pipelining_refuses_what_the_stage_protocol_cannot_express_in_one_line()
 
     # its own depth: the message names its stack, not model.layers
     Three = stacked_stages(lambda r: nnx.Linear(4, 4, rngs=r), 3, "Three")
-    with pytest.raises(ConfigError, match=r"^Three\.layers stacks 3 blocks, which is not divisible by mesh\.pipeline=2 "
-                                          r"x pipeline\.virtual_stages=1 \(= 2 chunks\); use a multiple of 2 stacked "
-                                          r"layers$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^Three\.layers stacks 3 blocks, which is not divisible by mesh\.pipeline=2 "
+        r"x pipeline\.virtual_stages=1 \(= 2 chunks\); use a multiple of 2 stacked "
+        r"layers$",
+    ):
         Trainer(cfg, devices=devices(2), model=lambda rngs: Three(rngs), loss=stage_loss)
     # a reference model sized by model.size (model.layers unset) names model.size
-    with pytest.raises(ConfigError, match=r"^model\.size=tiny stacks 2 blocks, which is not divisible by "
-                                          r"mesh\.pipeline=4"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^model\.size=tiny stacks 2 blocks, which is not divisible by "
+        r"mesh\.pipeline=4",
+    ):
         Trainer(make_cfg(*TINY, mesh={"pipeline": 4}, fast=False), devices=devices(4))
 
-STAGE_MODULE = '''
+
+STAGE_MODULE = """
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -122,17 +149,17 @@ class Source:
         return {k: np.zeros((len(rows), 4, 8), np.float32) for k in ("x", "y")}
 
 def source(cfg): return Source()
-'''
+"""
 
 MISUSE = {
     "bare_loss": "loss function Staged.loss must return (loss, metrics_dict), got a bare array of shape (); "
-                 "return (loss, {}) for a loss without metrics",
+    "return (loss, {}) for a loss without metrics",
     "widening": "meshpar.stacked layer Block maps the activation float32[{b},4,8] to float32[{b},4,16]; the "
-                "stacked layers must keep their input's shapes and dtypes",
+    "stacked layers must keep their input's shapes and dtypes",
     "text_pre": "Staged.pre returned a non-array at ['name']: str; it must return the activation the stacked "
-                "layers take, an array or any pytree",
+    "layers take, an array or any pytree",
     "dict_pre": "meshpar.stacked layer Block returned float32[{b},4,8] for the activation "
-                "{['x']: float32[{b},4,8]}; a stacked layer returns its input's structure, or (it, aux dict)",
+    "{['x']: float32[{b},4,8]}; a stacked layer returns its input's structure, or (it, aux dict)",
 }
 
 
@@ -146,8 +173,17 @@ def test_a_part_that_breaks_the_stage_protocol_is_one_line(capsys, monkeypatch, 
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     mesh = ["mesh.pipeline=2", "mesh.fsdp=1", "pipeline.microbatches=4"] if pipelined else []
-    code = main(["inspect", f"model.name=stagemod:{factory}", "train.loss=stages", "data.kind=stagemod:source",
-                 "batch.global_size=16", "model.layers=2", *mesh])
+    code = main(
+        [
+            "inspect",
+            f"model.name=stagemod:{factory}",
+            "train.loss=stages",
+            "data.kind=stagemod:source",
+            "batch.global_size=16",
+            "model.layers=2",
+            *mesh,
+        ]
+    )
     err = capsys.readouterr().err
     message = MISUSE[factory].replace("{b}", "4" if pipelined else "16")
     assert code == 2 and err.startswith(f"meshpar: error: {message}") and err.count("\n") == 1, err[-3000:]

@@ -1,5 +1,6 @@
 """Loading a run config: YAML files that compose (`base:`), dotted KEY=VALUE overrides, and the
 coercion of plain values into `schema`'s typed dataclasses, with one-line errors naming the key."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,6 +24,7 @@ def _config_dir() -> Path:
     if (src / "tiny.yaml").exists():
         return src
     import importlib.resources
+
     return Path(str(importlib.resources.files("meshpar.configs")))
 
 
@@ -75,7 +77,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
-        if isinstance(value, str):   # YAML 1.1 reads '1e-3' (no dot) as a string
+        if isinstance(value, str):  # YAML 1.1 reads '1e-3' (no dot) as a string
             try:
                 return float(value)
             except ValueError:
@@ -156,13 +158,15 @@ def from_dict(data: dict, given: list[str] | None = None) -> Config:
     `meshpar.core.notices`); `cfg.ignored` lists those the run will not read."""
     cfg = _build(Config, data)
     given = given_keys(data, [], Config()) if given is None else given
-    resolve(cfg, given, top_k)          # what a Mixtral / Qwen3-MoE model.init_from implies (model.name, moe.*)
+    resolve(cfg, given, top_k)  # what a Mixtral / Qwen3-MoE model.init_from implies (model.name, moe.*)
     validate(cfg)
     cfg.ignored = ignored_keys(given, cfg)
     return cfg
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None, under: dict | None = None) -> Config:
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | None = None, under: dict | None = None
+) -> Config:
     """The YAML file (default: the embedded configs/tiny.yaml) + KEY=VALUE overrides, validated.
     `under`: settings laid under them (a checkpoint's saved model settings, for `generate`): a given
     file and the overrides win over them, and they win over the embedded default."""
