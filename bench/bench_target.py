@@ -228,7 +228,7 @@ def row(name: str, target, overrides: list[str]) -> dict:
     pred = estimate(cfg, hw)
     summary = rep["collectives"]["summary"]
     from meshpar.core.mesh import MESH_AXES
-    from meshpar.plan.search import split_ici_dcn
+    from meshpar.plan.candidates import split_ici_dcn
 
     sizes = tuple(rep["mesh"].get(a, 1) for a in MESH_AXES)
     dcn = dict(zip(MESH_AXES, split_ici_dcn(sizes, cfg.devices, hw.domain) or (1,) * len(sizes)))

@@ -60,7 +60,7 @@ _API = {
     # batches and data
     "Leaf": "meshpar.core.batch",
     "lm_batch_spec": "meshpar.core.batch",
-    "Batches": "meshpar.train.data",
+    "Batches": "meshpar.train.batches",
     # training
     "Trainer": "meshpar.train.step",
     "lm_loss": "meshpar.train.loss",

@@ -219,7 +219,7 @@ class Decoder(nnx.Module):
     def hf_tensors(self) -> dict:
         """{parameter path: meshpar.io.hf.Source}: how each parameter reads from / writes to the HF
         tensors of its family (meshpar.models.hf_llama)."""
-        from meshpar.models.hf_llama import tensors
+        from meshpar.models.hf_tensors import tensors
 
         return tensors(self.cfg)
 

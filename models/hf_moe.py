@@ -25,8 +25,8 @@ import numpy as np
 
 from meshpar.core.errors import ConfigError
 from meshpar.core.pretrained import MOE_ARCHITECTURES, hf_path, moe_settings, read_config
-from meshpar.models.hf_llama import _r, grouped, layered, tensors
 from meshpar.models.hf_llama import hf_config as dense_config
+from meshpar.models.hf_tensors import grouped, layered, span, tensors
 
 MOE_FAMILIES = MOE_ARCHITECTURES
 # family -> (router tensor, expert prefix, (gate, up, down) names)
@@ -90,7 +90,7 @@ def moe_tensors(c, settings, family: str) -> dict:
     def experts(w, shape):  # HF [out, in] per expert -> [E_s, in_s, out_s]
         def read(get_l, box):
             es, (a, b) = box[0], box[1:]
-            return np.stack([get_l(name(i, w), b, a).T for i in _r(*es)], 0)
+            return np.stack([get_l(name(i, w), b, a).T for i in span(*es)], 0)
 
         return layered(
             ids, {name(i, w): shape for i in range(e)}, read, lambda a: {name(i, w): a[i].T for i in range(e)}

@@ -79,31 +79,7 @@ def _parser() -> argparse.ArgumentParser:
         parents=[common],
         help="continue prompts with a trained model (checkpoint.dir=D) on the serving layout (serve.*)",
     )
-    g.add_argument(
-        "--prompt",
-        action="append",
-        default=[],
-        metavar="TEXT",
-        help="a text prompt (data.tokenizer's tokens, else bytes; repeatable)",
-    )
-    g.add_argument(
-        "--prompt-ids", action="append", default=[], metavar="1,2,3", help="a prompt as token ids (repeatable)"
-    )
-    g.add_argument(
-        "--chat", action="store_true", help="each --prompt is a user message, wrapped by data.tokenizer's chat template"
-    )
-    g.add_argument("--max-new-tokens", type=int, help="tokens to generate per prompt (default: serve.max_new_tokens)")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
-    g.add_argument("--top-k", type=int, help="sample among the k most likely tokens")
-    g.add_argument(
-        "--top-p", type=float, default=1.0, help="sample from the smallest set of mass >= p (default 1: off)"
-    )
-    g.add_argument("--seed", type=int, default=0, help="sampling seed (prompt i uses seed + i)")
-    g.add_argument(
-        "--json",
-        action="store_true",
-        help='print one JSON object {"tokens", "text", "ttft_s", "decode_tokens_per_s"} instead of streaming',
-    )
+    _generate_flags(g)
     sv = sub.add_parser(
         "serve",
         parents=[common],
@@ -126,29 +102,7 @@ def _parser() -> argparse.ArgumentParser:
         help="choose mesh, strategy, microbatches and remat for N devices "
         "of some hardware (cost model), write the winner as a config; --verify compiles the top K",
     )
-    pl.add_argument(
-        "--hardware", default="h100", help="h100, h200, a100-80g, tpu-v4, tpu-v5e, tpu-v5p, tpu-v6e or a YAML"
-    )
-    pl.add_argument("--top", type=int, default=10, help="plans to print (default 10)")
-    pl.add_argument("--strategies", help="comma-separated presets to consider (default: all)")
-    pl.add_argument("--all", action="store_true", help="keep the plans that do not fit (and every variant)")
-    pl.add_argument("--json", action="store_true", help="print one JSON object (model, hardware, candidates)")
-    pl.add_argument(
-        "--bytes-per-param",
-        metavar="W,G,O",
-        help="weights, gradients, optimizer state bytes per "
-        "parameter (default: the precision policy's, 4,4,8; ZeRO's accounting: 2,2,12)",
-    )
-    pl.add_argument(
-        "--out", default="plan.yaml", help="where to write the winner's config (default plan.yaml; '-': none)"
-    )
-    pl.add_argument(
-        "--verify",
-        type=int,
-        default=0,
-        metavar="K",
-        help="compile the top K plans on N (fake) devices and print predicted vs compiled memory and collective bytes",
-    )
+    _plan_flags(pl)
     _target_flags(pl)
     ex = sub.add_parser(
         "export",
@@ -190,3 +144,59 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     args = commands[argv[0]].parse_intermixed_args(argv[1:])
     args.command = argv[0]
     return args
+
+
+def _generate_flags(g) -> None:
+    """`meshpar generate`'s own flags: the prompts, the budget, the sampling, the output."""
+    g.add_argument(
+        "--prompt",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="a text prompt (data.tokenizer's tokens, else bytes; repeatable)",
+    )
+    g.add_argument(
+        "--prompt-ids", action="append", default=[], metavar="1,2,3", help="a prompt as token ids (repeatable)"
+    )
+    g.add_argument(
+        "--chat", action="store_true", help="each --prompt is a user message, wrapped by data.tokenizer's chat template"
+    )
+    g.add_argument("--max-new-tokens", type=int, help="tokens to generate per prompt (default: serve.max_new_tokens)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
+    g.add_argument("--top-k", type=int, help="sample among the k most likely tokens")
+    g.add_argument(
+        "--top-p", type=float, default=1.0, help="sample from the smallest set of mass >= p (default 1: off)"
+    )
+    g.add_argument("--seed", type=int, default=0, help="sampling seed (prompt i uses seed + i)")
+    g.add_argument(
+        "--json",
+        action="store_true",
+        help='print one JSON object {"tokens", "text", "ttft_s", "decode_tokens_per_s"} instead of streaming',
+    )
+
+
+def _plan_flags(pl) -> None:
+    """`meshpar plan`'s own flags: the hardware, what to search and print, where the winner goes, --verify."""
+    pl.add_argument(
+        "--hardware", default="h100", help="h100, h200, a100-80g, tpu-v4, tpu-v5e, tpu-v5p, tpu-v6e or a YAML"
+    )
+    pl.add_argument("--top", type=int, default=10, help="plans to print (default 10)")
+    pl.add_argument("--strategies", help="comma-separated presets to consider (default: all)")
+    pl.add_argument("--all", action="store_true", help="keep the plans that do not fit (and every variant)")
+    pl.add_argument("--json", action="store_true", help="print one JSON object (model, hardware, candidates)")
+    pl.add_argument(
+        "--bytes-per-param",
+        metavar="W,G,O",
+        help="weights, gradients, optimizer state bytes per "
+        "parameter (default: the precision policy's, 4,4,8; ZeRO's accounting: 2,2,12)",
+    )
+    pl.add_argument(
+        "--out", default="plan.yaml", help="where to write the winner's config (default plan.yaml; '-': none)"
+    )
+    pl.add_argument(
+        "--verify",
+        type=int,
+        default=0,
+        metavar="K",
+        help="compile the top K plans on N (fake) devices and print predicted vs compiled memory and collective bytes",
+    )

@@ -45,20 +45,18 @@ What it guarantees:
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from etils import epath
-from jax.sharding import NamedSharding, PartitionSpec
 
 from meshpar.core.config import CheckpointConfig
 from meshpar.core.errors import MeshparError
+from meshpar.io.fingerprint import fingerprint, tree_signature
 
 ITEMS = ("state", "data", "meta")
 FORMAT = 1
@@ -91,57 +89,6 @@ class Restored:
     meta: dict
     path: str
     damaged: list[dict]  # newer checkpoints that could not be used: {"step", "path", "reason"}
-
-
-# ----------------------------------------------------------------------------------------------
-# Fingerprints: sharding-independent per-leaf hashes, checked after every restore.
-
-_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
-
-
-def _leaf_hash(x: jax.Array) -> jax.Array:
-    """uint32 sum over elements of mix(bits, flat position). Integer addition mod 2^32 is associative,
-    so the result is the same whatever the sharding and the order of the partial sums."""
-    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-        x = jax.random.key_data(x)
-    if x.dtype == jnp.bool_:
-        bits = x.astype(jnp.uint32)
-    elif x.dtype.itemsize == 8:  # only with jax_enable_x64: fold the two halves
-        b = jax.lax.bitcast_convert_type(x, jnp.uint32)
-        bits = b[..., 0] ^ b[..., 1]
-    else:
-        bits = jax.lax.bitcast_convert_type(x, _UINT[x.dtype.itemsize]).astype(jnp.uint32)
-    pos = jnp.zeros(bits.shape, jnp.uint32)
-    stride = 1
-    for d in reversed(range(bits.ndim)):
-        pos = pos + jax.lax.broadcasted_iota(jnp.uint32, bits.shape, d) * jnp.uint32(stride & 0xFFFFFFFF)
-        stride *= bits.shape[d]
-    h = (bits + pos * jnp.uint32(0x9E3779B9)) * jnp.uint32(0x85EBCA6B)
-    h = h ^ (h >> 16)
-    return jnp.sum(h, dtype=jnp.uint32)
-
-
-def fingerprint(state) -> dict[str, int]:
-    """{leaf path: uint32 hash} of a (sharded) state: one small jitted reduction, replicated result."""
-    leaves = jax.tree_util.tree_leaves_with_path(state)
-    arrays = [x for _, x in leaves]
-    mesh = next((x.sharding.mesh for x in arrays if isinstance(x.sharding, NamedSharding)), None)
-    hashes = _hash_fn(NamedSharding(mesh, PartitionSpec()) if mesh is not None else None)(arrays)
-    values = np.asarray(hashes.addressable_data(0))
-    return {jax.tree_util.keystr(p): int(v) for (p, _), v in zip(leaves, values)}
-
-
-@functools.lru_cache(maxsize=8)
-def _hash_fn(out_sharding):
-    return jax.jit(lambda xs: jnp.stack([_leaf_hash(x) for x in xs]), out_shardings=out_sharding)
-
-
-def tree_signature(abstract_state) -> dict[str, list]:
-    """{leaf path: [shape, dtype]}: what a checkpoint must match to be restored into this run."""
-    return {
-        jax.tree_util.keystr(p): [list(a.shape), str(a.dtype)]
-        for p, a in jax.tree_util.tree_leaves_with_path(abstract_state)
-    }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -263,37 +210,9 @@ class Checkpointer:
         return (*_restore_verified(self.ocp, self.manager, step, self.target, meta), meta)
 
     def restore_latest(self) -> Restored | None:
-        """Restore the newest usable checkpoint into this run's shardings; None if there is none.
-
-        Tries complete checkpoints newest first. A damaged one is reported (step, path, reason) and
-        the next older one tried; the damaged folders are then renamed aside (never deleted). If
-        checkpoints exist but none is usable, raises CheckpointError and changes nothing."""
-        steps = self.steps()
-        if not steps:
-            return None
-        damaged = []
-        for step in reversed(steps):
-            try:
-                ok, result, reason = True, self._restore_one(step), ""
-            except CheckpointError:
-                raise
-            except Exception as e:  # noqa: BLE001 - any read/decode/verify failure marks this one damaged
-                ok, result, reason = False, None, _one_line(e)
-            ok = _all_processes(ok)
-            if ok:
-                state, data, meta = result
-                set_aside(damaged, self.info)
-                self.manager.reload()
-                self.damaged_steps = {d["step"] for d in damaged} & set(self.steps())
-                return Restored(step, state, data, meta, self.path(step), damaged)
-            reason = reason or "damaged on another process"
-            damaged.append({"step": step, "path": self.path(step), "reason": reason})
-            self.info(f"checkpoint step {step} at {self.path(step)} is damaged ({reason}); trying the previous one")
-        listing = "; ".join(f"step {d['step']} at {d['path']}: {d['reason']}" for d in damaged)
-        raise CheckpointError(
-            f"no usable checkpoint in {self.directory} ({listing}); nothing was deleted. "
-            f"Repair or move those folders, or set checkpoint.dir to a new folder to start over"
-        )
+        """Restore the newest usable checkpoint into this run's shardings; None if there is none (a
+        damaged one is reported and set aside, the next older one tried: `_restore_newest`)."""
+        return _restore_newest(self)
 
     def _replace_damaged(self, step: int) -> None:
         """A damaged step still in the manager's list would make `save` skip that step forever: move
@@ -307,6 +226,40 @@ class Checkpointer:
             self.manager.delete(step)
             self.manager.reload()
         self.damaged_steps.discard(step)
+
+
+def _restore_newest(ckpt: Checkpointer) -> Restored | None:
+    """Restore the newest usable checkpoint into this run's shardings; None if there is none.
+
+    Tries complete checkpoints newest first. A damaged one is reported (step, path, reason) and
+    the next older one tried; the damaged folders are then renamed aside (never deleted). If
+    checkpoints exist but none is usable, raises CheckpointError and changes nothing."""
+    steps = ckpt.steps()
+    if not steps:
+        return None
+    damaged = []
+    for step in reversed(steps):
+        try:
+            ok, result, reason = True, ckpt._restore_one(step), ""
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any read/decode/verify failure marks this one damaged
+            ok, result, reason = False, None, _one_line(e)
+        ok = _all_processes(ok)
+        if ok:
+            state, data, meta = result
+            set_aside(damaged, ckpt.info)
+            ckpt.manager.reload()
+            ckpt.damaged_steps = {d["step"] for d in damaged} & set(ckpt.steps())
+            return Restored(step, state, data, meta, ckpt.path(step), damaged)
+        reason = reason or "damaged on another process"
+        damaged.append({"step": step, "path": ckpt.path(step), "reason": reason})
+        ckpt.info(f"checkpoint step {step} at {ckpt.path(step)} is damaged ({reason}); trying the previous one")
+    listing = "; ".join(f"step {d['step']} at {d['path']}: {d['reason']}" for d in damaged)
+    raise CheckpointError(
+        f"no usable checkpoint in {ckpt.directory} ({listing}); nothing was deleted. "
+        f"Repair or move those folders, or set checkpoint.dir to a new folder to start over"
+    )
 
 
 def check_fits(mine: dict, meta: dict, step: int, path: str) -> None:

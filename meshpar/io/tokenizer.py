@@ -44,7 +44,6 @@ class HFTokenizer:
     `chat_template` with jinja2 (sandboxed, as transformers does) and tokenizes the text."""
 
     def __init__(self, path: str, model_vocab: int | None = None):
-        import json
         from pathlib import Path
 
         p = Path(path).expanduser()
@@ -65,25 +64,7 @@ class HFTokenizer:
             raise ConfigError(
                 f"data.tokenizer '{file}' has {self.vocab_size} tokens, more than model.vocab={model_vocab}"
             )
-        meta, ends = {}, []
-        self.config = {}  # tokenizer_config.json (BOS rule, chat template)
-        for name in ("tokenizer_config.json", "config.json", "generation_config.json"):  # later files win
-            f = file.parent / name
-            if f.is_file():
-                data = json.loads(f.read_text())
-                if name == "tokenizer_config.json":
-                    self.config = data
-                for what in ("bos", "eos"):
-                    tok = data.get(f"{what}_token")
-                    tok = tok.get("content") if isinstance(tok, dict) else tok
-                    if isinstance(tok, str) and self.tok.token_to_id(tok) is not None:
-                        meta[what] = self.tok.token_to_id(tok)
-                    v = data.get(f"{what}_token_id")
-                    if what == "eos":  # every end id named (Llama 3 and Gemma 3 chat models list their turn ends)
-                        ends += [e for e in (v if isinstance(v, list) else [v]) if isinstance(e, int)]
-                    v = v[0] if isinstance(v, list) and v else v
-                    if isinstance(v, int):
-                        meta[what] = v
+        self.config, meta, ends = _special_ids(self.tok, file.parent)  # tokenizer_config.json, BOS/EOS
         self.bos_id, self.eos_id = meta.get("bos"), meta.get("eos")
         self.eos_ids = list(dict.fromkeys(([self.eos_id] if self.eos_id is not None else []) + ends))
         says = self.config.get("add_bos_token", self.config.get("bos_token", "") is not None)  # bos_token: null -> no
@@ -223,3 +204,31 @@ def packed_text(path: str, tokenizer: str, model_vocab: int):
     docs = [tok.document(doc) for doc in documents(path)]
     sizes = np.cumsum([0] + [len(d) for d in docs[:-1]]).astype(np.int64)
     return np.asarray([t for d in docs for t in d], np.uint32), sizes
+
+
+def _special_ids(tok, folder) -> tuple[dict, dict, list]:
+    """The folder's tokenizer_config.json, config.json and generation_config.json (later files win) ->
+    (tokenizer_config.json, {"bos", "eos": id}, every end id named: Llama 3 and Gemma 3 chat models
+    list their turn ends)."""
+    import json
+
+    config, meta, ends = {}, {}, []
+    for name in ("tokenizer_config.json", "config.json", "generation_config.json"):
+        f = folder / name
+        if not f.is_file():
+            continue
+        data = json.loads(f.read_text())
+        if name == "tokenizer_config.json":
+            config = data
+        for what in ("bos", "eos"):
+            t = data.get(f"{what}_token")
+            t = t.get("content") if isinstance(t, dict) else t
+            if isinstance(t, str) and tok.token_to_id(t) is not None:
+                meta[what] = tok.token_to_id(t)
+            v = data.get(f"{what}_token_id")
+            if what == "eos":
+                ends += [e for e in (v if isinstance(v, list) else [v]) if isinstance(e, int)]
+            v = v[0] if isinstance(v, list) and v else v
+            if isinstance(v, int):
+                meta[what] = v
+    return config, meta, ends

@@ -62,7 +62,7 @@ class Run:
     def overrides(self, schedule: str = "1f1b", virtual: int = 1, microbatches: int | None = None) -> list[str]:
         """KEY=VALUE overrides that make this run a meshpar config (`devices` set by the caller)."""
         from meshpar.core.mesh import MESH_AXES
-        from meshpar.plan.search import split_ici_dcn
+        from meshpar.plan.candidates import split_ici_dcn
 
         mlp = 128 * round(8 * self.hidden / 3 / 128)
         sizes = {"pipeline": self.pipeline, "data": 1, "fsdp": 1, "context": 1, "expert": 1, "tensor": self.tensor}

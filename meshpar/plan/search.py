@@ -25,121 +25,15 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import replace
 
 from meshpar.core.errors import ConfigError, suggest
 from meshpar.core.mesh import MESH_AXES
 from meshpar.core.rules import PRESETS
-from meshpar.plan.costmodel import REMATS, Candidate, ModelFacts, Resolver
+from meshpar.plan.candidates import ORDER, candidates, overrides
+from meshpar.plan.costmodel import Candidate, ModelFacts, Resolver
 from meshpar.plan.steptime import evaluate, lower_bound, summarize
 
-ORDER = ("dp", "zero1", "zero2", "fsdp", "hsdp", "tp", "tp_sp", "fsdp_tp", "fsdp_tp_sp")
 GiB = 2**30
-
-
-def _divisors(n: int) -> list[int]:
-    return [i for i in range(1, n + 1) if n % i == 0]
-
-
-def _factorizations(n: int, k: int):
-    if k == 1:
-        yield (n,)
-        return
-    for d in _divisors(n):
-        for rest in _factorizations(n // d, k - 1):
-            yield (d,) + rest
-
-
-def _fits_family(strategy: str, s: dict) -> bool:
-    d, f, t = s["data"], s["fsdp"], s["tensor"]
-    return {
-        "dp": f == 1 and t == 1,
-        "zero1": f == 1 and t == 1,
-        "zero2": f == 1 and t == 1,
-        "fsdp": d == 1 and t == 1,
-        "hsdp": d > 1 and f > 1 and t == 1,
-        "tp": t > 1 and f == 1,
-        "tp_sp": t > 1 and f == 1,
-        "fsdp_tp": t > 1 and f > 1 and d == 1,
-        "fsdp_tp_sp": t > 1 and f > 1 and d == 1,
-    }[strategy]
-
-
-def split_ici_dcn(sizes: tuple, n: int, domain: int) -> tuple | None:
-    """DCN part of each axis: the ICI domain is filled from the innermost axis outwards."""
-    room = min(domain, n)
-    ici = [1] * len(sizes)
-    for i in reversed(range(len(sizes))):
-        ici[i] = math.gcd(sizes[i], room)
-        room //= ici[i]
-    if room != 1:
-        return None
-    return tuple(s // i for s, i in zip(sizes, ici))
-
-
-def candidates(facts: ModelFacts, cfg, n: int, hw, strategies) -> list[Candidate]:
-    """Every (mesh, preset, remat, microbatches, schedule) the search costs."""
-    d, b = facts.dims, cfg.batch.global_size
-    layers = d.get("layers") or 1
-    experts = facts.moe.get("num_experts", 1)
-    out = []
-    for sizes in _factorizations(n, len(MESH_AXES)):
-        s = dict(zip(MESH_AXES, sizes))
-        if layers % s["pipeline"] or experts % s["expert"] or (s["expert"] > 1 and not facts.moe):
-            continue
-        if s["context"] > 1 and (cfg.batch.length % (2 * s["context"]) or (s["pipeline"] > 1 and facts.moe)):
-            continue  # the balanced order's 2 x context chunks; MoE stages route whole sequences
-        if (cfg.batch.length // s["context"]) % cfg.train.loss_chunks:
-            continue  # train.loss_chunks slices a device's share of a sequence
-        dcn = split_ici_dcn(sizes, n, hw.domain)
-        if dcn is None:
-            continue
-        dp = s["data"] * s["fsdp"] * s["expert"]
-        if b % dp:
-            continue
-        for st in strategies:
-            if not _fits_family(st, s) or (st == "hsdp" and s["data"] < s["fsdp"] and dcn[1] == 1 and n > hw.domain):
-                continue
-            for remat in REMATS:
-                base = Candidate(sizes, dcn, st, remat)
-                p = s["pipeline"]
-                if p == 1:
-                    ma = 1
-                    while b % (dp * ma) == 0 and ma <= 64:
-                        out.append(replace(base, microbatches=ma))
-                        ma *= 2
-                    continue
-                for m in _divisors(b // dp):  # every M the rows split into, down to one sequence each
-                    if m < p:  # fewer microbatches than stages: idle stages, never better
-                        continue
-                    out += [replace(base, pp_microbatches=m, schedule=sc) for sc in ("gpipe", "1f1b")]
-                    out += [
-                        replace(base, pp_microbatches=m, schedule="interleaved", virtual=v)
-                        for v in (2, 3, 4)
-                        if layers % (v * p) == 0 and m % p == 0
-                    ]
-    return out
-
-
-def overrides(cand: Candidate, n: int) -> list[str]:
-    """KEY=VALUE overrides that turn a config into this plan (what the winner YAML holds)."""
-    s, dcn = cand.shape, cand.dcn_shape
-    out = [f"mesh.{a}={s[a] // dcn[a]}" for a in MESH_AXES]
-    dcn_items = {a: v for a, v in dcn.items() if v > 1}
-    out.append("mesh.dcn={" + ", ".join(f"{a}: {v}" for a, v in dcn_items.items()) + "}")
-    out += [
-        f"strategy={cand.strategy}",
-        f"model.remat={cand.remat}",
-        f"batch.microbatches={cand.microbatches}",
-        f"devices={n}",
-    ]
-    if s["pipeline"] > 1:
-        out += [
-            f"pipeline.schedule={cand.schedule}",
-            f"pipeline.microbatches={cand.pp_microbatches}",
-            f"pipeline.virtual_stages={cand.virtual}",
-        ]
-    return out
 
 
 def parse_bytes_per_param(text: str | None, cfg) -> tuple:

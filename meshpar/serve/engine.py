@@ -81,6 +81,19 @@ def _tails(prompts: list, starts: list, length: int) -> np.ndarray:
     return tail
 
 
+def _tail_rows(caches: list, prompts: list, starts: list, width: int) -> tuple:
+    """n prompts extended from `starts` -> (caches, tails [rows, width], starts [rows], ends [rows]),
+    rows = n up to a power of two, repeating the first."""
+    pick = [r if r < len(prompts) else 0 for r in range(_pow2(len(prompts)))]
+    tail = _tails([prompts[i] for i in pick], [starts[i] for i in pick], width)
+    return (
+        tuple(caches[i] for i in pick),
+        tail,
+        np.asarray([starts[i] for i in pick], np.int32),
+        np.asarray([len(prompts[i]) for i in pick], np.int32),
+    )
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -126,61 +139,38 @@ def precheck(cfg, requests, model: Callable | None = None) -> int | None:
     return vocab
 
 
-def _placed(name: str, part: str = "placement"):
-    """A fact of the engine's placement (or of its compiled programs), read through."""
-    return property(lambda self: getattr(getattr(self, part), name), doc=f"`{part}.{name}`")
+def _facts(part: str, names: str) -> tuple:
+    """Properties reading each of `names` (space-separated) through the engine's attribute `part`."""
+    return tuple(
+        property(lambda self, n=n: getattr(getattr(self, part), n), doc=f"`{part}.{n}`") for n in names.split()
+    )
 
 
 class Engine:
-    """Serve a model: its weights placed (`placement`, `Placement`: `model`, `weights`, `devices` as
-    there), the compiled calls over them (`programs`, `DecodePrograms`: `flush`, `ticks` as there) and
-    their state (`decode_state`), and the host side here: padding to buckets, sampling rows, request
-    checks, and `run` (continuous batching, reading `serve`: the `cfg.serve` section)."""
+    """Serve a model: its weights placed (`placement`, `Placement`: the keywords `model`, `weights`,
+    `devices`, `info`, `device_memory` as there), the compiled calls over them (`programs`,
+    `DecodePrograms`: `flush`, `ticks` as there) and their state (`decode_state`), and the host side
+    here: padding to buckets, sampling rows, request checks, and `run` (continuous batching, reading
+    `serve`: the `cfg.serve` section)."""
 
-    def __init__(
-        self,
-        cfg,
-        *,
-        model: Callable | None = None,
-        devices=None,
-        weights=None,
-        info: Callable[[str], None] = print,
-        flush: bool = False,
-        ticks: int | None = None,
-        device_memory: int | None = None,
-    ):
-        self.placement = Placement(
-            cfg, model=model, devices=devices, weights=weights, info=info, device_memory=device_memory
-        )
+    def __init__(self, cfg, *, flush: bool = False, ticks: int | None = None, **placement):
+        self.placement = Placement(cfg, **placement)  # model=, devices=, weights=, info=, device_memory=
         self.programs = DecodePrograms(self.placement, flush=flush, ticks=ticks, microbatches=cfg.pipeline.microbatches)
         self.decode_state = self.programs.state
         self.serve = cfg.serve
         self.decode_steps, self.decode_s = 0, 0.0  # set by `run` (meshpar.serve.scheduler)
 
-    mesh, layout, policy, dtype, spec, stages, slots = (
-        _placed(n) for n in ("mesh", "layout", "policy", "dtype", "spec", "stages", "slots")
+    # facts of the placement, of the programs and of the decode state (`DecodeState`: its shapes, an empty
+    # one, a cache tree of (rows, length), bytes per device), read through
+    mesh, layout, policy, dtype, spec, stages, slots, vocab, length = _facts(
+        "placement", "mesh layout policy dtype spec stages slots vocab length"
     )
-    vocab, length, buckets, bucket, can_extend, cache_spec, weight_shapes, weights, source, notes = (
-        _placed(n)
-        for n in (
-            "vocab",
-            "length",
-            "buckets",
-            "bucket",
-            "can_extend",
-            "cache_spec",
-            "weight_shapes",
-            "weights",
-            "source",
-            "notes",
-        )
+    buckets, bucket, can_extend, cache_spec, weight_shapes, weights, source, notes = _facts(
+        "placement", "buckets bucket can_extend cache_spec weight_shapes weights source notes"
     )
-    state_shardings, traces, in_flight, ticks = (
-        _placed(n, "programs") for n in ("state_shardings", "traces", "in_flight", "ticks")
-    )
-    # the decode state (`DecodeState`): its shapes, an empty one, a cache tree of (rows, length), bytes per device
-    state_shapes, new_state, entry_spec, bytes_per_device = (
-        _placed(n, "decode_state") for n in ("shapes", "new", "entry_spec", "bytes_per_device")
+    state_shardings, traces, in_flight, ticks = _facts("programs", "state_shardings traces in_flight ticks")
+    state_shapes, new_state, entry_spec, bytes_per_device = _facts(
+        "decode_state", "shapes new entry_spec bytes_per_device"
     )
 
     precheck = staticmethod(precheck)  # the checks that need no weights (`precheck`)
@@ -227,21 +217,10 @@ class Engine:
         for t, st, smp in zip(prompts, starts, samplings):
             self.check(Request(list(t), 1, smp))
             self.placement.check_extend(len(t), st)
-        n = len(prompts)
-        pick = [r if r < n else 0 for r in range(_pow2(n))]
-        tail = _tails(
-            [prompts[i] for i in pick],
-            [starts[i] for i in pick],
-            self.bucket(max(len(t) - st for t, st in zip(prompts, starts))),
-        )
-        ends = np.asarray([len(prompts[i]) for i in pick], np.int32)
+        n, width = len(prompts), self.bucket(max(len(t) - st for t, st in zip(prompts, starts)))
+        rows = _tail_rows(caches, prompts, starts, width)
         entry, tok, last = self.programs.extend(
-            self._weights(params),
-            tuple(caches[i] for i in pick),
-            tail,
-            np.asarray([starts[i] for i in pick], np.int32),
-            ends,
-            sampling_rows(samplings[:n], len(pick), self.vocab),
+            self._weights(params), *rows, sampling_rows(samplings[:n], len(rows[1]), self.vocab)
         )
         return entry, tok[:n], last[:n]
 

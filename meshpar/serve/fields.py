@@ -80,55 +80,11 @@ class Fields:
 
     def parse(self, body: Any, chat: bool) -> tuple[Request, dict]:
         """-> (Request, options {stream, stop, include_usage}); APIError naming the field at fault."""
-        if not isinstance(body, dict):
-            raise APIError(400, "the request body must be a JSON object")
-        bad = invalid_text(body)
-        if bad:
-            raise APIError(
-                400,
-                f"the request body holds text that is not valid Unicode at '{bad}' (a lone "
-                "surrogate such as \\ud800); send UTF-8 text",
-                bad.split(".")[0].split("[")[0],
-            )
-        model = _field(body, "model", (str,))
-        if model is None:
-            raise APIError(400, "'model' is required", "model")
-        if model != self.name:
-            raise APIError(
-                404, f"the model '{model}' does not exist; this server serves '{self.name}'", "model", "model_not_found"
-            )
+        _check_body(body, self.name)
         n_choices = _field(body, "n", (int,), 1, lambda v: 1 <= v <= MAX_N, f"must be between 1 and {MAX_N}")
         _unsupported(body)
-        if chat:
-            top = _field(
-                body,
-                "top_logprobs",
-                (int,),
-                None,
-                lambda v: 0 <= v <= TOP_LOGPROBS,
-                f"must be between 0 and {TOP_LOGPROBS}",
-            )
-            if top is not None and not body.get("logprobs"):
-                raise APIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
-            logprobs = (top or 0) if _field(body, "logprobs", (bool,), False) else None
-            echo = False
-        else:
-            logprobs = _field(body, "logprobs", (int,), None, lambda v: 0 <= v <= 5, "must be between 0 and 5")
-            echo = _field(body, "echo", (bool,), False)
-            if echo and logprobs is not None:
-                raise APIError(
-                    400,
-                    "'echo' with 'logprobs' is not supported (the prompt's log probabilities are not "
-                    "computed); send one of them",
-                    "echo",
-                )
+        logprobs, echo = _logprob_fields(body, chat)
         bias = _logit_bias(body, self.engine.vocab)
-        presence = _field(
-            body, "presence_penalty", (int, float), 0.0, lambda v: -2 <= v <= 2, "must be between -2 and 2"
-        )
-        frequency = _field(
-            body, "frequency_penalty", (int, float), 0.0, lambda v: -2 <= v <= 2, "must be between -2 and 2"
-        )
         tokens = self._prompt(body, chat)
         room = self.engine.length - len(tokens) + 1  # the last token is never written to the cache
         if room < 1:
@@ -149,35 +105,8 @@ class Fields:
                 key,
                 "context_length_exceeded",
             )
-        temp = _field(body, "temperature", (int, float), 1.0, lambda v: 0 <= v <= 2, "must be between 0 and 2")
-        top_p = _field(body, "top_p", (int, float), 1.0, lambda v: 0 < v <= 1, "must be in (0, 1]")
-        top_k = _field(
-            body,
-            "top_k",
-            (int,),
-            None,
-            lambda v: v == -1 or 1 <= v <= self.engine.vocab,
-            f"must be -1 (off) or between 1 and the vocabulary {self.engine.vocab}",
-        )
-        seed = _field(body, "seed", (int,), None)
-        seed = secrets.randbits(31) if seed is None else seed  # unseeded: a fresh draw per request, as OpenAI
-        stop = _field(body, "stop", (str, list), [])
-        stop = [stop] if isinstance(stop, str) else stop
-        if len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
-            raise APIError(400, "'stop' must be a string or a list of up to 4 non-empty strings", "stop")
-        stream = _field(body, "stream", (bool,), False)
-        if body.get("stream_options") is not None and not stream:
-            raise APIError(400, "'stream_options' is only allowed with 'stream': true", "stream_options")
-        usage = bool((_field(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
-        samp = Sampling(
-            float(temp),
-            None if top_k in (None, -1) else top_k,
-            float(top_p),
-            seed % (2**31),
-            float(presence),
-            float(frequency),
-            bias,
-        )
+        samp = _sampling(body, self.engine.vocab, bias)
+        stop, stream, usage = _stream_fields(body)
         req = Request(
             tokens,
             n or min(self.default_tokens, room),
@@ -257,3 +186,93 @@ class Fields:
                 param,
                 "context_length_exceeded",
             )
+
+
+def _check_body(body: Any, name: str) -> None:
+    """The body is a JSON object of valid Unicode, for the model this server serves (`name`)."""
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    bad = invalid_text(body)
+    if bad:
+        raise APIError(
+            400,
+            f"the request body holds text that is not valid Unicode at '{bad}' (a lone "
+            "surrogate such as \\ud800); send UTF-8 text",
+            bad.split(".")[0].split("[")[0],
+        )
+    model = _field(body, "model", (str,))
+    if model is None:
+        raise APIError(400, "'model' is required", "model")
+    if model != name:
+        raise APIError(
+            404, f"the model '{model}' does not exist; this server serves '{name}'", "model", "model_not_found"
+        )
+
+
+def _logprob_fields(body: dict, chat: bool) -> tuple:
+    """-> (logprobs: top ids per token or None, echo): chat's `logprobs` and `top_logprobs`,
+    completions' `logprobs` and `echo`."""
+    if chat:
+        top = _field(
+            body,
+            "top_logprobs",
+            (int,),
+            None,
+            lambda v: 0 <= v <= TOP_LOGPROBS,
+            f"must be between 0 and {TOP_LOGPROBS}",
+        )
+        if top is not None and not body.get("logprobs"):
+            raise APIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        logprobs = (top or 0) if _field(body, "logprobs", (bool,), False) else None
+        echo = False
+    else:
+        logprobs = _field(body, "logprobs", (int,), None, lambda v: 0 <= v <= 5, "must be between 0 and 5")
+        echo = _field(body, "echo", (bool,), False)
+        if echo and logprobs is not None:
+            raise APIError(
+                400,
+                "'echo' with 'logprobs' is not supported (the prompt's log probabilities are not "
+                "computed); send one of them",
+                "echo",
+            )
+    return logprobs, echo
+
+
+def _sampling(body: dict, vocab: int, bias: tuple) -> Sampling:
+    """The request's sampling settings (temperature, top-k/p, seed, penalties, logit bias)."""
+    presence = _field(body, "presence_penalty", (int, float), 0.0, lambda v: -2 <= v <= 2, "must be between -2 and 2")
+    frequency = _field(body, "frequency_penalty", (int, float), 0.0, lambda v: -2 <= v <= 2, "must be between -2 and 2")
+    temp = _field(body, "temperature", (int, float), 1.0, lambda v: 0 <= v <= 2, "must be between 0 and 2")
+    top_p = _field(body, "top_p", (int, float), 1.0, lambda v: 0 < v <= 1, "must be in (0, 1]")
+    top_k = _field(
+        body,
+        "top_k",
+        (int,),
+        None,
+        lambda v: v == -1 or 1 <= v <= vocab,
+        f"must be -1 (off) or between 1 and the vocabulary {vocab}",
+    )
+    seed = _field(body, "seed", (int,), None)
+    seed = secrets.randbits(31) if seed is None else seed  # unseeded: a fresh draw per request, as OpenAI
+    return Sampling(
+        float(temp),
+        None if top_k in (None, -1) else top_k,
+        float(top_p),
+        seed % (2**31),
+        float(presence),
+        float(frequency),
+        bias,
+    )
+
+
+def _stream_fields(body: dict) -> tuple:
+    """-> (stop strings, stream, include_usage)."""
+    stop = _field(body, "stop", (str, list), [])
+    stop = [stop] if isinstance(stop, str) else stop
+    if len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
+        raise APIError(400, "'stop' must be a string or a list of up to 4 non-empty strings", "stop")
+    stream = _field(body, "stream", (bool,), False)
+    if body.get("stream_options") is not None and not stream:
+        raise APIError(400, "'stream_options' is only allowed with 'stream': true", "stream_options")
+    usage = bool((_field(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
+    return stop, stream, usage

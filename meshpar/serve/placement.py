@@ -188,7 +188,7 @@ class Placement:
             from meshpar.parallel import pipeline_decode
 
             pipeline_decode.check(abstract, self.spec.var_shapes, one, self.slots, self.stages)
-        self.vocab = self._vocab(abstract)
+        self.vocab = _logits_vocab(self, abstract)
         self.layout, self.notes = serving_layout(self.mesh, cfg.serve.strategy, cfg.rules, one, self.slots)
         rep = NamedSharding(self.mesh, P())
         params = jax.tree.map(lambda s: s.update(dtype=self.serve_dtype(s.dtype)), self.spec.shapes)
@@ -196,7 +196,7 @@ class Placement:
             "params": param_shardings(self.spec, self.layout),
             "vars": var_shardings(self.spec, self.layout),
         }
-        self.length = self._cache_length(one, params)
+        self.length = _sized_cache_length(self, cfg, one, params)
         self.buckets = buckets(self.length, cfg.serve.min_bucket)
         with precision_lib.use_policy(self.policy):
             self.cache_spec = abstract.cache_spec(self.slots, self.length)
@@ -209,50 +209,6 @@ class Placement:
         self.weights, self.source = _load(self, weights, cfg.checkpoint.dir, cfg.model.init_from, cfg.train.seed)
 
     # -- set-up ----------------------------------------------------------------------------------
-    def _cache_length(self, one, params) -> int:
-        """S (see the module docstring): one position of every slot and prefix entry, per device."""
-        from meshpar.core.sharding import bytes_per_device
-
-        if self.cfg.serve.cache_length:
-            return self.cfg.serve.cache_length
-
-        def position_bytes(spec, layout) -> float:
-            return sum(
-                bytes_per_device(leaf.shape, leaf.dtype, layout.sharding(leaf.axes, leaf.shape, "KV cache"))
-                for leaf in jax.tree.leaves(spec, is_leaf=is_leaf)
-            )
-
-        with precision_lib.use_policy(self.policy):
-            entry = self.abstract.cache_spec(1, 1)  # a prefix entry: one row, whole on every data shard
-        position = (
-            int(
-                position_bytes(one, self.layout)
-                + self.cfg.serve.prefix_cache * position_bytes(entry, for_rows(self.layout, 1))
-            )
-            + 1
-        )
-        weights = sum(
-            bytes_per_device(s.shape, s.dtype, sh)
-            for s, sh in zip(jax.tree.leaves(params), jax.tree.leaves(self.weight_shardings["params"]))
-        )
-        n = cache_length(self.cfg, self.abstract, position, max(0, (self.device_memory or device_bytes()) - weights))
-        if jax.process_count() > 1:  # every process of a server must agree (hosts may differ in memory)
-            from jax.experimental import multihost_utils
-
-            n = int(multihost_utils.broadcast_one_to_all(np.int32(n)))
-        return n
-
-    def _vocab(self, abstract) -> int:
-        """The logits' last dimension, from an abstract decode of one token (no memory, no compile)."""
-        from flax import nnx
-
-        def one(t):
-            with building(self.policy):
-                m = self.factory(nnx.Rngs(0))
-            with precision_lib.use_policy(self.policy):
-                return m.decode(t, t, zeros(m.cache_spec(1, 1)))[0]
-
-        return int(jax.eval_shape(one, jax.ShapeDtypeStruct((1, 1), jnp.int32)).shape[-1])
 
     def serve_dtype(self, dtype):
         """Floating weights are served in the compute dtype (bf16 halves the bytes every step reads)."""
@@ -294,6 +250,53 @@ class Placement:
             )
         )
         return {"weights": int(w), "cache": int(c)}
+
+
+def _logits_vocab(placement, abstract) -> int:
+    """The logits' last dimension, from an abstract decode of one token (no memory, no compile)."""
+    from flax import nnx
+
+    def one(t):
+        with building(placement.policy):
+            m = placement.factory(nnx.Rngs(0))
+        with precision_lib.use_policy(placement.policy):
+            return m.decode(t, t, zeros(m.cache_spec(1, 1)))[0]
+
+    return int(jax.eval_shape(one, jax.ShapeDtypeStruct((1, 1), jnp.int32)).shape[-1])
+
+
+def _sized_cache_length(placement, cfg, one, params) -> int:
+    """S (see the module docstring): one position of every slot and prefix entry, per device."""
+    from meshpar.core.sharding import bytes_per_device
+
+    if cfg.serve.cache_length:
+        return cfg.serve.cache_length
+
+    def position_bytes(spec, layout) -> float:
+        return sum(
+            bytes_per_device(leaf.shape, leaf.dtype, layout.sharding(leaf.axes, leaf.shape, "KV cache"))
+            for leaf in jax.tree.leaves(spec, is_leaf=is_leaf)
+        )
+
+    with precision_lib.use_policy(placement.policy):
+        entry = placement.abstract.cache_spec(1, 1)  # a prefix entry: one row, whole on every data shard
+    position = (
+        int(
+            position_bytes(one, placement.layout)
+            + cfg.serve.prefix_cache * position_bytes(entry, for_rows(placement.layout, 1))
+        )
+        + 1
+    )
+    weights = sum(
+        bytes_per_device(s.shape, s.dtype, sh)
+        for s, sh in zip(jax.tree.leaves(params), jax.tree.leaves(placement.weight_shardings["params"]))
+    )
+    n = cache_length(cfg, placement.abstract, position, max(0, (placement.device_memory or device_bytes()) - weights))
+    if jax.process_count() > 1:  # every process of a server must agree (hosts may differ in memory)
+        from jax.experimental import multihost_utils
+
+        n = int(multihost_utils.broadcast_one_to_all(np.int32(n)))
+    return n
 
 
 def _load(placement: Placement, weights, checkpoint_dir: str | None, init_from: str | None, seed: int):

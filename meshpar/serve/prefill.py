@@ -145,12 +145,6 @@ class Prefills:
         if placed:
             self._place_rows(entry, placed, np.asarray(toks), logits)
 
-    def _logprobs(self, tickets, logits, toks) -> list | None:
-        """The engine's log probabilities of `toks` under `logits` when any of `tickets` asked for them."""
-        if logits is None or not any(t.request.logprobs is not None for t in tickets):
-            return None
-        return list(self.engine.logprobs(logits, toks))
-
     def _place(self, entry, tickets, slots, toks, logits=None) -> None:
         """Entry rows 0.. into `slots`, each emitting its first token `toks[r]`."""
         self._place_rows(entry, [(r, t, s) for r, (t, s) in enumerate(zip(tickets, slots))], toks, logits)
@@ -164,8 +158,15 @@ class Prefills:
         now = time.perf_counter()
         picked = np.asarray([r for r, _, _ in placed])
         logits = None if logits is None else logits.reshape(-1, logits.shape[-1])[picked]
-        lp = self._logprobs([t for _, t, _ in placed], logits, np.asarray(toks)[picked])
+        lp = logprobs_of(self.engine, [t for _, t, _ in placed], logits, np.asarray(toks)[picked])
         for i, (r, t, slot) in enumerate(placed):
             t.completion.ttft_s = now - t.submitted
             self.active[slot] = t
             self._emit(t, slot, int(toks[r]), lp and [a[i] for a in lp])
+
+
+def logprobs_of(engine, tickets, logits, toks) -> list | None:
+    """The engine's log probabilities of `toks` under `logits` when any of `tickets` asked for them."""
+    if logits is None or not any(t.request.logprobs is not None for t in tickets):
+        return None
+    return list(engine.logprobs(logits, toks))

@@ -121,19 +121,18 @@ class DecodePrograms:
 
     def __init__(self, placement: Placement, *, flush: bool = False, ticks: int | None = None, microbatches: int = 1):
         self.placement, self.microbatches = placement, microbatches
-        self.mesh, self.layout, self.policy, self.stages = (
-            placement.mesh,
-            placement.layout,
-            placement.policy,
-            placement.stages,
-        )
-        self.slots, self.vocab, self.length, self.cache_spec = (
-            placement.slots,
-            placement.vocab,
-            placement.length,
-            placement.cache_spec,
-        )
-        self.weight_shardings = placement.weight_shardings
+        for name in (
+            "mesh",
+            "layout",
+            "policy",
+            "stages",
+            "slots",
+            "vocab",
+            "length",
+            "cache_spec",
+            "weight_shardings",
+        ):
+            setattr(self, name, getattr(placement, name))  # the placement's facts the bodies read
         rep = NamedSharding(self.mesh, P())
         # mesh.pipeline > 1: one group of slots per stage in flight across generate calls, `ticks` (1..P,
         # default P) ticks per call; `flush`: each call fills and drains the pipe instead (for comparison)
@@ -149,7 +148,7 @@ class DecodePrograms:
         self.extend = jax.jit(self._extend_fn, out_shardings=(None, rep, rep))
         self.full = jax.jit(self._full_fn)
         self.logprobs = jax.jit(logprobs)
-        self.insert = jax.jit(self._insert_fn, out_shardings=self.state_shardings, donate_argnums=(1,))
+        self.insert = jax.jit(partial(_insert_rows, self), out_shardings=self.state_shardings, donate_argnums=(1,))
         self.generate = jax.jit(
             self._generate_fn,
             in_shardings=(self.weight_shardings, self.state_shardings),
@@ -222,31 +221,6 @@ class DecodePrograms:
             is_leaf=is_leaf,
         )
 
-    def _insert_fn(self, entry, state, slots):
-        """Write entry row r into slot slots[r] (a slot of -1: a padding row, dropped): its cache rows
-        (padded to S), position, token and sampling settings."""
-        self.traces["insert"] += 1
-        hit = slots[:, None] == jnp.arange(self.slots)[None, :]  # [n, B]
-        has, row = jnp.any(hit, axis=0), jnp.argmax(hit, axis=0)  # [B] each
-        take = partial(_take, has, row)
-        cache = jax.tree.map(
-            lambda leaf, e, c: take(
-                _padded_to(leaf, e, c.shape[leaf.axes.index("cache_length")]), c, leaf.axes.index("cache_batch")
-            ),
-            self.cache_spec,
-            entry["cache"],
-            state["cache"],
-            is_leaf=is_leaf,
-        )
-        new = {**state, "cache": cache, "pos": take(entry["length"], state["pos"], 0)}
-        for k in ("token", *ROW_KEYS):
-            new[k] = take(entry[k], state[k], 0)
-        first = jax.nn.one_hot(entry["token"], self.vocab, dtype=jnp.int32)  # the first token, counted
-        new["counts"] = take(first, state["counts"], 0)
-        if self.in_flight:  # the slot's tokens still in the pipe are the old request's: stale from now on
-            new.update(in_flight.inserted(state, has))
-        return new
-
     def _generate_fn(self, weights, state):
         """One token for every slot: each slot's last token at its position -> the next one."""
         self.traces["generate"] += 1
@@ -260,3 +234,29 @@ class DecodePrograms:
         nxt = sample(adjust(logits, state, state["counts"]), state["temp"], state["top_k"], state["top_p"], keys)
         counts = state["counts"].at[jnp.arange(self.slots), nxt].add(1)
         return {**state, "cache": cache, "token": nxt, "pos": state["pos"] + 1, "counts": counts}, nxt, logits
+
+
+def _insert_rows(programs, entry, state, slots):
+    """Write entry row r into slot slots[r] (a slot of -1: a padding row, dropped): its cache rows
+    (padded to S), position, token and sampling settings."""
+    programs.traces["insert"] += 1
+    hit = slots[:, None] == jnp.arange(programs.slots)[None, :]  # [n, B]
+    has, row = jnp.any(hit, axis=0), jnp.argmax(hit, axis=0)  # [B] each
+    take = partial(_take, has, row)
+    cache = jax.tree.map(
+        lambda leaf, e, c: take(
+            _padded_to(leaf, e, c.shape[leaf.axes.index("cache_length")]), c, leaf.axes.index("cache_batch")
+        ),
+        programs.cache_spec,
+        entry["cache"],
+        state["cache"],
+        is_leaf=is_leaf,
+    )
+    new = {**state, "cache": cache, "pos": take(entry["length"], state["pos"], 0)}
+    for k in ("token", *ROW_KEYS):
+        new[k] = take(entry[k], state[k], 0)
+    first = jax.nn.one_hot(entry["token"], programs.vocab, dtype=jnp.int32)  # the first token, counted
+    new["counts"] = take(first, state["counts"], 0)
+    if programs.in_flight:  # the slot's tokens still in the pipe are the old request's: stale from now on
+        new.update(in_flight.inserted(state, has))
+    return new

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from meshpar.serve.prefill import Prefills
+from meshpar.serve.prefill import Prefills, logprobs_of
 from meshpar.serve.prefix import PrefixCache
 from meshpar.serve.requests import Completion, Request
 
@@ -141,7 +141,7 @@ class TickLoop(Prefills):
             toks = np.asarray(toks)
             self.decode_s += time.perf_counter() - t0
             self.decode_steps += 1
-            lp = self._logprobs(self.active.values(), logits, np.maximum(toks, 0))
+            lp = logprobs_of(self.engine, self.active.values(), logits, np.maximum(toks, 0))
             for slot, t in list(self.active.items()):
                 if toks[slot] >= 0:  # -1: its token is still in a pipeline (meshpar.serve.in_flight)
                     self._emit(t, slot, int(toks[slot]), lp and [a[slot] for a in lp])
@@ -159,13 +159,9 @@ class TickLoop(Prefills):
         c.tokens.append(tok)
         if t.on_token:
             _call(t.on_token, tok)
-        eos = r.eos if isinstance(r.eos, (list, tuple, set)) else () if r.eos is None else (r.eos,)
-        if tok in eos:
-            self._finish(t, slot, "eos")
-        elif len(c.tokens) >= r.max_new_tokens:
-            self._finish(t, slot, "max_tokens")
-        elif len(r.tokens) + len(c.tokens) > self.engine.length:  # no room to write the last token
-            self._finish(t, slot, "cache_full")
+        why = _ended(r, c, tok, self.engine.length)
+        if why:
+            self._finish(t, slot, why)
 
     def _finish(self, t: Ticket, slot: int | None, why: str) -> None:
         if why == "cancelled" and t.cut:
@@ -302,3 +298,15 @@ def run_all(engine, requests: list[Request], on_token: Callable[[int, int], None
         pass
     engine.decode_steps, engine.decode_s = sched.decode_steps, sched.decode_s
     return [t.completion for t in tickets]
+
+
+def _ended(r: Request, c: Completion, tok: int, length: int) -> str | None:
+    """Why a request ends with the token `tok` just emitted (`length`: the cache's), or None."""
+    eos = r.eos if isinstance(r.eos, (list, tuple, set)) else () if r.eos is None else (r.eos,)
+    if tok in eos:
+        return "eos"
+    if len(c.tokens) >= r.max_new_tokens:
+        return "max_tokens"
+    if len(r.tokens) + len(c.tokens) > length:  # no room to write the last token
+        return "cache_full"
+    return None

@@ -81,8 +81,8 @@ def run(cfg, metrics_out: str | None = None, console=None, trainer: Trainer | No
     skips it); with `train.on_nan=stop` the loop raises naming the step before any later save.
     """
     from meshpar.io.checkpoint import Checkpointer
-    from meshpar.runtime.distributed import PreemptionGuard, progress
-    from meshpar.train.batches import Batches, Prefetch
+    from meshpar.runtime.distributed import PreemptionGuard, await_peer_verdict, progress
+    from meshpar.train.batches import Prefetch
     from meshpar.train.metrics import MetricsLogger
     from meshpar.train.profile import ProfileWindow
 
@@ -103,24 +103,10 @@ def run(cfg, metrics_out: str | None = None, console=None, trainer: Trainer | No
     try:
         ckpt = Checkpointer(cfg.checkpoint, trainer, info=log.info) if cfg.checkpoint.dir else None
         found = ckpt.restore_latest() if ckpt else None
-        resumed = (
-            {}
-            if found is None
-            else {"resumed_from": found.step, "resumed_path": found.path, "damaged_checkpoints": found.damaged}
-        )
+        resumed = _resumed(found)
         peak, peak_src = _log_start(log, cfg, trainer, {**facts, "entropy_floor": floor, **resumed}, found)
 
-        data = Batches(
-            source,
-            trainer.batch_sharding,
-            cfg.batch.global_size,
-            cfg.batch.length,
-            cfg.data.seed,
-            batch_spec=trainer.batch_spec,
-        )
-        if found:
-            data.restore(found.data)
-        data.probe()  # the source against the batch spec, before compiling
+        data = _batches(source, trainer, cfg.batch, cfg.data.seed, found)
         t0 = time.perf_counter()
         compiled = trainer.compile()
         compile_s = time.perf_counter() - t0
@@ -166,13 +152,8 @@ def run(cfg, metrics_out: str | None = None, console=None, trainer: Trainer | No
                     progress["step"] = n
                     if n % cfg.train.log_every == 0 or n == cfg.steps or step == start:
                         metrics, flags = _read((metrics, [u[1:] for u in unchecked]))  # waits for step n
-                        rec = _record(
-                            n,
-                            metrics,
-                            (time.perf_counter() - window_start) / window_steps,
-                            facts,
-                            step_flops / (peak * facts["devices"]),
-                        )
+                        dt = (time.perf_counter() - window_start) / window_steps
+                        rec = _record(n, metrics, dt, facts, step_flops / (peak * facts["devices"]))
                         first_loss = rec["loss"] if first_loss is None else first_loss
                         log.step(rec)
                         check_finite(flags)
@@ -191,8 +172,6 @@ def run(cfg, metrics_out: str | None = None, console=None, trainer: Trainer | No
                 check_finite()
             except Exception as e:
                 if jax.process_count() > 1:  # a collective failed: if a peer died, exit naming it
-                    from meshpar.runtime.distributed import await_peer_verdict
-
                     await_peer_verdict(e)
                 raise
             finally:
@@ -204,16 +183,27 @@ def run(cfg, metrics_out: str | None = None, console=None, trainer: Trainer | No
         close_all()
     # the loss at the step reached (after an interrupt that may be past the last logged step)
     final = None if metrics is None else float(_read(metrics["loss"]))
-    end = {
-        "steps": cfg.steps,
-        "initial_loss": first_loss,
-        "final_loss": final,
-        "entropy_floor": floor,
-        "compile_s": compile_s,
-        "wall_s": time.perf_counter() - t0,
-        **resumed,
-    }
-    return _finish(log, end, stop, ckpt)
+    end = dict(steps=cfg.steps, initial_loss=first_loss, final_loss=final, entropy_floor=floor, compile_s=compile_s)
+    return _finish(log, {**end, "wall_s": time.perf_counter() - t0, **resumed}, stop, ckpt)
+
+
+def _resumed(found) -> dict:
+    """What the start and end records say of a resume (nothing for a fresh run)."""
+    if found is None:
+        return {}
+    return {"resumed_from": found.step, "resumed_path": found.path, "damaged_checkpoints": found.damaged}
+
+
+def _batches(source, trainer: Trainer, batch, seed: int, found):
+    """The run's batches from `source` (`batch`: its `cfg.batch`), at the checkpoint's position on a
+    resume, the source checked against the batch spec before anything compiles."""
+    from meshpar.train.batches import Batches
+
+    data = Batches(source, trainer.batch_sharding, batch.global_size, batch.length, seed, batch_spec=trainer.batch_spec)
+    if found:
+        data.restore(found.data)
+    data.probe()
+    return data
 
 
 def _close(profiler, data, ckpt) -> bool:

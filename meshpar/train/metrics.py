@@ -101,13 +101,7 @@ class MetricsLogger:
 
             self.console.print(render_sharding_table(trainer.sharding_table()))
         if self.console.is_terminal:  # the bar stays below the step lines (which stay on screen)
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-            self.progress = Progress(
-                TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), console=self.console
-            )
-            self.task = self.progress.add_task("train", total=self.total, completed=facts.get("resumed_from") or 0)
-            self.progress.start()
+            self.progress, self.task = _progress_bar(self.console, self.total, facts.get("resumed_from") or 0)
 
     def _print(self, msg: str) -> None:
         """A line that stays, printed above the progress bar when there is one."""
@@ -138,21 +132,7 @@ class MetricsLogger:
         self._scalars("train", rec)
         if not self.main:
             return
-        # the loss function's own metrics (MoE: aux_loss, load_... per layer; a classifier: accuracy)
-        extra = "".join(f" {k} {_fmt(v)}" for k, v in rec.items() if k not in _SHOWN_ELSEWHERE and v is not None)
-        rate = (
-            f"{rec['tokens_per_s']:,.0f} tok/s"
-            if rec.get("tokens_per_s") is not None
-            else f"{rec['examples_per_s']:,.1f} examples/s"
-        )
-        parts = [
-            f"step {rec['step']:>5}/{self.total}",
-            f"loss {rec['loss']:.4f}",
-            *(f"{name} {rec[k]:.3g}" for k, name in (("lr", "lr"), ("grad_norm", "grad norm")) if k in rec),
-            rate,
-            f"MFU {100 * rec['mfu']:.2f}%",
-        ]
-        self._print(" | ".join(parts) + extra)
+        self._print(_step_line(rec, self.total))
         if self.progress is not None:
             self.progress.update(self.task, completed=rec["step"])
 
@@ -213,3 +193,32 @@ def _default(o):
         return float(o)
     except Exception:  # noqa: BLE001
         return str(o)
+
+
+def _progress_bar(console, total: int, done: int):
+    """A started rich progress bar of `total` steps, `done` of them already -> (bar, its task)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    bar = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), console=console)
+    task = bar.add_task("train", total=total, completed=done)
+    bar.start()
+    return bar, task
+
+
+def _step_line(rec: dict, total: int) -> str:
+    """A step record as its console line: step, loss, lr, grad norm, rate, MFU, then the loss
+    function's own metrics (MoE: aux_loss, load_... per layer; a classifier: accuracy)."""
+    extra = "".join(f" {k} {_fmt(v)}" for k, v in rec.items() if k not in _SHOWN_ELSEWHERE and v is not None)
+    rate = (
+        f"{rec['tokens_per_s']:,.0f} tok/s"
+        if rec.get("tokens_per_s") is not None
+        else f"{rec['examples_per_s']:,.1f} examples/s"
+    )
+    parts = [
+        f"step {rec['step']:>5}/{total}",
+        f"loss {rec['loss']:.4f}",
+        *(f"{name} {rec[k]:.3g}" for k, name in (("lr", "lr"), ("grad_norm", "grad norm")) if k in rec),
+        rate,
+        f"MFU {100 * rec['mfu']:.2f}%",
+    ]
+    return " | ".join(parts) + extra

@@ -118,11 +118,8 @@ class TrainSetup:
         self.loss = _loss_of(self.loss, cfg.train, cfg.batch.length)
         self.loss_name = getattr(self.loss, "__qualname__", repr(self.loss))
         check_batch(cfg.batch, self.layout)
-        self.batch_spec = (
-            self.batch_spec
-            if self.batch_spec is not None
-            else lm_batch_spec(cfg.batch.global_size, cfg.batch.length, packs_documents(cfg.data))
-        )
+        if self.batch_spec is None:
+            self.batch_spec = lm_batch_spec(cfg.batch.global_size, cfg.batch.length, packs_documents(cfg.data))
         self.batch_warnings = _batch_warnings(self.batch_spec, self.layout, cfg.train.require_annotations, self.is_lm)
         self.idle_rules = check_rule_names(self.layout.user_rules, _names_used(self.spec, self.batch_spec))
         self.pipelined = self.layout.shape.get("pipeline", 1) > 1
@@ -141,30 +138,13 @@ class TrainSetup:
         than the run), user rules that name no parameter, variable or batch leaf (they can only reach
         activations), batch axes no rule maps, a `context` axis that splits no batch leaf of a user's
         loss, and the padded exchange dropless expert parallelism falls back to."""
-        from meshpar.core.notices import config_warnings
-
-        out = config_warnings(self.cfg)
-        if self.idle_rules:
-            out.append(
-                f"warning: {', '.join(self.idle_rules)} name no parameter, variable or batch leaf of this "
-                "model: they apply only to activations constrained with those names"
-            )
-        return (
-            out
-            + _dropless_note(self.cfg, self.layout)
-            + _staged_attention_note(self.pipelined, self.mesh, self.cfg.model.attention)
-            + [f"warning: {w}" for w in self.batch_warnings]
-        )
+        return _warnings(self.cfg, self.layout, self.pipelined, self.idle_rules, self.batch_warnings)
 
     def sharding_table(self) -> list[dict]:
         """The sharding table of this run: parameters, other state, batch leaves, and with the
         built-in LM loss its tokens' activations [batch, length] (`length` over `context`)."""
-        return sharding_table(
-            self.spec,
-            self.layout,
-            self.batch_spec,
-            _lm_activations(self.cfg.batch, self.policy.compute_dtype) if self.is_lm else None,
-        )
+        lm = _lm_activations(self.cfg.batch, self.policy.compute_dtype) if self.is_lm else None
+        return sharding_table(self.spec, self.layout, self.batch_spec, lm)
 
     # -- init ------------------------------------------------------------------------------------
     def _init_fn(self, key):
@@ -182,21 +162,12 @@ class TrainSetup:
         shard (`meshpar.io.hf`), and the rest of the state (optimizer, step 0) starts fresh."""
         key = jax.random.key(self.cfg.train.seed if seed is None else seed)
         if self.cfg.model.init_from:
-            return self._init_from(self.load_pretrained(), key)
+            return _state_around(self, self.load_pretrained(), key)
         return self._init(key)
 
     def load_pretrained(self, shardings=None, shapes=None, info=None):
         """`model.init_from`'s parameters, in `shardings` (default: this run's) and `shapes`' dtypes."""
         return self.placed.pretrained(shardings or self.param_shardings, shapes or self.spec.shapes, info)
-
-    def _init_from(self, params, key):
-        """The train state around given parameters: fresh optimizer state and variables, step 0."""
-
-        def fn(params, key):
-            state = self._init_fn(key)  # its random parameters are dead code (XLA drops them)
-            return {**state, "params": params, "opt": self.tx.init(params)}
-
-        return jax.jit(fn, out_shardings=self.state_shardings, donate_argnums=(0,))(params, key)
 
     def abstract_state(self):
         key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
@@ -226,25 +197,61 @@ class TrainSetup:
         strategy and precision (`meshpar.io.checkpoint`)."""
         import dataclasses
 
-        facts = self.describe()
+        cfg = self.cfg
         return {
-            "config": dataclasses.asdict(self.cfg),
-            "rng": {"train.seed": self.cfg.train.seed, "data.seed": self.cfg.data.seed},
-            **{k: facts[k] for k in ("mesh", "strategy", "precision")},
+            "config": dataclasses.asdict(cfg),
+            "rng": {"train.seed": cfg.train.seed, "data.seed": cfg.data.seed},
+            "mesh": mesh_shape(self.mesh),
+            "strategy": cfg.strategy,
+            "precision": cfg.precision,
         }
 
     def describe(self) -> dict:
-        rows = self.cfg.batch.global_size
-        return {
-            "mesh": mesh_shape(self.mesh),
-            "mesh_str": describe(self.mesh),
-            "strategy": self.cfg.strategy,
-            "precision": self.cfg.precision,
-            "devices": self.mesh.devices.size,
-            "params": self.spec.num_params,
-            "examples_per_step": rows,
-            "tokens_per_step": rows * self.cfg.batch.length if self.is_lm else None,
-        }
+        """The run's facts for its logs: mesh, strategy, precision, devices, parameters, batch."""
+        return _describe(self.cfg, self.mesh, self.spec.num_params, self.is_lm)
+
+
+def _state_around(setup, params, key):
+    """The train state around given parameters: fresh optimizer state and variables, step 0."""
+
+    def fn(params, key):
+        state = setup._init_fn(key)  # its random parameters are dead code (XLA drops them)
+        return {**state, "params": params, "opt": setup.tx.init(params)}
+
+    return jax.jit(fn, out_shardings=setup.state_shardings, donate_argnums=(0,))(params, key)
+
+
+def _warnings(cfg, layout: Layout, pipelined: bool, idle_rules: list, batch_warnings: list) -> list[str]:
+    """`TrainSetup.warnings`: the config's, idle user rules, the notes on dropless MoE and staged
+    attention, the batch's."""
+    from meshpar.core.notices import config_warnings
+
+    out = config_warnings(cfg)
+    if idle_rules:
+        out.append(
+            f"warning: {', '.join(idle_rules)} name no parameter, variable or batch leaf of this "
+            "model: they apply only to activations constrained with those names"
+        )
+    return (
+        out
+        + _dropless_note(cfg, layout)
+        + _staged_attention_note(pipelined, layout.mesh, cfg.model.attention)
+        + [f"warning: {w}" for w in batch_warnings]
+    )
+
+
+def _describe(cfg, mesh, params: int, is_lm: bool) -> dict:
+    rows = cfg.batch.global_size
+    return {
+        "mesh": mesh_shape(mesh),
+        "mesh_str": describe(mesh),
+        "strategy": cfg.strategy,
+        "precision": cfg.precision,
+        "devices": mesh.devices.size,
+        "params": params,
+        "examples_per_step": rows,
+        "tokens_per_step": rows * cfg.batch.length if is_lm else None,
+    }
 
 
 def _batch_warnings(batch_spec, layout: Layout, strict: bool, is_lm: bool) -> list[str]:

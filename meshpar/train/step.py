@@ -101,46 +101,6 @@ class Trainer(TrainSetup):
             (_, (loss, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
         return (loss, aux), grads
 
-    def _accumulate(self, params, batch, scale, vars):
-        """Gradient accumulation over `batch.microbatches` (see the module docstring for the layouts)."""
-        m = self.cfg.batch.microbatches
-        mbs = split_microbatches(batch, m, self.layout, self.batch_spec)
-        strategy = self.layout.strategy
-        replicas = batch_axes_of(self.layout)
-        local = _per_replica(self, replicas, vars)
-        if local:  # ZeRO-1: per-replica gradients [R, ...], reduced once after the loop
-            r = math.prod(self.layout.shape[a] for a in replicas)
-            inner = self.layout.hiding(replicas)
-            mbs = jax.tree.map(lambda x: x.reshape((m, r, x.shape[1] // r) + x.shape[2:]), mbs)
-            grads_fn = jax.vmap(
-                lambda p, b, v: self._grads(p, b, scale, v, inner),
-                in_axes=(None, 0, None),
-                spmd_axis_name=replicas[0] if len(replicas) == 1 else replicas,
-            )
-
-            def pin(g):
-                return g
-        else:
-
-            def grads_fn(p, b, v):
-                return self._grads(p, b, scale, v)
-
-            def pin(g):  # ZeRO-2: reduce-scatter each microbatch's grads, accumulate 1/N shards
-                return jax.lax.with_sharding_constraint(g, self.grad_shardings) if strategy.shard_grads else g
-
-        def acc(carry, xs):
-            (total, v), (mb, k) = carry, xs
-            with dropout.accumulating(k, m):  # microbatch k's dropout keys (meshpar.nn.dropout)
-                (l, a), g = grads_fn(params, mb, v)
-            v = a.pop("vars")
-            return (jax.tree.map(jnp.add, total, (l, a, pin(g))), v), None
-
-        zeros = _zero_sums(grads_fn, params, jax.tree.map(lambda x: x[0], mbs), vars, pin)
-        ((loss, aux, grads), vars), _ = jax.lax.scan(acc, (zeros, vars), (mbs, jnp.arange(m)))
-        if local:  # sum the replicas' partial sums: one reduce(-scatter) per optimizer step
-            loss, aux, grads = jax.tree.map(lambda x: jnp.sum(x, axis=0) / r, (loss, aux, grads))
-        return jax.tree.map(lambda x: x / m, (loss, aux, grads)), vars
-
     def _step_fn(self, state, batch):
         params = state["params"]
         scale = state["numerics"]["loss_scale"] if self.policy.loss_scaling else None
@@ -149,7 +109,9 @@ class Trainer(TrainSetup):
                 (loss, aux), grads = self._grads(params, batch, scale, state["vars"])
                 vars = aux.pop("vars")
             else:
-                (loss, aux, grads), vars = self._accumulate(params, batch, scale, state["vars"])
+                (loss, aux, grads), vars = _accumulate(
+                    self, params, batch, scale, state["vars"], self.cfg.batch.microbatches
+                )
         grads = jax.lax.with_sharding_constraint(precision_lib.LossScale.unscale(grads, scale), self.grad_shardings)
         # a non-finite loss or gradient (or an fp16 overflow) skips the update: params, optimizer
         # state and the model's other state stay bitwise as they were; `numerics` counts it and
@@ -209,6 +171,46 @@ class Trainer(TrainSetup):
 
     def step(self, state, batch):
         return self.compile()(state, batch)
+
+
+def _accumulate(trainer: Trainer, params, batch, scale, vars, m: int):
+    """Gradient accumulation over m = `batch.microbatches` (see the module docstring for the layouts)."""
+    mbs = split_microbatches(batch, m, trainer.layout, trainer.batch_spec)
+    strategy = trainer.layout.strategy
+    replicas = batch_axes_of(trainer.layout)
+    local = _per_replica(trainer, replicas, vars)
+    if local:  # ZeRO-1: per-replica gradients [R, ...], reduced once after the loop
+        r = math.prod(trainer.layout.shape[a] for a in replicas)
+        inner = trainer.layout.hiding(replicas)
+        mbs = jax.tree.map(lambda x: x.reshape((m, r, x.shape[1] // r) + x.shape[2:]), mbs)
+        grads_fn = jax.vmap(
+            lambda p, b, v: trainer._grads(p, b, scale, v, inner),
+            in_axes=(None, 0, None),
+            spmd_axis_name=replicas[0] if len(replicas) == 1 else replicas,
+        )
+
+        def pin(g):
+            return g
+    else:
+
+        def grads_fn(p, b, v):
+            return trainer._grads(p, b, scale, v)
+
+        def pin(g):  # ZeRO-2: reduce-scatter each microbatch's grads, accumulate 1/N shards
+            return jax.lax.with_sharding_constraint(g, trainer.grad_shardings) if strategy.shard_grads else g
+
+    def acc(carry, xs):
+        (total, v), (mb, k) = carry, xs
+        with dropout.accumulating(k, m):  # microbatch k's dropout keys (meshpar.nn.dropout)
+            (l, a), g = grads_fn(params, mb, v)
+        v = a.pop("vars")
+        return (jax.tree.map(jnp.add, total, (l, a, pin(g))), v), None
+
+    zeros = _zero_sums(grads_fn, params, jax.tree.map(lambda x: x[0], mbs), vars, pin)
+    ((loss, aux, grads), vars), _ = jax.lax.scan(acc, (zeros, vars), (mbs, jnp.arange(m)))
+    if local:  # sum the replicas' partial sums: one reduce(-scatter) per optimizer step
+        loss, aux, grads = jax.tree.map(lambda x: jnp.sum(x, axis=0) / r, (loss, aux, grads))
+    return jax.tree.map(lambda x: x / m, (loss, aux, grads)), vars
 
 
 def _per_replica(trainer: Trainer, replicas: tuple, vars) -> bool:
