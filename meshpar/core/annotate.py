@@ -31,10 +31,11 @@ def field_comments() -> dict[tuple[str, str], str]:
         if not isinstance(c, ast.ClassDef):
             continue
         for s in c.body:
-            if not isinstance(s, ast.AnnAssign):
+            if not isinstance(s, ast.AnnAssign) or not isinstance(s.target, ast.Name):
                 continue
-            parts = [notes[n] for n in range(s.lineno, s.end_lineno + 1) if n in notes]
-            n = s.end_lineno + 1
+            end = s.end_lineno or s.lineno
+            parts = [notes[n] for n in range(s.lineno, end + 1) if n in notes]
+            n = end + 1
             while n in notes and lines[n - 1].lstrip().startswith("#"):
                 parts.append(notes[n])
                 n += 1

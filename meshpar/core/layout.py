@@ -9,6 +9,7 @@ import dataclasses
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from meshpar.core import scopes
 from meshpar.core.rules import RuleTable, Strategy, resolve_kind, spec_axes, table
@@ -24,7 +25,7 @@ class Layout:
     branches, `meshpar.parallel.pipeline`).
     """
 
-    mesh: object
+    mesh: Any  # a jax.sharding.Mesh (or an abstract one)
     strategy: Strategy
     user_rules: RuleTable = ()
     hidden: frozenset = frozenset()

@@ -325,10 +325,10 @@ def resolve(
             f"array of shape {tuple(shape)}"
         )
     lookup: dict[str, list[tuple[int, tuple[Candidate, ...]]]] = {}
-    for i, (name, cands) in enumerate(rules):
-        lookup.setdefault(name, []).append((i, cands))
+    for i, (rule_name, cands) in enumerate(rules):
+        lookup.setdefault(rule_name, []).append((i, cands))
     used: dict[str, int] = {}  # mesh axis -> the dimension that took it
-    parts = []
+    parts: list = []
     for dim, name in enumerate(logical):
         if name is None:
             parts.append(None)

@@ -110,7 +110,8 @@ def model_spec(factory: Callable[[nnx.Rngs], nnx.Module], policy=None, require_a
             f"the model factory returned {type(abstract).__name__}, not an nnx.Module; "
             "return the model instance (e.g. `return MyModel(cfg, rngs)`)"
         )
-    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
+    # two filters give three parts (nnx.split's annotation says only "a tuple of any length")
+    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)  # type: ignore[misc]
     unannotated: list[str] = []
 
     def names_of(state, prefix):

@@ -185,12 +185,12 @@ def validate(cfg: Config) -> None:
     )
     if cfg.train.lr <= 0:
         raise ConfigError(f"config key 'train.lr' must be > 0, got {cfg.train.lr}")
-    for key, v, least, null in (
+    for key, bound, least, null in (
         ("serve.prefill_chunk", cfg.serve.prefill_chunk, 1, "prefill whole"),
         ("serve.drain_timeout_s", cfg.serve.drain_timeout_s, 0, "drain however long"),
     ):
-        if v is not None and v < least:
-            raise ConfigError(f"config key '{key}' must be >= {least} or null ({null}), got {v}")
+        if bound is not None and bound < least:
+            raise ConfigError(f"config key '{key}' must be >= {least} or null ({null}), got {bound}")
     if cfg.moe.capacity_factor is not None and cfg.moe.capacity_factor <= 0:
         raise ConfigError(
             f"config key 'moe.capacity_factor' must be > 0 or null (dropless), got {cfg.moe.capacity_factor}"
