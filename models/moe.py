@@ -46,9 +46,9 @@ class MoEFFN(nnx.Module):
     def __init__(self, cfg: DecoderConfig, moe: moe_lib.MoESettings, rngs: nnx.Rngs):
         m, h, e = cfg.embed, moe.expert_mlp or cfg.mlp, moe.num_experts
         self.router = param(rngs, (m, e), ("embed", None), 1.0 / math.sqrt(m))
-        self.w_gate = param(rngs, (e, m, h), moe_lib.W_IN, 1.0 / math.sqrt(m))
-        self.w_up = param(rngs, (e, m, h), moe_lib.W_IN, 1.0 / math.sqrt(m))
-        self.w_down = param(rngs, (e, h, m), moe_lib.W_OUT, 1.0 / math.sqrt(h * 2 * cfg.layers))
+        self.w_gate = param(rngs, (e, m, h), routing.W_IN, 1.0 / math.sqrt(m))
+        self.w_up = param(rngs, (e, m, h), routing.W_IN, 1.0 / math.sqrt(m))
+        self.w_down = param(rngs, (e, h, m), routing.W_OUT, 1.0 / math.sqrt(h * 2 * cfg.layers))
         self.shared = MLP(dataclasses.replace(cfg, mlp=moe.shared_experts * h), rngs) if moe.shared_experts else None
         self.expert_bias = routing.ExpertBias(jnp.zeros((e,), jnp.float32)) if moe.balance == "bias" else None
         self.moe = moe

@@ -198,3 +198,35 @@ def test_every_public_name_resolves():
 
     missing = [n for n, mod in meshpar._API.items() if not hasattr(importlib.import_module(mod), n)]
     assert missing == [] and len(meshpar._API) >= 44
+
+
+WHOLE_CONFIG_FUNCTIONS = 40  # the issue's goal is 35 (#42): lower this as components take their sections
+
+
+def whole_config_functions(package: Path) -> list[str]:
+    """Every function of the framework with a parameter named `cfg` (the whole run config)."""
+    out = []
+    for mod, path in modules(package).items():
+        for d in ast.walk(ast.parse(path.read_text())):
+            if isinstance(d, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if "cfg" in [a.arg for a in d.args.posonlyargs + d.args.args + d.args.kwonlyargs]:
+                    out.append(f"{mod}:{d.lineno} {d.name}")
+    return out
+
+
+def test_components_take_their_sections():
+    """At most WHOLE_CONFIG_FUNCTIONS functions take the whole config (the CLI, the loop, the planner's
+    entry points, the config package, the objects users build: docs/architecture.md, "Who sees the
+    whole config"), and none reads it through another object (`trainer.cfg`, `engine.cfg`, ...)."""
+    found = whole_config_functions(REPO / "meshpar")
+    print(f"\n{len(found)} functions take the whole config (at most {WHOLE_CONFIG_FUNCTIONS})")
+    assert len(found) <= WHOLE_CONFIG_FUNCTIONS, "\n".join(found)
+    doors = [
+        f"{mod}:{n.lineno} {ast.unparse(n)}"
+        for mod, path in modules(REPO / "meshpar").items()
+        for n in ast.walk(ast.parse(path.read_text()))
+        if isinstance(n, ast.Attribute)
+        and n.attr == "cfg"
+        and not (isinstance(n.value, ast.Name) and n.value.id == "self")
+    ]
+    assert doors == [], "the run config read through another object; pass the section instead"

@@ -62,25 +62,24 @@ def _setup_devices(cfg, devices_flag: int | None, processes: int = 1, planning: 
     if n % processes:
         raise MeshparError(f"--devices {n} (all processes) is not divisible by the {processes} processes")
     cfg.devices = n
-    notes = [_one_device(cfg)] if n == 1 and not planning else []
+    notes = [_one_device(cfg.mesh, cfg.strategy)] if n == 1 and not planning else []
     if os.environ.get("JAX_PLATFORMS", "cpu") in ("cpu", "") or not _has_accelerator():
         fake_cpu_devices(n // processes)
     return [line for line in notes if line]
 
 
-def _one_device(cfg) -> str | None:
+def _one_device(mesh, strategy: str) -> str | None:
     """On one device every mesh axis is 1, whatever the config asked for (said in one line)."""
     from meshpar.core.mesh import MESH_AXES
 
-    asked = [f"{a}={getattr(cfg.mesh, a)}" for a in MESH_AXES if getattr(cfg.mesh, a) != 1]
-    asked += [f"dcn.{a}={v}" for a, v in cfg.mesh.dcn.items() if v != 1]
+    asked = [f"{a}={getattr(mesh, a)}" for a in MESH_AXES if getattr(mesh, a) != 1]
+    asked += [f"dcn.{a}={v}" for a, v in mesh.dcn.items() if v != 1]
     for a in MESH_AXES:
-        setattr(cfg.mesh, a, 1)
-    cfg.mesh.dcn = {}
+        setattr(mesh, a, 1)
+    mesh.dcn = {}
     if asked:
         return (
-            f"warning: one device: the mesh ({' '.join(asked)}) collapses to a single device; "
-            f"{cfg.strategy} runs unsharded"
+            f"warning: one device: the mesh ({' '.join(asked)}) collapses to a single device; {strategy} runs unsharded"
         )
     return None
 

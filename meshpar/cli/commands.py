@@ -85,7 +85,7 @@ def _plan(cfg, args, target=None) -> None:
         cfg.devices,
         hw,
         strategies,
-        parse_bytes_per_param(args.bytes_per_param, cfg) if args.bytes_per_param else None,
+        parse_bytes_per_param(args.bytes_per_param, cfg.precision) if args.bytes_per_param else None,
         keep_all=args.all,
         top=max(args.top, args.verify),
     )

@@ -74,7 +74,6 @@ from meshpar.nn.routing import (
     MASKS,
     ROUTING,
     TOKENS,
-    W_OUT,  # noqa: F401
     Routing,
     capacity,
     route,

@@ -53,9 +53,9 @@ def split_ici_dcn(sizes: tuple, n: int, domain: int) -> tuple | None:
     return tuple(s // i for s, i in zip(sizes, ici))
 
 
-def candidates(facts: ModelFacts, cfg, n: int, hw, strategies) -> list[Candidate]:
+def candidates(facts: ModelFacts, n: int, hw, strategies) -> list[Candidate]:
     """Every (mesh, preset, remat, microbatches, schedule) the search costs."""
-    d, b = facts.dims, cfg.batch.global_size
+    d, b = facts.dims, facts.run.global_size
     layers = d.get("layers") or 1
     experts = facts.moe.get("num_experts", 1)
     out = []
@@ -63,9 +63,9 @@ def candidates(facts: ModelFacts, cfg, n: int, hw, strategies) -> list[Candidate
         s = dict(zip(MESH_AXES, sizes))
         if layers % s["pipeline"] or experts % s["expert"] or (s["expert"] > 1 and not facts.moe):
             continue
-        if s["context"] > 1 and (cfg.batch.length % (2 * s["context"]) or (s["pipeline"] > 1 and facts.moe)):
+        if s["context"] > 1 and (facts.run.length % (2 * s["context"]) or (s["pipeline"] > 1 and facts.moe)):
             continue  # the balanced order's 2 x context chunks; MoE stages route whole sequences
-        if (cfg.batch.length // s["context"]) % cfg.train.loss_chunks:
+        if (facts.run.length // s["context"]) % facts.run.loss_chunks:
             continue  # train.loss_chunks slices a device's share of a sequence
         dcn = split_ici_dcn(sizes, n, hw.domain)
         if dcn is None:

@@ -79,7 +79,7 @@ import jax
 from meshpar.core.config import top_k
 from meshpar.core.mesh import MESH_AXES
 from meshpar.core.rules import BATCH_AXES, get_strategy, parse_user_rules, resolve_kind, spec_axes
-from meshpar.train.data import packs_documents
+from meshpar.plan.workload import Workload
 
 REMATS = ("none", "save_dots", "full")
 
@@ -100,7 +100,8 @@ class Leaf:
 
 @dataclass
 class ModelFacts:
-    """What the cost model needs of a model: its parameter tensors and, for activations, its sizes."""
+    """What the cost model needs of a model: its parameter tensors and, for activations, its sizes;
+    `run`: what it reads of the run (`Workload`)."""
 
     leaves: list
     params: int
@@ -110,6 +111,7 @@ class ModelFacts:
         default_factory=dict
     )  # num_experts, every, top_k, capacity_factor (None: dropless), expert_mlp, shared_experts
     lookups: tuple = ()  # paths of tables read by a lookup only ([vocab, embed], embeddings not tied)
+    run: Workload = field(default_factory=lambda: Workload(1, 1))
 
     @classmethod
     def from_config(cls, cfg) -> ModelFacts:
@@ -143,9 +145,8 @@ class ModelFacts:
             if getattr(m, "tie_embeddings", False)
             else tuple(lf.path for lf in leaves if not lf.stacked and lf.names == ("vocab", "embed"))
         )
-        return cls(
-            leaves, n, flops_per_token(m, active_params(spec, top_k(cfg.moe)), cfg.batch.length), dims, moe, lookups
-        )
+        per_token = flops_per_token(m, active_params(spec, top_k(cfg.moe)), cfg.batch.length)
+        return cls(leaves, n, per_token, dims, moe, lookups, Workload.from_config(cfg))
 
 
 @dataclass(frozen=True)
@@ -181,8 +182,9 @@ def _axes(spec) -> set:
 class Resolver:
     """Each leaf's PartitionSpec under a strategy and mesh, by meshpar's resolver (cached)."""
 
-    def __init__(self, cfg):
-        self.user = parse_user_rules(cfg.rules)
+    def __init__(self, rules=()):
+        """`rules`: the run's `cfg.rules` (the user's, tried first)."""
+        self.user = parse_user_rules(rules)
         self.cache = {}
 
     def spec(self, leaf: Leaf, strategy: str, shape: dict, kind: str):
@@ -210,11 +212,11 @@ def state_bytes(facts: ModelFacts, cand: Candidate, res: Resolver, bpp=(4, 4, 8)
     return out
 
 
-def local_batch(cfg, cand: Candidate) -> float:
+def local_batch(run: Workload, cand: Candidate) -> float:
     """b: sequences per device per (accumulation x pipeline) microbatch."""
     s = cand.shape
     dp = s["data"] * s["fsdp"] * s["expert"]
-    return cfg.batch.global_size / (dp * cand.microbatches * cand.pp_microbatches)
+    return run.global_size / (dp * cand.microbatches * cand.pp_microbatches)
 
 
 def in_flight(cand: Candidate) -> int:
@@ -234,7 +236,7 @@ def stash_slots(cand: Candidate) -> int:
     return in_flight(cand) + 3
 
 
-def efficient_attention(cfg, compiler: str = "cpu", pipelined: bool = False, head_dim: int = 0) -> bool:
+def efficient_attention(run: Workload, compiler: str = "cpu", pipelined: bool = False, head_dim: int = 0) -> bool:
     """Whether attention stores no [s, s] scores: flash, cudnn or splash; `auto` beyond AUTO_FLASH_FROM
     keys, and on a target wherever `meshpar.nn.attention.choose` picks cuDNN (GPU: `cudnn_serves`) or
     splash (TPU: lengths a multiple of its lane), never inside a pipeline stage."""
@@ -242,14 +244,14 @@ def efficient_attention(cfg, compiler: str = "cpu", pipelined: bool = False, hea
     from meshpar.nn.attention import AUTO_FLASH_FROM, cudnn_serves
     from meshpar.nn.splash import LANE
 
-    a = cfg.model.attention
-    if a in ("flash", "cudnn", "splash") or (a == "auto" and cfg.batch.length > AUTO_FLASH_FROM):
+    a = run.attention
+    if a in ("flash", "cudnn", "splash") or (a == "auto" and run.length > AUTO_FLASH_FROM):
         return True
     if a != "auto" or compiler == "cpu" or pipelined:
         return False
     if compiler == "tpu":
-        return cfg.batch.length % LANE == 0
-    return cudnn_serves(get_policy(cfg.precision).compute_dtype, head_dim, packs_documents(cfg.data), cfg.model.softcap)
+        return run.length % LANE == 0
+    return cudnn_serves(get_policy(run.precision).compute_dtype, head_dim, run.documents, run.softcap)
 
 
 def _per_token(
@@ -284,11 +286,12 @@ def tensor_splits(facts: ModelFacts, cand: Candidate) -> dict:
     }
 
 
-def activation_parts(facts: ModelFacts, cand: Candidate, cfg, c: int, compiler: str = "cpu") -> dict:
+def activation_parts(facts: ModelFacts, cand: Candidate, c: int, compiler: str = "cpu") -> dict:
     """Per-device activation memory of one step (bytes) by term (see the module docstring)."""
     d, shape = facts.dims, cand.shape
-    b, s = local_batch(cfg, cand), cfg.batch.length
-    leaves = 3 if packs_documents(cfg.data) else 1  # tokens (+ segment ids, positions)
+    run = facts.run
+    b, s = local_batch(run, cand), run.length
+    leaves = 3 if run.documents else 1  # tokens (+ segment ids, positions)
     out = {"batch": 4 * leaves * b * cand.microbatches * cand.pp_microbatches * (s + 1)}  # int32 [B, T+1] / dp
     if not all(d.get(k) for k in ("layers", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab")):
         return out  # a user model without sizes
@@ -298,7 +301,7 @@ def activation_parts(facts: ModelFacts, cand: Candidate, cfg, c: int, compiler: 
     cp = shape["context"]
     tokens = b * s / cp
     scores = (
-        0 if efficient_attention(cfg, compiler, shape["pipeline"] > 1, d["head_dim"]) else s
+        0 if efficient_attention(run, compiler, shape["pipeline"] > 1, d["head_dim"]) else s
     )  # keys whose scores a token stores
     per_layer = _per_token(d, cand.remat, t_heads, t_mlp, t_res, scores, c, compiler)
     if shape["pipeline"] == 1:
@@ -316,9 +319,7 @@ def activation_parts(facts: ModelFacts, cand: Candidate, cfg, c: int, compiler: 
     # interleaved, whose last stage holds the fp32 pair too (H100: two [b s, V / t] f32 buffers)
     gpipe = shape["pipeline"] > 1 and cand.schedule != "1f1b"
     logit_bytes = 2 * 4 if compiler == "cpu" or gpipe else c
-    out["logits"] = (
-        logit_bytes * tokens * d["vocab"] / t_vocab / cfg.train.loss_chunks
-    )  # one slice's (train.loss_chunks)
+    out["logits"] = logit_bytes * tokens * d["vocab"] / t_vocab / run.loss_chunks  # one slice's (train.loss_chunks)
     if facts.moe:
         m = facts.moe
         moe_layers = layers / m["every"]
@@ -338,8 +339,8 @@ def rows_factor(moe: dict, shape: dict) -> float:
     return ep * min(k, max(moe["num_experts"] // ep, 1)) / k
 
 
-def activation_bytes(facts: ModelFacts, cand: Candidate, cfg, c: int, compiler: str = "cpu") -> float:
-    return sum(activation_parts(facts, cand, cfg, c, compiler).values())
+def activation_bytes(facts: ModelFacts, cand: Candidate, c: int, compiler: str = "cpu") -> float:
+    return sum(activation_parts(facts, cand, c, compiler).values())
 
 
 def stage_recompute(facts: ModelFacts, cand: Candidate) -> float:

@@ -83,7 +83,7 @@ def verify(result: dict, config_path: str | None, overrides: list[str], k: int, 
         peak = on_target = got["memory"].get("peak_estimate", 0)
         predicted = cand["memory"]
         if target is None:  # XLA:CPU's step: compared with the planner's XLA:CPU rules, carried to the target
-            f32 = ["precision=fp32"] if _upcast_on_cpu(cfg) else []  # what XLA:CPU computes in
+            f32 = ["precision=fp32"] if _upcast_on_cpu(cfg.precision) else []  # what XLA:CPU computes in
             predicted = estimate(load_config(config_path, list(overrides) + cand["overrides"] + f32), compiler="cpu")[
                 "memory"
             ]
@@ -104,13 +104,13 @@ def verify(result: dict, config_path: str | None, overrides: list[str], k: int, 
     return rows
 
 
-def _upcast_on_cpu(cfg) -> bool:
+def _upcast_on_cpu(precision: str) -> bool:
     """True when this compile computes matmuls in f32 that the target computes in 16 bits."""
     import numpy as np
 
     from meshpar.core.precision import get_policy
 
-    return jax.default_backend() == "cpu" and np.dtype(get_policy(cfg.precision).compute_dtype).itemsize == 2
+    return jax.default_backend() == "cpu" and np.dtype(get_policy(precision).compute_dtype).itemsize == 2
 
 
 def render(rows: list[dict], console) -> None:

@@ -64,13 +64,13 @@ def gemm_fit(m: float, k: float, n: float, hw, c: int = 2) -> float:
     return roof * m * n / tiles
 
 
-def matmul_fit(facts, cand, cfg, hw, c: int = 2) -> float:
+def matmul_fit(facts, cand, hw, c: int = 2) -> float:
     """FLOP-weighted fit of one layer's GEMMs and the head (1.0 for a model without sizes)."""
     d = facts.dims
     if not all(d.get(x) for x in ("embed", "heads", "kv_heads", "head_dim", "mlp", "vocab")):
         return 1.0
     sp = tensor_splits(facts, cand)
-    m = local_batch(cfg, cand) * cfg.batch.length / cand.shape["context"]
+    m = local_batch(facts.run, cand) * facts.run.length / cand.shape["context"]
     h, q, f = d["embed"], d["head_dim"], (facts.moe.get("expert_mlp") or d["mlp"])
     gemms = [
         (m, h, (d["heads"] + 2 * d["kv_heads"]) * q / sp["heads"]),
@@ -84,7 +84,7 @@ def matmul_fit(facts, cand, cfg, hw, c: int = 2) -> float:
     return sum(flops) / sum(seconds)
 
 
-def vector_bytes(facts, cand, cfg, res, bpp, c: int = 2, passes: float = 4.0, compiler: str = "gpu") -> float:
+def vector_bytes(facts, cand, res, bpp, c: int = 2, passes: float = 4.0, compiler: str = "gpu") -> float:
     """Bytes one device moves per step through kernels that are not matmuls (see the module docstring);
     `passes`: passes over the layers (forward, recomputed forwards, backward as 2)."""
     shape = cand.shape
@@ -101,14 +101,16 @@ def vector_bytes(facts, cand, cfg, res, bpp, c: int = 2, passes: float = 4.0, co
         return out
     sp = tensor_splits(facts, cand)
     dp = shape["data"] * shape["fsdp"] * shape["expert"]
-    tokens = cfg.batch.global_size * cfg.batch.length / (dp * shape["context"])  # per device per step
+    tokens = facts.run.global_size * facts.run.length / (dp * shape["context"])  # per device per step
     f = d["mlp"]
     if facts.moe:  # MoE layers run top_k x capacity rows through experts of expert_mlp
         share = 1 / facts.moe["every"]
         f = (1 - share) * f + share * facts.moe["top_k"] * rows_factor(facts.moe, shape) * facts.moe["expert_mlp"]
     per = TOKEN_H * d["embed"] / sp["res"] + TOKEN_F * f / sp["mlp"]
     scores = (
-        0 if efficient_attention(cfg, compiler, shape["pipeline"] > 1, d.get("head_dim") or 0) else cfg.batch.length
+        0
+        if efficient_attention(facts.run, compiler, shape["pipeline"] > 1, d.get("head_dim") or 0)
+        else facts.run.length
     )
     per += TOKEN_SCORES * d["heads"] * scores / sp["heads"]
     stored = 2 * _per_token(d, cand.remat, sp["heads"], sp["mlp"], sp["res"], scores, c, compiler)  # written, read

@@ -36,7 +36,7 @@ from meshpar.plan.steptime import evaluate, lower_bound, summarize
 GiB = 2**30
 
 
-def parse_bytes_per_param(text: str | None, cfg) -> tuple:
+def parse_bytes_per_param(text: str | None, precision: str) -> tuple:
     """'2,2,12' -> (2, 2, 12); default: what the precision policy stores (param dtype for weights and
     gradients, two AdamW moments in the param dtype)."""
     if not text:
@@ -44,7 +44,7 @@ def parse_bytes_per_param(text: str | None, cfg) -> tuple:
 
         from meshpar.core.precision import get_policy
 
-        w = np.dtype(get_policy(cfg.precision).param_dtype).itemsize
+        w = np.dtype(get_policy(precision).param_dtype).itemsize
         return (w, w, 2 * w)
     try:
         vals = tuple(float(x) for x in text.split(","))
@@ -131,7 +131,7 @@ def _layout(cand: Candidate) -> tuple:
     return cand.mesh, cand.strategy, cand.schedule if cand.shape["pipeline"] > 1 else ""
 
 
-def _cost(cands: list, facts, cfg, hw, res, bpp, c, top: int | None) -> list:
+def _cost(cands: list, facts, hw, res, bpp, c, top: int | None) -> list:
     """Rows of the candidates that can rank in the top `top` layouts (all of them when `top` is None).
     Branch and bound: candidates are costed cheapest lower bound first (their matmuls and bubble,
     `steptime.lower_bound`), and the search stops at the first whose bound exceeds, beyond the
@@ -140,12 +140,12 @@ def _cost(cands: list, facts, cfg, hw, res, bpp, c, top: int | None) -> list:
     if top is None:
         bounded = [(0.0, cand) for cand in cands]
     else:
-        bounded = sorted(((lower_bound(facts, cand, cfg, hw, c), cand) for cand in cands), key=lambda x: x[0])
+        bounded = sorted(((lower_bound(facts, cand, hw, c), cand) for cand in cands), key=lambda x: x[0])
     rows, best, limit = [], {}, math.inf  # best: layout -> its fastest fitting step
     for bound, cand in bounded:
         if bound > limit * (1 + 2e-3):
             break
-        ev = evaluate(facts, cand, cfg, hw, res, bpp, c)
+        ev = evaluate(facts, cand, hw, res, bpp, c)
         if ev is None:
             continue
         rows.append({"cand": cand, **ev})
@@ -166,16 +166,16 @@ def plan(
     for st in strategies:
         if st not in PRESETS:
             raise ConfigError(f"unknown strategy '{st}' in --strategies" + suggest(st, PRESETS))
-    bpp = bytes_per_param or parse_bytes_per_param(None, cfg)
+    bpp = bytes_per_param or parse_bytes_per_param(None, cfg.precision)
     import numpy as np
 
     from meshpar.core.precision import get_policy
 
     c = np.dtype(get_policy(cfg.precision).compute_dtype).itemsize
     facts = ModelFacts.from_config(cfg)
-    res = Resolver(cfg)
-    cands = candidates(facts, cfg, devices, hardware, strategies)
-    rows = _cost(cands, facts, cfg, hardware, res, bpp, c, None if keep_all else (top or 10))
+    res = Resolver(cfg.rules)
+    cands = candidates(facts, devices, hardware, strategies)
+    rows = _cost(cands, facts, hardware, res, bpp, c, None if keep_all else (top or 10))
     if not rows:
         raise ConfigError(
             f"no mesh of {devices} devices can shard this model with --strategies "
@@ -342,6 +342,12 @@ def estimate(cfg, hardware=None, compiler: str | None = None) -> dict:
     hw = hardware or HW["h100"]
     c = np.dtype(get_policy(cfg.precision).compute_dtype).itemsize
     ev = evaluate(
-        ModelFacts.from_config(cfg), cand, cfg, hw, Resolver(cfg), parse_bytes_per_param(None, cfg), c, compiler
+        ModelFacts.from_config(cfg),
+        cand,
+        hw,
+        Resolver(cfg.rules),
+        parse_bytes_per_param(None, cfg.precision),
+        c,
+        compiler,
     )
     return ev

@@ -76,16 +76,16 @@ def _batch_axes(shape: dict) -> list:
     return [a for a in (*BATCH_AXES, "context") if shape[a] > 1]
 
 
-def collectives(facts: ModelFacts, cand: Candidate, cfg, res: Resolver, c: int, g: int = 4, w: int = 4) -> list:
+def collectives(facts: ModelFacts, cand: Candidate, res: Resolver, c: int, g: int = 4, w: int = 4) -> list:
     """Predicted collectives of one step: [{kind, axes, bytes (whole tensor, per step), overlap, count}],
     bytes counted as `meshpar inspect` counts them: the weights' (gathers, gradient reductions) and
     the activations' (tensor, context, pipeline and expert parallelism). g, w: bytes of a gradient /
     weight element on the wire (meshpar reduces gradients and gathers weights in the parameter
     dtype, fp32); c: bytes of an activation element."""
     out: list = []
-    _weight_collectives(out, facts, cand, cfg, res, c, g, w)
+    _weight_collectives(out, facts, cand, res, c, g, w)
     if facts.dims.get("embed"):
-        _activation_collectives(out, facts, cand, cfg, res, c, g, w)
+        _activation_collectives(out, facts, cand, res, c, g, w)
     return out
 
 
@@ -103,7 +103,7 @@ def _add(out: list, kind: str, axes, nbytes: float, overlap: bool, count: float 
         )
 
 
-def _weight_collectives(out: list, facts: ModelFacts, cand: Candidate, cfg, res: Resolver, c: int, g: int, w: int):
+def _weight_collectives(out: list, facts: ModelFacts, cand: Candidate, res: Resolver, c: int, g: int, w: int):
     """Per parameter: FSDP's gathers and reduce-scatters, ZeRO's, data parallelism's all-reduce, an
     embedding lookup's rows over the batch axes."""
     shape, st = cand.shape, get_strategy(cand.strategy)
@@ -113,7 +113,7 @@ def _weight_collectives(out: list, facts: ModelFacts, cand: Candidate, cfg, res:
     remat_ag = 2  # the forward and the backward layer loop each gather (none is kept)
     grad_times = 1 if zero1 else ma
     tokens = (
-        local_batch(cfg, cand) * cand.pp_microbatches * cfg.batch.length / shape["context"]
+        local_batch(facts.run, cand) * cand.pp_microbatches * facts.run.length / shape["context"]
     )  # per device, accumulation mb
     for lf in facts.leaves:
         ps = res.spec(lf, cand.strategy, shape, "rest")
@@ -170,14 +170,14 @@ def _weight_collectives(out: list, facts: ModelFacts, cand: Candidate, cfg, res:
             add("all-reduce", rest, g * local * grad_times, True, per * grad_times)
 
 
-def _activation_collectives(out: list, facts: ModelFacts, cand: Candidate, cfg, res: Resolver, c: int, g: int, w: int):
+def _activation_collectives(out: list, facts: ModelFacts, cand: Candidate, res: Resolver, c: int, g: int, w: int):
     """Per layer pass: tensor parallelism's all-reduces (or SP's gathers and reduce-scatters), context
     parallelism's K/V gathers, the pipeline's permutes, expert parallelism's all-to-alls."""
     shape, st = cand.shape, get_strategy(cand.strategy)
     ma = cand.microbatches
     add = partial(_add, out)
     d = facts.dims
-    b, s, h = local_batch(cfg, cand), cfg.batch.length, d["embed"]
+    b, s, h = local_batch(facts.run, cand), facts.run.length, d["embed"]
     n_mb = ma * cand.pp_microbatches
     layers = d["layers"] / shape["pipeline"]
     cp = shape["context"]
@@ -271,12 +271,12 @@ def collective_time(op: dict, cand: Candidate, hw) -> float:
     return op.get("count", 1) * (base + hops) + ring / bw
 
 
-def executed_flops(facts: ModelFacts, cand: Candidate, cfg) -> float:
+def executed_flops(facts: ModelFacts, cand: Candidate) -> float:
     """Matmul FLOPs one device executes per step: the model's, with recomputation."""
     n = math.prod(cand.mesh)
-    model_flops = facts.flops_per_token * cfg.batch.global_size * cfg.batch.length
+    model_flops = facts.flops_per_token * facts.run.global_size * facts.run.length
     d = facts.dims
-    attn = 12.0 * d["layers"] * d["heads"] * d["head_dim"] * cfg.batch.length if d.get("heads") else 0.0
+    attn = 12.0 * d["layers"] * d["heads"] * d["head_dim"] * facts.run.length if d.get("heads") else 0.0
     layer_share = 1.0 - 6.0 * (d["vocab"] or 0) * (d["embed"] or 0) / max(facts.flops_per_token, 1.0)
     extra = {
         "none": 0.0,
@@ -285,40 +285,36 @@ def executed_flops(facts: ModelFacts, cand: Candidate, cfg) -> float:
         "save_dots": attn / facts.flops_per_token / 3,
     }[cand.remat]
     extra += stage_recompute(facts, cand) * layer_share / 3  # GPipe/interleaved rerun each stage in its backward
-    if cfg.train.loss_chunks > 1:  # the head's forward again, slice by slice, in its backward
+    if facts.run.loss_chunks > 1:  # the head's forward again, slice by slice, in its backward
         extra += 2.0 * (d["vocab"] or 0) * (d["embed"] or 0) / max(facts.flops_per_token, 1.0)
     return model_flops * (1 + extra) / n
 
 
-def matmul_seconds(facts: ModelFacts, cand: Candidate, cfg, hw, c: int = 2, flops: float | None = None) -> float:
+def matmul_seconds(facts: ModelFacts, cand: Candidate, hw, c: int = 2, flops: float | None = None) -> float:
     """The step's matmuls on one device (`flops`: `executed_flops`, when already counted), on the
     roofline of their shapes (`meshpar.plan.roofline`)."""
-    flops = executed_flops(facts, cand, cfg) if flops is None else flops
-    return flops / (hw.peak_flops * hw.efficiency * matmul_fit(facts, cand, cfg, hw, c))
+    flops = executed_flops(facts, cand) if flops is None else flops
+    return flops / (hw.peak_flops * hw.efficiency * matmul_fit(facts, cand, hw, c))
 
 
-def lower_bound(facts: ModelFacts, cand: Candidate, cfg, hw, c: int = 2) -> float:
+def lower_bound(facts: ModelFacts, cand: Candidate, hw, c: int = 2) -> float:
     """Seconds no cheaper than the candidate's step: its matmuls and their bubble (what the search
     sorts by, to cost the promising candidates first and stop when none left can rank)."""
     p = cand.shape["pipeline"]
-    return matmul_seconds(facts, cand, cfg, hw, c) * (
-        1 + ((p - 1) / (cand.virtual * cand.pp_microbatches) if p > 1 else 0)
-    )
+    return matmul_seconds(facts, cand, hw, c) * (1 + ((p - 1) / (cand.virtual * cand.pp_microbatches) if p > 1 else 0))
 
 
 def step_time(
-    facts: ModelFacts, cand: Candidate, cfg, hw, ops: list, res: Resolver | None = None, bpp=(4, 4, 8), c: int = 2
+    facts: ModelFacts, cand: Candidate, hw, ops: list, res: Resolver | None = None, bpp=(4, 4, 8), c: int = 2
 ) -> dict:
     """compute_s (matmul_s + vector_s, `meshpar.plan.roofline`), comm_s (all collectives), exposed_s
     (not overlapped), bubble_s, step_s, mfu."""
     n = math.prod(cand.mesh)
-    model_flops = facts.flops_per_token * cfg.batch.global_size * cfg.batch.length
-    flops = executed_flops(facts, cand, cfg)
-    matmul = matmul_seconds(facts, cand, cfg, hw, c, flops)
+    model_flops = facts.flops_per_token * facts.run.global_size * facts.run.length
+    flops = executed_flops(facts, cand)
+    matmul = matmul_seconds(facts, cand, hw, c, flops)
     passes = 3 + (cand.remat != "none") + stage_recompute(facts, cand)
-    vector = (
-        vector_bytes(facts, cand, cfg, res or Resolver(cfg), bpp, c, passes, hw.kind) / hw.hbm_bw if hw.hbm_bw else 0.0
-    )
+    vector = vector_bytes(facts, cand, res or Resolver(), bpp, c, passes, hw.kind) / hw.hbm_bw if hw.hbm_bw else 0.0
     compute = matmul + vector
     times = [collective_time(op, cand, hw) for op in ops]
     overlapped = sum(tm for tm, op in zip(times, ops) if op["overlap"])
@@ -340,7 +336,7 @@ def step_time(
 
 
 def evaluate(
-    facts: ModelFacts, cand: Candidate, cfg, hw, res: Resolver, bpp, c: int, compiler: str | None = None
+    facts: ModelFacts, cand: Candidate, hw, res: Resolver, bpp, c: int, compiler: str | None = None
 ) -> dict | None:
     """Memory, collectives and time of one candidate; None when a tensor does not divide its axes.
     `compiler`: whose buffers to count, "cpu" (fake devices) or the hardware's kind (default)."""
@@ -350,7 +346,7 @@ def evaluate(
         ws = workspace_parts(facts, cand, res, bpp[0], c, compiler)
     except ShardingError:
         return None
-    act = activation_bytes(facts, cand, cfg, c, compiler)
+    act = activation_bytes(facts, cand, c, compiler)
     grads = mem["grads"]
     st = get_strategy(cand.strategy)
     one_f = cand.shape["pipeline"] > 1 and cand.schedule == "1f1b"
@@ -369,11 +365,11 @@ def evaluate(
     mem["activations"] = act
     mem["workspace"] = sum(ws.values())
     mem["total"] = sum(mem.values())
-    ops = collectives(facts, cand, cfg, res, c)
+    ops = collectives(facts, cand, res, c)
     return {
         "memory": mem,
         "collectives": ops,
-        "time": step_time(facts, cand, cfg, hw, ops, res, bpp, c),
+        "time": step_time(facts, cand, hw, ops, res, bpp, c),
         "fits": mem["total"] <= hw.memory_bytes,
     }
 

@@ -126,7 +126,7 @@ def precheck(cfg, requests, model: Callable | None = None) -> int | None:
     from meshpar.core.sharding import model_spec
     from meshpar.serve.placement import cache_length
 
-    length = cache_length(cfg)
+    length = cache_length(cfg.serve, cfg.model.init_from)
     vocab = getattr(
         model_spec(model or default_model(cfg), precision_lib.get_policy(cfg.precision)).model_config, "vocab", None
     )

@@ -54,14 +54,14 @@ def buckets(cache_length: int, min_bucket: int) -> list[int]:
 DEFAULT_POSITIONS = 4096  # a model that states no maximum (RoPE runs on; the cache is the limit)
 
 
-def model_positions(cfg, abstract=None) -> int:
+def model_positions(init_from: str | None, abstract=None) -> int:
     """The most positions the model was made for: `abstract.max_positions` where the model states it,
     else model.init_from's config.json `max_position_embeddings`, else DEFAULT_POSITIONS."""
     n = getattr(abstract, "max_positions", None)
-    if n is None and cfg.model.init_from:
+    if n is None and init_from:
         from meshpar.io.hf import read_config
 
-        n = read_config(cfg.model.init_from).get("max_position_embeddings")
+        n = read_config(init_from).get("max_position_embeddings")
     return int(n) if isinstance(n, int) and n > 0 else DEFAULT_POSITIONS
 
 
@@ -77,14 +77,16 @@ def device_bytes() -> int:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(1, jax.local_device_count()))
 
 
-def cache_length(cfg, abstract=None, position_bytes: int = 0, free_bytes: int | None = None) -> int:
+def cache_length(
+    serve, init_from: str | None, abstract=None, position_bytes: int = 0, free_bytes: int | None = None
+) -> int:
     """`serve.cache_length`, else the model's positions capped by memory: `position_bytes` per device
     for one position of every cached sequence, half of `free_bytes` for the caches."""
-    if cfg.serve.cache_length:
-        return cfg.serve.cache_length
-    n = model_positions(cfg, abstract)
+    if serve.cache_length:
+        return serve.cache_length
+    n = model_positions(init_from, abstract)
     if position_bytes and free_bytes is not None:
-        n = min(n, max(cfg.serve.min_bucket, free_bytes // 2 // position_bytes))
+        n = min(n, max(serve.min_bucket, free_bytes // 2 // position_bytes))
     return n
 
 
@@ -196,7 +198,7 @@ class Placement:
             "params": param_shardings(self.spec, self.layout),
             "vars": var_shardings(self.spec, self.layout),
         }
-        self.length = _sized_cache_length(self, cfg, one, params)
+        self.length = _sized_cache_length(self, cfg.serve, cfg.model.init_from, one, params)
         self.buckets = buckets(self.length, cfg.serve.min_bucket)
         with precision_lib.use_policy(self.policy):
             self.cache_spec = abstract.cache_spec(self.slots, self.length)
@@ -265,12 +267,12 @@ def _logits_vocab(placement, abstract) -> int:
     return int(jax.eval_shape(one, jax.ShapeDtypeStruct((1, 1), jnp.int32)).shape[-1])
 
 
-def _sized_cache_length(placement, cfg, one, params) -> int:
+def _sized_cache_length(placement, serve, init_from: str | None, one, params) -> int:
     """S (see the module docstring): one position of every slot and prefix entry, per device."""
     from meshpar.core.sharding import bytes_per_device
 
-    if cfg.serve.cache_length:
-        return cfg.serve.cache_length
+    if serve.cache_length:
+        return serve.cache_length
 
     def position_bytes(spec, layout) -> float:
         return sum(
@@ -283,7 +285,7 @@ def _sized_cache_length(placement, cfg, one, params) -> int:
     position = (
         int(
             position_bytes(one, placement.layout)
-            + cfg.serve.prefix_cache * position_bytes(entry, for_rows(placement.layout, 1))
+            + serve.prefix_cache * position_bytes(entry, for_rows(placement.layout, 1))
         )
         + 1
     )
@@ -291,7 +293,9 @@ def _sized_cache_length(placement, cfg, one, params) -> int:
         bytes_per_device(s.shape, s.dtype, sh)
         for s, sh in zip(jax.tree.leaves(params), jax.tree.leaves(placement.weight_shardings["params"]))
     )
-    n = cache_length(cfg, placement.abstract, position, max(0, (placement.device_memory or device_bytes()) - weights))
+    n = cache_length(
+        serve, init_from, placement.abstract, position, max(0, (placement.device_memory or device_bytes()) - weights)
+    )
     if jax.process_count() > 1:  # every process of a server must agree (hosts may differ in memory)
         from jax.experimental import multihost_utils
 

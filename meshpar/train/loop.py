@@ -50,7 +50,7 @@ def make_data_source(cfg, trainer: Trainer):
 
     if ":" in cfg.data.kind:
         return user_source(cfg)
-    vocab = _vocab(cfg, trainer)
+    vocab = _vocab(cfg.model, trainer)
     if vocab is None:
         from meshpar.core.errors import ConfigError
 
@@ -63,13 +63,14 @@ def make_evaluator(cfg, trainer: Trainer, source):
     from meshpar.train.data import make_eval_source
     from meshpar.train.evaluate import Evaluator
 
-    held_out = make_eval_source(cfg.data, cfg.batch, cfg.eval, _vocab(cfg, trainer), source)
+    held_out = make_eval_source(cfg.data, cfg.batch, cfg.eval, _vocab(cfg.model, trainer), source)
     return Evaluator(trainer, held_out, cfg.eval, cfg.batch, cfg.data.seed)
 
 
-def _vocab(cfg, trainer: Trainer) -> int | None:
-    """The vocabulary size: the model's own config, else `model.vocab` / `model.args.vocab`."""
-    return getattr(trainer.spec.model_config, "vocab", None) or cfg.model.vocab or cfg.model.args.get("vocab")
+def _vocab(model, trainer: Trainer) -> int | None:
+    """The vocabulary size: the model's own config, else `model.vocab` / `model.args.vocab` (`model`:
+    the run's `cfg.model`)."""
+    return getattr(trainer.spec.model_config, "vocab", None) or model.vocab or model.args.get("vocab")
 
 
 def run(cfg, metrics_out: str | None = None, console=None, trainer: Trainer | None = None, source=None) -> dict:
@@ -303,7 +304,7 @@ def _report_resume(found, cfg, info) -> None:
         f"{saved_mesh}, {found.meta.get('processes')} process(es), precision {found.meta.get('precision')})"
     )
     saved = found.meta.get("config") or {}
-    changes = data_changes(saved, cfg) + _holdout_change(saved, cfg)
+    changes = data_changes(saved, cfg) + _holdout_change(saved, cfg.data, cfg.eval)
     if changes:
         info(
             f"warning: resuming with a different data stream: {', '.join(changes)}; batches from step "
@@ -317,18 +318,18 @@ def _report_resume(found, cfg, info) -> None:
         )
 
 
-def _holdout_change(saved: dict | None, cfg) -> list[str]:
+def _holdout_change(saved: dict | None, data, evaluation) -> list[str]:
     """Token/text data trains on the first 1 - eval.holdout of data.path when evaluation is on without
     eval.path (meshpar.train.data.make_source): a resume that turns that split on, off or resizes it reads
-    other windows."""
+    other windows. `data`, `evaluation`: the run's `cfg.data` and `cfg.eval`."""
 
     def split(ev):
         return ev.get("holdout", 0.1) if ev.get("every") and not ev.get("path") else None
 
-    if cfg.data.kind not in ("tokens", "text") or not saved or "eval" not in saved:
+    if data.kind not in ("tokens", "text") or not saved or "eval" not in saved:
         return []
     old = split(saved["eval"])
-    new = split({"every": cfg.eval.every, "path": cfg.eval.path, "holdout": cfg.eval.holdout})
+    new = split({"every": evaluation.every, "path": evaluation.path, "holdout": evaluation.holdout})
     return (
         [] if old == new else [f"training part of data.path: eval.holdout={new} (checkpoint: {old}; None: whole file)"]
     )

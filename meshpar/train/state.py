@@ -208,7 +208,8 @@ class TrainSetup:
 
     def describe(self) -> dict:
         """The run's facts for its logs: mesh, strategy, precision, devices, parameters, batch."""
-        return _describe(self.cfg, self.mesh, self.spec.num_params, self.is_lm)
+        c = self.cfg
+        return _describe(c.batch, c.strategy, c.precision, self.mesh, self.spec.num_params, self.is_lm)
 
 
 def _state_around(setup, params, key):
@@ -234,23 +235,23 @@ def _warnings(cfg, layout: Layout, pipelined: bool, idle_rules: list, batch_warn
         )
     return (
         out
-        + _dropless_note(cfg, layout)
+        + _dropless_note(cfg.model.name, cfg.moe.capacity_factor, layout)
         + _staged_attention_note(pipelined, layout.mesh, cfg.model.attention)
         + [f"warning: {w}" for w in batch_warnings]
     )
 
 
-def _describe(cfg, mesh, params: int, is_lm: bool) -> dict:
-    rows = cfg.batch.global_size
+def _describe(batch, strategy: str, precision: str, mesh, params: int, is_lm: bool) -> dict:
+    rows = batch.global_size
     return {
         "mesh": mesh_shape(mesh),
         "mesh_str": describe(mesh),
-        "strategy": cfg.strategy,
-        "precision": cfg.precision,
+        "strategy": strategy,
+        "precision": precision,
         "devices": mesh.devices.size,
         "params": params,
         "examples_per_step": rows,
-        "tokens_per_step": rows * cfg.batch.length if is_lm else None,
+        "tokens_per_step": rows * batch.length if is_lm else None,
     }
 
 
@@ -354,10 +355,10 @@ def _staged_attention_note(pipelined: bool, mesh, attention: str) -> list[str]:
     ]
 
 
-def _dropless_note(cfg, layout) -> list[str]:
+def _dropless_note(model_name: str, capacity_factor: float | None, layout) -> list[str]:
     """Dropless expert parallelism exchanges tokens with a padded all-to-all: one line saying so."""
     ep = layout.shape.get("expert", 1)
-    if cfg.model.name != "moe" or cfg.moe.capacity_factor is not None or ep == 1 or of_mesh(layout.mesh) != "cpu":
+    if model_name != "moe" or capacity_factor is not None or ep == 1 or of_mesh(layout.mesh) != "cpu":
         return []
     return [
         f"note: dropless MoE over expert={ep} sends tokens with a padded all-to-all on CPU (each shard receives "

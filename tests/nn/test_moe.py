@@ -212,12 +212,12 @@ def test_shipped_rules_put_expert_axis_on_E_only_and_reshard_G_to_E_by_expert_al
             return [_axes(p) for p in list(resolve(logical, rules, shape)) + [None] * len(logical)]
 
         for rules in (strategy.param_rules(), strategy.opt_rules()):  # parameters and optimizer state
-            for logical in (("layers",) + moe.W_IN, ("layers",) + moe.W_OUT):
+            for logical in (("layers",) + routing.W_IN, ("layers",) + routing.W_OUT):
                 assert [i for i, p in enumerate(parts(logical, rules)) if "expert" in p] == [1], (preset, mesh)
-        for logical in (moe.EXPERT_IN, moe.EXPERT_HIDDEN):
+        for logical in (routing.EXPERT_IN, routing.EXPERT_HIDDEN):
             assert [i for i, p in enumerate(parts(logical)) if "expert" in p] == [0], (preset, mesh)
         # tokens [E, G, C, M] split on G (data.., expert) -> on E (expert) and G (data..): only `expert` moves
-        g_tokens, g_experts = set(parts(moe.GROUPED)[1]), set(parts(moe.EXPERT_IN)[1])
+        g_tokens, g_experts = set(parts(routing.GROUPED)[1]), set(parts(routing.EXPERT_IN)[1])
         assert g_tokens - g_experts == {"expert"} and g_experts <= g_tokens, (preset, mesh)
 
 

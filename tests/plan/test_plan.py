@@ -37,7 +37,7 @@ def test_zero_accounting_with_2_2_12_bytes_per_param():
     """Rajbhandari et al. 2020, sec. 5.1: 16Psi, 4Psi + 12Psi/N, 2Psi + 14Psi/N, 16Psi/N over N = 64,
     on meshpar's real layouts of a 7B-class model (norm scales stay replicated: well under 1%)."""
     cfg = load_config(None, ["model.size=7b", "model.mlp=12928"])
-    facts, res, n = ModelFacts.from_config(cfg), Resolver(cfg), 64
+    facts, res, n = ModelFacts.from_config(cfg), Resolver(cfg.rules), 64
     psi = facts.params
     assert 7.0e9 < psi < 8.0e9
     want = {"dp": 16 * psi, "zero1": 4 * psi + 12 * psi / n, "zero2": 2 * psi + 14 * psi / n, "fsdp": 16 * psi / n}

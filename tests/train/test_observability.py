@@ -338,11 +338,15 @@ def test_resume_names_a_changed_training_split_of_token_data():
 
     tokens = ["data.kind=tokens", "data.path=t.bin"]
     saved = {"eval": {"every": 0, "batches": 4, "path": None, "holdout": 0.1}}
-    assert _holdout_change(saved, make_cfg(*tokens)) == []
-    assert _holdout_change(saved, make_cfg(*tokens, "eval.every=10", "eval.path=v.bin")) == []  # no split
-    changed = _holdout_change(saved, make_cfg(*tokens, "eval.every=10"))
+
+    def change(cfg):
+        return _holdout_change(saved, cfg.data, cfg.eval)
+
+    assert change(make_cfg(*tokens)) == []
+    assert change(make_cfg(*tokens, "eval.every=10", "eval.path=v.bin")) == []  # no split
+    changed = change(make_cfg(*tokens, "eval.every=10"))
     assert changed and "eval.holdout=0.1 (checkpoint: None" in changed[0]
-    assert _holdout_change(saved, make_cfg("eval.every=10")) == []  # synthetic: the stream is the same
+    assert change(make_cfg("eval.every=10")) == []  # synthetic: the stream is the same
 
 
 def test_a_resumed_run_appends_its_metrics_and_plots_as_one_run(tmp_path):

@@ -26,9 +26,9 @@ from meshpar.core.config.schema import (
 from meshpar.core.errors import ConfigError, suggest
 
 
-def _axis_total(cfg: Config, axis: str) -> int:
+def _axis_total(mesh: MeshConfig, axis: str) -> int:
     """A mesh axis's size as the config asks for it: mesh.<axis> (in a node) x mesh.dcn.<axis> (across)."""
-    return getattr(cfg.mesh, axis) * int((cfg.mesh.dcn or {}).get(axis, 1))
+    return getattr(mesh, axis) * int((mesh.dcn or {}).get(axis, 1))
 
 
 def _check_moe(cfg: Config) -> None:
@@ -49,7 +49,7 @@ def _check_moe(cfg: Config) -> None:
             "config keys 'moe.shared_experts' must be >= 0, 'moe.expert_mlp' >= 1 or null, "
             f"'moe.bias_rate' > 0 (got {m.shared_experts}, {m.expert_mlp}, {m.bias_rate})"
         )
-    if m.balance == "bias" and cfg.model.name == "moe" and _axis_total(cfg, "pipeline") > 1:
+    if m.balance == "bias" and cfg.model.name == "moe" and _axis_total(cfg.mesh, "pipeline") > 1:
         raise ConfigError(
             "moe.balance=bias with mesh.pipeline > 1: the per-expert bias is state of the stacked "
             "layers, updated after each forward, which pipeline stages do not carry yet; use "
@@ -61,7 +61,7 @@ def _check_moe(cfg: Config) -> None:
         )
     if m.aux_loss_weight < 0 or m.z_loss_weight < 0:
         raise ConfigError("config keys 'moe.aux_loss_weight' and 'moe.z_loss_weight' must be >= 0")
-    ep = _axis_total(cfg, "expert")
+    ep = _axis_total(cfg.mesh, "expert")
     if cfg.model.name == "moe" and ep > 1 and m.num_experts % ep:
         raise ConfigError(
             f"moe.num_experts={m.num_experts} is not divisible by the `expert` mesh axis "
@@ -106,12 +106,12 @@ def _check_attention(cfg: Config) -> None:
         raise ConfigError(
             f"config key 'model.softcap' must be > 0 (scores become c*tanh(s/c)) or null, got {m.softcap}"
         )
-    cp = _axis_total(cfg, "context")
-    sizes = [_axis_total(cfg, f.name) for f in dataclasses.fields(MeshConfig) if f.name != "dcn"]
+    cp = _axis_total(cfg.mesh, "context")
+    sizes = [_axis_total(cfg.mesh, f.name) for f in dataclasses.fields(MeshConfig) if f.name != "dcn"]
     # a mesh that cannot be the devices' (mesh.context=3 on 8) is the fault to name first: the mesh says so when built
     if cp > 1 and (-1 in sizes or math.prod(sizes) == cfg.devices):
         check_length(cfg.batch.length, cp)
-    pp = _axis_total(cfg, "pipeline")
+    pp = _axis_total(cfg.mesh, "pipeline")
     if cp > 1 and pp > 1 and m.name == "moe":
         raise ConfigError(
             f"mesh.context={cp} with mesh.pipeline={pp} and model.name=moe: a pipeline stage routes only "
@@ -180,7 +180,7 @@ def validate(cfg: Config) -> None:
     precision.check_loss_chunks(
         cfg.train.loss_chunks,
         cfg.batch.length,
-        max(_axis_total(cfg, "context"), 1),
+        max(_axis_total(cfg.mesh, "context"), 1),
         cfg.train.loss != "lm" and f"train.loss is '{cfg.train.loss}'",
     )
     if cfg.train.lr <= 0:

@@ -1,0 +1,35 @@
+"""What the planner reads of a run beside its model (`Workload`): the global batch, the LM loss's
+token slices, attention's options and the precision policy. `meshpar.plan.costmodel.ModelFacts`
+carries one, so the cost functions take the facts and a candidate, never the whole config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshpar.train.data import packs_documents
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What the cost model reads of a run beside its model: the global batch (B sequences of T
+    tokens), the LM loss's token slices, attention's options and the precision policy."""
+
+    global_size: int
+    length: int
+    loss_chunks: int = 1
+    attention: str = "auto"
+    softcap: float | None = None
+    documents: bool = False  # packed documents: segment ids and positions travel beside the tokens
+    precision: str = "bf16"
+
+    @classmethod
+    def from_config(cls, cfg) -> Workload:
+        return cls(
+            cfg.batch.global_size,
+            cfg.batch.length,
+            cfg.train.loss_chunks,
+            cfg.model.attention,
+            cfg.model.softcap,
+            packs_documents(cfg.data),
+            cfg.precision,
+        )
