@@ -230,3 +230,22 @@ def test_components_take_their_sections():
         and not (isinstance(n.value, ast.Name) and n.value.id == "self")
     ]
     assert doors == [], "the run config read through another object; pass the section instead"
+
+
+def test_every_local_import_says_why():
+    """A meshpar module imported inside a function (not at the top of its module) says why on its line
+    (`# local: ...`: an optional dependency it loads only when used, JAX kept out of loading a config);
+    the command line (`meshpar/cli/`) imports in its functions by design, said once in its docstring."""
+    unexplained = []
+    for mod, path in modules(REPO / "meshpar").items():
+        if mod.startswith("meshpar.cli"):
+            continue
+        lines = path.read_text().splitlines()
+        tree = ast.parse(path.read_text())
+        top = {id(n) for n in tree.body}
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in top:
+                name = node.module if isinstance(node, ast.ImportFrom) else node.names[0].name
+                if (name or "").startswith("meshpar") and "# local:" not in lines[node.lineno - 1]:
+                    unexplained.append(f"{mod}:{node.lineno} {lines[node.lineno - 1].strip()}")
+    assert unexplained == [], "import it at the top of the module, or say why it is local (# local: ...)"

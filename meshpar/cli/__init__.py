@@ -27,6 +27,10 @@ planner's memory estimate too; `train` warns when that estimate exceeds the devi
 `--coordinator HOST:PORT --num-processes N --process-id I` (or MESHPAR_* variables, or srun/mpirun/
 TPU-pod detection; see meshpar/runtime/distributed.py and launch/). Exit status: 0 done, 2 a user error
 (one line), 3 a lost peer, 128 + signal after a SIGTERM/SIGINT that saved and stopped.
+
+Imports of meshpar modules sit in the functions that use them (the one place they do, by design):
+`meshpar --help`, `launch`, `compilers` and `plot` start without JAX, and a run fakes its devices
+(XLA_FLAGS) before JAX starts.
 """
 
 import json

@@ -1,5 +1,10 @@
 """The commands that are more than a call into a layer: `generate`, `serve`, `plan`, `export`, and the
-settings a checkpoint carries (`generate`/`serve`/`export` read them back)."""
+settings a checkpoint carries (`generate`/`serve`/`export` read them back).
+
+Imports of meshpar modules sit in the functions that use them (the one place they do, by design):
+`meshpar --help`, `launch`, `compilers` and `plot` start without JAX, and a run fakes its devices
+(XLA_FLAGS) before JAX starts.
+"""
 
 from __future__ import annotations
 

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from meshpar.core import scopes
+from meshpar.core.errors import ConfigError, suggest
 from meshpar.core.platform import platform
 
 
@@ -51,7 +52,6 @@ POLICIES: dict[str, Policy] = {
 
 
 def get_policy(name: str) -> Policy:
-    from meshpar.core.errors import ConfigError, suggest
 
     if name not in POLICIES:
         raise ConfigError(f"unknown precision policy '{name}'" + suggest(name, POLICIES))
@@ -143,7 +143,6 @@ def check_loss_chunks(chunks: int, length: int, context: int = 1, other_loss: st
     """One line when `train.loss_chunks` cannot slice the run's loss: a loss other than the built-in
     `lm` (`other_loss` says which, "train.loss is 'stages'"), or slices that do not divide the tokens
     a device holds of a sequence."""
-    from meshpar.core.errors import ConfigError
 
     if chunks > 1 and other_loss:
         raise ConfigError(

@@ -27,8 +27,10 @@ import jax
 import numpy as np
 from flax import nnx
 
+from meshpar.core.batch import is_leaf
 from meshpar.core.errors import ConfigError, ShardingError
 from meshpar.core.layout import Layout
+from meshpar.core.precision import POLICIES, use_policy
 from meshpar.core.rules import LOGICAL_AXES, spec_axes, uncovered
 
 
@@ -57,7 +59,6 @@ def logical_axes(var: nnx.Variable) -> tuple | None:
 def building(policy=None):
     """The context meshpar builds models in: Flax's eager sharding off (meshpar places arrays
     itself, by its rules) and the precision policy active (`meshpar.core.precision.param_dtype`)."""
-    from meshpar.core.precision import POLICIES, use_policy
 
     with nnx.use_eager_sharding(False), use_policy(policy or POLICIES["fp32"]):
         yield
@@ -216,7 +217,6 @@ def opt_state_shardings(tx, spec: ModelSpec, layout: Layout):
 
 def batch_shardings(batch_spec, layout: Layout):
     """A tree of `meshpar.Leaf` (global shape, dtype, logical axes) -> NamedShardings."""
-    from meshpar.core.batch import is_leaf
 
     return jax.tree_util.tree_map_with_path(
         lambda path, leaf: layout.sharding(leaf.axes, leaf.shape, f"batch leaf '{path_name(path) or 'batch'}'"),
@@ -229,7 +229,6 @@ def split_microbatches(batch, m: int, layout: Layout, batch_spec=None):
     """Every leaf [B, ...] -> [M, B/M, ...]. Row i*M + k goes to microbatch k, so every device keeps its
     own rows (no data movement); each microbatch keeps the batch layout (`batch_spec`'s axes; by
     default `batch` on the leading dimension only)."""
-    from meshpar.core.batch import is_leaf
 
     def one(x, axes):
         mbs = x.reshape((x.shape[0] // m, m) + x.shape[1:]).swapaxes(0, 1)
@@ -257,8 +256,6 @@ def unruled_batch_axes(batch_spec, layout: Layout) -> list[str]:
     not split: a typo, often), with the closest known name."""
     import difflib
 
-    from meshpar.core.batch import is_leaf
-
     rules = layout.rules()
     known = sorted({n for n, _ in rules} | set(LOGICAL_AXES))
     out = []
@@ -277,7 +274,6 @@ def context_unsplit(batch_spec, layout: Layout) -> list[str]:
     """One line (else none) when the `context` mesh axis (size > 1) splits no dimension of any batch leaf: a batch
     whose sequence dimension is not named `length` (nor another name a rule puts on `context`) is
     repeated whole on every context device. Names the leaves and the rules that would split them."""
-    from meshpar.core.batch import is_leaf
 
     cp = layout.shape.get("context", 1)
     leaves = jax.tree_util.tree_leaves_with_path(batch_spec, is_leaf=is_leaf)
@@ -334,8 +330,6 @@ def sharding_table(spec: ModelSpec, layout: Layout, batch_spec=None, activations
                 }
             )
     if batch_spec is not None:
-        from meshpar.core.batch import is_leaf
-
         for (path, leaf), sh in zip(
             jax.tree_util.tree_leaves_with_path(batch_spec, is_leaf=is_leaf),
             jax.tree.leaves(batch_shardings(batch_spec, layout)),

@@ -386,7 +386,7 @@ def provenance(init_from: str | None, tokenizer: str | None) -> tuple[dict, dict
         if (root / "generation_config.json").is_file():
             generation = read_json(root / "generation_config.json")
     if not extra and tokenizer:
-        from meshpar.io.tokenizer import HFTokenizer
+        from meshpar.io.tokenizer import HFTokenizer  # local: the tokenizers library loads only for text
 
         tok = HFTokenizer(tokenizer)
         extra = {k: v for k, v in (("bos_token_id", tok.bos_id), ("eos_token_id", tok.eos_id)) if v is not None}

@@ -54,6 +54,7 @@ from meshpar.core.rules import spec_axes
 from meshpar.core.sequence import AXIS, balanced, context_size, is_balanced, manual, order  # noqa: F401 (this module's API)
 from meshpar.nn import attention as attn_lib
 from meshpar.nn import flash as flash_lib
+from meshpar.nn import splash as splash_lib
 
 
 def balance(*rows):
@@ -127,7 +128,6 @@ def _kernel_unpartitionable(q, k, mask, q_seg, k_seg, implementation) -> bool:
     layout = active_layout()
     if layout is None or layout.mesh.size == 1:
         return False
-    from meshpar.nn import splash as splash_lib
 
     natural_ok = splash_lib.serves(q, k, q_seg, k_seg, True)
     return attn_lib.choose(implementation, q, k, mask, q_seg is not None, natural_ok) == "splash"

@@ -48,9 +48,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from meshpar.core.batch import Leaf
 from meshpar.core.errors import ConfigError, ShardingError
-from meshpar.core.layout import without
+from meshpar.core.layout import use_layout, without
 from meshpar.core.rules import BATCH_AXES, spec_axes
+from meshpar.core.sharding import split_microbatches
 from meshpar.nn import dropless, dropout
 from meshpar.nn.stages import lm_rows
 from meshpar.parallel import context, gpipe, one_f_one_b
@@ -147,8 +149,6 @@ def value_and_grad(
     the run's `cfg.pipeline`; `loss_chunks`: the LM head's token slices (`train.loss_chunks`). With `loss_scale` S
     (fp16) the grads are those of
     loss * S (the caller unscales); loss and aux are never scaled."""
-    from meshpar.core.layout import use_layout
-    from meshpar.core.sharding import split_microbatches
 
     p = layout.shape[AXIS]
     m = pc.microbatches
@@ -217,7 +217,6 @@ def value_and_grad(
 def _lm_rows(batch):
     """Token rows [B, T+1] (or packed documents) -> the LM's rows {inputs, targets, positions, ...}
     [B, T] in the balanced order when sequences are split over `context`, and their batch spec."""
-    from meshpar.core.batch import Leaf
 
     rows = context.balance_rows(lm_rows(batch), positions=True)
     return rows, {k: Leaf(a.shape, a.dtype, ("batch", "length")) for k, a in rows.items()}

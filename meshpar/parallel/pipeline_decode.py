@@ -49,8 +49,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from meshpar.core import precision as precision_lib
 from meshpar.core.batch import is_leaf
 from meshpar.core.errors import ConfigError
+from meshpar.core.layout import for_rows, use_layout
 from meshpar.nn.layers import scan_layers
 from meshpar.nn.stages import check_protocol, layer_options
 from meshpar.parallel.stage_model import vary
@@ -97,8 +99,6 @@ def decode(spec, layout, policy, weights, tokens, positions, cache, cache_spec, 
     (module docstring; a prefill, or with `Engine(flush=True)` a decode step).
     `weights` {"params", "vars"} (pure dicts, the layers' leaves [L, ...] split over `pipeline`);
     `cache` a tree of [L, B, ...] whose `cache_spec` leaves name the batch axis `cache_batch`."""
-    from meshpar.core import precision as precision_lib
-    from meshpar.core.layout import for_rows, use_layout
 
     p = layout.shape[AXIS]
     b = tokens.shape[0]
@@ -171,8 +171,6 @@ def tick(spec, layout, policy, weights, cache, cache_spec, flight, t, tokens, po
     token and where it goes; `flight` [P, R, 1, E] what each stage received at tick t - 1 ->
     (logits [R, V] of the group leaving the last stage, (t + 1) mod P; cache; flight).
     R = B / P rows per group; group g = slots g, g + P, ..."""
-    from meshpar.core import precision as precision_lib
-    from meshpar.core.layout import for_rows, use_layout
 
     p, b = layout.shape[AXIS], tokens.shape[0]
     r = b // p

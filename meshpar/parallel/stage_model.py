@@ -14,6 +14,7 @@ from jax import lax
 
 from meshpar.core.errors import ConfigError
 from meshpar.core.layout import active_layout, constrain, use_layout
+from meshpar.core.precision import chunked_cross_entropy
 from meshpar.core.scopes import manual_axes
 from meshpar.nn.layers import check_keeps
 from meshpar.nn.stages import SEQUENCE_AXES, apply_layers, check_activation, check_loss
@@ -102,7 +103,6 @@ class StageModel:
         join (a hang). A loss on whole arrays partitions nothing: the same loss as on one device.
         `post` keeps its layout (a head split over `tensor` stays so) unless it gathers (pooling a
         token with `take_along_axis`, say): then it runs whole too."""
-        from meshpar.core.precision import chunked_cross_entropy
 
         m = self.module(outer, layers, vars)
         if self.lm:  # a sequence split over a manual `context`: sums over its shards

@@ -78,8 +78,14 @@ import jax
 
 from meshpar.core.config import top_k
 from meshpar.core.mesh import MESH_AXES
+from meshpar.core.precision import get_policy
+from meshpar.core.registry import default_model
 from meshpar.core.rules import BATCH_AXES, get_strategy, parse_user_rules, resolve_kind, spec_axes
+from meshpar.core.sharding import model_spec, path_name
+from meshpar.nn.attention import AUTO_FLASH_FROM, cudnn_serves
+from meshpar.nn.splash import LANE
 from meshpar.plan.workload import Workload
+from meshpar.train.flops import active_params, flops_per_token
 
 REMATS = ("none", "save_dots", "full")
 
@@ -116,10 +122,6 @@ class ModelFacts:
     @classmethod
     def from_config(cls, cfg) -> ModelFacts:
         """Shapes only (`nnx.eval_shape`): a 175B model costs no memory here."""
-        from meshpar.core.precision import get_policy
-        from meshpar.core.registry import default_model
-        from meshpar.core.sharding import model_spec, path_name
-        from meshpar.train.flops import active_params, flops_per_token
 
         spec = model_spec(default_model(cfg), get_policy(cfg.precision))
         names = jax.tree.leaves(spec.logical, is_leaf=lambda x: isinstance(x, tuple))
@@ -240,9 +242,6 @@ def efficient_attention(run: Workload, compiler: str = "cpu", pipelined: bool = 
     """Whether attention stores no [s, s] scores: flash, cudnn or splash; `auto` beyond AUTO_FLASH_FROM
     keys, and on a target wherever `meshpar.nn.attention.choose` picks cuDNN (GPU: `cudnn_serves`) or
     splash (TPU: lengths a multiple of its lane), never inside a pipeline stage."""
-    from meshpar.core.precision import get_policy
-    from meshpar.nn.attention import AUTO_FLASH_FROM, cudnn_serves
-    from meshpar.nn.splash import LANE
 
     a = run.attention
     if a in ("flash", "cudnn", "splash") or (a == "auto" and run.length > AUTO_FLASH_FROM):

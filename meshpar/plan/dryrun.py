@@ -25,9 +25,13 @@ from __future__ import annotations
 
 import jax
 
+from meshpar.core.config import load_config
 from meshpar.core.errors import MeshparError
+from meshpar.core.precision import get_policy
 from meshpar.plan import inspect
 from meshpar.plan.search import estimate
+from meshpar.plan.steptime import summarize
+from meshpar.train.step import trainer_for
 
 COMPILE_OPTIONS = {"xla_backend_optimization_level": 0}
 
@@ -35,10 +39,9 @@ COMPILE_OPTIONS = {"xla_backend_optimization_level": 0}
 def compile_step(cfg, target=None):
     """(trainer, compiled step) for `cfg` on the first cfg.devices devices, or on a deviceless `target`'s
     devices by its own compiler (`meshpar.plan.target`)."""
-    from meshpar.train.step import trainer_for
 
     if target is not None:
-        from meshpar.plan.target import compile_errors, compile_trainer
+        from meshpar.plan.target import compile_errors, compile_trainer  # local: compilers for a --target only
 
         with compile_errors(target, cfg):
             trainer = trainer_for(cfg, devices=target.devices)
@@ -60,7 +63,6 @@ def compiled_numbers(trainer, compiled) -> dict:
 
 def compare(cfg, hardware=None) -> tuple[dict, dict]:
     """(prediction, compiled) for the plan `cfg` names."""
-    from meshpar.plan.steptime import summarize
 
     pred = estimate(cfg, hardware, compiler="cpu")
     trainer, compiled = compile_step(cfg)
@@ -72,7 +74,6 @@ def verify(result: dict, config_path: str | None, overrides: list[str], k: int, 
     """Compile the top `k` plans of `result` and report predicted vs compiled side by side. A plan
     whose compiled peak exceeds the device's memory is marked as not fitting. With a `target` each plan
     is compiled for the target's devices by its compiler, whose peak is the verdict itself."""
-    from meshpar.core.config import load_config
 
     rows = []
     mem_limit = result["hardware"]["memory_bytes"]
@@ -107,8 +108,6 @@ def verify(result: dict, config_path: str | None, overrides: list[str], k: int, 
 def _upcast_on_cpu(precision: str) -> bool:
     """True when this compile computes matmuls in f32 that the target computes in 16 bits."""
     import numpy as np
-
-    from meshpar.core.precision import get_policy
 
     return jax.default_backend() == "cpu" and np.dtype(get_policy(precision).compute_dtype).itemsize == 2
 

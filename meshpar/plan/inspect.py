@@ -16,7 +16,10 @@ from collections import defaultdict
 
 import numpy as np
 
+from meshpar.core.sharding import render_sharding_table
 from meshpar.parallel.schedules import BRANCH_SHARE
+from meshpar.parallel.schedules import describe as describe_pipeline
+from meshpar.train.step import trainer_for
 
 _SHARE = re.compile(re.escape(BRANCH_SHARE) + r"([\d.e+-]+)")  # a per-device branch's share of its loop
 # ragged-all-to-all first: the alternation must not read its tail as an all-to-all
@@ -312,7 +315,6 @@ def flops(compiled) -> float | None:
 def report(cfg, trainer=None) -> dict:
     """Compile one train step of `cfg` (no run) and describe it: the `meshpar inspect` JSON (for a
     deviceless target: `meshpar.plan.program.report`)."""
-    from meshpar.train.step import trainer_for
 
     trainer = trainer or trainer_for(cfg)
     compiled = trainer.compile()
@@ -330,8 +332,6 @@ def report(cfg, trainer=None) -> dict:
         "flops": {"xla_per_device": flops(compiled), "model_per_step": model_flops, "model_counted_as": counted},
     }
     if shape.get("pipeline", 1) > 1:  # schedule tick table, its bubble, peak temporary memory per device
-        from meshpar.parallel.schedules import describe as describe_pipeline
-
         out["pipeline"] = {
             **describe_pipeline(cfg.pipeline, shape["pipeline"]),
             "peak_temp_bytes": out["memory"].get("temp"),
@@ -341,8 +341,6 @@ def report(cfg, trainer=None) -> dict:
 
 def render_report(rep: dict, console) -> None:
     from rich.table import Table
-
-    from meshpar.core.sharding import render_sharding_table
 
     console.print(
         f"[bold]mesh[/] {rep['mesh']}  [bold]strategy[/] {rep['strategy']}  [bold]precision[/] {rep['precision']}"

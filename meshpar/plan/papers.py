@@ -23,6 +23,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshpar.core.config import load_config
+from meshpar.core.mesh import MESH_AXES
+from meshpar.plan.candidates import split_ici_dcn
+from meshpar.plan.hardware import load_hardware
+from meshpar.plan.search import estimate
+
 SOURCE = "Narayanan et al. 2021 (SC'21), arXiv:2104.04473"
 VOCAB, LENGTH = 51200, 2048
 
@@ -61,8 +67,6 @@ class Run:
 
     def overrides(self, schedule: str = "1f1b", virtual: int = 1, microbatches: int | None = None) -> list[str]:
         """KEY=VALUE overrides that make this run a meshpar config (`devices` set by the caller)."""
-        from meshpar.core.mesh import MESH_AXES
-        from meshpar.plan.candidates import split_ici_dcn
 
         mlp = 128 * round(8 * self.hidden / 3 / 128)
         sizes = {"pipeline": self.pipeline, "data": 1, "fsdp": 1, "context": 1, "expert": 1, "tensor": self.tensor}
@@ -125,9 +129,6 @@ TABLE2 = [
 def cost(run: Run, hardware=None, **kw) -> dict:
     """The planner's step for `run` as it ran: predicted seconds, the paper's measure of them, and
     the planner's own parts (compute, exposed collectives, bubble) and memory."""
-    from meshpar.core.config import load_config
-    from meshpar.plan.hardware import load_hardware
-    from meshpar.plan.search import estimate
 
     hw = hardware or load_hardware("a100-80g")
     cfg = load_config(None, run.overrides(**kw))

@@ -22,6 +22,9 @@ import re
 from collections import Counter
 
 from meshpar.plan import inspect
+from meshpar.serve.engine import Engine
+from meshpar.serve.placement import ABSTRACT
+from meshpar.train.step import trainer_for
 
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _KIND = re.compile(r'"kind":"(__triton[\w]*)"')
@@ -151,7 +154,7 @@ def compile_with_live_ranges(target, trainer) -> tuple[object, list[str], str | 
     import os
     import tempfile
 
-    from meshpar.plan.target import compile_trainer
+    from meshpar.plan.target import compile_trainer  # local: the target compilers load only for a --target
 
     with tempfile.TemporaryDirectory(prefix="meshpar-dump-") as tmp:
         compiled, notes = compile_trainer(
@@ -167,8 +170,6 @@ def report(cfg, target) -> dict:
     described as `meshpar.plan.inspect.report` does, plus `target` (`target_report`, with the buffers
     live at the compiler's peak)."""
     import time
-
-    from meshpar.train.step import trainer_for
 
     trainer = trainer_for(cfg, devices=target.devices)
     start = time.perf_counter()
@@ -187,9 +188,6 @@ def serve_report(cfg, target=None) -> dict:
     KV cache in place) compiled without weights (`meshpar.serve.placement.ABSTRACT`): its memory and
     collectives, and on a target its `target` view."""
     import time
-
-    from meshpar.serve.engine import Engine
-    from meshpar.serve.placement import ABSTRACT
 
     engine = Engine(
         cfg,

@@ -26,11 +26,14 @@ from __future__ import annotations
 import heapq
 import math
 
+from meshpar.core.config import apply_overrides
 from meshpar.core.errors import ConfigError, suggest
-from meshpar.core.mesh import MESH_AXES
+from meshpar.core.mesh import MESH_AXES, resolve_axis_sizes
+from meshpar.core.precision import get_policy
 from meshpar.core.rules import PRESETS
 from meshpar.plan.candidates import ORDER, candidates, overrides
 from meshpar.plan.costmodel import Candidate, ModelFacts, Resolver
+from meshpar.plan.hardware import PRESETS as HW
 from meshpar.plan.steptime import evaluate, lower_bound, summarize
 
 GiB = 2**30
@@ -41,8 +44,6 @@ def parse_bytes_per_param(text: str | None, precision: str) -> tuple:
     gradients, two AdamW moments in the param dtype)."""
     if not text:
         import numpy as np
-
-        from meshpar.core.precision import get_policy
 
         w = np.dtype(get_policy(precision).param_dtype).itemsize
         return (w, w, 2 * w)
@@ -169,8 +170,6 @@ def plan(
     bpp = bytes_per_param or parse_bytes_per_param(None, cfg.precision)
     import numpy as np
 
-    from meshpar.core.precision import get_policy
-
     c = np.dtype(get_policy(cfg.precision).compute_dtype).itemsize
     facts = ModelFacts.from_config(cfg)
     res = Resolver(cfg.rules)
@@ -246,8 +245,6 @@ def winner_yaml(result: dict, config_path: str | None, user_overrides: list[str]
 
     import yaml
 
-    from meshpar.core.config import apply_overrides
-
     best = best or next((c for c in result["candidates"] if c["fits"]), None)
     if best is None:
         raise ConfigError("no candidate fits, so there is no plan to write")
@@ -320,9 +317,6 @@ def estimate(cfg, hardware=None, compiler: str | None = None) -> dict:
     the hardware's own (`meshpar.plan.costmodel`: which buffers each compiler holds)."""
     import numpy as np
 
-    from meshpar.core.mesh import resolve_axis_sizes
-    from meshpar.core.precision import get_policy
-
     dcn_cfg = {a: v for a, v in (cfg.mesh.dcn or {}).items()}
     n_dcn = math.prod(dcn_cfg.values()) if dcn_cfg else 1
     ici = resolve_axis_sizes({a: getattr(cfg.mesh, a) for a in MESH_AXES}, cfg.devices // n_dcn)
@@ -337,7 +331,6 @@ def estimate(cfg, hardware=None, compiler: str | None = None) -> dict:
         cfg.pipeline.schedule,
         cfg.pipeline.virtual_stages,
     )
-    from meshpar.plan.hardware import PRESETS as HW
 
     hw = hardware or HW["h100"]
     c = np.dtype(get_policy(cfg.precision).compute_dtype).itemsize

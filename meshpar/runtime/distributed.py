@@ -41,6 +41,7 @@ import time
 from dataclasses import dataclass
 
 from meshpar.core.errors import ConfigError, MeshparError
+from meshpar.core.mesh import fake_cpu_devices
 
 EXIT_PEER_LOST = 3
 
@@ -146,8 +147,6 @@ def initialize(settings: Settings, local_devices: int | None = None) -> None:
     import jax
 
     if local_devices is not None:
-        from meshpar.core.mesh import fake_cpu_devices
-
         fake_cpu_devices(local_devices)
     if os.environ.get("JAX_PLATFORMS", "cpu") in ("cpu", ""):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -157,8 +156,6 @@ def initialize(settings: Settings, local_devices: int | None = None) -> None:
     try:
         jax.distributed.initialize(settings.coordinator, settings.num_processes, settings.process_id, **kwargs)
     except (RuntimeError, ValueError) as e:
-        from meshpar.core.errors import MeshparError
-
         raise MeshparError(
             f"could not join the job as {settings.describe()}: {str(e).splitlines()[0]}; check that "
             "every process got the same coordinator address and process count"

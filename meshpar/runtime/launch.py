@@ -36,6 +36,8 @@ import sys
 import threading
 import time
 
+from meshpar.runtime.slurm import main as slurm_main
+
 PROG = "meshpar launch"
 # Gloo's connection report, `[Gloo] Rank 3 is connected to 7 peer ranks. Expected number of connected
 # peer ranks is : 7`, printed piece by piece from several threads: pieces of two reports share lines
@@ -200,8 +202,6 @@ USAGE = f"""usage: {PROG} N [meshpar train arguments...]
 def main(argv: list[str]) -> int:
     """`argv` = [N, train arguments...]; the train arguments are passed through unread."""
     if argv[:1] == ["--print-slurm"]:
-        from meshpar.runtime.slurm import main as slurm_main
-
         return slurm_main(argv[1:])
     if argv[:1] == ["--relay"]:
         if len(argv) < 2:

@@ -44,9 +44,11 @@ from fastapi.responses import JSONResponse
 from meshpar.core.errors import ConfigError
 from meshpar.serve import completions as completions_lib
 from meshpar.serve.detokenizer import Detokenizer
+from meshpar.serve.engine import Engine
 from meshpar.serve.fields import Fields
 from meshpar.serve.guard import APIError, Guard, api_keys, exposed
 from meshpar.serve.metrics import Observed, ServeMetrics
+from meshpar.serve.multihost import Replicas
 from meshpar.serve.requests import Request
 from meshpar.serve.scheduler import QueueFull, Scheduler
 
@@ -256,10 +258,8 @@ def serve_http(cfg, host: str, sock, model_name: str | None = None, keys: list[s
     import jax
     import uvicorn
 
-    from meshpar.io.hf import end_tokens
-    from meshpar.io.tokenizer import ByteTokenizer, HFTokenizer
-    from meshpar.serve.engine import Engine
-    from meshpar.serve.multihost import Replicas
+    from meshpar.io.hf import end_tokens  # local: safetensors loads only for a run that reads or writes one
+    from meshpar.io.tokenizer import ByteTokenizer, HFTokenizer  # local: the tokenizers library loads only for text
 
     leader = jax.process_index() == 0  # `sock`: process 0's listening socket (`listen`), None elsewhere
     tok = HFTokenizer(cfg.data.tokenizer) if cfg.data.tokenizer else None  # on every process: fails alike

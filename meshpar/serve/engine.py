@@ -41,10 +41,13 @@ import numpy as np
 
 from meshpar.core import precision as precision_lib
 from meshpar.core.errors import ConfigError
-from meshpar.serve.placement import Placement
+from meshpar.core.registry import default_model
+from meshpar.core.sharding import model_spec
+from meshpar.serve.placement import Placement, cache_length
 from meshpar.serve.programs import DecodePrograms
 from meshpar.serve.requests import Completion, Request
 from meshpar.serve.sampling import Sampling
+from meshpar.serve.scheduler import run_all
 
 
 def _check_length(request: Request, length: int) -> None:
@@ -122,9 +125,6 @@ def precheck(cfg, requests, model: Callable | None = None) -> int | None:
     and token ids against the vocabulary the model's config declares (`cfg.vocab` of the abstract
     model: `model.vocab`, the size preset, init_from's config.json). -> that vocabulary (None: the
     model keeps no `cfg.vocab`; `check` has the logits' own once the model is placed)."""
-    from meshpar.core.registry import default_model
-    from meshpar.core.sharding import model_spec
-    from meshpar.serve.placement import cache_length
 
     length = cache_length(cfg.serve, cfg.model.init_from)
     vocab = getattr(
@@ -259,7 +259,6 @@ class Engine:
 
     def run(self, requests: list[Request], on_token: Callable[[int, int], None] | None = None) -> list[Completion]:
         """Continuous batching to each request's end; `on_token(request index, token)` streams (`scheduler`)."""
-        from meshpar.serve.scheduler import run_all
 
         return run_all(self, requests, on_token)
 

@@ -24,6 +24,7 @@ import numpy as np
 
 from meshpar.serve.requests import Completion, Request
 from meshpar.serve.sampling import Sampling
+from meshpar.serve.scheduler import Ticket
 
 
 def broadcast_json(obj, leader: bool):
@@ -54,7 +55,6 @@ def encode(ticket) -> dict:
 
 
 def decode(d: dict):
-    from meshpar.serve.scheduler import Ticket
 
     t, k, p, seed, presence, frequency, bias = d["sampling"]
     sampling = Sampling(t, k, p, seed, presence, frequency, tuple((int(i), float(v)) for i, v in bias))

@@ -37,7 +37,8 @@ from meshpar.core.batch import is_leaf
 from meshpar.core.errors import ConfigError
 from meshpar.core.layout import Layout, for_rows
 from meshpar.core.rules import BATCH_AXES, get_strategy, parse_user_rules, spec_axes, table
-from meshpar.core.sharding import building, param_shardings, path_name, var_shardings
+from meshpar.core.sharding import building, bytes_per_device, param_shardings, path_name, var_shardings
+from meshpar.parallel import pipeline_decode
 from meshpar.runtime.placed import PlacedModel
 from meshpar.serve.sampling import ROW_KEYS
 
@@ -59,7 +60,7 @@ def model_positions(init_from: str | None, abstract=None) -> int:
     else model.init_from's config.json `max_position_embeddings`, else DEFAULT_POSITIONS."""
     n = getattr(abstract, "max_positions", None)
     if n is None and init_from:
-        from meshpar.io.hf import read_config
+        from meshpar.io.hf import read_config  # local: safetensors loads only for a run that reads or writes one
 
         n = read_config(init_from).get("max_position_embeddings")
     return int(n) if isinstance(n, int) and n > 0 else DEFAULT_POSITIONS
@@ -187,8 +188,6 @@ class Placement:
                     "with a 'cache_batch' and a 'cache_length' axis"
                 )
         if self.stages > 1:  # decode steps cut into microbatches that follow each other through the stages
-            from meshpar.parallel import pipeline_decode
-
             pipeline_decode.check(abstract, self.spec.var_shapes, one, self.slots, self.stages)
         self.vocab = _logits_vocab(self, abstract)
         self.layout, self.notes = serving_layout(self.mesh, cfg.serve.strategy, cfg.rules, one, self.slots)
@@ -242,7 +241,6 @@ class Placement:
 
     def bytes_per_device(self) -> dict:
         """Weight and KV-cache bytes one device holds (what a decode step reads)."""
-        from meshpar.core.sharding import bytes_per_device
 
         w = sum(bytes_per_device(a.shape, a.dtype, a.sharding) for a in jax.tree.leaves(self.weights))
         c = sum(
@@ -269,7 +267,6 @@ def _logits_vocab(placement, abstract) -> int:
 
 def _sized_cache_length(placement, serve, init_from: str | None, one, params) -> int:
     """S (see the module docstring): one position of every slot and prefix entry, per device."""
-    from meshpar.core.sharding import bytes_per_device
 
     if serve.cache_length:
         return serve.cache_length
@@ -316,7 +313,7 @@ def _load(placement: Placement, weights, checkpoint_dir: str | None, init_from: 
         return target, "abstract: shapes and shardings only, nothing allocated"
     source, shardings, cast = "given", placement.weight_shardings, placement.cast
     if weights is None and checkpoint_dir:
-        from meshpar.io.checkpoint import restore_weights
+        from meshpar.io.checkpoint import restore_weights  # local: Orbax loads only for a run with checkpoint.dir
 
         found = restore_weights(checkpoint_dir, target, placement.info)
         if found is not None:

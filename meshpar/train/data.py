@@ -249,7 +249,7 @@ EVAL_STEP = 1 << 62
 
 def _file_source(kind: str, path: str, data: DataConfig, vocab: int):
     if kind == "text" and data.tokenizer:  # documents tokenized, packed with EOS between
-        from meshpar.io.tokenizer import packed_text
+        from meshpar.io.tokenizer import packed_text  # local: the tokenizers library loads only for text
 
         tokens, starts = packed_text(path, data.tokenizer, vocab)
         return Span(tokens, f"data.path '{path}' (tokenized)", starts if data.documents else None)

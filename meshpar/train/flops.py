@@ -11,7 +11,11 @@ import math
 
 import jax
 
+from meshpar.core.batch import is_leaf
+from meshpar.core.precision import use_policy
 from meshpar.core.sharding import ModelSpec
+from meshpar.nn import dropout
+from meshpar.train.hostpeak import host_flops
 
 
 def active_params(spec: ModelSpec, top_k: int = 2) -> float:
@@ -64,7 +68,6 @@ def peak_flops_per_device(peak_tflops: float | None = None) -> tuple[float, str]
     for key, peak in _PEAK_BF16:
         if key in dev.device_kind:
             return peak, f"{dev.device_kind} datasheet"
-    from meshpar.train.hostpeak import host_flops
 
     host, where = host_flops()
     n = jax.local_device_count()
@@ -100,9 +103,6 @@ def matmul_flops(jaxpr) -> float:
 def loss_forward_flops(trainer, seed: int = 0) -> float:
     """Matmul FLOPs of `trainer.loss` on the whole global batch, forward only (traced, not compiled;
     the dropout of stacked layers drawn from `seed`, as the step draws it)."""
-    from meshpar.core.batch import is_leaf
-    from meshpar.core.precision import use_policy
-    from meshpar.nn import dropout
 
     spec = trainer.spec
     batch = jax.tree.map(

@@ -22,7 +22,14 @@ import jax
 import numpy as np
 
 from meshpar.core import precision as precision_lib
+from meshpar.core.errors import ConfigError, MeshparError
+from meshpar.runtime.distributed import Preempted, PreemptionGuard, await_peer_verdict, progress, scheduler_job
+from meshpar.train.batches import Batches, Prefetch
+from meshpar.train.data import floor_gap_closed, make_eval_source, make_source
+from meshpar.train.evaluate import Evaluator
 from meshpar.train.flops import peak_flops_per_device
+from meshpar.train.metrics import MetricsLogger
+from meshpar.train.profile import ProfileWindow
 from meshpar.train.step import Trainer, trainer_for, user_source
 
 PREFETCH = 2  # batches built ahead of the step that consumes them (0: build in the loop)
@@ -46,22 +53,17 @@ def data_changes(saved_config: dict, cfg, keys=DATA_KEYS) -> list[str]:
 def make_data_source(cfg, trainer: Trainer):
     """`data.kind` -> a source: built-in token sources (vocabulary from the model or `model.vocab`)
     or `PKG.MODULE:FN` called as `FN(cfg)`."""
-    from meshpar.train.data import make_source
 
     if ":" in cfg.data.kind:
         return user_source(cfg)
     vocab = _vocab(cfg.model, trainer)
     if vocab is None:
-        from meshpar.core.errors import ConfigError
-
         raise ConfigError(f"data.kind={cfg.data.kind} needs the vocabulary size: set model.vocab (or model.args.vocab)")
     return make_source(cfg.data, cfg.batch, cfg.eval, vocab)
 
 
 def make_evaluator(cfg, trainer: Trainer, source):
     """The held-out evaluation of a run training on `source` (`meshpar.train.evaluate`)."""
-    from meshpar.train.data import make_eval_source
-    from meshpar.train.evaluate import Evaluator
 
     held_out = make_eval_source(cfg.data, cfg.batch, cfg.eval, _vocab(cfg.model, trainer), source)
     return Evaluator(trainer, held_out, cfg.eval, cfg.batch, cfg.data.seed)
@@ -81,11 +83,7 @@ def run(cfg, metrics_out: str | None = None, console=None, trainer: Trainer | No
     step reached and raise `Preempted`. A non-finite step never reaches the state (the compiled step
     skips it); with `train.on_nan=stop` the loop raises naming the step before any later save.
     """
-    from meshpar.io.checkpoint import Checkpointer
-    from meshpar.runtime.distributed import PreemptionGuard, await_peer_verdict, progress
-    from meshpar.train.batches import Prefetch
-    from meshpar.train.metrics import MetricsLogger
-    from meshpar.train.profile import ProfileWindow
+    from meshpar.io.checkpoint import Checkpointer  # local: Orbax loads only for a run with checkpoint.dir
 
     source = source if source is not None else user_source(cfg)
     trainer = trainer or trainer_for(cfg, source=source)
@@ -198,7 +196,6 @@ def _resumed(found) -> dict:
 def _batches(source, trainer: Trainer, batch, seed: int, found):
     """The run's batches from `source` (`batch`: its `cfg.batch`), at the checkpoint's position on a
     resume, the source checked against the batch spec before anything compiles."""
-    from meshpar.train.batches import Batches
 
     data = Batches(source, trainer.batch_sharding, batch.global_size, batch.length, seed, batch_spec=trainer.batch_spec)
     if found:
@@ -210,7 +207,6 @@ def _batches(source, trainer: Trainer, batch, seed: int, found):
 def _close(profiler, data, ckpt) -> bool:
     """Stop the profiler and the prefetch thread, finish the checkpoint writes in flight (they hold
     good states)."""
-    from meshpar.train.batches import Prefetch
 
     if profiler is not None:
         profiler.stop()
@@ -224,7 +220,6 @@ def _close(profiler, data, ckpt) -> bool:
 def _log_start(log, cfg, trainer: Trainer, facts: dict, found) -> tuple[float, str]:
     """The start record (the run's facts, the peak MFU divides by, measured before compiling), the
     trainer's warnings and what a resume restored -> (peak FLOP/s per device, where it came from)."""
-    from meshpar.runtime.distributed import scheduler_job
 
     peak, peak_src = peak_flops_per_device(cfg.train.peak_tflops)
     log.start(
@@ -274,15 +269,11 @@ def _finish(log, end: dict, stop, ckpt) -> dict:
     closed); after SIGTERM/SIGINT (`stop`: the signal) raise `Preempted` naming the step reached and
     the checkpoint that holds it."""
     if None not in (end["entropy_floor"], end["initial_loss"], end["final_loss"]):
-        from meshpar.train.data import floor_gap_closed
-
         end["gap_closed"] = floor_gap_closed(end["initial_loss"], end["final_loss"], end["entropy_floor"])
     if not stop:
         log.end(end)
         return end
     import signal as signal_lib
-
-    from meshpar.runtime.distributed import Preempted, progress
 
     name = signal_lib.Signals(stop).name
     end.update(preempted=name, stopped_at=progress["step"], checkpoint=ckpt.path(progress["step"]) if ckpt else None)
@@ -344,8 +335,6 @@ def _read(tree):
 def _check_finite(on_nan: str, step: int, nonfinite, loss) -> None:
     """`train.on_nan=stop`: raise if `step` had a non-finite loss or gradients (its update was skipped)."""
     if on_nan == "stop" and int(nonfinite):
-        from meshpar.core.errors import MeshparError
-
         raise MeshparError(
             f"non-finite loss or gradients at step {step} (loss {float(loss)}); its update was "
             "not applied and no checkpoint was written after it (train.on_nan=stop). Lower "

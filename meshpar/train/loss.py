@@ -10,6 +10,8 @@ import jax.numpy as jnp
 
 from meshpar.core import precision as precision_lib
 from meshpar.core.errors import ConfigError
+from meshpar.core.layout import at_use
+from meshpar.core.sharding import logical_axes
 from meshpar.nn.stages import check_loss, lm_rows  # noqa: F401  (check_loss: the contract, which stage_loss keeps too)
 from meshpar.parallel import context
 
@@ -59,9 +61,6 @@ def _pinned_head(model, dtype, out_dtype):
     sum whole on every device (Llama 3's [E, V] head, 1 GiB, all-reduced per slice); pinned, each slice's
     gradient is reduce-scattered into a sum split as the weight is."""
     from flax import nnx
-
-    from meshpar.core.layout import at_use
-    from meshpar.core.sharding import logical_axes
 
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     is_var = lambda v: isinstance(v, nnx.Variable)  # noqa: E731

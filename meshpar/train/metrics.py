@@ -29,6 +29,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+from meshpar.core.sharding import render_sharding_table
 from meshpar.runtime.distributed import is_main, on_interrupt
 
 
@@ -97,8 +98,6 @@ class MetricsLogger:
             + (f", entropy floor {floor:.4f} nats/token" if floor is not None else "")
         )
         if trainer is not None:
-            from meshpar.core.sharding import render_sharding_table
-
             self.console.print(render_sharding_table(trainer.sharding_table()))
         if self.console.is_terminal:  # the bar stays below the step lines (which stay on screen)
             self.progress, self.task = _progress_bar(self.console, self.total, facts.get("resumed_from") or 0)

@@ -25,6 +25,7 @@ from meshpar.core.config.checks import check_length
 from meshpar.core.errors import ConfigError, ShardingError
 from meshpar.core.layout import Layout
 from meshpar.core.mesh import describe, mesh_shape
+from meshpar.core.notices import config_warnings
 from meshpar.core.platform import of_mesh
 from meshpar.core.registry import loss_function
 from meshpar.core.rules import check_rule_names, get_strategy, parse_user_rules
@@ -39,8 +40,12 @@ from meshpar.core.sharding import (
     unruled_batch_axes,
     var_shardings,
 )
+from meshpar.nn.attention import AUTO_FLASH_FROM
+from meshpar.nn.stages import check_protocol, check_state, stage_loss
+from meshpar.parallel import pipeline
 from meshpar.runtime.placed import PlacedModel
 from meshpar.train.data import packs_documents
+from meshpar.train.flops import model_flops_per_step
 from meshpar.train.loss import lm_loss
 from meshpar.train.optimizer import make_optimizer
 
@@ -188,7 +193,6 @@ class TrainSetup:
 
     def model_flops(self) -> tuple[float, str]:
         """Model FLOPs of one optimizer step and how they were counted (`meshpar.train.flops`)."""
-        from meshpar.train.flops import model_flops_per_step
 
         return model_flops_per_step(self, self.cfg.batch, self.cfg.train, top_k(self.cfg.moe))
 
@@ -225,7 +229,6 @@ def _state_around(setup, params, key):
 def _warnings(cfg, layout: Layout, pipelined: bool, idle_rules: list, batch_warnings: list) -> list[str]:
     """`TrainSetup.warnings`: the config's, idle user rules, the notes on dropless MoE and staged
     attention, the batch's."""
-    from meshpar.core.notices import config_warnings
 
     out = config_warnings(cfg)
     if idle_rules:
@@ -310,8 +313,6 @@ def _check_pipeline(setup: TrainSetup, m, pc, batch) -> None:
     with embed/layers/head, or `stage_loss` of one with pre/layers/post/loss. Errors name the stack
     as its user wrote it: `model.layers=4`, `model.size=tiny`, or a user model's `MyModel.layers`.
     m, pc, batch: the run's `cfg.model`, `cfg.pipeline` and `cfg.batch`."""
-    from meshpar.nn.stages import check_protocol, check_state, stage_loss
-    from meshpar.parallel import pipeline
 
     if not setup.is_lm and setup.loss is not stage_loss:
         raise ConfigError(
@@ -342,7 +343,6 @@ def _lm_activations(b, dtype) -> dict:
 
 def _staged_attention_note(pipelined: bool, mesh, attention: str) -> list[str]:
     """A pipeline on GPU or TPU with model.attention=auto: its stages attend with flash (one line why)."""
-    from meshpar.nn.attention import AUTO_FLASH_FROM
 
     where = of_mesh(mesh)
     if not pipelined or where == "cpu" or attention != "auto":

@@ -42,10 +42,12 @@ from jax.sharding import PartitionSpec as P
 from meshpar.core import precision as precision_lib
 from meshpar.core.batch import is_leaf
 from meshpar.core.layout import use_layout
+from meshpar.core.mesh import describe
 from meshpar.core.platform import compiling_for, of_mesh
 from meshpar.core.registry import import_object
 from meshpar.core.sharding import split_microbatches
 from meshpar.nn import dropout
+from meshpar.parallel import lockstep, pipeline
 from meshpar.train.loss import check_loss
 from meshpar.train.optimizer import applied_count, lr_schedule
 from meshpar.train.state import TrainSetup, batch_axes_of
@@ -73,8 +75,6 @@ class Trainer(TrainSetup):
         unscale; loss and aux are never scaled."""
         vars = {} if vars is None else vars
         if self.pipelined:  # hand-written schedule (meshpar/parallel/pipeline.py)
-            from meshpar.parallel import pipeline
-
             return pipeline.value_and_grad(
                 self.spec,
                 params,
@@ -155,9 +155,6 @@ class Trainer(TrainSetup):
         if self._compiled is None:
             compiled = self.lower().compile(options)
             if self.pipelined:
-                from meshpar.core.mesh import describe
-                from meshpar.parallel import lockstep
-
                 lockstep.check(
                     compiled.as_text(),
                     self.mesh,
