@@ -103,11 +103,11 @@ def test_missing_config_file(capsys, tmp_path):
     ],
 )
 def test_flags_and_overrides_mix_in_any_order(argv):
-    from meshpar.cli import _parse
+    from meshpar.cli import parse
 
-    args = _parse(argv)
+    args = parse(argv)
     assert (args.command, args.devices, args.overrides) == ("train", 1, ["steps=1", "mesh.data=1"])
-    args = _parse(["inspect", "strategy=dp", "--json", "mesh.data=8", "--devices", "8"])
+    args = parse(["inspect", "strategy=dp", "--json", "mesh.data=8", "--devices", "8"])
     assert args.json and args.devices == 8 and args.overrides == ["strategy=dp", "mesh.data=8"]
 
 

@@ -37,8 +37,8 @@ import json
 import os
 import sys
 
-from meshpar.cli.commands import _export, _generate, _plan, _plan_estimate, _serve, _with_saved_settings
-from meshpar.cli.parser import _parse
+from meshpar.cli.commands import export, generate, plan_command, plan_estimate, serve, with_saved_settings
+from meshpar.cli.parser import parse
 from meshpar.core.errors import MeshparError
 
 
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         from meshpar.train.plot import main as plot_main
 
         return plot_main(argv[1:])
-    args = _parse(argv)
+    args = parse(argv)
     from meshpar.runtime.distributed import interrupts_exit
 
     with interrupts_exit():
@@ -159,7 +159,7 @@ def _run(args) -> int:
         if args.command in ("generate", "serve", "export") and cfg.checkpoint.dir:
             # read after the devices are faked: Orbax initialises JAX (before: one device, and the run refused)
             devices, mesh = cfg.devices, cfg.mesh
-            cfg = _with_saved_settings(cfg, args)
+            cfg = with_saved_settings(cfg, args)
             cfg.devices, cfg.mesh = devices, mesh  # the mesh is not a saved setting
         import jax
 
@@ -169,18 +169,18 @@ def _run(args) -> int:
         if args.command == "train":
             from meshpar.train.loop import run
 
-            estimate = _plan_estimate(cfg)
+            estimate = plan_estimate(cfg)
             if "warning:" in estimate:  # said only when the planner expects the step not to fit
                 print(estimate, file=sys.stderr)
             run(cfg, metrics_out=args.metrics_out)
         elif args.command == "generate":
-            _generate(cfg, args)
+            generate(cfg, args)
         elif args.command == "serve":
-            _serve(cfg, args)
+            serve(cfg, args)
         elif args.command == "plan":
-            _plan(cfg, args, target)
+            plan_command(cfg, args, target)
         elif args.command == "export":
-            _export(cfg, args)
+            export(cfg, args)
         else:
             from meshpar.plan import program
             from meshpar.plan.inspect import render_report, report
@@ -196,7 +196,7 @@ def _run(args) -> int:
                 )
             rep["warnings"] = notes + rep["warnings"]
             if not args.serve:
-                rep["plan_estimate"] = _plan_estimate(cfg, target)
+                rep["plan_estimate"] = plan_estimate(cfg, target)
             if args.json:
                 json.dump(rep, sys.stdout, default=str)
                 sys.stdout.write("\n")

@@ -16,7 +16,7 @@ from meshpar.core.errors import MeshparError
 SAVED_SETTINGS = ("model", "data", "precision", "rules", "batch.length")
 
 
-def _with_saved_settings(cfg, args):
+def with_saved_settings(cfg, args):
     """`generate` / `export`: the settings checkpoint.dir's newest checkpoint was trained with
     (`SAVED_SETTINGS`, kept in its meta), under the --config file and KEY=VALUE overrides given now."""
     from meshpar.core.config import load_config
@@ -33,7 +33,7 @@ def _with_saved_settings(cfg, args):
     return load_config(args.config, args.overrides, under=under)
 
 
-def _export(cfg, args) -> None:
+def export(cfg, args) -> None:
     """`meshpar export`: checkpoint.dir's newest parameters (else model.init_from's), one array at a
     time, as a Hugging Face directory (meshpar/io/hf.py)."""
     from flax import nnx
@@ -76,7 +76,7 @@ def _export(cfg, args) -> None:
     )
 
 
-def _plan(cfg, args, target=None) -> None:
+def plan_command(cfg, args, target=None) -> None:
     """`meshpar plan`: cost model search (meshpar/plan/search.py), table or JSON, --verify, then the YAML of
     the best plan: with --verify the best one that fits once compiled (with --target: by the target's own
     compiler, on its devices; the plan is then made for the target's hardware)."""
@@ -126,7 +126,7 @@ def _plan(cfg, args, target=None) -> None:
         print(f"wrote the best plan{why} to {args.out} (meshpar train --config {args.out})", file=sys.stderr)
 
 
-def _plan_estimate(cfg, target=None) -> str:
+def plan_estimate(cfg, target=None) -> str:
     """`train`/`inspect`: the planner's per-device estimate for this config, warning when it exceeds
     the device's memory (known on GPU/TPU and for a --target; fake CPU devices have no limit)."""
     import jax
@@ -150,7 +150,7 @@ def _plan_estimate(cfg, target=None) -> str:
     return line
 
 
-def _generate(cfg, args) -> None:
+def generate(cfg, args) -> None:
     """`meshpar generate`: prompts -> Engine.run, streamed (one prompt) or as JSON."""
     from meshpar.io.tokenizer import ByteTokenizer, HFTokenizer
     from meshpar.serve.engine import Engine
@@ -238,7 +238,7 @@ def _check_tokenizer(hf_tok, vocab: int | None) -> None:
         raise MeshparError(f"data.tokenizer has {hf_tok.vocab_size} tokens, more than the model's vocabulary {vocab}")
 
 
-def _serve(cfg, args) -> None:
+def serve(cfg, args) -> None:
     """`meshpar serve`: the OpenAI-compatible API until SIGTERM or Ctrl-C (meshpar/serve/api.py)."""
     from meshpar.serve.api import serve_http
 

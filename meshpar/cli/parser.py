@@ -135,7 +135,7 @@ def _target_flags(p) -> None:
     t.add_argument("--slices", type=int, help="TPU slices joined over DCN (default: as many as --devices needs)")
 
 
-def _parse(argv: list[str] | None) -> argparse.Namespace:
+def parse(argv: list[str] | None) -> argparse.Namespace:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
     commands = parser._subparsers._group_actions[0].choices

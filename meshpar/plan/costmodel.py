@@ -173,11 +173,11 @@ class Candidate:
         return dict(zip(MESH_AXES, self.dcn))
 
 
-def _factor(spec, shape: dict) -> int:
+def split_factor(spec, shape: dict) -> int:
     return math.prod(shape[a] for a in spec_axes(spec))
 
 
-def _axes(spec) -> set:
+def sharded_axes(spec) -> set:
     return set(spec_axes(spec))
 
 
@@ -206,8 +206,8 @@ def state_bytes(facts: ModelFacts, cand: Candidate, res: Resolver, bpp=(4, 4, 8)
     zero2 = get_strategy(cand.strategy).shard_grads
     out = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
     for lf in facts.leaves:
-        ps = _factor(res.spec(lf, cand.strategy, shape, "rest"), shape)
-        os_ = _factor(res.spec(lf, cand.strategy, shape, "opt_state"), shape)
+        ps = split_factor(res.spec(lf, cand.strategy, shape, "rest"), shape)
+        os_ = split_factor(res.spec(lf, cand.strategy, shape, "opt_state"), shape)
         out["params"] += w * lf.numel / ps
         out["grads"] += g * lf.numel / (os_ if zero2 else ps)
         out["optimizer"] += o * lf.numel / os_
@@ -253,7 +253,7 @@ def efficient_attention(run: Workload, compiler: str = "cpu", pipelined: bool = 
     return cudnn_serves(get_policy(run.precision).compute_dtype, head_dim, run.documents, run.softcap)
 
 
-def _per_token(
+def per_token_elements(
     dims: dict, remat: str, t_heads: int, t_mlp: int, t_res: int, s: int, c: int = 2, compiler: str = "cpu"
 ) -> float:
     """Elements (of `c` bytes) stored per token of one layer (see the module docstring)."""
@@ -302,7 +302,7 @@ def activation_parts(facts: ModelFacts, cand: Candidate, c: int, compiler: str =
     scores = (
         0 if efficient_attention(run, compiler, shape["pipeline"] > 1, d["head_dim"]) else s
     )  # keys whose scores a token stores
-    per_layer = _per_token(d, cand.remat, t_heads, t_mlp, t_res, scores, c, compiler)
+    per_layer = per_token_elements(d, cand.remat, t_heads, t_mlp, t_res, scores, c, compiler)
     if shape["pipeline"] == 1:
         out["stored"] = c * layers * tokens * per_layer
     elif cand.schedule == "1f1b":  # residual slots (see stash_slots); the input and the gradient received
@@ -311,7 +311,7 @@ def activation_parts(facts: ModelFacts, cand: Candidate, c: int, compiler: str =
         ticks = cand.virtual * cand.pp_microbatches + shape["pipeline"] - 1
         stashes = 1 if compiler == "cpu" else 2  # a target's compile holds the stash's cotangents beside it
         out["stored"] = c * tokens * (stashes * ticks * d["embed"] / t_res + layers / cand.virtual * per_layer)
-    out["working"] = c * tokens * _per_token(d, "none", t_heads, t_mlp, t_res, scores)
+    out["working"] = c * tokens * per_token_elements(d, "none", t_heads, t_mlp, t_res, scores)
     if cp > 1:  # the gathered K and V of the layer being computed, and in its backward their fp32 gradients
         out["working"] += (c + 4) * b * 2 * s * d["kv_heads"] * d["head_dim"] / t_heads
     # fp32 logits and their gradient; a target: one buffer in the compute dtype, except under GPipe and
@@ -354,7 +354,7 @@ def stage_recompute(facts: ModelFacts, cand: Candidate) -> float:
 
 def _local(lf: Leaf, cand: Candidate, res: Resolver) -> float:
     """Elements of `lf` one device holds at rest."""
-    return lf.numel / _factor(res.spec(lf, cand.strategy, cand.shape, "rest"), cand.shape)
+    return lf.numel / split_factor(res.spec(lf, cand.strategy, cand.shape, "rest"), cand.shape)
 
 
 def workspace_parts(
@@ -372,7 +372,7 @@ def workspace_parts(
     layers = (facts.dims.get("layers") or 1) / shape["pipeline"]
     gathered = 0.0
     for lf in stacked:  # FSDP: the layer being computed, gathered over the batch axes and context
-        on_batch = _axes(res.spec(lf, cand.strategy, shape, "rest")) & {*BATCH_AXES, "context"}
+        on_batch = sharded_axes(res.spec(lf, cand.strategy, shape, "rest")) & {*BATCH_AXES, "context"}
         gathered += _local(lf, cand, res) * math.prod(shape[a] for a in on_batch) / lf.shape[0] if on_batch else 0.0
     out["layer"] = w * gathered if gathered else w_stk / layers
     if shape["pipeline"] > 1 and cand.schedule == "1f1b" and cand.remat == "none":

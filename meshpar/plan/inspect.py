@@ -45,10 +45,10 @@ _DTYPE_BYTES = {
 }
 _SHAPE = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\]")
 _COMP = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s(" + "|".join(COLLECTIVES) + r")(-start)?\((.*)$")
+INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s(" + "|".join(COLLECTIVES) + r")(-start)?\((.*)$")
 
 
-def _split_computations(hlo: str) -> tuple[dict[str, list[str]], str]:
+def split_computations(hlo: str) -> tuple[dict[str, list[str]], str]:
     """Computation name -> its instruction lines. Headers are the unindented lines ending in '{'."""
     comps, entry, cur = {}, None, None
     for line in hlo.splitlines():
@@ -68,7 +68,7 @@ def _split_computations(hlo: str) -> tuple[dict[str, list[str]], str]:
     return comps, entry
 
 
-def _multipliers(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
+def multipliers(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
     """How many times each computation runs per execution of ENTRY (while bodies x trip count)."""
     calls = defaultdict(list)  # caller -> [(callee, times)]
     for name, lines in comps.items():
@@ -232,12 +232,12 @@ def collectives(hlo: str, mesh_shape: dict[str, int] | None = None) -> list[dict
     switch) runs that share of its loop's iterations, averaged over the devices; any other branch
     counts on every run of its conditional (an upper bound).
     """
-    comps, entry = _split_computations(hlo)
-    mult = _multipliers(comps, entry)
+    comps, entry = split_computations(hlo)
+    mult = multipliers(comps, entry)
     out = []
     for comp, lines in comps.items():
         for line in lines:
-            m = _INSTR.match(line)
+            m = INSTR.match(line)
             if not m:
                 continue
             result, kind, start, _ = m.groups()

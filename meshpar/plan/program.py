@@ -67,8 +67,8 @@ def kernels(hlo: str) -> dict[str, int]:
 
 def overlap(hlo: str) -> dict:
     """Collective bytes per step hidden behind compute and exposed, by kind, from the schedule."""
-    comps, entry = inspect._split_computations(hlo)
-    mult = inspect._multipliers(comps, entry)
+    comps, entry = inspect.split_computations(hlo)
+    mult = inspect.multipliers(comps, entry)
     out: dict[str, dict] = {}
 
     def add(kind, nbytes, times, hidden):
@@ -84,7 +84,7 @@ def overlap(hlo: str) -> dict:
             name = _NAME.match(line)
             a = _ASYNC.search(line)
             if a and name:
-                m = inspect._INSTR.match(line)
+                m = inspect.INSTR.match(line)
                 shapes = inspect.start_shapes(m.group(1), a.group(1), True) if m else []
                 starts[name.group(1)] = (a.group(1), i, sum(shapes))
                 continue
@@ -96,7 +96,7 @@ def overlap(hlo: str) -> dict:
                 continue
             s = _SYNC.search(line)
             if s and not _TARGET.search(line):
-                m = inspect._INSTR.match(line)
+                m = inspect.INSTR.match(line)
                 add(s.group(1), sum(inspect.start_shapes(m.group(1), s.group(1), False)) if m else 0, times, False)
     total = {k: sum(d[k] for d in out.values()) for k in ("hidden_bytes", "exposed_bytes")}
     return {"by_kind": out, **total}

@@ -22,7 +22,7 @@ what each dimension is split by), c bytes per compute-dtype element.
   (forward 1, each recomputed forward 1, backward 2), 16 h / t_res + 4 F / t_mlp elements of the
   compute dtype, plus 6 a s / t_heads where attention stores its [s, s] scores (fp32 scores written
   and read, the bf16 probabilities written and read), plus the residuals the remat policy keeps
-  (`costmodel._per_token`) written once and read once; per token the loss's 6 V / t_vocab; per
+  (`costmodel.per_token_elements`) written once and read once; per token the loss's 6 V / t_vocab; per
   parameter element the update (AdamW reads the weight, gradient and two moments and writes three:
   7 w bytes per optimizer-state element) and 2 g + w + c bytes per weight element the device
   computes with (the gradient written and read, the weight read and cast; a weight FSDP gathers is
@@ -37,12 +37,12 @@ import math
 
 from meshpar.core.rules import BATCH_AXES
 from meshpar.plan.costmodel import (
-    _axes,
-    _factor,
-    _per_token,
     efficient_attention,
     local_batch,
+    per_token_elements,
     rows_factor,
+    sharded_axes,
+    split_factor,
     tensor_splits,
 )
 
@@ -91,10 +91,10 @@ def vector_bytes(facts, cand, res, bpp, c: int = 2, passes: float = 4.0, compile
     w, g = bpp[0], bpp[1]
     opt, used = 0.0, 0.0  # optimizer-state elements; weight elements computed with, x gathers
     for lf in facts.leaves:
-        opt += lf.numel / _factor(res.spec(lf, cand.strategy, shape, "opt_state"), shape)
+        opt += lf.numel / split_factor(res.spec(lf, cand.strategy, shape, "opt_state"), shape)
         spec = res.spec(lf, cand.strategy, shape, "rest")
-        gathered = math.prod(shape[a] for a in _axes(spec) & {*BATCH_AXES, "context"})  # FSDP: whole at use
-        used += lf.numel / _factor(spec, shape) * gathered * (2 if gathered > 1 and lf.stacked else 1)
+        gathered = math.prod(shape[a] for a in sharded_axes(spec) & {*BATCH_AXES, "context"})  # FSDP: whole at use
+        used += lf.numel / split_factor(spec, shape) * gathered * (2 if gathered > 1 and lf.stacked else 1)
     out = 7 * w * opt + (2 * g + w + c) * used
     d = facts.dims
     if not all(d.get(x) for x in ("layers", "embed", "heads", "mlp", "vocab")):
@@ -113,6 +113,8 @@ def vector_bytes(facts, cand, res, bpp, c: int = 2, passes: float = 4.0, compile
         else facts.run.length
     )
     per += TOKEN_SCORES * d["heads"] * scores / sp["heads"]
-    stored = 2 * _per_token(d, cand.remat, sp["heads"], sp["mlp"], sp["res"], scores, c, compiler)  # written, read
+    stored = 2 * per_token_elements(
+        d, cand.remat, sp["heads"], sp["mlp"], sp["res"], scores, c, compiler
+    )  # written, read
     layers = d["layers"] / shape["pipeline"]
     return out + c * tokens * (layers * (passes * per + stored) + TOKEN_V * d["vocab"] / sp["vocab"])

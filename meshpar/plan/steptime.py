@@ -58,11 +58,11 @@ from meshpar.plan.costmodel import (
     Candidate,
     ModelFacts,
     Resolver,
-    _axes,
-    _factor,
     activation_bytes,
     local_batch,
     rows_factor,
+    sharded_axes,
+    split_factor,
     stage_recompute,
     state_bytes,
     workspace_parts,
@@ -117,10 +117,10 @@ def _weight_collectives(out: list, facts: ModelFacts, cand: Candidate, res: Reso
     )  # per device, accumulation mb
     for lf in facts.leaves:
         ps = res.spec(lf, cand.strategy, shape, "rest")
-        sharded = _axes(ps)
+        sharded = sharded_axes(ps)
         on_batch = [a for a in batch_axes if a in sharded and not (a == "expert" and "expert" in lf.names)]
         rest = [a for a in batch_axes if a not in sharded]  # partial sums to all-reduce
-        local = lf.numel / _factor(ps, shape)  # per-device elements at rest
+        local = lf.numel / split_factor(ps, shape)  # per-device elements at rest
         full_over_batch = local * math.prod(shape[a] for a in on_batch)
         rows = c * tokens * lf.shape[-1] if lf.path in facts.lookups else math.inf  # looked-up rows, per device
         if on_batch and sharded <= set(batch_axes) and rows < w * full_over_batch:
@@ -140,7 +140,7 @@ def _weight_collectives(out: list, facts: ModelFacts, cand: Candidate, res: Reso
         at_use = w * full_over_batch * (remat_ag if lf.stacked else 1) * mb  # weights gathered for use
         if st.opt_state is not None:  # ZeRO-1/2: RS into the sharded state, AG updated weights
             os_ = res.spec(lf, cand.strategy, shape, "opt_state")
-            rs = [a for a in batch_axes if a in _axes(os_)]
+            rs = [a for a in batch_axes if a in sharded_axes(os_)]
             if rs:
                 rows_all = rows * math.prod(shape[a] for a in rs)  # every device's row gradients
                 if (st.shard_grads or ma == 1) and rows_all < g * full_over_batch:
@@ -218,7 +218,7 @@ def _activation_collectives(out: list, facts: ModelFacts, cand: Candidate, res: 
             if lf.path in facts.lookups
             and sp
             and p == 1
-            and "tensor" in _axes(res.spec(lf, cand.strategy, shape, "params"))
+            and "tensor" in sharded_axes(res.spec(lf, cand.strategy, shape, "params"))
         )
         for kind, per_layer in (
             (("all-gather", ent_f + ex_b), ("reduce-scatter", ex_f + ent_b)) if sp else (("all-reduce", ex_f + ent_b),)
@@ -239,7 +239,7 @@ def _activation_collectives(out: list, facts: ModelFacts, cand: Candidate, res: 
         add("collective-permute", ["pipeline"], act / (t if sp else 1) * permutes * ma, False, permutes * ma)
         if cand.schedule == "interleaved" and cand.virtual > 1:  # layers to chunk order and gradients back
             stacked = sum(
-                lf.numel / _factor(res.spec(lf, cand.strategy, shape, "rest"), shape)
+                lf.numel / split_factor(res.spec(lf, cand.strategy, shape, "rest"), shape)
                 for lf in facts.leaves
                 if lf.stacked
             )
@@ -357,7 +357,7 @@ def evaluate(
         mem["grads"] = grads = sum(
             bpp[1]
             * lf.numel
-            / _factor(res.spec(lf, cand.strategy, cand.shape, "opt_state" if lf.stacked else "rest"), cand.shape)
+            / split_factor(res.spec(lf, cand.strategy, cand.shape, "opt_state" if lf.stacked else "rest"), cand.shape)
             for lf in facts.leaves
         )
     if st.opt_state is not None:  # ZeRO: the gathered updated weights, after the backward

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from meshpar.core.config import CONFIG_DIR, load_config
-from meshpar.plan.inspect import _split_computations, collectives
+from meshpar.plan.inspect import collectives, split_computations
 from meshpar.train.step import Trainer
 from tests.conftest import devices, make_cfg, rel, tiered
 
@@ -91,7 +91,7 @@ def test_expert_parallel_equals_single_device_and_uses_all_to_all(setup, routing
 
     # collectives: dispatch and combine are all-to-alls over `expert`, forward and backward
     ops = collectives(hlo, shape)
-    _, entry = _split_computations(hlo)
+    _, entry = split_computations(hlo)
     a2a = [o for o in ops if o["kind"] == "all-to-all" and o["computation"] != entry]  # inside the layers
     assert a2a and all(o["axes"] == ["expert"] for o in a2a), a2a
     lines = [ln for ln in hlo.splitlines() if " all-to-all(" in ln and "/while/" in ln]
