@@ -36,7 +36,7 @@ _API = {
     "constrain": "meshpar.core.layout",
     "use_layout": "meshpar.core.layout",
     # model-building helpers
-    "attention": "meshpar.parallel.context",
+    "attention": "meshpar.parallel.attention",
     "param": "meshpar.nn.layers",
     "stacked": "meshpar.nn.layers",
     "scan_layers": "meshpar.nn.layers",

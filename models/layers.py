@@ -20,7 +20,7 @@ from flax import nnx
 from meshpar.core.layout import constrain
 from meshpar.core.precision import attention_dtype
 from meshpar.nn.layers import gated_inputs, param
-from meshpar.parallel.context import attention
+from meshpar.parallel.attention import attention
 
 
 class RMSNorm(nnx.Module):

@@ -26,8 +26,8 @@ Implementations (`model.attention`):
            their backward hands back cotangents that forget the axes the stage varies over (JAX 0.10:
            "Expected cotangent type bf16[...]{V:pipeline}") and the stage's autodiff refuses them
 
-Context parallelism (a sequence split over the `context` mesh axis) wraps this in
-`meshpar.parallel.context.attention`, which is the public `meshpar.attention`.
+The public `meshpar.attention` is `meshpar.parallel.attention.attention`: these kernels on each
+device's tokens, or across `context` shards when sequences are split (`meshpar.parallel.context`).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Context parallelism: one sequence split over the `context` mesh axis (Megatron-LM's CP; Llama 3's
-all-gather CP, Grattafiori et al. 2024), and `attention`, the public `meshpar.attention`.
+all-gather CP, Grattafiori et al. 2024): the attention across the shards (`across`) that the public
+`meshpar.attention` (`meshpar.parallel.attention`) runs when sequences are split.
 
 Shapes: B batch, T queries, S keys, N query heads, K key/value heads, H head width; cp devices on
 `context`; C = T / (2 cp) tokens per chunk.
@@ -54,7 +55,6 @@ from meshpar.core.rules import spec_axes
 from meshpar.core.sequence import AXIS, balanced, context_size, is_balanced, manual, order  # noqa: F401 (this module's API)
 from meshpar.nn import attention as attn_lib
 from meshpar.nn import flash as flash_lib
-from meshpar.nn import splash as splash_lib
 
 
 def balance(*rows):
@@ -84,76 +84,13 @@ def _indices(t: int, cp: int, balanced_order: bool) -> np.ndarray:
     return idx.reshape(cp, t // cp)
 
 
-def attention(
-    q,
-    k,
-    v,
-    *,
-    causal: bool = True,
-    segment_ids=None,
-    kv_segment_ids=None,
-    window: int | None = None,
-    softcap: float | None = None,
-    implementation: str = "auto",
-    block: int = attn_lib.DEFAULT_BLOCK,
-    context_strategy: str = "all_gather",
-):
-    """softmax(mask(q k^T / sqrt(H))) v: q [B, T, N, H], k/v [B, S, K, H] -> [B, T, N, H], the layout
-    of `jax.nn.dot_product_attention`. segment_ids [B, T] (kv_segment_ids [B, S], default the same):
-    a query sees only keys of its own segment; window W: query i sees keys i-W+1..i (not causal:
-    |i - j| < W); softcap c:
-    scores c tanh(s / c) before masking; implementation: xla | flash | cudnn | splash | auto
-    (meshpar.nn.attention). Sequences split over `context` attend across the shards by
-    `context_strategy`: all_gather (K/V gathered) or ring (K/V passed round, flash only)."""
-    mask = attn_lib.Mask(causal, window, softcap).check()
-    kv_seg = segment_ids if kv_segment_ids is None else kv_segment_ids
-    attn_lib.check_shapes(q, k, v, mask, segment_ids, kv_seg)
-    cp = context_size()
-    if cp == 1:
-
-        def local(impl):
-            return lambda q, k, v, s, ks: attn_lib.local_attention(
-                q, k, v, mask, q_seg=s, k_seg=ks, implementation=impl, block=block
-            )
-
-        if _kernel_unpartitionable(q, k, mask, segment_ids, kv_seg, implementation):  # chosen here, run per device
-            return _per_device(local("splash"), q, k, v, segment_ids, kv_seg)
-        return local(implementation)(q, k, v, segment_ids, kv_seg)
-    return _across(q, k, v, mask, segment_ids, kv_seg, implementation, block, cp, context_strategy)
-
-
-def _kernel_unpartitionable(q, k, mask, q_seg, k_seg, implementation) -> bool:
-    """True when the kernel serving this call is splash, a Mosaic kernel XLA's partitioner cannot
-    split (it must run inside a shard_map), on a mesh of more than one device."""
-    layout = active_layout()
-    if layout is None or layout.mesh.size == 1:
-        return False
-
-    natural_ok = splash_lib.serves(q, k, q_seg, k_seg, True)
-    return attn_lib.choose(implementation, q, k, mask, q_seg is not None, natural_ok) == "splash"
-
-
-def _per_device(local, q, k, v, q_seg, k_seg):
-    """`local` attention inside a shard_map manual over every mesh axis (a Mosaic kernel allows no
-    auto axis), q split over the batch and heads' axes (`_specs`, sequence whole), replicated over the
-    rest: each device attends its own rows and heads, as the kernel requires."""
-    qs, ks, ss, _ = _specs(q, k, seq=None)
-    mesh = _mesh()
-    axes = frozenset(mesh.axis_names) - frozenset(getattr(mesh, "manual_axes", ()))
-    segs = None if q_seg is None else ss
-    # check_vma off: jax's splash kernel declares its outputs without the varying-axes type
-    return jax.shard_map(
-        local, mesh=mesh, in_specs=(qs, ks, ks, segs, segs), out_specs=qs, axis_names=axes, check_vma=False
-    )(q, k, v, q_seg, k_seg)
-
-
-def _mesh():
+def shard_mesh():
     """The mesh a shard_map here runs on: the active (abstract) mesh, else the layout's."""
     mesh = jax.sharding.get_abstract_mesh()
     return mesh if mesh.axis_names else active_layout().mesh
 
 
-def _specs(q, k, seq=AXIS):
+def specs(q, k, seq=AXIS):
     """shard_map specs of q [B, T, N, H], k/v [B, S, K, H] and segment ids [B, T], and the manual
     axes: the batch axes, `seq` (`context`), and the heads' axes when query and key/value heads split
     alike (a query head's key/value head then sits on its device). Attention is then local but for the
@@ -283,7 +220,7 @@ STRATEGIES = {"all_gather": _all_gather, "ring": _ring}
 assert tuple(STRATEGIES) == CONTEXT_STRATEGIES, "one strategy per option of model.context_strategy"
 
 
-def _across(q, k, v, mask, q_seg, k_seg, implementation, block, cp, strategy):
+def across(q, k, v, mask, q_seg, k_seg, implementation, block, cp, strategy):
     """Context-parallel attention as one custom VJP over two `shard_map`s (manual over `context` and
     the batch axes): the strategy's forward (K/V gathered or passed round a ring), its backward
     (flash: from the saved o and lse), so no autodiff of a shard_map hands residuals across its
@@ -347,9 +284,9 @@ def _across(q, k, v, mask, q_seg, k_seg, implementation, block, cp, strategy):
 def _mapped(q, k, q_seg, fwd_local, bwd_local, const_specs):
     """The strategy's per-device forward and backward as `shard_map`s manual over `context`, the batch
     axes and the heads' axes (`_specs`)."""
-    qs, ks, ss, axes = _specs(q, k)
+    qs, ks, ss, axes = specs(q, k)
     segs = None if q_seg is None else ss
-    mesh = _mesh()
+    mesh = shard_mesh()
     smap = lambda f, ins, outs: jax.shard_map(f, mesh=mesh, in_specs=ins, out_specs=outs, axis_names=axes)
     return (
         smap(fwd_local, (qs, ks, ks, segs, segs, *const_specs), (qs, ks)),
