@@ -97,11 +97,11 @@ def _text(v) -> str:
     return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
 
 
-def _given(cfg, key: str, given: list[str], want: dict, top_k):
+def _given(moe, init_from: str, key: str, given: list[str], want: dict, top_k):
     """(the key the user gave for moe.`key`, its value, what the run makes of it), or None if none was
     given: null norm_topk is top_k > 1, null expert_mlp is model.mlp (config.json's intermediate_size);
-    moe.routing, when moe.top_k is not given, says top_k."""
-    moe = cfg.moe
+    moe.routing, when moe.top_k is not given, says top_k (`moe`, `init_from`: the run's `cfg.moe` and
+    `model.init_from`)."""
     if key == "top_k" and "moe.top_k" not in given and "moe.routing" in given:
         try:
             return "moe.routing", moe.routing, top_k(moe)
@@ -113,7 +113,7 @@ def _given(cfg, key: str, given: list[str], want: dict, top_k):
     if v is None and key == "norm_topk":
         return f"moe.{key}", v, want["top_k"][0] > 1
     if v is None and key == "expert_mlp":
-        return f"moe.{key}", v, read_config(cfg.model.init_from).get("intermediate_size")
+        return f"moe.{key}", v, read_config(init_from).get("intermediate_size")
     return f"moe.{key}", v, v
 
 
@@ -133,7 +133,7 @@ def resolve(cfg, given: list[str], top_k) -> None:
             f"model.name={m.name} disagrees with {where} (a mixture of experts: moe); drop it: model.init_from sets it"
         )
     for key, (value, source) in want.items():
-        found = _given(cfg, key, given, want, top_k)
+        found = _given(cfg.moe, cfg.model.init_from, key, given, want, top_k)
         if found is not None and found[2] != value:
             raise ConfigError(
                 f"{found[0]}={_text(found[1])} disagrees with {where} ({source}: {_text(value)}); "

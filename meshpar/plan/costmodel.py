@@ -85,6 +85,7 @@ from meshpar.core.sharding import model_spec, path_name
 from meshpar.nn.attention import AUTO_FLASH_FROM, cudnn_serves
 from meshpar.nn.splash import LANE
 from meshpar.plan.workload import Workload
+from meshpar.train.data import packs_documents
 from meshpar.train.flops import active_params, flops_per_token
 
 REMATS = ("none", "save_dots", "full")
@@ -148,7 +149,16 @@ class ModelFacts:
             else tuple(lf.path for lf in leaves if not lf.stacked and lf.names == ("vocab", "embed"))
         )
         per_token = flops_per_token(m, active_params(spec, top_k(cfg.moe)), cfg.batch.length)
-        return cls(leaves, n, per_token, dims, moe, lookups, Workload.from_config(cfg))
+        run = Workload(
+            cfg.batch.global_size,
+            cfg.batch.length,
+            cfg.train.loss_chunks,
+            cfg.model.attention,
+            cfg.model.softcap,
+            packs_documents(cfg.data),
+            cfg.precision,
+        )
+        return cls(leaves, n, per_token, dims, moe, lookups, run)
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshpar.train.data import packs_documents
-
 
 @dataclass(frozen=True)
 class Workload:
@@ -21,15 +19,3 @@ class Workload:
     softcap: float | None = None
     documents: bool = False  # packed documents: segment ids and positions travel beside the tokens
     precision: str = "bf16"
-
-    @classmethod
-    def from_config(cls, cfg) -> Workload:
-        return cls(
-            cfg.batch.global_size,
-            cfg.batch.length,
-            cfg.train.loss_chunks,
-            cfg.model.attention,
-            cfg.model.softcap,
-            packs_documents(cfg.data),
-            cfg.precision,
-        )

@@ -62,11 +62,11 @@ def make_data_source(cfg, trainer: Trainer):
     return make_source(cfg.data, cfg.batch, cfg.eval, vocab)
 
 
-def make_evaluator(cfg, trainer: Trainer, source):
-    """The held-out evaluation of a run training on `source` (`meshpar.train.evaluate`)."""
-
-    held_out = make_eval_source(cfg.data, cfg.batch, cfg.eval, _vocab(cfg.model, trainer), source)
-    return Evaluator(trainer, held_out, cfg.eval, cfg.batch, cfg.data.seed)
+def make_evaluator(data, batch, evaluation, model, trainer: Trainer, source):
+    """The held-out evaluation of a run training on `source` (`meshpar.train.evaluate`); `data`,
+    `batch`, `evaluation`, `model`: the run's `cfg.data`, `cfg.batch`, `cfg.eval`, `cfg.model`."""
+    held_out = make_eval_source(data, batch, evaluation, _vocab(model, trainer), source)
+    return Evaluator(trainer, held_out, evaluation, batch, data.seed)
 
 
 def _vocab(model, trainer: Trainer) -> int | None:
@@ -112,7 +112,7 @@ def run(cfg, metrics_out: str | None = None, console=None, trainer: Trainer | No
         state = _first_state(trainer, found, cfg.precision)
         if PREFETCH:
             data = Prefetch(data, PREFETCH)
-        evaluate = make_evaluator(cfg, trainer, source) if cfg.eval.every else None
+        evaluate = make_evaluator(cfg.data, cfg.batch, cfg.eval, cfg.model, trainer, source) if cfg.eval.every else None
         profiler = ProfileWindow(cfg.profile, info=log.info)
         step_flops, _ = trainer.model_flops()  # model FLOPs of one step (meshpar.train.flops)
         log.info(f"compiled train step in {compile_s:.1f}s; MFU against {peak / 1e12:.3g} TFLOP/s/device ({peak_src})")

@@ -101,7 +101,14 @@ def test_two_all_to_alls_per_moe_layer_forward_on_fsdp_x_expert():
     )
     tr = Trainer(cfg, devices=devices(8))
     state = tr.abstract_state()
-    ev = make_evaluator(cfg, tr, make_source(cfg.data, cfg.batch, cfg.eval, tr.spec.model_config.vocab))
+    ev = make_evaluator(
+        cfg.data,
+        cfg.batch,
+        cfg.eval,
+        cfg.model,
+        tr,
+        make_source(cfg.data, cfg.batch, cfg.eval, tr.spec.model_config.vocab),
+    )
     hlo = ev._step.lower(state["params"], state["vars"], tr.abstract_batch()).compile().as_text()
     a2a = [o for o in collectives(hlo, tr.describe()["mesh"]) if o["kind"] == "all-to-all" and "expert" in o["axes"]]
     assert sum(o["times"] for o in a2a) == 2 * cfg.model.layers and all(o["axes"] == ["expert"] for o in a2a)

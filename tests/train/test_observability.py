@@ -218,7 +218,14 @@ def test_eval_stream_is_disjoint_from_training(observed, tmp_path):
     from meshpar.train.loop import make_evaluator
 
     cfg, tr = observed["cfg"], observed["trainer"]
-    ev = make_evaluator(cfg, tr, make_source(cfg.data, cfg.batch, cfg.eval, tr.spec.model_config.vocab))
+    ev = make_evaluator(
+        cfg.data,
+        cfg.batch,
+        cfg.eval,
+        cfg.model,
+        tr,
+        make_source(cfg.data, cfg.batch, cfg.eval, tr.spec.model_config.vocab),
+    )
     held = np.concatenate([np.asarray(b) for b in ev._held_out()])
     vocab, b, t = tr.spec.model_config.vocab, cfg.batch.global_size, cfg.batch.length
     data = Batches(make_source(cfg.data, cfg.batch, cfg.eval, vocab), tr.batch_sharding, b, t, cfg.data.seed)

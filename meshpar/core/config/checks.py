@@ -21,6 +21,8 @@ from meshpar.core.config.schema import (
     TOP_K,
     Config,
     MeshConfig,
+    ModelConfig,
+    MoEConfig,
     top_k,
 )
 from meshpar.core.errors import ConfigError, suggest
@@ -31,9 +33,8 @@ def _axis_total(mesh: MeshConfig, axis: str) -> int:
     return getattr(mesh, axis) * int((mesh.dcn or {}).get(axis, 1))
 
 
-def _check_moe(cfg: Config) -> None:
+def _check_moe(m: MoEConfig, model_name: str, mesh: MeshConfig) -> None:
     """MoE checks that need no devices; one line each, naming the key and a fix."""
-    m = cfg.moe
     _choice("moe.routing", m.routing, TOP_K)
     k = top_k(m)
     if k < 1 or k > m.num_experts:
@@ -49,7 +50,7 @@ def _check_moe(cfg: Config) -> None:
             "config keys 'moe.shared_experts' must be >= 0, 'moe.expert_mlp' >= 1 or null, "
             f"'moe.bias_rate' > 0 (got {m.shared_experts}, {m.expert_mlp}, {m.bias_rate})"
         )
-    if m.balance == "bias" and cfg.model.name == "moe" and _axis_total(cfg.mesh, "pipeline") > 1:
+    if m.balance == "bias" and model_name == "moe" and _axis_total(mesh, "pipeline") > 1:
         raise ConfigError(
             "moe.balance=bias with mesh.pipeline > 1: the per-expert bias is state of the stacked "
             "layers, updated after each forward, which pipeline stages do not carry yet; use "
@@ -61,8 +62,8 @@ def _check_moe(cfg: Config) -> None:
         )
     if m.aux_loss_weight < 0 or m.z_loss_weight < 0:
         raise ConfigError("config keys 'moe.aux_loss_weight' and 'moe.z_loss_weight' must be >= 0")
-    ep = _axis_total(cfg.mesh, "expert")
-    if cfg.model.name == "moe" and ep > 1 and m.num_experts % ep:
+    ep = _axis_total(mesh, "expert")
+    if model_name == "moe" and ep > 1 and m.num_experts % ep:
         raise ConfigError(
             f"moe.num_experts={m.num_experts} is not divisible by the `expert` mesh axis "
             f"(mesh.expert={ep}); use a multiple of {ep} experts or resize mesh.expert"
@@ -92,9 +93,9 @@ def check_context_attention(strategy: str, attention: str) -> None:
         )
 
 
-def _check_attention(cfg: Config) -> None:
-    """Attention and context-parallel checks that need no devices; one line each."""
-    m = cfg.model
+def _check_attention(m: ModelConfig, mesh: MeshConfig, length: int, devices: int) -> None:
+    """Attention and context-parallel checks that need no devices; one line each (m, mesh: the run's
+    `cfg.model` and `cfg.mesh`)."""
     _choice("model.attention", m.attention, ATTENTION)
     _choice("model.context_strategy", m.context_strategy, CONTEXT_STRATEGIES)
     if m.window is not None and m.window < 1:
@@ -106,12 +107,12 @@ def _check_attention(cfg: Config) -> None:
         raise ConfigError(
             f"config key 'model.softcap' must be > 0 (scores become c*tanh(s/c)) or null, got {m.softcap}"
         )
-    cp = _axis_total(cfg.mesh, "context")
-    sizes = [_axis_total(cfg.mesh, f.name) for f in dataclasses.fields(MeshConfig) if f.name != "dcn"]
+    cp = _axis_total(mesh, "context")
+    sizes = [_axis_total(mesh, f.name) for f in dataclasses.fields(MeshConfig) if f.name != "dcn"]
     # a mesh that cannot be the devices' (mesh.context=3 on 8) is the fault to name first: the mesh says so when built
-    if cp > 1 and (-1 in sizes or math.prod(sizes) == cfg.devices):
-        check_length(cfg.batch.length, cp)
-    pp = _axis_total(cfg.mesh, "pipeline")
+    if cp > 1 and (-1 in sizes or math.prod(sizes) == devices):
+        check_length(length, cp)
+    pp = _axis_total(mesh, "pipeline")
     if cp > 1 and pp > 1 and m.name == "moe":
         raise ConfigError(
             f"mesh.context={cp} with mesh.pipeline={pp} and model.name=moe: a pipeline stage routes only "
@@ -134,7 +135,7 @@ def validate(cfg: Config) -> None:
     _choice("strategy", cfg.strategy, rules.PRESETS)
     _choice("precision", cfg.precision, precision.POLICIES)
     _choice("model.remat", cfg.model.remat, REMAT)
-    _check_attention(cfg)
+    _check_attention(cfg.model, cfg.mesh, cfg.batch.length, cfg.devices)
     if ":" not in cfg.data.kind:
         _choice("data.kind", cfg.data.kind, DATA_KINDS)
     _choice("data.dtype", cfg.data.dtype, DATA_DTYPES)
@@ -195,7 +196,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             f"config key 'moe.capacity_factor' must be > 0 or null (dropless), got {cfg.moe.capacity_factor}"
         )
-    _check_moe(cfg)
+    _check_moe(cfg.moe, cfg.model.name, cfg.mesh)
     if cfg.model.init_from is not None and not cfg.model.init_from.startswith("hf:"):
         raise ConfigError(
             f"config key 'model.init_from' must look like hf:DIR (a Hugging Face model directory), "
