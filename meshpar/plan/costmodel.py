@@ -114,11 +114,11 @@ class ModelFacts:
     params: int
     flops_per_token: float
     dims: dict  # layers, embed, heads, kv_heads, head_dim, mlp, vocab (None if unknown)
+    run: Workload  # what the cost functions read of the run: batch, loss slices, attention, precision
     moe: dict = field(
         default_factory=dict
     )  # num_experts, every, top_k, capacity_factor (None: dropless), expert_mlp, shared_experts
     lookups: tuple = ()  # paths of tables read by a lookup only ([vocab, embed], embeddings not tied)
-    run: Workload = field(default_factory=lambda: Workload(1, 1))
 
     @classmethod
     def from_config(cls, cfg) -> ModelFacts:
@@ -158,7 +158,7 @@ class ModelFacts:
             packs_documents(cfg.data),
             cfg.precision,
         )
-        return cls(leaves, n, per_token, dims, moe, lookups, run)
+        return cls(leaves, n, per_token, dims, run, moe, lookups)
 
 
 @dataclass(frozen=True)
