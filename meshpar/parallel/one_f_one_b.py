@@ -84,6 +84,7 @@ class _StageOps:
     layers: Any  # this stage's [Lc, ...]
     mbs: Any  # the batch pytree [M, b, ...]
     seed: Any  # the loss's cotangent
+    seed_m: Any  # each microbatch's aux-loss cotangent: seed / M (the loss is a mean)
     inv_m: float
     zero_x: Any
     residuals: Any = None  # `Residuals`, set once its structure is traced
@@ -115,7 +116,7 @@ class _StageOps:
         """A stage before the last: the backward of the microbatch whose residuals are `ins.res`."""
         n_res = len(self.residuals.shapes)
         d_lp, dx = carried(
-            self.residuals.join(ins.res[:n_res], self.layers)((pulled(ins.dy), self.seed * self.inv_m)),
+            self.residuals.join(ins.res[:n_res], self.layers)((pulled(ins.dy), self.seed_m)),
             (self.layers, self.zero_x),
         )
         # stage 0's dx is the embedding's cotangent: its backward runs after the switch (see the tick)
@@ -186,7 +187,7 @@ def grads(model: StageModel, p: int, m: int, outer, layers, vars, mbs, seed):
     bwd_perm = [(i + 1, i) for i in range(p - 1)]
     var_leaves, var_tree = jax.tree.flatten(vars)
 
-    ops = _StageOps(model, outer, outer_e, layers, mbs, seed, inv_m, zero_x)
+    ops = _StageOps(model, outer, outer_e, layers, mbs, seed, seed_m, inv_m, zero_x)
     # the microbatch's rows are residuals too; typed as in the loop (picked by a stage-dependent index),
     # and so are the dropout keys' microbatch and first layer (meshpar.nn.dropout)
     with dropout.at(f_micro[0, s], s, layers):
