@@ -36,15 +36,11 @@ def with_saved_settings(cfg, args):
 def export(cfg, args) -> None:
     """`meshpar export`: checkpoint.dir's newest parameters (else model.init_from's), one array at a
     time, as a Hugging Face directory (meshpar/io/hf.py)."""
-    from flax import nnx
-
-    from meshpar.core.sharding import building
     from meshpar.io import hf
     from meshpar.train.step import trainer_for
 
     trainer = trainer_for(cfg)
-    with building(trainer.policy):
-        abstract = nnx.eval_shape(lambda: trainer.factory(nnx.Rngs(0)))
+    abstract = trainer.placed.abstract
     hf.hf_sources(abstract, export=True)  # what the model lacks, before any weights are read
     source, params = None, None
     if cfg.checkpoint.dir:

@@ -77,6 +77,7 @@ class ModelSpec:
     unannotated: list = field(default_factory=list)  # paths of variables with no logical names
 
     var_key_impls: list = field(default_factory=list)  # per var leaf: the PRNG impl of a key, else None
+    abstract: Any = None  # the model as traced (`nnx.eval_shape`): its methods and config, no arrays
 
     def merge(self, params: dict, vars: dict | None = None) -> nnx.Module:
         """Pure dicts -> NNX module (inside jit: no copies). `vars` defaults to none (a model without
@@ -160,6 +161,7 @@ def model_spec(factory: Callable[[nnx.Rngs], nnx.Module], policy=None, require_a
         var_logical,
         unannotated,
         impls,
+        abstract,
     )
 
 

@@ -32,7 +32,6 @@ class PlacedModel:
     ):
         self.mesh, self.policy, self.factory, self.init_from = mesh, policy, factory, init_from
         self.spec = model_spec(factory, policy, require_annotations)
-        self._abstract = None
 
     @classmethod
     def from_config(cls, cfg, model: Callable | None = None, devices=None, strict: bool | None = None) -> PlacedModel:
@@ -50,11 +49,9 @@ class PlacedModel:
 
     @property
     def abstract(self):
-        """The model traced without memory (`nnx.eval_shape`): its methods and config, no arrays."""
-        if self._abstract is None:
-            with building(self.policy):
-                self._abstract = nnx.eval_shape(lambda: self.factory(nnx.Rngs(0)))
-        return self._abstract
+        """The model traced without memory (`nnx.eval_shape`): its methods and config, no arrays (the
+        trace `model_spec` made)."""
+        return self.spec.abstract
 
     def init(self, key) -> dict:
         """The model born from `key`: {"params": nnx.Param state, "vars": the rest}, pure dicts."""
