@@ -29,8 +29,8 @@ from meshpar.core.config import load_config
 from meshpar.core.errors import MeshparError
 from meshpar.core.precision import get_policy
 from meshpar.plan import inspect
+from meshpar.plan.collectives import summarize
 from meshpar.plan.search import estimate
-from meshpar.plan.steptime import summarize
 from meshpar.train.step import trainer_for
 
 COMPILE_OPTIONS = {"xla_backend_optimization_level": 0}

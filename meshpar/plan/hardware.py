@@ -23,6 +23,9 @@ The time model's other figures (`meshpar.plan.roofline`, `meshpar.plan.steptime`
   * `latency`: the alpha of the alpha-beta model, per collective, per ICI hop, per DCN hop; for
     GPUs NCCL's tuning constants for its Simple-protocol ring (src/graph/tuning.cc: 8.4, 3.4 and
     9.6 us).
+  * `dcn_rings`: "node" (every preset), a collective's rings spread over all of a domain's NICs, as
+    NCCL's channels are; "device", one flat ring whose slowest link is each device's own NIC (what
+    DeepSpeed's ZeRO-3 measured in Narayanan et al. 2021, Table 2: `meshpar.plan.papers`).
 
 Every figure cites its source; `--hardware my.yaml` takes the same keys for anything else.
 """
@@ -53,6 +56,10 @@ class Hardware:
     hbm_bw: float = 0.0  # bytes/s of device memory (what bounds the kernels that are not matmuls)
     comm_efficiency: float = 0.8  # fraction of a link's bandwidth a large collective reaches
     latency: tuple = (8.4e-6, 3.4e-6, 9.6e-6)  # seconds: per collective, per ICI hop, per DCN hop
+    # how a collective across domains uses the NICs: "node", its rings spread over every NIC of the
+    # domain (NCCL's channel per NIC: V / n_i per device on DCN); "device", one flat ring whose
+    # slowest link is each device's own NIC, which carries the whole volume
+    dcn_rings: str = "node"
     # what a deviceless compile needs to describe the device (meshpar.plan.target): for a GPU its
     # sm_count, compute_capability "9.0", clock_ghz, memory_bandwidth (B/s), l2_bytes,
     # shared_memory_per_sm, device_kind; for a TPU its chip, libtpu's name ("v5p"), and dims (2 or 3)
@@ -206,7 +213,8 @@ _KEYS = {f.name for f in dataclasses.fields(Hardware)}
 def load_hardware(name_or_path: str) -> Hardware:
     """A preset name, or a YAML file with the keys of `Hardware` (name, peak_flops, memory_bytes,
     domain, ici_bw, dcn_bw; optional efficiency, kind, source, hbm_bw (without it the non-matmul
-    kernels cost nothing), comm_efficiency, latency as [per collective, per ICI hop, per DCN hop])."""
+    kernels cost nothing), comm_efficiency, latency as [per collective, per ICI hop, per DCN hop],
+    dcn_rings as node or device)."""
     if name_or_path in PRESETS:
         return PRESETS[name_or_path]
     path = Path(name_or_path)
@@ -241,7 +249,7 @@ def load_hardware(name_or_path: str) -> Hardware:
             **{
                 k: (
                     v
-                    if k in ("name", "kind", "source", "target")
+                    if k in ("name", "kind", "source", "target", "dcn_rings")
                     else int(v)
                     if k == "domain"
                     else tuple(float(x) for x in v)
@@ -255,4 +263,6 @@ def load_hardware(name_or_path: str) -> Hardware:
         raise ConfigError(f"hardware file '{path}': {e}") from None
     if hw.kind not in ("gpu", "tpu"):
         raise ConfigError(f"hardware file '{path}': kind must be gpu or tpu, got '{hw.kind}'")
+    if hw.dcn_rings not in ("node", "device"):
+        raise ConfigError(f"hardware file '{path}': dcn_rings must be node or device, got '{hw.dcn_rings}'")
     return hw

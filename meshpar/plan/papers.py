@@ -17,10 +17,21 @@ one batch: Megatron accumulates microbatches but reduces the gradients once, whi
 it holds whole. Costed by `meshpar.plan.search.estimate` on the `a100-80g` preset. The step time it predicts is
 turned into the paper's own measure (eq. 3 over the predicted step), so a row compares seconds per step, whatever
 each side counts as a FLOP.
+
+Table 2's ZeRO-3 rows ran on DeepSpeed, not on an XLA program, and are costed as DeepSpeed ran them
+(`DEEPSPEED`): fp16 weights and gradients on the wire (ZeRO's own accounting, 2 + 2 + 12 bytes per
+parameter: Rajbhandari et al. 2020, sec. 3); each weight gathered when its submodule runs (ZeRO-3
+prefetches a bucket of 5e7 parameters ahead, 3% of one 175B layer), so the gathers wait on the
+critical path, while the gradients' reduce-scatters overlap the backward (its `overlap_comm`); and
+one flat ring per process group, so each GPU's whole volume crosses its own 25 GB/s NIC. That last
+is read off the table itself: the step stays at 66.7 s from 768 to 1536 GPUs, a fixed per-GPU volume
+(3 x 349 GB) at about one NIC's rate, where rings spread over a node's 8 NICs (as NCCL's channels
+are, and as meshpar's planner assumes for XLA's collectives) would move it 8x faster.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from meshpar.core.config import load_config
@@ -49,6 +60,7 @@ class Run:
     strategy: str = "tp"  # tp: PTD-P (tensor x pipeline x data); fsdp: ZeRO-3 over every GPU
     micro: int = 1  # sequences per microbatch
     source: str = ""
+    runtime: str = "meshpar"  # meshpar: costed as meshpar's program of the layout; deepspeed: `DEEPSPEED`
 
     @property
     def data(self) -> int:
@@ -65,8 +77,12 @@ class Run:
     def measured_step_s(self) -> float:
         return self.paper_flops() / (self.gpus * self.tflops * 1e12)
 
-    def overrides(self, schedule: str = "1f1b", virtual: int = 1, microbatches: int | None = None) -> list[str]:
-        """KEY=VALUE overrides that make this run a meshpar config (`devices` set by the caller)."""
+    def overrides(
+        self, schedule: str = "1f1b", virtual: int = 1, microbatches: int | None = None, selective: bool = False
+    ) -> list[str]:
+        """KEY=VALUE overrides that make this run a meshpar config (`devices` set by the caller).
+        `selective`: the same layout with Korthikanti et al. 2022's sequence parallelism and selective
+        recompute (`tp_sp`, `save_dots`) in place of full recompute."""
 
         mlp = 128 * round(8 * self.hidden / 3 / 128)
         sizes = {"pipeline": self.pipeline, "data": 1, "fsdp": 1, "context": 1, "expert": 1, "tensor": self.tensor}
@@ -82,11 +98,11 @@ class Run:
             f"model.mlp={mlp}",
             f"model.vocab={VOCAB}",
             "model.tie_embeddings=true",
-            "model.remat=full",
+            f"model.remat={'save_dots' if selective else 'full'}",
             "model.attention=xla",
             f"batch.length={LENGTH}",
             f"batch.global_size={self.batch}",
-            f"strategy={self.strategy}",
+            f"strategy={'tp_sp' if selective and self.strategy == 'tp' else self.strategy}",
             *(f"mesh.{a}={sizes[a] // dcn[a]}" for a in MESH_AXES),
             "mesh.dcn={" + ", ".join(f"{a}: {v}" for a, v in dcn.items() if v > 1) + "}",
         ]
@@ -116,7 +132,7 @@ TABLE1 = [
 _T2 = "Table 2"
 TABLE2 = [
     *(
-        Run(f"175B ZeRO-3 x{n}", 96, 12288, 96, 1, 1, n, 1536, f, strategy="fsdp", micro=1536 // n, source=_T2)
+        Run(f"175B ZeRO-3 x{n}", 96, 12288, 96, 1, 1, n, 1536, f, "fsdp", 1536 // n, _T2, "deepspeed")
         for n, f in ((384, 144), (768, 88), (1536, 44))
     ),
     *(
@@ -126,6 +142,11 @@ TABLE2 = [
 ]
 
 
+# DeepSpeed's ZeRO-3 of 2021 (the module's docstring): bytes per parameter on the wire and at rest,
+# how its rings cross the nodes, and the collectives it waits for (the gathers, made on demand)
+DEEPSPEED = {"bytes_per_param": (2, 2, 12), "dcn_rings": "device", "waits_for": ("all-gather",)}
+
+
 def cost(run: Run, hardware=None, **kw) -> dict:
     """The planner's step for `run` as it ran: predicted seconds, the paper's measure of them, and
     the planner's own parts (compute, exposed collectives, bubble) and memory."""
@@ -133,7 +154,11 @@ def cost(run: Run, hardware=None, **kw) -> dict:
     hw = hardware or load_hardware("a100-80g")
     cfg = load_config(None, run.overrides(**kw))
     cfg.devices = run.gpus
-    ev = estimate(cfg, hw)
+    bpp, waits_for = None, ()  # meshpar: what its precision policy stores, its program's overlap
+    if run.runtime == "deepspeed":
+        hw = dataclasses.replace(hw, dcn_rings=DEEPSPEED["dcn_rings"])
+        bpp, waits_for = DEEPSPEED["bytes_per_param"], DEEPSPEED["waits_for"]
+    ev = estimate(cfg, hw, bytes_per_param=bpp, waits_for=waits_for)
     if ev is None:
         raise ValueError(f"{run.name}: a tensor does not divide its mesh axes")
     t = ev["time"]

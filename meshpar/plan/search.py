@@ -32,9 +32,10 @@ from meshpar.core.mesh import MESH_AXES, resolve_axis_sizes
 from meshpar.core.precision import get_policy
 from meshpar.core.rules import PRESETS
 from meshpar.plan.candidates import ORDER, candidates, overrides
+from meshpar.plan.collectives import summarize
 from meshpar.plan.costmodel import Candidate, ModelFacts, Resolver
 from meshpar.plan.hardware import PRESETS as HW
-from meshpar.plan.steptime import evaluate, lower_bound, summarize
+from meshpar.plan.steptime import evaluate, lower_bound
 
 GiB = 2**30
 
@@ -73,8 +74,7 @@ def _why(row: dict, best: dict | None, hw) -> str:
         "compute": a["compute_s"] - w["compute_s"],
         "exposed comm": a["exposed_comm_s"] - w["exposed_comm_s"],
         "bubble": a["bubble_s"] - w["bubble_s"],
-        "comm not hidden": max(a["comm_s"] - a["exposed_comm_s"] - a["compute_s"], 0)
-        - max(w["comm_s"] - w["exposed_comm_s"] - w["compute_s"], 0),
+        "comm not hidden": a["unhidden_s"] - w["unhidden_s"],
     }
     key = max(diffs, key=diffs.get)
     slower = a["step_s"] / w["step_s"] - 1
@@ -311,10 +311,12 @@ def render(result: dict, console, top: int = 10) -> None:
     console.print(t)
 
 
-def estimate(cfg, hardware=None, compiler: str | None = None) -> dict:
+def estimate(cfg, hardware=None, compiler: str | None = None, bytes_per_param=None, waits_for: tuple = ()) -> dict:
     """The planner's prediction for the plan `cfg` already names (for `train` / `inspect`); `compiler`
     "cpu" predicts what XLA:CPU compiles for fake devices (`plan --verify` without a target), default
-    the hardware's own (`meshpar.plan.costmodel`: which buffers each compiler holds)."""
+    the hardware's own (`meshpar.plan.costmodel`: which buffers each compiler holds);
+    `bytes_per_param` (W, G, O) as `plan`'s, default what the precision policy stores; `waits_for`
+    as `steptime.evaluate`'s."""
     import numpy as np
 
     dcn_cfg = {a: v for a, v in (cfg.mesh.dcn or {}).items()}
@@ -331,16 +333,14 @@ def estimate(cfg, hardware=None, compiler: str | None = None) -> dict:
         cfg.pipeline.schedule,
         cfg.pipeline.virtual_stages,
     )
-
-    hw = hardware or HW["h100"]
     c = np.dtype(get_policy(cfg.precision).compute_dtype).itemsize
-    ev = evaluate(
+    return evaluate(
         ModelFacts.from_config(cfg),
         cand,
-        hw,
+        hardware or HW["h100"],
         Resolver(cfg.rules),
-        parse_bytes_per_param(None, cfg.precision),
+        bytes_per_param or parse_bytes_per_param(None, cfg.precision),
         c,
         compiler,
+        waits_for,
     )
-    return ev

@@ -77,8 +77,9 @@ def test_ranking_follows_the_costs_without_special_cases():
     # 7B on one node. With the [s, s] attention scores stored (xla), ZeRO-2 over data=8 without remat
     # would not fit: H100's own compile of it peaks at 89.9 GiB (fp32 scores beside their bf16 cast;
     # bench/RESULTS.md), so the plan shards the state over 8 and recomputes or accumulates to fit with
-    # the planner's margin; with flash (auto at 2k tokens) ZeRO-2 fits as it is, and FSDP comes within
-    # a few percent (its gathers hide; its weights are cast again where the backward regathers them).
+    # the planner's margin. With flash (auto at 2k tokens) ZeRO-2 fits as it is, within a few percent
+    # of FSDP over 8, which wins: ZeRO's gather of the updated weights waits for the whole backward,
+    # with no compute left to hide it, where FSDP's gathers hide behind each pass.
     seven = plan(
         load_config(None, ["model.size=7b", "batch.global_size=64", "batch.length=2048", "model.attention=xla"]),
         8,
@@ -96,9 +97,10 @@ def test_ranking_follows_the_costs_without_special_cases():
     assert zero2 and all(c["memory"]["total"] * 1.15 > h100.memory_bytes for c in zero2)
     flash = plan(load_config(None, ["model.size=7b", "batch.global_size=64", "batch.length=2048"]), 8, h100)
     w2 = _winner(flash)
-    assert w2["strategy"] == "zero2" and w2["mesh"]["data"] == 8 and w2["memory"]["total"] * 1.15 < h100.memory_bytes
-    fsdp8 = next(c for c in flash["candidates"] if c["strategy"] == "fsdp" and c["mesh"]["fsdp"] == 8)
-    assert w2["time"]["step_s"] <= fsdp8["time"]["step_s"] <= w2["time"]["step_s"] * 1.05
+    assert w2["strategy"] == "fsdp" and w2["mesh"]["fsdp"] == 8 and w2["memory"]["total"] * 1.15 < h100.memory_bytes
+    zero2 = next(c for c in flash["candidates"] if c["strategy"] == "zero2" and c["mesh"]["data"] == 8)
+    assert zero2["fits"] and w2["time"]["step_s"] <= zero2["time"]["step_s"] <= w2["time"]["step_s"] * 1.05
+    assert zero2["time"]["exposed_comm_s"] > 10 * w2["time"]["exposed_comm_s"]  # the updated weights' gather
 
     # 175B on 16 nodes of 8 H100s: the field's 3D recipe (Narayanan et al. 2021). 1F1B stashes each
     # microbatch's residuals (Megatron's selective recompute is save_dots), so a pipelined plan pays
@@ -115,7 +117,7 @@ def test_ranking_follows_the_costs_without_special_cases():
     assert w["dcn"].get("data", 1) == w["mesh"]["data"]
     fsdp = next(c for c in fits if c["mesh"]["pipeline"] == 1)
     assert fsdp["strategy"] in ("fsdp", "fsdp_tp", "fsdp_tp_sp", "hsdp") and fsdp["remat"] == "full"
-    assert fsdp["time"]["exposed_comm_s"] < 0.05 * fsdp["time"]["step_s"]  # its gathers overlap
+    assert fsdp["time"]["unhidden_s"] < 0.05 * fsdp["time"]["step_s"]  # its gathers hide behind each pass
     assert fsdp["time"]["compute_s"] > 1.3 * w["time"]["compute_s"]  # the extra forward of full remat
     assert fsdp["time"]["step_s"] > w["time"]["step_s"]
     assert all("tensor" not in c["dcn"] for c in fits[:6])  # TP across nodes costs:
@@ -311,21 +313,27 @@ def test_predictions_match_the_compiled_step(name):
 
 
 def test_ties_go_to_memory_headroom():
-    """1B on 64 H100s, batch 256 x 2048 (issue 20): zero1 and zero2 tie on time and bytes; the plan
-    with the most headroom wins. dp (71.8 GiB predicted, did not fit once compiled) ties no more: its
-    replicated update is slower, and it is not the plan."""
+    """1B on 64 H100s, batch 256 x 2048 (issue 20): on one mesh, zero1 and zero2 tie on time and
+    bytes, and the one with the most headroom ranks first. The winner shards its weights (FSDP-style):
+    ZeRO's gather of the updated weights waits for the whole backward, and dp (71.8 GiB predicted
+    once, did not fit compiled) ties with nothing: its replicated update is slower."""
     result = plan(
         load_config(None, ["model.size=1b", "batch.global_size=256", "batch.length=2048"]),
         64,
         load_hardware("h100"),
         top=40,
     )
-    w, rest = result["candidates"][0], result["candidates"][1:]
-    assert w["strategy"] == "zero1" and w["memory"]["total"] < 30 * 2**30
-    zero2 = next(c for c in rest if c["strategy"] == "zero2" and c["mesh"] == w["mesh"])
-    assert zero2["time"]["step_s"] <= w["time"]["step_s"] * 1.001 and zero2["why"] == "tie: less memory headroom"
-    dp = [c for c in rest if c["strategy"] == "dp"]
-    assert all(c["time"]["step_s"] > w["time"]["step_s"] * 1.001 for c in dp)
+    ranked = result["candidates"]
+    w = ranked[0]
+    assert w["strategy"] in ("fsdp", "hsdp") and w["memory"]["total"] < 30 * 2**30
+    zero = [c for c in ranked if c["strategy"] in ("zero1", "zero2") and c["microbatches"] == 1]
+    pairs = [(a, b) for a in zero for b in zero if a["strategy"] == "zero1" != b["strategy"] and a["mesh"] == b["mesh"]]
+    assert pairs
+    for z1, z2 in pairs:  # ZeRO-2 holds less: its gradients are scattered
+        assert z1["time"]["step_s"] == pytest.approx(z2["time"]["step_s"], rel=1e-3)
+        first, second = sorted((z1, z2), key=ranked.index)
+        assert first["memory"]["total"] <= second["memory"]["total"]
+    assert all(c["time"]["step_s"] > w["time"]["step_s"] * 1.001 for c in ranked[1:] if c["strategy"] == "dp")
 
 
 def test_verify_writes_the_best_plan_that_fits_once_compiled(tmp_path, capsys, monkeypatch):
