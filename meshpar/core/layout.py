@@ -113,8 +113,11 @@ def at_use(w, logical: Sequence[str | None], what: str = "parameter"):
 
     spec = layout.spec(logical, w.shape, what)
     w = jax.lax.with_sharding_constraint(w, _sharding_for(layout, spec))
-    if layout.gathered & set(spec_axes(spec)):
-        w = jax.lax.with_sharding_constraint(w, _sharding_for(layout, without(spec, layout.gathered)))
+    # an expert weight keeps its experts split: only the axes of its other dimensions are gathered
+    experts = set(spec_axes(tuple(part for part, name in zip(spec, logical) if name == "expert")))
+    gathered = layout.gathered - experts
+    if gathered & set(spec_axes(spec)):
+        w = jax.lax.with_sharding_constraint(w, _sharding_for(layout, without(spec, gathered)))
     return w
 
 

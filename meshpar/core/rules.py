@@ -18,12 +18,16 @@ Presets (rule tables), after Megatron-LM (Shoeybi et al. 2019), ZeRO (Rajbhandar
 | dp      | replicated                  | replicated             | all-reduced        | batch over data/fsdp/expert  |
 | zero1   | replicated                  | embed/mlp/vocab / N    | reduce-scattered   | as dp                        |
 | zero2   | replicated                  | as zero1               | reduce-scattered   | as dp                        |
-| fsdp    | embed over (data, fsdp)     | as params (ZeRO-3)     | reduce-scattered   | as dp                        |
+| fsdp    | embed over the batch axes   | as params (ZeRO-3)     | reduce-scattered   | as dp                        |
 | hsdp    | embed over fsdp only        | as params              | RS in fsdp, AR data| as dp                        |
 | tp      | heads/mlp/vocab over tensor | as params              | as params          | heads/mlp/vocab over tensor  |
 | tp_sp   | as tp                       | as params              | as params          | tp + residual length/tensor  |
 | fsdp_tp | fsdp + tp (2D)              | as params              | as params          | tp                           |
 | fsdp_tp_sp | fsdp + tp (2D)           | as params              | as params          | tp + residual length/tensor  |
+
+FSDP splits `embed` over the batch's axes, data x fsdp x expert: under expert parallelism the weights outside the
+experts are split over `expert` too, their gradients reduce-scattered over it (as MaxText's); an expert weight's
+`expert` dimension takes that axis first, and its `embed` splits over data x fsdp.
 
 Every preset also splits `length` and `seq` over `context` (context parallelism, meshpar.parallel.context)
 when mesh.context > 1; tp_sp and fsdp_tp_sp split the residual stream's length over context x tensor.
@@ -189,7 +193,7 @@ _TP = table(heads="tensor", kv_heads="tensor", mlp="tensor", vocab="tensor", exp
 _ZERO_STATE = table(embed=[STATE_AXES], mlp=[STATE_AXES], vocab=[STATE_AXES], expert_mlp=[STATE_AXES])
 # ZeRO-1/2's fp32 master weights (meshpar's params) at rest over `context`, gathered at use
 _MASTER_OVER_CONTEXT = table(embed="context")
-_FSDP = table(embed=[("data", "fsdp")], expert_mlp=[("data", "fsdp")])
+_FSDP = table(embed=[("data", "fsdp", "expert")], expert_mlp=[("data", "fsdp")])
 _HSDP = table(embed="fsdp", expert_mlp="fsdp")
 
 PRESETS: dict[str, Strategy] = {

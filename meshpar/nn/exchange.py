@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from meshpar.core.platform import platform
+from meshpar.nn.flash import varying_like
 
 IMPLS = ("auto", "ragged", "padded")
 
@@ -44,7 +45,13 @@ def exchange(operand, output, in_off, send, out_off, recv, axes, impl: str = "au
     () for one device (the slices stay local); `slice_rows`: the most rows any one slice holds (static;
     default R), which sizes the padded form's buffers [D, slice_rows, M]."""
     if resolve(impl, axes) == "ragged":
-        return jax.lax.ragged_all_to_all(operand, output, in_off, send, out_off, recv, axis_name=axes)
+        # JAX types the result as `output`: a fresh zeros buffer would type the rows received as the same
+        # on every device of the other manual axes (`fsdp`, say), though they differ, and the backward
+        # would sum their cotangents over those axes (psum_invariant: wrong gradients, and an all-reduce
+        # of the buffer per layer). Typed as varying as the rows sent, it is what it holds.
+        return jax.lax.ragged_all_to_all(
+            operand, varying_like(output, operand), in_off, send, out_off, recv, axis_name=axes
+        )
     got = dense(operand, in_off, send, axes, slice_rows)  # [D (source), S, M]
     at = swap(out_off, axes)
     j = jnp.arange(got.shape[1])

@@ -60,8 +60,8 @@ from meshpar.parallel.stage_model import AXIS, StageModel, split_params
 
 # the axes FSDP splits weights over; 1F1B's stages gather a layer's weights over them at use, before
 # the layer, explicitly (`meshpar.core.layout.at_use`): the reshards XLA chose inside a stage's branch
-# joined the other stages' devices (a deadlock). Expert weights stay split over `expert`.
-FSDP_AXES = ("data", "fsdp")
+# joined the other stages' devices (a deadlock). Expert weights stay split over their `expert` axis.
+FSDP_AXES = ("data", "fsdp", "expert")
 
 
 # ----------------------------------------------------------------------------------------------

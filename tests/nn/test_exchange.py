@@ -59,3 +59,29 @@ def test_random_slices_land_where_their_senders_say():
         recv.astype(np.int32),
     )
     np.testing.assert_array_equal(got, want)
+
+
+def test_the_ragged_result_varies_as_the_rows_sent_so_the_backward_sums_nothing():
+    """The ragged form inside a shard_map manual over two axes, exchanging over one (`expert`), the rows
+    differing over the other (`fsdp`, as dropless MoE's tokens do). JAX types a ragged all-to-all's
+    result as its `output` buffer; a fresh zeros buffer typed the rows received as the same on every
+    `fsdp` device, and the backward summed their cotangents over `fsdp` (psum_invariant: wrong
+    gradients, an all-reduce of the buffer per MoE layer on GPU and TPU). Traced only: XLA:CPU has no
+    ragged all-to-all to run."""
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("fsdp", "expert"))
+
+    def local(x, scale):
+        d = 4
+        off = jnp.arange(d, dtype=jnp.int32) * 2
+        sizes = jnp.full((d,), 2, jnp.int32)
+        got = exchange(x, jnp.zeros((8, x.shape[1]), x.dtype), off, sizes, off, sizes, "expert", "ragged")
+        return (got * scale)[None]  # scale varies over both axes, as a MoE layer's gates do
+
+    def loss(x, scale):
+        both = P(("fsdp", "expert"))
+        return jnp.sum(jax.shard_map(local, mesh=mesh, in_specs=(both, both), out_specs=both)(x, scale))
+
+    x, scale = jnp.ones((64, 3)), jnp.ones((8 * 8, 3))
+    jaxpr = str(jax.make_jaxpr(jax.grad(loss))(x, scale))
+    assert "ragged_all_to_all" in jaxpr
+    assert "psum_invariant" not in jaxpr, [ln for ln in jaxpr.splitlines() if "psum_invariant" in ln]
