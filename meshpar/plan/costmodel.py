@@ -383,6 +383,8 @@ def workspace_parts(
     gathered = 0.0
     for lf in stacked:  # FSDP: the layer being computed, gathered over the batch axes and context
         on_batch = sharded_axes(res.spec(lf, cand.strategy, shape, "rest")) & {*BATCH_AXES, "context"}
+        if "expert" in lf.names:  # an expert weight keeps its experts split
+            on_batch -= {"expert"}
         gathered += _local(lf, cand, res) * math.prod(shape[a] for a in on_batch) / lf.shape[0] if on_batch else 0.0
     out["layer"] = w * gathered if gathered else w_stk / layers
     if shape["pipeline"] > 1 and cand.schedule == "1f1b" and cand.remat == "none":
