@@ -133,6 +133,15 @@ def train_steps(trainer, source, cfg, steps: int):
     return state, losses
 
 
+def evaluator(cfg, trainer):
+    """The evaluator `meshpar.train.loop.run` builds for `cfg` (its data source, its held-out stream)."""
+    from meshpar.train.data import make_source
+    from meshpar.train.loop import make_evaluator
+
+    source = make_source(cfg.data, cfg.batch, cfg.eval, trainer.spec.model_config.vocab)
+    return make_evaluator(cfg.data, cfg.batch, cfg.eval, cfg.model, trainer, source)
+
+
 def stacked_stages(make, depth: int, name: str = "Stages"):
     """A user model class of the stage protocol and nothing more: `depth` stacked `make(rngs)` blocks
     between an identity `pre` and `post`, and the mean as its loss; named `name` (messages name it)."""

@@ -32,6 +32,7 @@ from meshpar.plan.costmodel import (
     Candidate,
     ModelFacts,
     Resolver,
+    gathered_over,
     local_batch,
     rows_factor,
     sharded_axes,
@@ -100,7 +101,7 @@ def _weight_collectives(out: list, facts: ModelFacts, cand: Candidate, res: Reso
     for lf in facts.leaves:
         ps = res.spec(lf, cand.strategy, shape, "rest")
         sharded = sharded_axes(ps)
-        on_batch = [a for a in batch_axes if a in sharded and not (a == "expert" and "expert" in lf.names)]
+        on_batch = gathered_over(lf, [a for a in batch_axes if a in sharded])
         rest = [a for a in batch_axes if a not in sharded]  # partial sums to all-reduce
         local = lf.numel / split_factor(ps, shape)  # per-device elements at rest
         full_over_batch = local * math.prod(shape[a] for a in on_batch)

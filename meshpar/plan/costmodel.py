@@ -191,6 +191,12 @@ def sharded_axes(spec) -> set:
     return set(spec_axes(spec))
 
 
+def gathered_over(lf, axes) -> list:
+    """The axes of `axes` FSDP gathers the weight `lf` over at use: all but an expert weight's own
+    `expert` (each device runs its own experts), in `axes`' order."""
+    return [a for a in axes if not (a == "expert" and "expert" in lf.names)]
+
+
 class Resolver:
     """Each leaf's PartitionSpec under a strategy and mesh, by meshpar's resolver (cached)."""
 
@@ -382,9 +388,8 @@ def workspace_parts(
     layers = (facts.dims.get("layers") or 1) / shape["pipeline"]
     gathered = 0.0
     for lf in stacked:  # FSDP: the layer being computed, gathered over the batch axes and context
-        on_batch = sharded_axes(res.spec(lf, cand.strategy, shape, "rest")) & {*BATCH_AXES, "context"}
-        if "expert" in lf.names:  # an expert weight keeps its experts split
-            on_batch -= {"expert"}
+        sharded = sharded_axes(res.spec(lf, cand.strategy, shape, "rest"))
+        on_batch = gathered_over(lf, [a for a in (*BATCH_AXES, "context") if a in sharded])
         gathered += _local(lf, cand, res) * math.prod(shape[a] for a in on_batch) / lf.shape[0] if on_batch else 0.0
     out["layer"] = w * gathered if gathered else w_stk / layers
     if shape["pipeline"] > 1 and cand.schedule == "1f1b" and cand.remat == "none":

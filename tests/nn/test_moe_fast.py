@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from meshpar.nn import moe, routing
-from tests.conftest import devices, make_cfg
+from tests.conftest import devices, evaluator, make_cfg
 
 
 def _experts(e, m, h, key):
@@ -84,8 +84,6 @@ def test_two_all_to_alls_per_moe_layer_forward_on_fsdp_x_expert():
     forward (the eval step: loss without gradients) moves tokens by exactly 2 all-to-alls over
     `expert` per MoE layer, dispatch and combine, as GShard counts them."""
     from meshpar.plan.inspect import collectives
-    from meshpar.train.data import make_source
-    from meshpar.train.loop import make_evaluator
     from meshpar.train.step import Trainer
 
     cfg = make_cfg(
@@ -101,14 +99,7 @@ def test_two_all_to_alls_per_moe_layer_forward_on_fsdp_x_expert():
     )
     tr = Trainer(cfg, devices=devices(8))
     state = tr.abstract_state()
-    ev = make_evaluator(
-        cfg.data,
-        cfg.batch,
-        cfg.eval,
-        cfg.model,
-        tr,
-        make_source(cfg.data, cfg.batch, cfg.eval, tr.spec.model_config.vocab),
-    )
+    ev = evaluator(cfg, tr)
     hlo = ev._step.lower(state["params"], state["vars"], tr.abstract_batch()).compile().as_text()
     a2a = [o for o in collectives(hlo, tr.describe()["mesh"]) if o["kind"] == "all-to-all" and "expert" in o["axes"]]
     moe = [o for o in a2a if o["axes"] == ["expert"]]  # dispatch and combine

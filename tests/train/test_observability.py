@@ -24,7 +24,7 @@ from meshpar.train.batches import Batches, Prefetch
 from meshpar.train.data import EVAL_STEP, MarkovLanguage, make_eval_source, make_source
 from meshpar.train.loop import run
 from meshpar.train.step import Trainer
-from tests.conftest import devices, make_cfg, metrics_losses, metrics_records
+from tests.conftest import devices, evaluator, make_cfg, metrics_losses, metrics_records
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS, LOG_EVERY, EVAL_EVERY, PROFILE = 30, 5, 10, (4, 3)
@@ -215,17 +215,8 @@ def test_eval_records_every_n_steps_close_to_the_training_loss(observed):
 
 
 def test_eval_stream_is_disjoint_from_training(observed, tmp_path):
-    from meshpar.train.loop import make_evaluator
-
     cfg, tr = observed["cfg"], observed["trainer"]
-    ev = make_evaluator(
-        cfg.data,
-        cfg.batch,
-        cfg.eval,
-        cfg.model,
-        tr,
-        make_source(cfg.data, cfg.batch, cfg.eval, tr.spec.model_config.vocab),
-    )
+    ev = evaluator(cfg, tr)
     held = np.concatenate([np.asarray(b) for b in ev._held_out()])
     vocab, b, t = tr.spec.model_config.vocab, cfg.batch.global_size, cfg.batch.length
     data = Batches(make_source(cfg.data, cfg.batch, cfg.eval, vocab), tr.batch_sharding, b, t, cfg.data.seed)
