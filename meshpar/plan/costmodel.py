@@ -57,8 +57,9 @@ Memory (per device, bytes).
   the layer loops (forward, backward) each copy the stacked weights they read when the update
   writes those weights in place (every preset without a sharded optimizer state): 2 W_stacked; the
   layer being computed: one layer's weights (under FSDP gathered over the batch axes); ZeRO-1/2
-  gather the updated weights after the backward, so that phase (grads + W) counts only where it
-  exceeds the backward's peak.
+  gather the updated weights after the backward, so that phase (grads + W; XLA:GPU: the stacked
+  weights, capped by its scheduler's limit, `steptime.zero_update_gather`) counts where it exceeds
+  the backward's peak.
   Not modelled: XLA's packing of all temporaries into one buffer, which on CPU adds 15-25% over
   the largest live set. The loop copies are XLA:CPU's: the deviceless compiles for H100 and TPU v5p
   (`meshpar inspect --target`, bench/bench_targets.py) hold none, and `compiler` != "cpu" drops them;

@@ -152,6 +152,22 @@ def step_time(
     }
 
 
+def zero_update_gather(facts: ModelFacts, cand: Candidate, res: Resolver, hw, state: float, w: float) -> float:
+    """XLA:GPU's ZeRO-1/2 update phase (bytes beside the state): the updated stacked weights gathered
+    (W bytes each, in a layout the output is transposed from), all live at once, unless that passes
+    its scheduler's memory limit for temporaries, 0.95 (0.8 HBM - state) (XLA's
+    GetSchedulerMemoryLimit), where its rematerialization gathers them fewer at a time, never fewer
+    than the largest. From the H100 compiles' buffer assignments: 7b at data=64 held all four
+    (24.1 GiB), 8B at data=8 (limit 21.1 GiB) the largest and less beside it (18.0 GiB temp)."""
+    sizes = [
+        w * lf.numel / split_factor(res.spec(lf, cand.strategy, cand.shape, "rest"), cand.shape)
+        for lf in facts.leaves
+        if lf.stacked
+    ]
+    limit = 0.95 * (0.8 * hw.memory_bytes - state)
+    return min(sum(sizes), max(max(sizes, default=0.0), limit))
+
+
 def evaluate(
     facts: ModelFacts,
     cand: Candidate,
@@ -187,7 +203,12 @@ def evaluate(
             for lf in facts.leaves
         )
     if st.opt_state is not None:  # ZeRO: the gathered updated weights, after the backward
-        ws["zero_gather"] = max(0.0, grads + mem["params"] - (mem["grads"] + act + sum(ws.values())))
+        update = (
+            zero_update_gather(facts, cand, res, hw, mem["params"] + mem["optimizer"], bpp[0])
+            if compiler == "gpu"
+            else grads + mem["params"]
+        )
+        ws["zero_gather"] = max(0.0, update - (mem["grads"] + act + sum(ws.values())))
     mem["activations"] = act
     mem["workspace"] = sum(ws.values())
     mem["total"] = sum(mem.values())

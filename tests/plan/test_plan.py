@@ -59,6 +59,26 @@ def test_zero_accounting_with_2_2_12_bytes_per_param():
     assert [round(got_gb[s], 1) for s in want] == [120.0, 31.4, 16.6, 1.9]  # the issue's numbers for Psi = 7.5e9
 
 
+def test_zeros_update_gathers_every_layer_where_xla_gpu_has_room_and_fewer_where_not():
+    """XLA:GPU's ZeRO update holds the gathered stacked weights: all of them under its scheduler's
+    limit for temporaries, 0.95 (0.8 HBM - state); past it as much as the limit allows, and never less
+    than the largest tensor, which must be whole once."""
+    import dataclasses
+
+    from meshpar.plan.steptime import zero_update_gather
+
+    cfg = load_config(None, ["model.size=7b"])
+    facts, res = ModelFacts.from_config(cfg), Resolver(cfg.rules)
+    cand = Candidate(_mesh(data=8), _mesh(), "zero1", "full")
+    stacked = [4 * lf.numel for lf in facts.leaves if lf.stacked]
+    h100 = load_hardware("h100")
+    assert zero_update_gather(facts, cand, res, h100, 0.0, 4) == sum(stacked)  # room for all
+    state = 0.8 * h100.memory_bytes - sum(stacked) / 0.95 / 2  # room for half of them
+    assert zero_update_gather(facts, cand, res, h100, state, 4) == pytest.approx(sum(stacked) / 2)
+    small = dataclasses.replace(h100, memory_bytes=1e9)  # no room: the largest, whole
+    assert zero_update_gather(facts, cand, res, small, 0.0, 4) == max(stacked)
+
+
 def _winner(result):
     return result["candidates"][0]
 
