@@ -19,7 +19,7 @@ from flax import nnx
 
 from meshpar.core.layout import constrain
 from meshpar.core.precision import attention_dtype
-from meshpar.nn.layers import gated_inputs, param
+from meshpar.nn.layers import gated_inputs, param, swiglu
 from meshpar.parallel.attention import attention
 
 
@@ -192,8 +192,8 @@ class MLP(nnx.Module):
     def __call__(self, x):
         dt = x.dtype
         g, u = gated_inputs(x, self.w_in[...].astype(dt))  # [B, T, F] each, pinned (or SP may gather Wg|Wu instead)
-        gate = jax.nn.silu(g) if self.act == "silu" else jax.nn.gelu(g, approximate=True)
-        h = constrain(gate * u, ("batch", "seq", "mlp"))
+        h = swiglu(g, u) if self.act == "silu" else jax.nn.gelu(g, approximate=True) * u
+        h = constrain(h, ("batch", "seq", "mlp"))
         return jnp.einsum("btf,fe->bte", h, self.w_down[...].astype(dt))
 
 

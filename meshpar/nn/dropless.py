@@ -22,6 +22,7 @@ from meshpar.core.layout import active_layout, constrain
 from meshpar.nn import exchange as exchange_lib
 from meshpar.nn.exchange import exchange
 from meshpar.nn.gmm import grouped_matmul
+from meshpar.nn.layers import swiglu
 from meshpar.nn.routing import TOKENS, W_IN, Routing
 
 # dropless mode's grouped matmuls: "auto" (row tiles on CPU, `ragged_dot` elsewhere), "ragged_dot", "tiles"
@@ -103,7 +104,7 @@ def _dropless_local(x, index, routed, gates, w_gate, w_up, w_down, ep_axes=(), e
     sizes = jnp.sum(recv_counts, axis=0).astype(jnp.int32)  # [E_l] rows per local expert
     gate = grouped_matmul(rows, w_gate, sizes, GMM)
     up = grouped_matmul(rows, w_up, sizes, GMM)
-    out = grouped_matmul(jax.nn.silu(gate) * up, w_down, sizes, GMM)  # [ep*R, M]
+    out = grouped_matmul(swiglu(gate, up), w_down, sizes, GMM)  # [ep*R, M]
     if h_axes:
         out = jax.lax.psum(out, h_axes)
     inv2 = jnp.zeros_like(order2).at[order2].set(jnp.arange(ep * r))

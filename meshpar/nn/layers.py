@@ -5,6 +5,7 @@
     x, aux = scan_layers(blocks, x, positions, remat)      # lax.scan over `layers`, with remat
     x, w = after(x, head[...])                             # the head's weight read after the stack
     gate, up = gated_inputs(x, w_in[...])                  # a GLU's two projections from one [E, 2, F]
+    h = swiglu(gate, up)                                   # silu(gate) * up, its backward in one pass
 
 Stacking puts the `layers` name in front of each parameter's logical axes, so the stack's layout
 (at rest on its pipeline stage, say) survives into gradients and optimizer state. The pipeline
@@ -112,6 +113,31 @@ def gated_inputs(x, w, names=("batch", "seq", "mlp")):
         return tuple(constrain(jnp.einsum("bte,ef->btf", x, w[:, i]), names) for i in (0, 1))
     h = constrain(jnp.einsum("bte,ecf->btcf", x, w), (*names[:-1], None, names[-1]))
     return h[:, :, 0], h[:, :, 1]
+
+
+@jax.custom_vjp
+def swiglu(gate, up):
+    """SwiGLU's product silu(gate) * up (Shazeer 2020), any matching shapes, in their dtype, with its
+    backward in one elementwise pass: dgate = d up s (1 + gate (1 - s)), dup = d gate s, s =
+    sigmoid(gate), in fp32. Autodiff of silu sums two cotangent terms for `gate` in a pass of their
+    own; under remat libtpu held three [rows, F] buffers of them beside the recomputed gate, up and
+    the incoming cotangent (Mixtral on 128 v5p chips: 11.83 -> 11.54 GiB peak; dense Llama rows and
+    XLA:GPU's programs unchanged, bench/RESULTS.md)."""
+    return jax.nn.silu(gate) * up
+
+
+def _swiglu_fwd(gate, up):
+    return swiglu(gate, up), (gate, up)
+
+
+def _swiglu_bwd(res, d):
+    gate, up = res
+    g, u, d32 = (t.astype(jnp.float32) for t in (gate, up, d))
+    s = jax.nn.sigmoid(g)
+    return (d32 * u * s * (1 + g * (1 - s))).astype(gate.dtype), (d32 * g * s).astype(up.dtype)
+
+
+swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
 def scan_layers(layers_mod, x, positions, remat: str = "full", scan: bool = True, cache=None, segment_ids=None):

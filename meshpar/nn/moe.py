@@ -67,6 +67,7 @@ from meshpar.core.config import top_k
 from meshpar.core.errors import ConfigError
 from meshpar.core.layout import constrain
 from meshpar.nn.dropless import dropless
+from meshpar.nn.layers import swiglu
 from meshpar.nn.routing import (
     EXPERT_HIDDEN,
     EXPERT_IN,
@@ -140,7 +141,7 @@ def _swiglu_experts(xe, w_gate, w_up, w_down):
     rows = xe.reshape(e, g * c, m)
     gate = jnp.einsum("enm,emh->enh", rows, w_gate)
     up = jnp.einsum("enm,emh->enh", rows, w_up)
-    h = jax.nn.silu(gate) * up
+    h = swiglu(gate, up)
     h = constrain(h.reshape(e, g, c, -1), EXPERT_HIDDEN, "moe hidden EGCH").reshape(e, g * c, -1)
     out = jnp.einsum("enh,ehm->enm", h, w_down).reshape(e, g, c, m)
     return constrain(out, EXPERT_IN, "moe expert output EGCM")
