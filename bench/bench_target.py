@@ -46,21 +46,29 @@ def mesh(**axes) -> list[str]:
     return [f"mesh.{a}={v}" for a, v in sizes.items()]
 
 
-def maxtext_overrides(name: str, n: int, overrides: list[str]) -> list[str] | None:
-    """The same step in MaxText's own config keys (TPU rows), or None where there is no counterpart.
-    Both: bf16 compute over fp32 weights and AdamW state, full remat, splash attention (MaxText's
-    `autoselected`, meshpar's `auto` on TPU), the same global batch, the same vocabulary tiling
-    (`--vocab-tiles`); MaxText's v5p-N counts cores
-    (two per chip), so 64 chips are `v5p-128`."""
+def maxtext_overrides(name: str, n: int, overrides: list[str], gpu: bool = False) -> list[str] | None:
+    """The same step in MaxText's own config keys, or None where there is no counterpart.
+    Both: bf16 compute over fp32 weights and AdamW state, full remat, the same global batch, the same
+    vocabulary tiling (`--vocab-tiles`). TPU: splash attention (MaxText's `autoselected`, meshpar's
+    `auto`); MaxText's v5p-N counts cores (two per chip), so 64 chips are `v5p-128`. GPU (`gpu`):
+    cuDNN's fused attention (MaxText's `cudnn_flash_jax`, meshpar's `auto` on H100), MaxText's
+    `a3` nodes of 8 as one slice (bench/maxtext/compile_maxtext.py), its experts by `ragged_dot`."""
     ov = dict(o.split("=", 1) for o in overrides)
     model = {"llama2-7b": "llama2-7b", "llama3-8b": "llama3-8b", "mixtral-8x7b": "mixtral-8x7b"}.get(name.split()[0])
-    if model is None or "context" in name or name.endswith(" fsdp_tp"):
+    if model is None or "context" in name or "pipeline" in name or name.endswith(" fsdp_tp"):
         return None  # MaxText's fsdp x tensor splits the residual stream over tensor: the fsdp_tp_sp row
     per_device = int(ov["batch.global_size"]) / n
+    where = (
+        [
+            f"compile_topology=a3 compile_topology_num_slices={n // 8} num_slices=1 hardware=gpu",
+            "attention=cudnn_flash_jax",
+        ]
+        if gpu
+        else [f"compile_topology=v5p-{2 * n}", "compile_topology_num_slices=1"]
+    )
     out = [
         f"model_name={model}",
-        f"compile_topology=v5p-{2 * n}",
-        "compile_topology_num_slices=1",
+        *" ".join(where).split(),
         f"per_device_batch_size={per_device:g}",
         f"max_target_length={ov['batch.length']}",
         "remat_policy=full",
@@ -71,7 +79,7 @@ def maxtext_overrides(name: str, n: int, overrides: list[str]) -> list[str] | No
     if int(ov.get("train.loss_chunks", 1)) > 1:
         out.append(f"num_vocab_tiling={ov['train.loss_chunks']}")
     if model == "mixtral-8x7b":
-        out += ["sparse_matmul=true", "capacity_factor=-1"]
+        out += ["sparse_matmul=true", "capacity_factor=-1"] + (["megablox=false"] if gpu else [])
     return out
 
 
@@ -90,6 +98,9 @@ def maxtext_row(name: str, n: int, python: str, overrides: list[str], hw) -> dic
         for k, v in os.environ.items()  # its own jax and libtpu, not the ones meshpar's process loaded
         if k not in ("XLA_FLAGS", "PYTHONPATH", "JAX_PLATFORMS", "TPU_LIBRARY_PATH")
     }
+    if hw.kind == "gpu":  # meshpar's deviceless CUDA devices in MaxText's process, and the XLA:GPU
+        env["MESHPAR_GPU_TARGET"] = f"{hw.name}:{n}"  # flags meshpar's compile got (--gpu-flags)
+        env["XLA_FLAGS"] = os.environ.get("MESHPAR_BENCH_GPU_FLAGS", "")
     start = time.perf_counter()
     proc = subprocess.run([python, script, base, *overrides], capture_output=True, text=True, env=env, timeout=1800)
     if proc.returncode:
@@ -305,7 +316,8 @@ def main() -> int:
     ap.add_argument(
         "--maxtext",
         metavar="PYTHON",
-        help="MaxText venv's python (bench/maxtext/README.md): compile each TPU row with MaxText too, side by side",
+        help="MaxText venv's python (bench/maxtext/README.md): compile each TPU and H100 row with MaxText too, "
+        "side by side",
     )
     ap.add_argument(
         "--vocab-tiles",
@@ -321,8 +333,19 @@ def main() -> int:
         help="with --maxtext, compile meshpar's rows with meshpar's "
         "own libtpu (jax's pin), not MaxText's: by default both sides use the one compiler",
     )
+    ap.add_argument(
+        "--gpu-flags",
+        default="",
+        metavar="FLAGS",
+        help="XLA_FLAGS for both sides' H100 compiles (e.g. "
+        "'--xla_gpu_enable_latency_hiding_scheduler=true'; default: XLA:GPU's own defaults)",
+    )
     args = ap.parse_args()
     import os
+
+    if args.gpu_flags:  # read by XLA:GPU when the CUDA compiler loads; MaxText's process gets the same
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {args.gpu_flags}".strip()
+        os.environ["MESHPAR_BENCH_GPU_FLAGS"] = args.gpu_flags
 
     if args.maxtext and not args.own_libtpu and "tpu" in args.targets:
         os.environ["TPU_LIBRARY_PATH"] = maxtext_libtpu(args.maxtext)
@@ -333,6 +356,8 @@ def main() -> int:
     if "tpu" in args.targets:
         compilers.load("tpu")
         print(f"TPU rows compiled by {compilers.version('tpu')} ({os.environ['TPU_LIBRARY_PATH']})", flush=True)
+    if "h100" in args.targets:
+        print(f"GPU rows compiled by {compilers.version('gpu')}, flags: {args.gpu_flags or 'its defaults'}", flush=True)
     print("\n".join(HEADER), flush=True)
     targets = {}
     for name, hw, n, ov in configs():
@@ -343,7 +368,7 @@ def main() -> int:
         if (hw, n) not in targets:
             targets[hw, n] = resolve(hw, n)
         found = [row(name, targets[hw, n], ov)]
-        mx = maxtext_overrides(name, n, ov) if args.maxtext and hw.startswith("tpu") else None
+        mx = maxtext_overrides(name, n, ov, gpu=hw == "h100") if args.maxtext else None
         if mx:
             found.append(maxtext_row(name, n, args.maxtext, mx, targets[hw, n].hardware))
         for r in found:
