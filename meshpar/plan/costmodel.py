@@ -23,7 +23,7 @@ Memory (per device, bytes).
       save_dots: h (layer input) + (a + 2k) q (QKV output) + 2h (wo, w_down outputs) + 2F (w_in output)
       full:      h (the layer input the scan keeps)
   A target's compile (XLA:GPU, libtpu) keeps more under `none`: the norms' inputs and outputs in
-  fp32 beside their compute-dtype casts (4 h x 4 bytes + 2 h c), six [.., F] (6F), and stored
+  fp32 beside their compute-dtype casts (4 h x 4 bytes + 2 h c), three [.., F] (3F: six before `swiglu`), and stored
   scores (`model.attention=xla`) once in fp32 and once cast (a s (4 + c) bytes); the H100
   compiles of 1b (1 and 8 devices, fsdp and tp_sp) and 8B (8, fsdp) came within 2% with them, 0.69-0.72
   without, and one H100 ran out of memory where the old count said 1b fits (bench/bench_device.py).
@@ -281,9 +281,9 @@ def per_token_elements(
         return 3 * h / t_res + (a + 2 * k) * q / t_heads + 2 * f / t_mlp
     partial = 2 * h if t_heads > 1 and t_res == 1 else 0  # TP without SP: the row-parallel outputs (wo, w_down)
     if compiler != "cpu":  # the targets' own residuals: the norms' inputs and outputs in fp32 beside their
-        # compute-dtype casts, six [.., F] (w_in's two halves, silu, its sigmoid, the product, its cast),
-        # and stored scores once in fp32 and once cast
-        norms, mlp, scores = 2 * h + 4 * h * 4 / c, 6 * f, (1 + 4 / c) * a * s
+        # compute-dtype casts, three [.., F] (w_in's two halves, `swiglu`'s product; its backward keeps
+        # no silu or sigmoid), and stored scores once in fp32 and once cast
+        norms, mlp, scores = 2 * h + 4 * h * 4 / c, 3 * f, (1 + 4 / c) * a * s
     else:
         norms, mlp, scores = 4 * h, 4 * f, 2 * a * s
     return norms / t_res + partial + (2 * a + 2 * k) * q / t_heads + scores / t_heads + mlp / t_mlp

@@ -10,9 +10,10 @@ remat (`none | save_dots | full`), gradient-accumulation microbatches (powers of
 every pipeline microbatch count M >= P that divides a replica's rows (down to one sequence each) and schedules
 (gpipe, 1f1b, interleaved with v = 2, 3 or 4 chunks where the layers and M allow). Each candidate is costed by
 `meshpar.plan.costmodel` (its docstring holds every formula and its source); those that do not fit in device
-memory are dropped (kept with --all) and the rest ranked by predicted step time. Ties (collectives fully hidden
-behind compute) go first to plans that fit with the planner's own margin of error (its memory is within 15% of
-the compiled step's), then to fewer bytes on the wire, then to the most memory headroom, then the simpler preset
+memory are dropped (kept with --all) and the rest ranked: first those that fit with the planner's own margin of
+error (its memory is within 15% of the compiled step's), then those predicted to fit within it, each by predicted
+step time. Ties (collectives fully hidden behind compute) go to fewer bytes on the wire, then to the most memory
+headroom, then the simpler preset
 (dp < zero1 < zero2 < fsdp < hsdp < tp < tp_sp < fsdp_tp < fsdp_tp_sp). Nothing is special-cased: TP inside a
 node, PP across nodes and DP outermost come out of the bandwidths and the memory, or do not.
 
@@ -78,9 +79,9 @@ def _why(row: dict, best: dict | None, hw) -> str:
     }
     key = max(diffs, key=diffs.get)
     slower = a["step_s"] / w["step_s"] - 1
+    if _tight(row, hw.memory_bytes) and not _tight(best, hw.memory_bytes):
+        return f"under {MARGIN - 1:.0%} memory headroom: may not fit"
     if slower < 1e-3:
-        if _tight(row, hw.memory_bytes) and not _tight(best, hw.memory_bytes):
-            return f"tie: under {MARGIN - 1:.0%} memory headroom"
         if a["comm_s"] > w["comm_s"] * 1.001:
             return "tie: more bytes on the wire"
         return (
@@ -112,18 +113,21 @@ def _tight(row: dict, memory_bytes: float) -> bool:
 
 
 def _rank(rows: list, memory_bytes: float) -> list:
-    """Fitting first, then by step time. Candidates within 0.1% of each other's step time (all
-    collectives hidden) are ordered: those that fit with the planner's margin of error (`MARGIN`)
-    first, then by time on the wire, then by memory per device (the most headroom first), then the
-    simpler preset."""
+    """Those that fit with the planner's margin of error (`MARGIN`) first, then those predicted to fit
+    within it (they may not), then the rest; each by step time. Candidates within 0.1% of each other's
+    step time (all collectives hidden) are ordered by time on the wire, then by memory per device (the
+    most headroom first), then the simpler preset."""
     out = []
-    for fits in (True, False):
-        part = sorted((r for r in rows if r["fits"] == fits), key=lambda r: r["time"]["step_s"])
+    tiers = (
+        [r for r in rows if r["fits"] and not _tight(r, memory_bytes)],  # fit with the planner's margin
+        [r for r in rows if r["fits"] and _tight(r, memory_bytes)],  # predicted to fit, within its error
+        [r for r in rows if not r["fits"]],
+    )
+    for tier in tiers:
+        part = sorted(tier, key=lambda r: r["time"]["step_s"])
         for tie in _runs(part, lambda r: r["time"]["step_s"]):
-            for tight in (False, True):
-                room = sorted((r for r in tie if _tight(r, memory_bytes) == tight), key=lambda r: r["time"]["comm_s"])
-                for same in _runs(room, lambda r: r["time"]["comm_s"]):
-                    out += sorted(same, key=lambda r: (r["memory"]["total"], ORDER.index(r["cand"].strategy)))
+            for same in _runs(sorted(tie, key=lambda r: r["time"]["comm_s"]), lambda r: r["time"]["comm_s"]):
+                out += sorted(same, key=lambda r: (r["memory"]["total"], ORDER.index(r["cand"].strategy)))
     return out
 
 
