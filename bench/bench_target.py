@@ -59,16 +59,14 @@ def maxtext_overrides(name: str, n: int, overrides: list[str], gpu: bool = False
         return None  # MaxText's fsdp x tensor splits the residual stream over tensor: the fsdp_tp_sp row
     per_device = int(ov["batch.global_size"]) / n
     where = (
-        [
-            f"compile_topology=a3 compile_topology_num_slices={n // 8} num_slices=1 hardware=gpu",
-            "attention=cudnn_flash_jax",
-        ]
+        ["compile_topology=a3", f"compile_topology_num_slices={n // 8}", "num_slices=1", "hardware=gpu"]
+        + ["attention=cudnn_flash_jax"]
         if gpu
         else [f"compile_topology=v5p-{2 * n}", "compile_topology_num_slices=1"]
     )
     out = [
         f"model_name={model}",
-        *" ".join(where).split(),
+        *where,
         f"per_device_batch_size={per_device:g}",
         f"max_target_length={ov['batch.length']}",
         "remat_policy=full",

@@ -369,7 +369,7 @@ def stage_recompute(facts: ModelFacts, cand: Candidate) -> float:
     return 0.0 if cand.remat == "full" and per_tick <= 1 else 1.0
 
 
-def _local(lf: Leaf, cand: Candidate, res: Resolver) -> float:
+def local_elements(lf: Leaf, cand: Candidate, res: Resolver) -> float:
     """Elements of `lf` one device holds at rest."""
     return lf.numel / split_factor(res.spec(lf, cand.strategy, cand.shape, "rest"), cand.shape)
 
@@ -381,19 +381,19 @@ def workspace_parts(
     docstring), `w` bytes per weight element, `c` per compute-dtype element; the layer loops' weight
     copies are XLA:CPU's (`compiler` "cpu"), the compute-dtype copy XLA:GPU's and libtpu's."""
     shape, st = cand.shape, get_strategy(cand.strategy)
-    stacked = [lf for lf in facts.leaves if lf.stacked]
-    w_stk = w * sum(_local(lf, cand, res) for lf in stacked)
-    out = {"loop_copies": 2 * w_stk if st.opt_state is None and compiler == "cpu" else 0.0}
+    stacked = [(lf, local_elements(lf, cand, res)) for lf in facts.leaves if lf.stacked]
+    n_stk = sum(n for _, n in stacked)  # stacked weight elements one device holds
+    out = {"loop_copies": 2 * w * n_stk if st.opt_state is None and compiler == "cpu" else 0.0}
     if compiler != "cpu" and c < w and st.opt_state is None:
-        out["compute_copy"] = c * sum(_local(lf, cand, res) for lf in stacked)
+        out["compute_copy"] = c * n_stk
     layers = (facts.dims.get("layers") or 1) / shape["pipeline"]
     gathered = 0.0
-    for lf in stacked:  # FSDP: the layer being computed, gathered over the batch axes and context
+    for lf, n in stacked:  # FSDP: the layer being computed, gathered over the batch axes and context
         sharded = sharded_axes(res.spec(lf, cand.strategy, shape, "rest"))
         on_batch = gathered_over(lf, [a for a in (*BATCH_AXES, "context") if a in sharded])
-        gathered += _local(lf, cand, res) * math.prod(shape[a] for a in on_batch) / lf.shape[0] if on_batch else 0.0
-    out["layer"] = w * gathered if gathered else w_stk / layers
+        gathered += n * math.prod(shape[a] for a in on_batch) / lf.shape[0] if on_batch else 0.0
+    out["layer"] = w * gathered if gathered else w * n_stk / layers
     if shape["pipeline"] > 1 and cand.schedule == "1f1b" and cand.remat == "none":
         # 1F1B's stash under `none`: each slot keeps the stage's weights cast to the compute dtype
-        out["stash_weights"] = stash_slots(cand) * c * sum(_local(lf, cand, res) for lf in stacked)
+        out["stash_weights"] = stash_slots(cand) * c * n_stk
     return out

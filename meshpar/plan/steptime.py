@@ -45,6 +45,7 @@ from meshpar.plan.costmodel import (
     ModelFacts,
     Resolver,
     activation_bytes,
+    local_elements,
     split_factor,
     stage_recompute,
     state_bytes,
@@ -159,11 +160,7 @@ def zero_update_gather(facts: ModelFacts, cand: Candidate, res: Resolver, hw, st
     GetSchedulerMemoryLimit), where its rematerialization gathers them fewer at a time, never fewer
     than the largest. From the H100 compiles' buffer assignments: 7b at data=64 held all four
     (24.1 GiB), 8B at data=8 (limit 21.1 GiB) the largest and less beside it (18.0 GiB temp)."""
-    sizes = [
-        w * lf.numel / split_factor(res.spec(lf, cand.strategy, cand.shape, "rest"), cand.shape)
-        for lf in facts.leaves
-        if lf.stacked
-    ]
+    sizes = [w * local_elements(lf, cand, res) for lf in facts.leaves if lf.stacked]
     limit = 0.95 * (0.8 * hw.memory_bytes - state)
     return min(sum(sizes), max(max(sizes, default=0.0), limit))
 
