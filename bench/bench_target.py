@@ -26,6 +26,8 @@ import math
 import sys
 import time
 
+from meshpar.runtime import xla_flags
+
 LLAMA2_7B = ["model.size=7b"]
 LLAMA3_8B = ["model.size=7b", "model.kv_heads=8", "model.mlp=14336", "model.vocab=128256", "model.rope_theta=500000"]
 MIXTRAL = [
@@ -96,9 +98,9 @@ def maxtext_row(name: str, n: int, python: str, overrides: list[str], hw) -> dic
         for k, v in os.environ.items()  # its own jax and libtpu, not the ones meshpar's process loaded
         if k not in ("XLA_FLAGS", "PYTHONPATH", "JAX_PLATFORMS", "TPU_LIBRARY_PATH")
     }
-    if hw.kind == "gpu":  # meshpar's deviceless CUDA devices in MaxText's process, and the XLA:GPU
-        env["MESHPAR_GPU_TARGET"] = f"{hw.name}:{n}"  # flags meshpar's compile got (--gpu-flags)
-        env["XLA_FLAGS"] = os.environ.get("MESHPAR_BENCH_GPU_FLAGS", "")
+    if hw.kind == "gpu":  # meshpar's deviceless CUDA devices in MaxText's process, and the XLA:GPU flags
+        env["MESHPAR_GPU_TARGET"] = f"{hw.name}:{n}"  # meshpar's compile got: --gpu-flags, then meshpar's own
+        env["XLA_FLAGS"] = xla_flags.with_gpu_flags(os.environ.get("MESHPAR_BENCH_GPU_FLAGS", ""))
     start = time.perf_counter()
     proc = subprocess.run([python, script, base, *overrides], capture_output=True, text=True, env=env, timeout=1800)
     if proc.returncode:
@@ -335,8 +337,8 @@ def main() -> int:
         "--gpu-flags",
         default="",
         metavar="FLAGS",
-        help="XLA_FLAGS for both sides' H100 compiles (e.g. "
-        "'--xla_gpu_enable_latency_hiding_scheduler=true'; default: XLA:GPU's own defaults)",
+        help="XLA_FLAGS for both sides' H100 compiles, beside meshpar's GPU flags (meshpar.runtime.xla_flags), "
+        "which both sides get unless FLAGS names them (e.g. '--xla_gpu_enable_latency_hiding_scheduler=false')",
     )
     args = ap.parse_args()
     import os
@@ -355,7 +357,8 @@ def main() -> int:
         compilers.load("tpu")
         print(f"TPU rows compiled by {compilers.version('tpu')} ({os.environ['TPU_LIBRARY_PATH']})", flush=True)
     if "h100" in args.targets:
-        print(f"GPU rows compiled by {compilers.version('gpu')}, flags: {args.gpu_flags or 'its defaults'}", flush=True)
+        flags = xla_flags.with_gpu_flags(args.gpu_flags)
+        print(f"GPU rows compiled by {compilers.version('gpu')}, flags: {flags}", flush=True)
     print("\n".join(HEADER), flush=True)
     targets = {}
     for name, hw, n, ov in configs():

@@ -55,8 +55,9 @@ def _check_outputs(args) -> None:
 
 
 def _setup_devices(cfg, devices_flag: int | None, processes: int = 1, planning: bool = False) -> list[str]:
-    """Fake host devices before JAX initialises (only CPU-only hosts are affected). `devices` counts
-    all processes together; each of `processes` fakes its share. One device (not for `plan`, which
+    """Fake host devices before JAX initialises (only CPU-only hosts are affected; where jax has a CUDA
+    plugin, meshpar's GPU XLA flags are added too, `meshpar.runtime.xla_flags`). `devices` counts all processes
+    together; each of `processes` fakes its share. One device (not for `plan`, which
     searches meshes of `devices` itself) collapses the configured mesh. -> the warnings to show."""
     from meshpar.core.mesh import fake_cpu_devices
 
@@ -69,6 +70,10 @@ def _setup_devices(cfg, devices_flag: int | None, processes: int = 1, planning: 
     notes = [_one_device(cfg.mesh, cfg.strategy)] if n == 1 and not planning else []
     if os.environ.get("JAX_PLATFORMS", "cpu") in ("cpu", "") or not _has_accelerator():
         fake_cpu_devices(n // processes)
+    if _has_accelerator(("jax_cuda12_plugin", "jax_cuda13_plugin")):  # the flags GPU programs run with (inert on CPU)
+        from meshpar.runtime.xla_flags import with_gpu_flags
+
+        os.environ["XLA_FLAGS"] = with_gpu_flags(os.environ.get("XLA_FLAGS", ""))
     return [line for line in notes if line]
 
 
@@ -88,10 +93,10 @@ def _one_device(mesh, strategy: str) -> str | None:
     return None
 
 
-def _has_accelerator() -> bool:
+def _has_accelerator(plugins=("jax_cuda12_plugin", "jax_cuda13_plugin", "libtpu")) -> bool:
     import importlib.util
 
-    return any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "libtpu"))
+    return any(importlib.util.find_spec(m) for m in plugins)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -197,7 +197,9 @@ def serve_report(cfg, target=None) -> dict:
         device_memory=int(target.hardware.memory_bytes) if target else None,
     )
     start = time.perf_counter()
-    compiled = engine.compiled_generate()
+    from meshpar.plan.target import launch_options  # local: beside compile_with_live_ranges' import
+
+    compiled = engine.compiled_generate(launch_options(target) if target else None)
     seconds = time.perf_counter() - start
     shape = dict(zip(engine.mesh.axis_names, engine.mesh.devices.shape))
     hlo = compiled.as_text()

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from dataclasses import dataclass, field
 
 from meshpar.core.errors import ConfigError, MeshparError
 from meshpar.plan.hardware import Hardware, load_hardware
-from meshpar.runtime import compilers
+from meshpar.runtime import compilers, xla_flags
 
 GPUS_PER_NODE = 8
 TPU_HOST = {2: (2, 2), 3: (2, 2, 1)}  # the smallest TPU topology libtpu describes: one host of 4 chips
@@ -50,6 +51,7 @@ class Target:
             "slices": self.slices,
             "memory_bytes": int(self.hardware.memory_bytes),
             "compiler": compilers.version(self.platform),
+            "xla_flags": launch_options(self),
         }
 
 
@@ -213,10 +215,17 @@ _NO_TILING = "Couldn't find output tile sizes"
 NO_TRITON_GEMM = {"xla_gpu_enable_triton_gemm": False}
 
 
+def launch_options(target: Target) -> dict:
+    """The XLA flags a job launched on `target`'s hardware runs with (`meshpar.runtime.xla_flags`), as
+    compiler options, so that the deviceless compile is that job's program."""
+    return xla_flags.compiler_options(target.platform, os.environ.get("XLA_FLAGS", ""))
+
+
 def compile_trainer(target: Target, trainer, options: dict | None = None) -> tuple[object, list[str]]:
-    """(the trainer's step compiled for `target`, with XLA compiler `options`, notes): on GPU targets a
-    step whose dots XLA:GPU's Triton GEMM cannot tile without a device is compiled again with cuBLAS
-    GEMMs, and says so."""
+    """(the trainer's step compiled for `target`, with its launch flags and XLA compiler `options`,
+    notes): on GPU targets a step whose dots XLA:GPU's Triton GEMM cannot tile without a device is
+    compiled again with cuBLAS GEMMs, and says so."""
+    options = {**launch_options(target), **(options or {})}
     try:
         return trainer.compile(options), []
     except Exception as e:  # noqa: BLE001 - only this one XLA:GPU refusal is retried

@@ -10,7 +10,8 @@ What the script does, and why:
   shipped script `$PYTHON`, the submitting shell's `$VIRTUAL_ENV`, the submit directory's `.venv`,
   `python3`, in that order; one that cannot import meshpar stops the job with one line (the compute
   node's first `python` on PATH often has no jax);
-- GPU-only XLA flags only where SLURM gave the job GPUs;
+- no XLA flags of its own: each task's `meshpar train` adds meshpar's GPU flags where its jax has a CUDA
+  plugin (`meshpar.runtime.xla_flags`; the job's own XLA_FLAGS win, flag by flag);
 - preemption: `--signal=TERM@180` and `scancel`/`scontrol requeue` send SIGTERM to the tasks, which
   agree on a step, save a checkpoint and exit 143; the batch step (`meshpar launch --relay srun ...`) outlives its
   own SIGTERM and returns srun's status. With `--requeue` SLURM runs the script again: the same command resumes from
@@ -59,9 +60,6 @@ fi
 export PYTHONUNBUFFERED=1
 export MESHPAR_HEARTBEAT_TIMEOUT=${{MESHPAR_HEARTBEAT_TIMEOUT:-60}}
 export MESHPAR_PEER_TIMEOUT=${{MESHPAR_PEER_TIMEOUT:-20}}
-if [[ -n "${{SLURM_GPUS_ON_NODE:-}}" && "${{SLURM_GPUS_ON_NODE}}" != 0 ]]; then   # GPU-only XLA flags
-  export XLA_FLAGS="${{XLA_FLAGS:-}} --xla_gpu_enable_latency_hiding_scheduler=true"
-fi
 echo "meshpar: job ${{SLURM_JOB_ID}} (restart ${{SLURM_RESTART_COUNT:-0}}): ${{SLURM_NTASKS}} tasks on ${{SLURM_JOB_NUM_NODES}} node(s) (${{SLURM_JOB_NODELIST}}), $PYTHON"
 # --kill-on-bad-exit: one failed task ends the step instead of leaving the others waiting.
 # `launch --relay` runs srun, drops Gloo's connection reports from its output and outlives the

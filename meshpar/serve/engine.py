@@ -262,6 +262,7 @@ class Engine:
 
         return run_all(self, requests, on_token)
 
-    def compiled_generate(self):
-        """The compiled decode step (HLO text, memory_analysis) without running it (`DecodePrograms`)."""
-        return self.programs.compiled_generate()
+    def compiled_generate(self, options: dict | None = None):
+        """The compiled decode step (HLO text, memory_analysis) without running it (`DecodePrograms`),
+        with XLA compiler `options`."""
+        return self.programs.compiled_generate(options)

@@ -156,14 +156,14 @@ class DecodePrograms:
             donate_argnums=(1,),
         )
 
-    def compiled_generate(self):
+    def compiled_generate(self, options: dict | None = None):
         """The compiled decode step (HLO text, memory_analysis) without running it, for this mesh's
-        platform (a deviceless target's GPU or TPU too)."""
+        platform (a deviceless target's GPU or TPU too), with XLA compiler `options`."""
         shapes = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.placement.weights
         )
         with compiling_for(of_mesh(self.mesh)):
-            return self.generate.lower(shapes, self.state.shapes()).compile()
+            return self.generate.lower(shapes, self.state.shapes()).compile(options)
 
     def _decode(self, weights, tokens, positions, cache):
         """The model's decode (under the active layout), or with `mesh.pipeline` > 1 the same through

@@ -112,6 +112,27 @@ def test_the_schedule_shows_which_collectives_compute_hides(gpu_presets):
     )
 
 
+def test_a_gpu_target_compiles_with_the_flags_a_launched_job_runs_with(gpu_presets, tpu_presets, h100, monkeypatch):
+    """`--target h100` compiles the program `meshpar train` on an H100 host runs: with meshpar's GPU XLA
+    flags (`meshpar.runtime.xla_flags`), less those the user's own XLA_FLAGS names."""
+    from meshpar.plan.target import compile_trainer
+
+    lhs = "xla_gpu_enable_latency_hiding_scheduler"
+    assert gpu_presets["fsdp"]["target"]["xla_flags"] == {lhs: True}
+    assert tpu_presets["fsdp"]["target"]["xla_flags"] == {}
+    seen = []
+
+    class Step:  # a trainer's compile, recording the options it was given
+        def compile(self, options=None):
+            seen.append(options)
+            return "compiled"
+
+    assert compile_trainer(h100, Step(), {"xla_dump_to": "/d"}) == ("compiled", [])
+    monkeypatch.setenv("XLA_FLAGS", f"--{lhs}=false")
+    compile_trainer(h100, Step())
+    assert seen == [{lhs: True, "xla_dump_to": "/d"}, {}]
+
+
 @pytest.mark.parametrize("name, schedule", [("h100", "1f1b"), ("tpu-v5p", "gpipe")])
 def test_pipelines_compile_for_both_targets(h100, v5p, name, schedule):
     target = h100 if name == "h100" else v5p
