@@ -83,6 +83,15 @@ def maxtext_overrides(name: str, n: int, overrides: list[str], gpu: bool = False
     return out
 
 
+def gpu_flags() -> str:
+    """The XLA:GPU flags both sides compile with: meshpar's launch flags (`meshpar.runtime.xla_flags`) and
+    the `--xla_gpu_*` ones of this process's XLA_FLAGS (--gpu-flags added), which win flag by flag."""
+    import os
+
+    mine = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if f.startswith("--xla_gpu_"))
+    return xla_flags.with_gpu_flags(mine)
+
+
 def maxtext_row(name: str, n: int, python: str, overrides: list[str], hw) -> dict:
     """MaxText's compile of the same step, read by meshpar's own HLO readers."""
     import os
@@ -100,7 +109,7 @@ def maxtext_row(name: str, n: int, python: str, overrides: list[str], hw) -> dic
     }
     if hw.kind == "gpu":  # meshpar's deviceless CUDA devices in MaxText's process, and the XLA:GPU flags
         env["MESHPAR_GPU_TARGET"] = f"{hw.name}:{n}"  # meshpar's compile got: --gpu-flags, then meshpar's own
-        env["XLA_FLAGS"] = xla_flags.with_gpu_flags(os.environ.get("MESHPAR_BENCH_GPU_FLAGS", ""))
+        env["XLA_FLAGS"] = gpu_flags()
     start = time.perf_counter()
     proc = subprocess.run([python, script, base, *overrides], capture_output=True, text=True, env=env, timeout=1800)
     if proc.returncode:
@@ -337,15 +346,15 @@ def main() -> int:
         "--gpu-flags",
         default="",
         metavar="FLAGS",
-        help="XLA_FLAGS for both sides' H100 compiles, beside meshpar's GPU flags (meshpar.runtime.xla_flags), "
-        "which both sides get unless FLAGS names them (e.g. '--xla_gpu_enable_latency_hiding_scheduler=false')",
+        help="XLA:GPU flags for both sides' H100 compiles, beside meshpar's launch flags "
+        "(meshpar.runtime.xla_flags), which both sides get unless FLAGS names them "
+        "(e.g. '--xla_gpu_enable_latency_hiding_scheduler=false')",
     )
     args = ap.parse_args()
     import os
 
     if args.gpu_flags:  # read by XLA:GPU when the CUDA compiler loads; MaxText's process gets the same
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {args.gpu_flags}".strip()
-        os.environ["MESHPAR_BENCH_GPU_FLAGS"] = args.gpu_flags
 
     if args.maxtext and not args.own_libtpu and "tpu" in args.targets:
         os.environ["TPU_LIBRARY_PATH"] = maxtext_libtpu(args.maxtext)
@@ -357,8 +366,7 @@ def main() -> int:
         compilers.load("tpu")
         print(f"TPU rows compiled by {compilers.version('tpu')} ({os.environ['TPU_LIBRARY_PATH']})", flush=True)
     if "h100" in args.targets:
-        flags = xla_flags.with_gpu_flags(args.gpu_flags)
-        print(f"GPU rows compiled by {compilers.version('gpu')}, flags: {flags}", flush=True)
+        print(f"GPU rows compiled by {compilers.version('gpu')}, flags: {gpu_flags()}", flush=True)
     print("\n".join(HEADER), flush=True)
     targets = {}
     for name, hw, n, ov in configs():

@@ -3,7 +3,7 @@
     target = resolve("h100", 8)                 # 8 NVIDIA H100s: one node
     target = resolve("tpu-v5p", 64)             # a v5p slice of 64 chips, 4x4x4
     trainer = trainer_for(cfg, devices=target.devices)   # the same Trainer, on a Mesh of those devices
-    compiled = trainer.lower().compile()        # by the target's own compiler (XLA:GPU, libtpu)
+    compiled, notes = compile_trainer(target, trainer)   # by the target's compiler, with its launch flags
 
 `jax.experimental.topologies` builds compile-only devices from a description: for a GPU a
 `GpuTargetConfigProto` (SM count, compute capability, clock, memory, shared memory, cuDNN version)
@@ -51,7 +51,7 @@ class Target:
             "slices": self.slices,
             "memory_bytes": int(self.hardware.memory_bytes),
             "compiler": compilers.version(self.platform),
-            "xla_flags": launch_options(self),
+            "xla_flags": xla_flags.in_force(self.platform, os.environ.get("XLA_FLAGS", "")),
         }
 
 

@@ -2,7 +2,7 @@
 compiles for a GPU, so that what `inspect --target h100` and `plan --verify --target h100` report is
 the program a launched job runs.
 
-    XLA_FLAGS=$(with_gpu_flags "$XLA_FLAGS")     # `meshpar train/serve` on a CUDA host, SLURM's tasks
+    XLA_FLAGS=$(with_gpu_flags "$XLA_FLAGS")     # `meshpar train` (serve, ...) on a CUDA host, SLURM's tasks
     jit(f).lower(...).compile(compiler_options("gpu"))   # a deviceless compile for a GPU target
 
 A flag the user's own XLA_FLAGS names is theirs: meshpar adds only the flags it does not name, flag by
@@ -40,7 +40,18 @@ GPU_FLAGS: tuple[Flag, ...] = (
 
 def named(xla_flags: str) -> set[str]:
     """The flag names an XLA_FLAGS string sets ("--a=1 --b" -> {"a", "b"})."""
-    return {f.lstrip("-").split("=", 1)[0] for f in xla_flags.split() if f.startswith("--")}
+    return set(given(xla_flags))
+
+
+def given(xla_flags: str) -> dict[str, str]:
+    """The flags an XLA_FLAGS string sets, by name ("--a=1 --b" -> {"a": "1", "b": "true"})."""
+    pairs = (f[2:].split("=", 1) for f in xla_flags.split() if f.startswith("--"))
+    return {p[0]: p[1] if len(p) > 1 else "true" for p in pairs}
+
+
+def from_file(xla_flags: str) -> bool:
+    """Whether XLA reads `xla_flags` as the name of a file of flags (a value not starting with "-")."""
+    return bool(xla_flags.strip()) and not xla_flags.strip().startswith("-")
 
 
 def missing(flags: tuple[Flag, ...], xla_flags: str) -> list[Flag]:
@@ -50,13 +61,24 @@ def missing(flags: tuple[Flag, ...], xla_flags: str) -> list[Flag]:
 
 
 def with_gpu_flags(xla_flags: str = "") -> str:
-    """`xla_flags` with meshpar's GPU flags appended where it does not name them."""
+    """`xla_flags` with meshpar's GPU flags appended where it does not name them (a file of flags, which
+    XLA reads instead, is the user's whole choice: unchanged)."""
+    if from_file(xla_flags):
+        return xla_flags
     return " ".join([xla_flags.strip(), *(f.arg() for f in missing(GPU_FLAGS, xla_flags))]).strip()
 
 
 def compiler_options(platform: str, xla_flags: str = "") -> dict:
     """XLA compiler options for a deviceless compile on `platform` ("gpu" or "tpu"): the flags a launched
     job on that platform runs with, less those the process's `xla_flags` names (XLA read them already)."""
-    if platform != "gpu":
+    if platform != "gpu" or from_file(xla_flags):
         return {}
     return {f.name: f.value for f in missing(GPU_FLAGS, xla_flags)}
+
+
+def in_force(platform: str, xla_flags: str = "") -> dict:
+    """The `platform` flags a program compiled with `compiler_options` has: meshpar's, and the user's own
+    from `xla_flags` (name -> value), for a report to list."""
+    prefix = {"gpu": "xla_gpu_", "tpu": "xla_tpu_"}.get(platform, "xla_")
+    mine = {k: v for k, v in given(xla_flags).items() if k.startswith(prefix)}
+    return {**compiler_options(platform, xla_flags), **mine}

@@ -27,14 +27,25 @@ def test_the_gpu_flags_are_added_unless_the_user_names_them():
     assert xla_flags.compiler_options("gpu") == {LHS: True}
     assert xla_flags.compiler_options("gpu", mine) == {}  # XLA read the user's from the environment already
     assert xla_flags.compiler_options("tpu") == {}
+    # what a report lists: the flags in force, the user's own included
+    assert xla_flags.in_force("gpu", mine) == {LHS: "false", "xla_gpu_enable_triton_gemm": "false"}
+    assert xla_flags.in_force("gpu", "--xla_dump_to=/d") == {LHS: True}
+    # XLA reads a value that does not start with "-" as a file of flags: the user's whole choice
+    assert xla_flags.with_gpu_flags("/etc/xla_flags.txt") == "/etc/xla_flags.txt"
+    assert xla_flags.compiler_options("gpu", "/etc/xla_flags.txt") == {}
+    assert xla_flags.given("--a=1 --b") == {"a": "1", "b": "true"}
 
 
-def _cli_on(monkeypatch, tmp_path, plugin: str, xla: str | None) -> str:
-    """XLA_FLAGS after the CLI's device set-up on a host whose jax has `plugin` (and JAX_PLATFORMS unset)."""
+def _cli_on(monkeypatch, tmp_path, plugin: str, xla: str | None, platforms: str | None = "cuda") -> str:
+    """XLA_FLAGS after the CLI's device set-up on a host whose jax has `plugin`, under JAX_PLATFORMS
+    `platforms` (None: unset)."""
     from meshpar.cli import _setup_devices
 
     (tmp_path / plugin).mkdir()
-    monkeypatch.setenv("JAX_PLATFORMS", "cuda")
+    if platforms is None:
+        monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    else:
+        monkeypatch.setenv("JAX_PLATFORMS", platforms)
     monkeypatch.delenv("XLA_FLAGS", raising=False)
     if xla is not None:
         monkeypatch.setenv("XLA_FLAGS", xla)
@@ -61,7 +72,12 @@ def _finds_in(folder):
     ],
 )
 def test_a_cuda_host_launches_with_the_gpu_flags(monkeypatch, tmp_path, mine, expected):
-    assert _cli_on(monkeypatch, tmp_path, "jax_cuda12_plugin", mine) == expected  # no fake host devices either
+    assert _cli_on(monkeypatch, tmp_path, "jax_cuda12_plugin", mine) == expected  # and no fake host devices
+
+
+def test_a_cuda_host_without_jax_platforms_gets_them_beside_the_inert_fake_cpu_count(monkeypatch, tmp_path):
+    flags = _cli_on(monkeypatch, tmp_path, "jax_cuda12_plugin", None, platforms=None)
+    assert f"--{LHS}=true" in flags.split() and "--xla_force_host_platform_device_count=8" in flags.split()
 
 
 def test_a_tpu_host_gets_no_gpu_flags(monkeypatch, tmp_path):
