@@ -263,7 +263,13 @@ def main() -> None:
         print("ROW " + json.dumps(run_case(args.case, args)), flush=True)
         return
     # every measurement in a child of its own: its runtime peak is its own, and this process holds no device memory
-    env = {**os.environ, "XLA_PYTHON_CLIENT_MEM_FRACTION": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")}
+    from meshpar.runtime.xla_flags import with_gpu_flags
+
+    env = {
+        **os.environ,
+        "XLA_PYTHON_CLIENT_MEM_FRACTION": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95"),
+        "XLA_FLAGS": with_gpu_flags(os.environ.get("XLA_FLAGS", "")),  # what `meshpar train` runs a GPU with
+    }
 
     def child(name: str) -> dict:
         cmd = [
