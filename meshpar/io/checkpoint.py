@@ -56,6 +56,7 @@ from etils import epath
 
 from meshpar.core.config import CheckpointConfig
 from meshpar.core.errors import MeshparError
+from meshpar.io.failures import one_line, quiet_abandoned_reads
 from meshpar.io.fingerprint import fingerprint, tree_signature
 
 ITEMS = ("state", "data", "meta")
@@ -178,7 +179,7 @@ class Checkpointer:
             )
         except Exception as e:  # noqa: BLE001 - e.g. a full disk surfacing from the previous async save
             raise CheckpointError(
-                f"could not write checkpoint step {step} at {self.path(step)} ({_one_line(e)}); "
+                f"could not write checkpoint step {step} at {self.path(step)} ({one_line(e)}); "
                 f"complete checkpoints in {self.directory} are untouched"
             ) from e
         self.last_saved = step
@@ -192,7 +193,7 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001
             raise CheckpointError(
                 f"writing checkpoint step {self.last_saved} in {self.directory} failed "
-                f"({_one_line(e)}); complete checkpoints there are untouched"
+                f"({one_line(e)}); complete checkpoints there are untouched"
             ) from e
 
     def close(self) -> None:
@@ -237,6 +238,7 @@ def _restore_newest(ckpt: Checkpointer) -> Restored | None:
     steps = ckpt.steps()
     if not steps:
         return None
+    quiet_abandoned_reads()  # a damaged step's restore fails part-way: its other reads are said nothing of
     damaged = []
     for step in reversed(steps):
         try:
@@ -244,7 +246,7 @@ def _restore_newest(ckpt: Checkpointer) -> Restored | None:
         except CheckpointError:
             raise
         except Exception as e:  # noqa: BLE001 - any read/decode/verify failure marks this one damaged
-            ok, result, reason = False, None, _one_line(e)
+            ok, result, reason = False, None, one_line(e)
         ok = _all_processes(ok)
         if ok:
             state, data, meta = result
@@ -291,7 +293,7 @@ def set_aside(damaged: list[dict], info: Callable[[str], None]) -> None:
                     info(f"moved damaged checkpoint {src} to {dst} (kept, not deleted)")
             except OSError as e:
                 info(
-                    f"could not move damaged checkpoint {src} aside ({_one_line(e)}); the next save of "
+                    f"could not move damaged checkpoint {src} aside ({one_line(e)}); the next save of "
                     f"step {d['step']} replaces it"
                 )
     _barrier("meshpar-checkpoint-set-aside")
@@ -311,12 +313,6 @@ def _all_processes(ok: bool) -> bool:
     from jax.experimental import multihost_utils
 
     return bool(np.all(multihost_utils.process_allgather(np.asarray(ok, np.int32))))
-
-
-def _one_line(e: BaseException) -> str:
-    text = f"{type(e).__name__}: {e}".strip()
-    line = text.splitlines()[0] if text else type(e).__name__
-    return line.split(" See full TensorStore details")[0][:300]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -364,6 +360,7 @@ def restore_weights(directory, target: dict, info: Callable[[str], None] = print
     target = {k: v for k, v in target.items() if jax.tree.leaves(v)}  # e.g. no non-Param variables
     mine = tree_signature(target)
     reasons = []
+    quiet_abandoned_reads()
     try:
         for step in reversed(steps):
             meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
@@ -385,9 +382,9 @@ def restore_weights(directory, target: dict, info: Callable[[str], None] = print
                     ),
                 )["state"]
             except Exception as e:  # noqa: BLE001 - a damaged step: try the previous one
-                reasons.append(f"step {step}: {_one_line(e)}")
+                reasons.append(f"step {step}: {one_line(e)}")
                 info(
-                    f"checkpoint step {step} at {root}/{step} could not be read ({_one_line(e)}); "
+                    f"checkpoint step {step} at {root}/{step} could not be read ({one_line(e)}); "
                     "trying the previous one"
                 )
                 continue

@@ -47,6 +47,7 @@ import numpy as np
 
 from meshpar.core.errors import ConfigError
 from meshpar.core.pretrained import hf_path, read_config, read_json  # noqa: F401 - config.json, read before any model
+from meshpar.io.failures import one_line
 
 DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16), "BF16": np.dtype(ml_dtypes.bfloat16)}
 NAMES = {v: k for k, v in DTYPES.items()}
@@ -101,7 +102,7 @@ class Checkpoint:
             try:
                 h = safe_open(str(self.root / file), framework="np")
             except Exception as e:  # noqa: BLE001 - a truncated or foreign file
-                raise ConfigError(f"{self.root / file}: not a readable safetensors file ({_one_line(e)})") from None
+                raise ConfigError(f"{self.root / file}: not a readable safetensors file ({one_line(e)})") from None
             self.handles[file] = h
             for name in h.keys():
                 if self.file_of is not None and self.file_of.get(name) != file:
@@ -393,8 +394,3 @@ def provenance(init_from: str | None, tokenizer: str | None) -> tuple[dict, dict
     if generation is None and extra:
         generation = {k: v for k, v in extra.items()}
     return extra, generation
-
-
-def _one_line(e: BaseException) -> str:
-    text = f"{type(e).__name__}: {e}".strip()
-    return (text.splitlines()[0] if text else type(e).__name__)[:300]

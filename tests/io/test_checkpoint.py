@@ -226,6 +226,24 @@ def test_no_usable_checkpoint_stops_and_deletes_nothing(saved, tmp_path):
     assert _tree_digest(d) == before
 
 
+def test_damaged_checkpoints_are_said_in_meshpars_lines_and_nothing_else(saved, tmp_path):
+    """`meshpar train` over checkpoints whose array files were cut short: each damaged step in one line,
+    then the error in one line on stderr, and nothing more. Orbax's other reads of a failed restore end later,
+    each once printed a raw traceback ("Event loop is closed") or ~100 lines of asyncio's "Task exception
+    was never retrieved" (`meshpar.io.failures`)."""
+    d = _copy(saved["dir"], tmp_path / "ck")
+    for step in ("2", "4"):
+        os.truncate(_largest_array_file(d / step), 100)
+    mesh = [f"mesh.{a}={8 if a == 'fsdp' else 1}" for a in ("data", "fsdp", "tensor", "pipeline", "expert", "context")]
+    cmd = [sys.executable, "-m", "meshpar.cli", "train", "--devices", "8", *FAST, *mesh, "strategy=fsdp", "steps=8"]
+    r = subprocess.run([*cmd, f"checkpoint.dir={d}"], capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    err = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(err) == 1, r.stderr[-3000:]
+    assert err[0].startswith(f"meshpar: error: no usable checkpoint in {d} (step 4 at {d}/4: Exception: ")
+    said = [ln for ln in r.stdout.splitlines() if " is damaged " in ln]
+    assert [ln.split(" is damaged ")[0] for ln in said] == [f"checkpoint step {s} at {d}/{s}" for s in (4, 2)]
+
+
 def test_checkpoint_of_another_model_is_refused(saved):
     """Not damage: a different model is a user error naming the leaf, and nothing is moved."""
     cfg = make_cfg("strategy=fsdp", "model.layers=3", f"checkpoint.dir={saved['dir']}", mesh={"fsdp": 8})
