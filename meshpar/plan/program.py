@@ -260,6 +260,9 @@ def render_target(t: dict, console) -> None:
         f"{t['memory_bytes'] / gib:.1f} GiB per device, {verdict}",
         highlight=False,
     )
+    if t.get("xla_flags"):  # the flags a launched job runs with (meshpar.runtime.xla_flags), the user's too
+        flags = (f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in t["xla_flags"].items())
+        console.print("XLA flags: " + " ".join(flags), markup=False, highlight=False)
     console.print(
         "kernels: " + (", ".join(f"{k} x{n}" for k, n in t["kernels"].items()) or "none beyond XLA's own"),
         markup=False,

@@ -127,6 +127,14 @@ def test_a_gpu_target_compiles_with_the_flags_a_launched_job_runs_with(gpu_prese
             seen.append(options)
             return "compiled"
 
+    from rich.console import Console
+
+    from meshpar.plan.program import render_target
+
+    for report, shown in ((gpu_presets, True), (tpu_presets, False)):
+        console = Console(record=True, width=300)
+        render_target(report["fsdp"]["target"], console)
+        assert (f"XLA flags: --{lhs}=true" in console.export_text()) == shown
     assert compile_trainer(h100, Step(), {"xla_dump_to": "/d"}) == ("compiled", [])
     monkeypatch.setenv("XLA_FLAGS", f"--{lhs}=false")
     compile_trainer(h100, Step())
