@@ -70,7 +70,7 @@ def _setup_devices(cfg, devices_flag: int | None, processes: int = 1, planning: 
     notes = [_one_device(cfg.mesh, cfg.strategy)] if n == 1 and not planning else []
     if os.environ.get("JAX_PLATFORMS", "cpu") in ("cpu", "") or not _has_accelerator():
         fake_cpu_devices(n // processes)
-    if _has_accelerator(("jax_cuda12_plugin", "jax_cuda13_plugin")):  # the flags GPU programs run with (inert on CPU)
+    if _has_accelerator(CUDA_PLUGINS):  # the flags GPU programs run with (inert on CPU)
         from meshpar.runtime.xla_flags import with_gpu_flags
 
         os.environ["XLA_FLAGS"] = with_gpu_flags(os.environ.get("XLA_FLAGS", ""))
@@ -93,7 +93,10 @@ def _one_device(mesh, strategy: str) -> str | None:
     return None
 
 
-def _has_accelerator(plugins=("jax_cuda12_plugin", "jax_cuda13_plugin", "libtpu")) -> bool:
+CUDA_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin")
+
+
+def _has_accelerator(plugins=(*CUDA_PLUGINS, "libtpu")) -> bool:
     import importlib.util
 
     return any(importlib.util.find_spec(m) for m in plugins)

@@ -6,7 +6,7 @@
 Orbax restores a tree by many concurrent reads (`_read_array_index_and_device_put` tasks) on an
 asyncio event loop of its own. When one read fails (a truncated file: a full disk, a killed writer),
 the restore raises and its loop closes while the other reads are still out. Each of those ends later
-and says so on stderr, after meshpar's one line naming the damaged step, in one of two ways:
+and says so on stderr, after meshpar's one line naming the damaged step, in one of three ways:
 - completing on TensorStore's thread, it reports to the closed loop: a raw "RuntimeError: Event loop
   is closed" traceback (`sys.unraisablehook`; in a test run, pytest pins it on whatever test runs next);
 - failing too, its task (or TensorStore's future under it) is collected unread: asyncio's logger

@@ -22,6 +22,7 @@ import re
 from collections import Counter
 
 from meshpar.plan import inspect
+from meshpar.runtime import xla_flags
 from meshpar.serve.engine import Engine
 from meshpar.serve.placement import ABSTRACT
 from meshpar.train.step import trainer_for
@@ -261,8 +262,8 @@ def render_target(t: dict, console) -> None:
         highlight=False,
     )
     if t.get("xla_flags"):  # the flags a launched job runs with (meshpar.runtime.xla_flags), the user's too
-        flags = (f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in t["xla_flags"].items())
-        console.print("XLA flags: " + " ".join(flags), markup=False, highlight=False)
+        flags = " ".join(xla_flags.arg(k, v) for k, v in t["xla_flags"].items())
+        console.print(f"XLA flags: {flags}", markup=False, highlight=False)
     console.print(
         "kernels: " + (", ".join(f"{k} x{n}" for k, n in t["kernels"].items()) or "none beyond XLA's own"),
         markup=False,

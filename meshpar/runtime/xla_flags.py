@@ -23,8 +23,12 @@ class Flag:
     why: str  # the measurement that earned it its place
 
     def arg(self) -> str:
-        v = str(self.value).lower() if isinstance(self.value, bool) else str(self.value)
-        return f"--{self.name}={v}"
+        return arg(self.name, self.value)
+
+
+def arg(name: str, value: bool | int | str) -> str:
+    """One flag as XLA_FLAGS spells it ("--name=true")."""
+    return f"--{name}={str(value).lower() if isinstance(value, bool) else value}"
 
 
 GPU_FLAGS: tuple[Flag, ...] = (
@@ -36,11 +40,6 @@ GPU_FLAGS: tuple[Flag, ...] = (
         "it, 52.6 GB without; dense fsdp rows expose none either way",
     ),
 )
-
-
-def named(xla_flags: str) -> set[str]:
-    """The flag names an XLA_FLAGS string sets ("--a=1 --b" -> {"a", "b"})."""
-    return set(given(xla_flags))
 
 
 def given(xla_flags: str) -> dict[str, str]:
@@ -56,7 +55,7 @@ def from_file(xla_flags: str) -> bool:
 
 def missing(flags: tuple[Flag, ...], xla_flags: str) -> list[Flag]:
     """`flags` that the user's `xla_flags` does not name (theirs win)."""
-    mine = named(xla_flags)
+    mine = given(xla_flags)
     return [f for f in flags if f.name not in mine]
 
 
@@ -77,8 +76,10 @@ def compiler_options(platform: str, xla_flags: str = "") -> dict:
 
 
 def in_force(platform: str, xla_flags: str = "") -> dict:
-    """The `platform` flags a program compiled with `compiler_options` has: meshpar's, and the user's own
-    from `xla_flags` (name -> value), for a report to list."""
-    prefix = {"gpu": "xla_gpu_", "tpu": "xla_tpu_"}.get(platform, "xla_")
-    mine = {k: v for k, v in given(xla_flags).items() if k.startswith(prefix)}
+    """The GPU flags a program compiled with `compiler_options` has: meshpar's, and the user's own from
+    `xla_flags` (name -> value), for a report to list; none on TPU (libtpu takes its own flags from
+    LIBTPU_INIT_ARGS, and jaxlib's XLA refuses an `xla_tpu_*` in XLA_FLAGS)."""
+    if platform != "gpu":
+        return {}
+    mine = {k: v for k, v in given(xla_flags).items() if k.startswith("xla_gpu_")}
     return {**compiler_options(platform, xla_flags), **mine}

@@ -57,7 +57,9 @@ def _cli_on(monkeypatch, tmp_path, plugin: str, xla: str | None, platforms: str 
 def _finds_in(folder):
     """`meshpar.cli._has_accelerator` looking for the plugins in `folder` only (not this host's jax)."""
 
-    def has(plugins=("jax_cuda12_plugin", "jax_cuda13_plugin", "libtpu")):
+    from meshpar.cli import CUDA_PLUGINS
+
+    def has(plugins=(*CUDA_PLUGINS, "libtpu")):
         return any((folder / p).is_dir() for p in plugins)
 
     return has
