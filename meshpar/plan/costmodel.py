@@ -45,9 +45,8 @@ Memory (per device, bytes).
   (its `none` set once), the logits in fp32 with their gradient (2 x 4 b s V / t) on XLA:CPU, one
   [b s, V / t] in the compute dtype on GPU and TPU targets (2.0 and 2.2 bytes per logit, measured
   on H100 and v5p compiles by varying V), or one token slice's of them under `train.loss_chunks`
-  (1b fsdp on 8 H100s: 4.12 -> 3.63 GiB at 4 and 8 slices, the 500 MiB logits gone). MoE layers add their
-  capacity buffers, the expert input/output and hidden [E,G,C,M|H]: b s k cf (2h + 3H_e/t) per
-  MoE layer (meshpar's default gather dispatch holds no [G,S,E,C] masks).
+  (1b fsdp on 8 H100s: 4.12 -> 3.63 GiB at 4 and 8 slices, the 500 MiB logits gone). MoE layers add
+  their capacity buffers, [E,G,C,M|H]: b s k cf (2h + 3H_e/t) per MoE layer (no [G,S,E,C] masks).
 * Gradients: the backward writes them at the parameters' layout (ZeRO-2: already scattered; ZeRO-1
   without accumulation: XLA reduce-scatters each layer's gradient inside the backward loop, so the
   stacked layers' are held scattered too); with accumulation an accumulator sits beside each
@@ -60,12 +59,13 @@ Memory (per device, bytes).
   gather the updated weights after the backward, so that phase (grads + W; XLA:GPU: the stacked
   weights, capped by its scheduler's limit, `steptime.zero_update_gather`) counts where it exceeds
   the backward's peak.
-  Not modelled: XLA's packing of all temporaries into one buffer, which on CPU adds 15-25% over
-  the largest live set. The loop copies are XLA:CPU's: the deviceless compiles for H100 and TPU v5p
-  (`meshpar inspect --target`, bench/bench_targets.py) hold none, and `compiler` != "cpu" drops them;
-  they hold instead, for a compute dtype narrower than the weights, the stacked weights cast to it
-  once (c x W_stacked elements; every preset without a sharded optimizer state): the compiled temp
-  grew with the local weights by 0.62-0.67 x their fp32 bytes (1b, fsdp=8 vs context=4 x fsdp=2).
+  Not modelled: XLA's packing of all temporaries into one buffer (on CPU 15-25% over the largest
+  live set). The loop copies are XLA:CPU's: the H100 and v5p compiles (`meshpar inspect --target`)
+  hold none; for a compute dtype narrower than the weights they hold the stacked weights cast to it
+  once (c x W_stacked, every preset without a sharded optimizer state; XLA:GPU only those it
+  gathers, the others' casts fuse into their GEMMs: 8B dp x 8 holds none): the compiled temp grew
+  with the local weights by 0.62-0.67 x their fp32 bytes (1b, fsdp=8 vs context=4 x fsdp=2). On one
+  GPU the logits and the layers' gradients share a slot (`steptime.evaluate`).
 
 Time per step and the collectives it moves: `meshpar.plan.steptime`.
 """
@@ -384,14 +384,15 @@ def workspace_parts(
     stacked = [(lf, local_elements(lf, cand, res)) for lf in facts.leaves if lf.stacked]
     n_stk = sum(n for _, n in stacked)  # stacked weight elements one device holds
     out = {"loop_copies": 2 * w * n_stk if st.opt_state is None and compiler == "cpu" else 0.0}
-    if compiler != "cpu" and c < w and st.opt_state is None:
-        out["compute_copy"] = c * n_stk
     layers = (facts.dims.get("layers") or 1) / shape["pipeline"]
-    gathered = 0.0
+    gathered, n_gathered = 0.0, 0.0
     for lf, n in stacked:  # FSDP: the layer being computed, gathered over the batch axes and context
         sharded = sharded_axes(res.spec(lf, cand.strategy, shape, "rest"))
         on_batch = gathered_over(lf, [a for a in (*BATCH_AXES, "context") if a in sharded])
         gathered += n * math.prod(shape[a] for a in on_batch) / lf.shape[0] if on_batch else 0.0
+        n_gathered += n if on_batch else 0.0
+    if compiler != "cpu" and c < w and st.opt_state is None:  # XLA:GPU: what it gathers; libtpu: all
+        out["compute_copy"] = c * (n_gathered if compiler == "gpu" else n_stk)
     out["layer"] = w * gathered if gathered else w * n_stk / layers
     if shape["pipeline"] > 1 and cand.schedule == "1f1b" and cand.remat == "none":
         # 1F1B's stash under `none`: each slot keeps the stage's weights cast to the compute dtype

@@ -44,7 +44,7 @@ from meshpar.plan.costmodel import (
     Candidate,
     ModelFacts,
     Resolver,
-    activation_bytes,
+    activation_parts,
     local_elements,
     split_factor,
     stage_recompute,
@@ -185,7 +185,7 @@ def evaluate(
         ws = workspace_parts(facts, cand, res, bpp[0], c, compiler)
     except ShardingError:
         return None
-    act = activation_bytes(facts, cand, c, compiler)
+    parts = activation_parts(facts, cand, c, compiler)
     grads = mem["grads"]
     st = get_strategy(cand.strategy)
     one_f = cand.shape["pipeline"] > 1 and cand.schedule == "1f1b"
@@ -199,6 +199,11 @@ def evaluate(
             / split_factor(res.spec(lf, cand.strategy, cand.shape, "opt_state" if lf.stacked else "rest"), cand.shape)
             for lf in facts.leaves
         )
+    if compiler == "gpu" and math.prod(cand.shape.values()) == 1 and "logits" in parts:
+        # one device: XLA:GPU computes the head's gradients at once (none is reduced) and frees the
+        # logits before the layers' backward loop writes theirs, in the same slot: the larger counts
+        parts["logits"] = max(0.0, parts["logits"] - (mem["grads"] + parts["working"] + sum(ws.values())))
+    act = sum(parts.values())
     if st.opt_state is not None:  # ZeRO: the gathered updated weights, after the backward
         update = (
             zero_update_gather(facts, cand, res, hw, mem["params"] + mem["optimizer"], bpp[0])
