@@ -95,11 +95,14 @@ def main() -> None:
             "cache_bytes_per_device": b["cache"],
             "bytes_per_s_per_device": (b["weights"] + b["cache"]) / step,
             "traces": dict(eng.traces),
+            # the process's peak so far (slots ascending, each engine dropped before the next: the last row's)
+            "runtime_peak": (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use"),
             "device": jax.devices()[0].device_kind,
             "mesh": dict(zip(eng.mesh.axis_names, eng.mesh.devices.shape)),
         }
         print(json.dumps(row, default=str), flush=True)
         rows.append(row)
+        del eng, state, toks, entry  # its weights and cache leave the device before the next engine's arrive
     print(
         "\n| slots | TTFT by bucket (ms) | decode step (ms) | tokens/s | weights + cache per device (MB) "
         "| bytes/s per device (GB/s) |"

@@ -309,8 +309,9 @@ def _load(placement: Placement, weights, checkpoint_dir: str | None, init_from: 
         {"params": placement.spec.shapes, "vars": placement.spec.var_shapes},
         placement.weight_shardings,
     )
-    if isinstance(weights, str) and weights == ABSTRACT:
-        return target, "abstract: shapes and shardings only, nothing allocated"
+    if isinstance(weights, str) and weights == ABSTRACT:  # as served: floating weights in the compute dtype
+        served = jax.tree.map(lambda s: s.update(dtype=placement.serve_dtype(s.dtype)), target)
+        return served, "abstract: shapes and shardings only, nothing allocated"
     source, shardings, cast = "given", placement.weight_shardings, placement.cast
     if weights is None and checkpoint_dir:
         from meshpar.io.checkpoint import restore_weights  # local: Orbax loads only for a run with checkpoint.dir

@@ -110,7 +110,7 @@ class DecodeState:
         rest = [a for k, v in self.shapes().items() if k != "cache" for a in jax.tree.leaves(v)]
         return {
             **self.placement.bytes_per_device(),
-            "slots": int(sum(bytes_per_device(a.shape, a.dtype, a.sharding) for a in rest)),
+            "slot_state": int(sum(bytes_per_device(a.shape, a.dtype, a.sharding) for a in rest)),
         }
 
 

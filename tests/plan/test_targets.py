@@ -200,11 +200,20 @@ def test_dropless_moe_over_expert_uses_ragged_all_to_all_on_h100_and_gathers_no_
 @pytest.mark.parametrize("name", ["h100", "tpu-v5p"])
 def test_the_serving_decode_step_compiles_for_both_targets(h100, v5p, name):
     from meshpar.plan.program import serve_report
+    from meshpar.serve.engine import Engine
+    from meshpar.serve.placement import ABSTRACT
 
     target = h100 if name == "h100" else v5p
-    rep = serve_report(load_config(None, ["precision=bf16", "serve.slots=8", "serve.cache_length=512"]), target)
+    serve = ["serve.slots=8", "serve.cache_length=512"]
+    rep = serve_report(load_config(None, ["precision=bf16", *serve]), target)
     assert rep["target"]["device_kind"] == target.devices[0].device_kind and rep["target"]["fits"]
-    assert rep["decode"]["cache_length"] == 512 and rep["decode"]["cache"] > 0
+    d = rep["decode"]
+    assert d["slots"] == 8 and d["cache_length"] == 512 and d["cache"] > 0
+    # the program served: bf16 weights (half the fp32 bytes) are what the compiled decode step takes
+    fp32 = Engine(load_config(None, ["precision=fp32", *serve]), devices=target.devices, weights=ABSTRACT, info=print)
+    assert 2 * d["weights"] == fp32.bytes_per_device()["weights"]
+    held = d["weights"] + d["cache"] + d["slot_state"]  # libtpu pads the small slot arrays to its tiles
+    assert held <= 1.02 * rep["memory"]["argument"] < held + d["weights"]  # fp32 weights would be 2x
     # serve_tp: weights stay in place, heads split over `tensor`: every token all-reduces over tensor only
     assert "tensor" in rep["collectives"]["summary"]["all-reduce"]["axes"]
 

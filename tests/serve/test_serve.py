@@ -242,7 +242,7 @@ def test_decode_step_gathers_no_weights_and_holds_what_the_rules_say():
     assert per_device["cache"] * 8 == 2 * 2 * 4 * 64 * 8 * 8 * 4  # K and V [L=2, B=4, K=8, S=64, D=8] fp32 / 8
     assert abs(per_device["weights"] - total / 4) < 0.05 * total / 4  # TP over 4 (norms replicated)
     arg = memory(compiled)["argument"]
-    assert abs(arg - (per_device["weights"] + per_device["cache"] + per_device["slots"])) < 0.02 * arg
+    assert abs(arg - (per_device["weights"] + per_device["cache"] + per_device["slot_state"])) < 0.02 * arg
     # the contrast: serving an FSDP layout gathers weights every token (and says so)
     fsdp = Engine(make_cfg(*MODELS["mha"], *SERVE, "serve.strategy=fsdp", mesh=MESHES["data2_tensor4"]))
     assert any("all-gathers them" in n for n in fsdp.notes)
