@@ -13,6 +13,7 @@ Prints one JSON object per measurement and a Markdown table.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -26,6 +27,7 @@ def main() -> None:
     p.add_argument("--slots", default="1,8,32", help="decode batch sizes to measure")
     p.add_argument("--cache", type=int, default=256, help="serve.cache_length")
     p.add_argument("--steps", type=int, default=20, help="decode steps timed per batch size")
+    p.add_argument("--profile", metavar="DIR", help="also trace 5 decode steps per batch size (kernels by kind)")
     p.add_argument("overrides", nargs="*", help="config overrides (default: tensor=8, a 4-layer 256-wide model)")
     args = p.parse_args()
     if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
@@ -85,6 +87,17 @@ def main() -> None:
             np.asarray(toks)  # the host reads each step's tokens, as `run` does
             times.append(time.perf_counter() - t)
         step = statistics.median(times)
+        profile = None
+        if args.profile:  # where a decode step's device time goes (bench/bench_device.py's summary)
+            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+            from bench_device import profile_summary
+
+            trace = os.path.join(args.profile, f"slots{slots}")
+            with jax.profiler.trace(trace):
+                for _ in range(5):
+                    state, toks, _ = eng.generate(state)
+                    np.asarray(toks)
+            profile = profile_summary(trace, 5, top=12)
         b = eng.bytes_per_device()
         row = {
             "slots": slots,
@@ -97,12 +110,14 @@ def main() -> None:
             "traces": dict(eng.traces),
             # the process's peak so far (slots ascending, each engine dropped before the next: the last row's)
             "runtime_peak": (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use"),
+            "profile": profile,
             "device": jax.devices()[0].device_kind,
             "mesh": dict(zip(eng.mesh.axis_names, eng.mesh.devices.shape)),
         }
         print(json.dumps(row, default=str), flush=True)
         rows.append(row)
         del eng, state, toks, entry  # its weights and cache leave the device before the next engine's arrive
+        gc.collect()  # (the engine's programs and placement refer to each other)
     print(
         "\n| slots | TTFT by bucket (ms) | decode step (ms) | tokens/s | weights + cache per device (MB) "
         "| bytes/s per device (GB/s) |"

@@ -111,6 +111,19 @@ def test_incremental_decoding_equals_full_forward(model, mesh):
             assert err <= 1e-5, (model, mesh, len(p), pos, err)
 
 
+def test_unrolled_layers_decode_as_the_scan_does():
+    """`model.scan_layers=false`, the README's advice for decoding on a GPU (the scan copies each
+    layer's weights every step there), serves the same stacked weights and gives the same tokens and
+    logits, here under tensor parallelism."""
+    ref_toks, ref_logits = drive(engine("mha", "1"), PROMPTS, STEPS)
+    weights = jax.tree.map(np.asarray, engine("mha", "1").weights)
+    cfg = make_cfg(*SERVE, *MODELS["mha"], "model.scan_layers=false", mesh=MESHES["tensor4"])
+    toks, logits = drive(Engine(cfg, devices=devices(4), weights=weights), PROMPTS, STEPS)
+    assert toks == ref_toks
+    for lg, ref in zip(logits, ref_logits):
+        assert np.linalg.norm(lg - ref) <= 1e-5 * np.linalg.norm(ref)
+
+
 @pytest.mark.parametrize("model", list(MODELS))
 def test_greedy_continuations_identical_on_1_and_8_devices(model):
     reqs = [Request(p, 8) for p in PROMPTS]
