@@ -65,7 +65,7 @@ Memory (per device, bytes).
   once (c x W_stacked, every preset without a sharded optimizer state; XLA:GPU only those it
   gathers, the others' casts fuse into their GEMMs: 8B dp x 8 holds none): the compiled temp grew
   with the local weights by 0.62-0.67 x their fp32 bytes (1b, fsdp=8 vs context=4 x fsdp=2). On one
-  GPU the logits and the layers' gradients share a slot (`steptime.evaluate`).
+  GPU the loss and the layers' backward use one slot in turn (`steptime.evaluate`).
 
 Time per step and the collectives it moves: `meshpar.plan.steptime`.
 """
@@ -355,10 +355,6 @@ def rows_factor(moe: dict, shape: dict) -> float:
     return ep * min(k, max(moe["num_experts"] // ep, 1)) / k
 
 
-def activation_bytes(facts: ModelFacts, cand: Candidate, c: int, compiler: str = "cpu") -> float:
-    return sum(activation_parts(facts, cand, c, compiler).values())
-
-
 def stage_recompute(facts: ModelFacts, cand: Candidate) -> float:
     """Forward passes of a stage its backward reruns: one for GPipe and interleaved (they keep stage
     inputs; a scan of two or more layers reruns whole), none for 1F1B (it keeps residuals) or for a
@@ -379,7 +375,8 @@ def workspace_parts(
 ) -> dict:
     """Weight-sized buffers the compiled step holds beside its state (bytes; see the module
     docstring), `w` bytes per weight element, `c` per compute-dtype element; the layer loops' weight
-    copies are XLA:CPU's (`compiler` "cpu"), the compute-dtype copy XLA:GPU's and libtpu's."""
+    copies are XLA:CPU's (`compiler` "cpu"), the compute-dtype copy libtpu's and, of the stacked
+    weights it gathers, XLA:GPU's."""
     shape, st = cand.shape, get_strategy(cand.strategy)
     stacked = [(lf, local_elements(lf, cand, res)) for lf in facts.leaves if lf.stacked]
     n_stk = sum(n for _, n in stacked)  # stacked weight elements one device holds

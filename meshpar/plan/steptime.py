@@ -199,10 +199,12 @@ def evaluate(
             / split_factor(res.spec(lf, cand.strategy, cand.shape, "opt_state" if lf.stacked else "rest"), cand.shape)
             for lf in facts.leaves
         )
-    if compiler == "gpu" and math.prod(cand.shape.values()) == 1 and "logits" in parts:
-        # one device: XLA:GPU computes the head's gradients at once (none is reduced) and frees the
-        # logits before the layers' backward loop writes theirs, in the same slot: the larger counts
-        parts["logits"] = max(0.0, parts["logits"] - (mem["grads"] + parts["working"] + sum(ws.values())))
+    if compiler == "gpu" and math.prod(cand.shape.values()) == 1 and cand.microbatches == 1 and "logits" in parts:
+        # one device: the loss (the logits, their cotangent, the unstacked weights' gradients) ends
+        # before the layers' backward loop writes its gradients, in the same slot: the larger counts
+        head = sum(bpp[1] * lf.numel for lf in facts.leaves if not lf.stacked)
+        backward = mem["grads"] + parts["working"] + sum(ws.values())
+        parts["logits"] = max(2 * parts["logits"] + head, backward) - backward
     act = sum(parts.values())
     if st.opt_state is not None:  # ZeRO: the gathered updated weights, after the backward
         update = (

@@ -115,7 +115,7 @@ def test_unrolled_layers_decode_as_the_scan_does():
     """`model.scan_layers=false`, the README's advice for decoding on a GPU (the scan copies each
     layer's weights every step there), serves the same stacked weights and gives the same tokens and
     logits, here under tensor parallelism."""
-    ref_toks, ref_logits = drive(engine("mha", "1"), PROMPTS, STEPS)
+    ref_toks, ref_logits = drive(engine("mha", "tensor4"), PROMPTS, STEPS)
     weights = jax.tree.map(np.asarray, engine("mha", "1").weights)
     cfg = make_cfg(*SERVE, *MODELS["mha"], "model.scan_layers=false", mesh=MESHES["tensor4"])
     toks, logits = drive(Engine(cfg, devices=devices(4), weights=weights), PROMPTS, STEPS)
