@@ -31,6 +31,7 @@ _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _KIND = re.compile(r'"kind":"(__triton[\w]*)"')
 _NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")
 _COMPUTE = (" fusion(", " convolution(", " custom-call(", " dot(")
+_SLICE_COPY = re.compile(r"ROOT %copy\S* = (\S+) copy\(%dynamic.slice")
 _ASYNC = re.compile(r"\s(" + "|".join(inspect.COLLECTIVES) + r")-start\(")
 _DONE = re.compile(r"\s(" + "|".join(inspect.COLLECTIVES) + r")-done\(\s*%?([\w.\-]+)")
 _SYNC = re.compile(r"\s(" + "|".join(inspect.COLLECTIVES) + r")\(")
@@ -38,6 +39,12 @@ _SYNC = re.compile(r"\s(" + "|".join(inspect.COLLECTIVES) + r")\(")
 
 def _base(name: str) -> str:
     return re.sub(r"\.\d+$", "", name)
+
+
+def sliced_copies(hlo: str) -> list[str]:
+    """Shapes of the loop slices the program copies out before using them (a fusion whose root is
+    copy(dynamic-slice(...))): in XLA:GPU's decode step, each scanned layer's weights, every step."""
+    return _SLICE_COPY.findall(hlo)
 
 
 def kernels(hlo: str) -> dict[str, int]:
@@ -204,11 +211,21 @@ def serve_report(cfg, target=None) -> dict:
     seconds = time.perf_counter() - start
     shape = dict(zip(engine.mesh.axis_names, engine.mesh.devices.shape))
     hlo = compiled.as_text()
+    copies = sliced_copies(hlo)
+    slow = (
+        [
+            f"the decode step copies each layer's weights out of the stacked arrays every step ({len(copies)} "
+            "tensors per layer, the scanned layer loop): model.scan_layers=false reads them in place "
+            "(Llama-3 8B on one H200: 14.7 -> 8.6 ms per step at one slot)"
+        ]
+        if copies and cfg.model.scan_layers
+        else []
+    )
     out = {
         "mesh": shape,
         "strategy": cfg.serve.strategy,
         "precision": cfg.precision,
-        "warnings": list(engine.notes),
+        "warnings": list(engine.notes) + slow,
         "decode": {"slots": engine.slots, "cache_length": engine.length, **engine.bytes_per_device()},
         "collectives": {"summary": inspect.summarize(inspect.collectives(hlo, shape))},
         "memory": inspect.memory(compiled),
