@@ -40,6 +40,10 @@ def main() -> None:
     from meshpar.core.config import load_config
     from meshpar.serve.engine import Engine
 
+    if args.profile:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from bench_device import profile_summary
+
     base = ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=8", "precision=bf16"]
     if not any(o.startswith("model.size=") for o in args.overrides):  # a small model unless a size is named
         base += [
@@ -89,9 +93,6 @@ def main() -> None:
         step = statistics.median(times)
         profile = None
         if args.profile:  # where a decode step's device time goes (bench/bench_device.py's summary)
-            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-            from bench_device import profile_summary
-
             trace = os.path.join(args.profile, f"slots{slots}")
             with jax.profiler.trace(trace):
                 for _ in range(5):
