@@ -5,8 +5,9 @@ Shapes use: B batch, T length, E embed (d_model), N query heads, K key/value hea
 F feed-forward width, V vocabulary, S positions held by a KV cache.
 
 Decoding with a KV cache (`meshpar.serve.engine`): a block called with `cache` (per layer {"k", "v"}, each
-[B, K, S, D], logical axes `CACHE_AXES` minus `layers`) writes this call's keys and values at their
-positions [B, T] and attends to every cached position <= its own; it returns the cache too.
+[B, K, S, D], logical axes `CACHE_AXES` minus `layers`; under `scan_layers`, `meshpar.nn.kvcache` views
+of the stacked cache) writes this call's keys and values at their positions [B, T] and attends to every
+cached position <= its own; it returns the cache too.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from flax import nnx
 
 from meshpar.core.layout import constrain
 from meshpar.core.precision import attention_dtype
+from meshpar.nn import kvcache
 from meshpar.nn.layers import gated_inputs, param, swiglu
 from meshpar.parallel.attention import attention
 
@@ -144,35 +146,31 @@ class Attention(nnx.Module):
 
     @staticmethod
     def _write(k, v, positions, cache):
-        """k, v [B, T, K, D] written at positions [B, T] of the cache {"k", "v"} [B, K, S, D]. A call
-        whose T fills the whole cache is a prefill from position 0: it attends over the prompt itself
-        (`attention`, flash for long prompts), not over the cache."""
+        """k, v [B, T, K, D] written at positions [B, T] of the cache {"k", "v"} [B, K, S, D] (arrays, or
+        `meshpar.nn.kvcache.View`s of the stacked cache, written in place). A call whose T fills the
+        whole cache is a prefill from position 0: it attends over the prompt itself (`attention`, flash
+        for long prompts), not over the cache."""
         b, t = positions.shape
         kv = cache["k"].shape[1]
         at = (jnp.arange(b)[:, None, None], jnp.arange(kv)[None, None, :], positions[:, :, None])  # [B, T, K] each
         names = CACHE_AXES[1:]
-        return {
-            "k": constrain(cache["k"].at[at].set(k.astype(cache["k"].dtype)), names),
-            "v": constrain(cache["v"].at[at].set(v.astype(cache["v"].dtype)), names),
-        }
+
+        def put(c, new):
+            c = kvcache.write(c, at, new)
+            if kvcache.is_view(c):  # the stack's `layers` is the pipeline's to split, or nobody's
+                return kvcache.View(constrain(c.stack, (None, *names)), c.layer)
+            return constrain(c, names)
+
+        return {"k": put(cache["k"], k), "v": put(cache["v"], v)}
 
     @staticmethod
     def _attend_cache(q, positions, cache, adt, window=None, softcap=None):
         """q [B, T, N, D] (query head n = k * G + j, as in the fused QKV) to the cached positions s <=
-        its own (and > its own - window): softmax_s(q . k_s / sqrt(D)) v_s in fp32, stale entries
-        beyond a query's position masked."""
+        its own (and > its own - window): `meshpar.nn.kvcache.attend`."""
         b, t = positions.shape
-        kc, vc = cache["k"], cache["v"]
-        kv, d = kc.shape[1], kc.shape[3]
-        qg = q.reshape(b, t, kv, -1, d).astype(adt)  # [B, T, K, G, D]
-        s = jnp.einsum("btkgd,bksd->bkgts", qg, kc.astype(adt)).astype(jnp.float32) / jnp.sqrt(jnp.float32(d))
-        if softcap is not None:
-            s = softcap * jnp.tanh(s / softcap)
-        mask = jnp.arange(kc.shape[2])[None, None, :] <= positions[:, :, None]  # [B, T, S]
-        if window is not None:
-            mask &= positions[:, :, None] - jnp.arange(kc.shape[2])[None, None, :] < window
-        p = jax.nn.softmax(jnp.where(mask[:, None, None], s, -jnp.inf), axis=-1)
-        o = jnp.einsum("bkgts,bksd->btkgd", p.astype(adt), vc.astype(adt))
+        kv, d = cache["k"].shape[1], cache["k"].shape[3]
+        qg = q.reshape(b, t, kv, -1, d)  # [B, T, K, G, D]
+        o = kvcache.attend(qg, positions, cache["k"], cache["v"], adt, window=window, softcap=softcap)
         return o.reshape(b, t, -1, d).astype(q.dtype)
 
 
@@ -204,6 +202,8 @@ class Block(nnx.Module):
     """Pre-norm decoder block: x + Attn(norm(x)), then + FFN(norm(x)); with `post_norms` (Gemma 2/3)
     each branch's output is normed too before it is added: x + norm(Attn(norm(x))). Returns (x, aux)
     where aux is a dict of per-layer scalars (empty for a dense block; MoE blocks report losses there)."""
+
+    cache_views = True  # decodes through meshpar.nn.kvcache: a stacked cache is updated in place
 
     def __init__(self, cfg, rngs: nnx.Rngs, ffn=None):
         off = getattr(cfg, "norm_offset", 0.0)
@@ -238,6 +238,8 @@ class Pattern(nnx.Module):
     scaling `cfg.local_rope` where it is set), block p-1 sees every key before it. The stack scans
     over these groups, so each block keeps a static mask. `count` < p: the first `count` blocks only
     (the local tail of a stack whose layers are not a multiple of p). x [B, T, E] -> (x, {})."""
+
+    cache_views = True  # its blocks decode through meshpar.nn.kvcache
 
     def __init__(self, cfg, rngs: nnx.Rngs, count: int | None = None):
         p = cfg.local_global

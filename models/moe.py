@@ -65,6 +65,8 @@ class MoEFFN(nnx.Module):
 class SuperBlock(nnx.Module):
     """k consecutive layers: k - 1 dense blocks, then an MoE block. x [B, T, M] -> (x, aux of the MoE)."""
 
+    cache_views = True  # its blocks decode through meshpar.nn.kvcache
+
     def __init__(self, cfg: DecoderConfig, moe: moe_lib.MoESettings, rngs: nnx.Rngs):
         self.dense = nnx.List([Block(cfg, rngs) for _ in range(moe.every - 1)])
         self.moe = Block(cfg, rngs, ffn=MoEFFN(cfg, moe, rngs))

@@ -26,7 +26,7 @@ from meshpar.core.layout import at_use, constrain
 from meshpar.core.platform import platform
 from meshpar.core.precision import param_dtype
 from meshpar.core.sharding import logical_axes
-from meshpar.nn import dropout
+from meshpar.nn import dropout, kvcache
 
 
 def param(rngs: nnx.Rngs, shape, logical, std: float | None = None, init: str = "normal") -> nnx.Param:
@@ -150,7 +150,9 @@ def scan_layers(layers_mod, x, positions, remat: str = "full", scan: bool = True
     segment_ids [B, T]), and returns x (its structure, shapes and dtypes) or (x, aux). Returns (x, aux) with aux
     stacked [layers] ({} when the layers return none).
     With `cache` (a KV cache stacked [layers, ...], decoding) each layer is called as
-    `layer(x, positions, cache=its slice) -> (x, aux, new slice)` and (x, aux, cache) is returned.
+    `layer(x, positions, cache=its slice) -> (x, aux, new slice)` and (x, aux, cache) is returned; a
+    layer class with `cache_views = True` gets `meshpar.nn.kvcache.View`s instead, and its writes
+    through `kvcache.write` update the stack in place.
     """
     graphdef, state = nnx.split(layers_mod)
 
@@ -175,17 +177,22 @@ def scan_layers(layers_mod, x, positions, remat: str = "full", scan: bool = True
         return out if isinstance(out, tuple) else (out, {})
 
     def decode_body(carry, xs):
-        """The stacked cache rides in the carry: layer i reads its slice and writes it back in place
-        (a scan's xs -> ys would copy the whole cache every step)."""
+        """The stacked cache rides in the carry (a scan's xs -> ys would copy the whole cache every
+        step). A layer with `cache_views` gets a `kvcache.View` per leaf and writes its new entries
+        into the stack in place; any other gets its slice, which is written back whole."""
         x, cache = carry
         layer_state, i = xs
         layer_state = jax.tree.map(pin, layer_state, is_leaf=lambda v: isinstance(v, nnx.Variable))
-        mine = jax.tree.map(lambda c: jax.lax.dynamic_index_in_dim(c, i, 0, keepdims=False), cache)
+        if views:
+            mine = jax.tree.map(lambda c: kvcache.View(c, i), cache)
+        else:
+            mine = jax.tree.map(lambda c: jax.lax.dynamic_index_in_dim(c, i, 0, keepdims=False), cache)
         y, aux, mine = nnx.merge(graphdef, layer_state)(x, positions, cache=mine)
-        cache = jax.tree.map(lambda c, m: jax.lax.dynamic_update_index_in_dim(c, m.astype(c.dtype), i, 0), cache, mine)
+        cache = jax.tree.map(lambda c, m: kvcache.restack(c, m, i), cache, mine, is_leaf=kvcache.is_view)
         return (y, cache), aux
 
     n = jax.tree.leaves(state)[0].shape[0]
+    views = getattr(layers_mod, "cache_views", False)
     draws = dropout.draws(graphdef)  # its blocks draw dropout keys: the scan passes the layer index
     loop = jax.lax.scan if scan else functools.partial(_unrolled, n=n)
     if cache is not None:  # decoding: no backward pass, so no remat
