@@ -21,6 +21,9 @@ from __future__ import annotations
 import re
 from collections import Counter
 
+import jax
+
+from meshpar.core.batch import is_leaf
 from meshpar.plan import inspect
 from meshpar.runtime import xla_flags
 from meshpar.serve.engine import Engine
@@ -31,6 +34,7 @@ _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _KIND = re.compile(r'"kind":"(__triton[\w]*)"')
 _NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")
 _COMPUTE = (" fusion(", " convolution(", " custom-call(", " dot(")
+_CALLS = re.compile(r"calls=%?([\w.\-]+)")
 _SLICE_COPY = re.compile(r"ROOT %copy\S* = (\S+) copy\(%dynamic.slice")
 _ASYNC = re.compile(r"\s(" + "|".join(inspect.COLLECTIVES) + r")-start\(")
 _DONE = re.compile(r"\s(" + "|".join(inspect.COLLECTIVES) + r")-done\(\s*%?([\w.\-]+)")
@@ -45,6 +49,26 @@ def sliced_copies(hlo: str) -> list[str]:
     """Shapes of the loop slices the program copies out before using them (a fusion whose root is
     copy(dynamic-slice(...))): in XLA:GPU's decode step, each scanned layer's weights, every step."""
     return _SLICE_COPY.findall(hlo)
+
+
+def cache_copies(hlo: str, slices) -> int:
+    """Buffers the program materialises in the shape of one layer's KV cache slice (per device, `slices`
+    a set of dims tuples): a fusion or copy, outside any fused computation, whose result is that slice;
+    the slice copied out of the stacked cache, where a `meshpar.nn.kvcache` view reads it in place."""
+    shapes = {",".join(map(str, d)) for d in slices} | {",".join(map(str, (1, *d))) for d in slices}
+    comps, _ = inspect.split_computations(hlo)
+    fused = {c for lines in comps.values() for line in lines if " fusion(" in line for c in _CALLS.findall(line)}
+    found = 0
+    for name, lines in comps.items():
+        if name in fused:
+            continue
+        for line in lines:
+            head = line.split("=", 1)
+            if len(head) < 2 or not re.search(r"\s(fusion|copy)\(", head[1]):
+                continue
+            result = re.split(r" (?:fusion|copy)\(", head[1])[0]
+            found += sum(1 for dims in re.findall(r"\[([\d,]*)\]", result) if dims in shapes)
+    return found
 
 
 def kernels(hlo: str) -> dict[str, int]:
@@ -221,12 +245,38 @@ def serve_report(cfg, target=None) -> dict:
         if copies and cfg.model.scan_layers
         else []
     )
+    stacked = [
+        sharding.shard_shape(leaf.shape)[1:]
+        for leaf, sharding in zip(
+            jax.tree.leaves(engine.placement.cache_spec, is_leaf=is_leaf),
+            jax.tree.leaves(engine.state_shardings["cache"]),
+        )
+        if leaf.axes and leaf.axes[0] == "layers"
+    ]
+    copied = cache_copies(hlo, set(stacked)) if stacked else 0
+    if copied:
+        views = getattr(getattr(engine.placement.abstract, "layers", None), "cache_views", False)
+        slow.append(
+            f"the decode step copies each layer's KV cache slice {list(stacked[0])} out of the stacked cache "
+            f"every step ({copied} buffers per layer); "
+            + (
+                "XLA's fusions chose to, at this shape (bench/RESULTS.md: the decode step's cache traffic)"
+                if views
+                else "a stacked layer class that writes through meshpar.nn.kvcache and sets cache_views = True "
+                "reads and updates it in place"
+            )
+        )
     out = {
         "mesh": shape,
         "strategy": cfg.serve.strategy,
         "precision": cfg.precision,
         "warnings": list(engine.notes) + slow,
-        "decode": {"slots": engine.slots, "cache_length": engine.length, **engine.bytes_per_device()},
+        "decode": {
+            "slots": engine.slots,
+            "cache_length": engine.length,
+            "cache_slice_copies": copied,
+            **engine.bytes_per_device(),
+        },
         "collectives": {"summary": inspect.summarize(inspect.collectives(hlo, shape))},
         "memory": inspect.memory(compiled),
     }

@@ -224,6 +224,32 @@ def test_the_serving_decode_step_compiles_for_both_targets(h100, v5p, name):
     assert "tensor" in rep["collectives"]["summary"]["all-reduce"]["axes"]
 
 
+@pytest.mark.parametrize("name", ["h100", "tpu-v5p"])
+def test_the_decode_step_updates_the_stacked_kv_cache_in_place(h100, v5p, name, monkeypatch):
+    """The reference layers decode through meshpar.nn.kvcache views: no buffer the size of a layer's cache
+    slice (copied out of the stack, written back whole) in the compiled step. A layer that returns its
+    slice (the older contract) gets those copies, and the note naming the fix. GQA as in Llama (G = 4)."""
+    from meshpar.models.layers import Block
+    from meshpar.plan.program import serve_report
+
+    target = h100 if name == "h100" else v5p
+    cfg = [
+        "precision=bf16",
+        "serve.slots=8",
+        "serve.cache_length=512",
+        "model.embed=512",
+        "model.heads=8",
+        "model.kv_heads=2",
+    ]
+    rep = serve_report(load_config(None, cfg), target)
+    assert rep["decode"]["cache_slice_copies"] == 0 and not any("KV cache slice" in w for w in rep["warnings"])
+    if name == "h100":  # the slice-returning path, compiled once
+        monkeypatch.setattr(Block, "cache_views", False)
+        old = serve_report(load_config(None, cfg), target)
+        assert old["decode"]["cache_slice_copies"] >= 2  # k and v, at least
+        assert any("cache_views = True" in w for w in old["warnings"])
+
+
 def test_a_users_pipelined_vit_compiles_for_h100(h100):
     """Library first: examples/vit.py (the stage protocol) in 2 pipeline stages, by XLA:GPU. Its small
     dots find no Triton tiling without a device (jaxlib 0.10.2), so they take cuBLAS, with a note."""
