@@ -24,7 +24,7 @@ from collections import Counter
 import jax
 
 from meshpar.core.batch import is_leaf
-from meshpar.plan import inspect
+from meshpar.plan import buffers, inspect
 from meshpar.runtime import xla_flags
 from meshpar.serve.engine import Engine
 from meshpar.serve.placement import ABSTRACT
@@ -134,67 +134,25 @@ def overlap(hlo: str) -> dict:
     return {"by_kind": out, **total}
 
 
-# names for a buffer another instruction defined (a loop's or fusion's parameter, a tuple's element)
-_ALIASES = ("parameter", "get-tuple-element", "bitcast", "tuple", "constant")
-_PEAK = re.compile(r"^\s*Live ranges at \d+ \(peak\):\s*$")
-_LIVE = re.compile(r"^\s*([\w.\-]+)\{([\d,]*)\}: (\d+) bytes")
-_SHAPE = re.compile(r"=\s*\(?([a-z]\w*\[[\d,]*\])")
-_SHAPES = re.compile(r"[a-z]\w*\[[\d,]*\]")
-_TUPLE = re.compile(r"=\s*\((.*?)\)\s+[a-z][\w\-]*\(")
-_OPCODE = re.compile(r"\s([a-z][\w\-]*)\(")
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
-
-
-def peak_buffers(live_range: str, hlo: str, top: int = 8) -> list[dict]:
-    """The buffers the compiler itself found live at its peak, largest first (its `*-live-range.txt`
-    dump, read beside the optimized HLO `hlo` for each buffer's shape, opcode and JAX op name):
-    [{"name", "bytes", "shape", "opcode", "op_name"}]. The entry's parameters (the train state,
-    counted as arguments) and aliases of other buffers are left out: these are the temporaries a
-    change to the program moves. Their sum can be below `memory_analysis()`'s temp, which is the
-    packed allocation of every temporary over the whole program."""
-    info = {}
-    for line in hlo.splitlines():
-        name, shape = _NAME.match(line), _SHAPE.search(line)
-        if name and shape:
-            tup = _TUPLE.search(line)
-            shapes = _SHAPES.findall(tup.group(1)) if tup else [shape.group(1)]  # a tuple's elements, in order
-            opcode, op = _OPCODE.search(line, tup.end(1) if tup else shape.end()), _OP_NAME.search(line)
-            info[name.group(1)] = (shapes, opcode.group(1) if opcode else "?", op.group(1) if op else "")
-    out, reading = [], False
-    for line in live_range.splitlines():
-        if _PEAK.match(line):
-            reading = True
-            continue
-        m = _LIVE.match(line) if reading else None
-        if reading and not m:
-            break
-        if m:
-            shapes, opcode, op = info.get(m.group(1), (["?"], "?", ""))
-            if opcode in _ALIASES or m.group(1).startswith(("param", "constant")):
-                continue
-            index = int(m.group(2).split(",")[0]) if m.group(2) else 0
-            shape = shapes[index] if index < len(shapes) else "?"
-            out.append({"name": m.group(1), "bytes": int(m.group(3)), "shape": shape, "opcode": opcode, "op_name": op})
-    return sorted(out, key=lambda b: -b["bytes"])[:top]
-
-
-def compile_with_live_ranges(target, trainer) -> tuple[object, list[str], str | None]:
+def compile_with_live_ranges(target, trainer) -> tuple[object, list[str], str | None, str | None]:
     """`meshpar.plan.target.compile_trainer` with the compiler's own dump written to a scratch folder:
-    (compiled, notes, the text of its buffer live ranges; None where the compiler wrote none), for
-    `peak_buffers`."""
+    (compiled, notes, the text of its buffer live ranges, and of its buffer assignment; None where the
+    compiler wrote none), for `meshpar.plan.buffers.peak_buffers`."""
     import glob
     import os
     import tempfile
 
     from meshpar.plan.target import compile_trainer  # local: the target compilers load only for a --target
 
+    def last(tmp, kind):
+        found = sorted(glob.glob(os.path.join(tmp, f"*after_optimizations-{kind}.txt")))
+        return open(found[-1]).read() if found else None
+
     with tempfile.TemporaryDirectory(prefix="meshpar-dump-") as tmp:
         compiled, notes = compile_trainer(
             target, trainer, {"xla_dump_to": tmp, "xla_dump_hlo_as_text": True, "xla_dump_hlo_module_re": ".*step.*"}
         )
-        found = sorted(glob.glob(os.path.join(tmp, "*after_optimizations-live-range.txt")))
-        live = open(found[-1]).read() if found else None
-    return compiled, notes, live
+        return compiled, notes, last(tmp, "live-range"), last(tmp, "buffer-assignment")
 
 
 def report(cfg, target) -> dict:
@@ -205,13 +163,13 @@ def report(cfg, target) -> dict:
 
     trainer = trainer_for(cfg, devices=target.devices)
     start = time.perf_counter()
-    compiled, notes, live = compile_with_live_ranges(target, trainer)
+    compiled, notes, live, assignment = compile_with_live_ranges(target, trainer)
     seconds = time.perf_counter() - start
     rep = inspect.report(cfg, trainer)  # the same compiled step (Trainer.compile compiles once)
     rep["warnings"] += notes
     hlo = compiled.as_text()
     rep["target"] = target_report(target, compiled, hlo, rep["memory"], seconds)
-    rep["target"]["peak_buffers"] = peak_buffers(live, hlo) if live else None
+    rep["target"]["peak_buffers"] = buffers.peak_buffers(live, hlo, assignment=assignment) if live else None
     return rep
 
 
@@ -343,11 +301,13 @@ def render_target(t: dict, console) -> None:
         highlight=False,
     )
     if t.get("peak_buffers"):
+        named = {b["name"]: describe_op(b["op_name"]) or b["name"] for b in t["peak_buffers"]}
         console.print(
             "live at the compiler's peak (temporaries, largest first): "
             + "; ".join(
                 f"{b['bytes'] / 2**20:,.{0 if b['bytes'] >= 10 * 2**20 else 2}f} MiB {b['shape']} {b['opcode']} "
                 f"({describe_op(b['op_name']) or b['name']})"
+                + (f" in the slot of {named.get(b['slot_of'], b['slot_of'])}" if b.get("slot_of") else "")
                 for b in t["peak_buffers"][:5]
             ),
             markup=False,
