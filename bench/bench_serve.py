@@ -55,6 +55,10 @@ def main() -> None:
             "model.mlp=1024",
             "model.vocab=1024",
         ]
+
+    def peak_bytes():
+        return (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
+
     rows, weights = [], None
     for slots in [int(s) for s in args.slots.split(",")]:
         cfg = load_config(
@@ -65,6 +69,7 @@ def main() -> None:
         )
         eng = Engine(cfg, devices=jax.devices()[: args.devices], weights=weights, info=lambda m: None)
         weights = weights or jax.tree.map(np.asarray, eng.weights)
+        peaks = {"built": peak_bytes()}  # the process's peak after each phase: which one sets it
         # time to first token per bucket (compiled first; median of 5 prefills + inserts)
         ttft = {}
         state = eng.new_state()
@@ -81,6 +86,7 @@ def main() -> None:
                 int(tok)
                 times.append(time.perf_counter() - t)
             ttft[bucket] = statistics.median(times)
+        peaks["prefilled"] = peak_bytes()
         # decode: every slot busy, `steps` generate calls after one warm-up
         state, toks, _ = eng.generate(state)
         jax.block_until_ready(toks)
@@ -110,7 +116,8 @@ def main() -> None:
             "bytes_per_s_per_device": (b["weights"] + b["cache"]) / step,
             "traces": dict(eng.traces),
             # the process's peak so far (slots ascending, each engine dropped before the next: the last row's)
-            "runtime_peak": (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use"),
+            "runtime_peak": peak_bytes(),
+            "peak_after": {**peaks, "decoded": peak_bytes()},
             "profile": profile,
             "device": jax.devices()[0].device_kind,
             "mesh": dict(zip(eng.mesh.axis_names, eng.mesh.devices.shape)),
