@@ -433,7 +433,7 @@ def test_the_head_weight_is_gathered_after_the_layer_stack_not_held_across_it(v5
         None,
         TINY + ["strategy=fsdp", "model.vocab=4096", "model.layers=4", "mesh.data=1", "mesh.fsdp=8", "mesh.tensor=1"],
     )
-    compiled, _, live = compile_with_live_ranges(v5p, trainer_for(cfg, devices=v5p.devices))
+    compiled, _, live, _ = compile_with_live_ranges(v5p, trainer_for(cfg, devices=v5p.devices))
     hlo = compiled.as_text()
     gather = next(
         m.group(1) for m in re.finditer(r"%(all-gather[.\d]*) = bf16\[(\d+),(\d+)\]", hlo) if "4096" in m.group(2, 3)
