@@ -28,7 +28,8 @@ Memory (per device, bytes).
   compiles of 1b (1 and 8 devices, fsdp and tp_sp) and 8B (8, fsdp) came within 2% with them, 0.69-0.72
   without, and one H100 ran out of memory where the old count said 1b fits (bench/bench_device.py).
   Under TP the head and F terms are divided by t (TP without SP also keeps the two row-parallel
-  outputs, 2h, before their all-reduce); under SP (tp_sp) the h terms are divided too. Memory-
+  outputs, 2h, before their all-reduce); under SP (tp_sp) the h terms are divided too, and XLA:GPU's backward
+  holds 6h whole (gathered column-parallel inputs, their cotangents, row-parallel outputs unscattered). Memory-
   efficient attention (flash, cudnn; `auto` beyond 1k tokens) stores no 2 a s term. Context
   parallelism divides the tokens per device by x; its gathered K and V, 2 s k q per sequence, join
   the working set, with their fp32 gradients the backward accumulates over the whole sequence (4
@@ -331,6 +332,8 @@ def activation_parts(facts: ModelFacts, cand: Candidate, c: int, compiler: str =
     out["working"] = c * tokens * per_token_elements(d, "none", t_heads, t_mlp, t_res, scores)
     if cp > 1:  # the gathered K and V of the layer being computed, and in its backward their fp32 gradients
         out["working"] += (c + 4) * b * 2 * s * d["kv_heads"] * d["head_dim"] / t_heads
+    if compiler == "gpu" and t_res > 1:  # SP: 6 whole [b, s, h] (1b tp_sp, 64 H100s: 6 x 128 MiB)
+        out["working"] += c * tokens * 6 * d["embed"]
     # fp32 logits and their gradient; a target: one buffer in the compute dtype, except under GPipe and
     # interleaved, whose last stage holds the fp32 pair too (H100: two [b s, V / t] f32 buffers)
     gpipe = shape["pipeline"] > 1 and cand.schedule != "1f1b"

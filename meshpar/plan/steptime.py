@@ -38,17 +38,19 @@ from __future__ import annotations
 import math
 
 from meshpar.core.errors import ShardingError
-from meshpar.core.rules import get_strategy
+from meshpar.core.rules import BATCH_AXES, get_strategy
 from meshpar.plan.collectives import collectives
 from meshpar.plan.costmodel import (
     Candidate,
     ModelFacts,
     Resolver,
     activation_parts,
+    local_batch,
     local_elements,
     split_factor,
     stage_recompute,
     state_bytes,
+    tensor_splits,
     workspace_parts,
 )
 from meshpar.plan.roofline import matmul_fit, vector_bytes
@@ -165,6 +167,37 @@ def zero_update_gather(facts: ModelFacts, cand: Candidate, res: Resolver, hw, st
     return min(sum(sizes), max(max(sizes, default=0.0), limit))
 
 
+def loss_phase(facts: ModelFacts, cand: Candidate, res: Resolver, bpp, c: int, parts: dict) -> float | None:
+    """Bytes XLA:GPU holds beside the state and the stored residuals while it computes the loss and the
+    head's backward, where that phase ends before the layers' backward begins (the larger phase then
+    counts); None where the logits' cotangent stays live through the layers' backward (the sum counts).
+    - One device: the logits, their cotangent and the unstacked weights' gradients.
+    - ZeRO-1/2 (replicated weights, gradients reduce-scattered to the optimizer's layout): XLA
+      computes the head's weight gradient straight after the loss; the phase holds the logits (their
+      cotangent in their slot), the head's weight in the compute dtype, the stacked gradients as held
+      and a layer's input and output.
+    - Otherwise XLA:GPU's scheduler has computed the head's weight gradient after the layers' backward
+      (DP, TP+SP, FSDP at 125m on 8 and TP at 125m on 64), holding the cotangent through it, or before
+      (FSDP at 125m and 1b on 64, FSDP x TP at 125m on 8): the sum, the larger (H100 buffer
+      assignments, bench/RESULTS.md)."""
+    if cand.microbatches > 1 or cand.shape["pipeline"] > 1 or "logits" not in parts:
+        return None
+    if math.prod(cand.shape.values()) == 1:
+        return 2 * parts["logits"] + sum(bpp[1] * lf.numel for lf in facts.leaves if not lf.stacked)
+    shape, st = cand.shape, get_strategy(cand.strategy)
+    if st.opt_state is None or not any(shape[a] > 1 for a in BATCH_AXES):
+        return None
+    d, sp = facts.dims, tensor_splits(facts, cand)
+    stacked = sum(
+        bpp[1] * lf.numel / split_factor(res.spec(lf, cand.strategy, shape, "opt_state"), shape)
+        for lf in facts.leaves
+        if lf.stacked
+    )
+    tokens = local_batch(facts.run, cand) * facts.run.length / shape["context"]
+    head = c * d["vocab"] * d["embed"] / sp["vocab"]
+    return parts["logits"] + head + stacked + 2 * c * tokens * d["embed"] / sp["res"]
+
+
 def evaluate(
     facts: ModelFacts,
     cand: Candidate,
@@ -199,12 +232,10 @@ def evaluate(
             / split_factor(res.spec(lf, cand.strategy, cand.shape, "opt_state" if lf.stacked else "rest"), cand.shape)
             for lf in facts.leaves
         )
-    if compiler == "gpu" and math.prod(cand.shape.values()) == 1 and cand.microbatches == 1 and "logits" in parts:
-        # one device: the loss (the logits, their cotangent, the unstacked weights' gradients) ends
-        # before the layers' backward loop writes its gradients, in the same slot: the larger counts
-        head = sum(bpp[1] * lf.numel for lf in facts.leaves if not lf.stacked)
+    loss = loss_phase(facts, cand, res, bpp, c, parts) if compiler == "gpu" else None
+    if loss is not None:  # the loss ends before the layers' backward: the larger phase counts
         backward = mem["grads"] + parts["working"] + sum(ws.values())
-        parts["logits"] = max(2 * parts["logits"] + head, backward) - backward
+        parts["logits"] = max(loss, backward) - backward
     act = sum(parts.values())
     if st.opt_state is not None:  # ZeRO: the gathered updated weights, after the backward
         update = (
