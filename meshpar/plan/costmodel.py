@@ -27,15 +27,13 @@ Memory (per device, bytes).
   scores (`model.attention=xla`) once in fp32 and once cast (a s (4 + c) bytes); the H100
   compiles of 1b (1 and 8 devices, fsdp and tp_sp) and 8B (8, fsdp) came within 2% with them, 0.69-0.72
   without, and one H100 ran out of memory where the old count said 1b fits (bench/bench_device.py).
-  Under TP the head and F terms are divided by t (TP without SP also keeps the two row-parallel
-  outputs, 2h, before their all-reduce); under SP (tp_sp) the h terms are divided too, and XLA:GPU's backward
-  holds 6h whole (gathered column-parallel inputs, their cotangents, row-parallel outputs unscattered). Memory-
-  efficient attention (flash, cudnn; `auto` beyond 1k tokens) stores no 2 a s term. Context
-  parallelism divides the tokens per device by x; its gathered K and V, 2 s k q per sequence, join
-  the working set, with their fp32 gradients the backward accumulates over the whole sequence (4
-  bytes each; the H100 compile of 1b at context=32 x fsdp=2 held 2 x 512 MiB of them; the ring's
-  fp32 hop accumulators came to about as much). Without
-  pipelining every layer stores its set for one microbatch (accumulation runs them one by one).
+  Under TP the head and F terms are divided by t (TP without SP also keeps the row-parallel outputs,
+  2h, before their all-reduce); under SP the h terms are divided too, and XLA:GPU's backward holds 6h
+  whole (gathered column-parallel inputs, their cotangents, row-parallel outputs unscattered). Flash,
+  cudnn (`auto` beyond 1k tokens) store no 2 a s term. Context parallelism divides the tokens per
+  device by x; all_gather's gathered K and V (2 s k q per sequence) join the working set with their
+  fp32 gradients (1b, context=32 x fsdp=2, H100: 2 x 512 MiB); the ring's two hops' K/V shards and
+  one fp32 dK/dV, (2c + 4) 2 s k q / x. Unpipelined, each layer stores one microbatch's set.
   GPipe and interleaved rerun each stage in its backward: a stage stores a stage input [b, s, h] per
   tick (v M + P - 1) plus one microbatch's sets of its L/(P v) layers; a target's compile holds a
   second [ticks, b, s, h] buffer (the stash's cotangents) and the last stage's fp32 logits with their
@@ -159,6 +157,7 @@ class ModelFacts:
             cfg.model.softcap,
             packs_documents(cfg.data),
             cfg.precision,
+            cfg.model.context_strategy,
         )
         return cls(leaves, n, per_token, dims, run, moe, lookups)
 
@@ -330,8 +329,9 @@ def activation_parts(facts: ModelFacts, cand: Candidate, c: int, compiler: str =
         stashes = 1 if compiler == "cpu" else 2  # a target's compile holds the stash's cotangents beside it
         out["stored"] = c * tokens * (stashes * ticks * d["embed"] / t_res + layers / cand.virtual * per_layer)
     out["working"] = c * tokens * per_token_elements(d, "none", t_heads, t_mlp, t_res, scores)
-    if cp > 1:  # the gathered K and V of the layer being computed, and in its backward their fp32 gradients
-        out["working"] += (c + 4) * b * 2 * s * d["kv_heads"] * d["head_dim"] / t_heads
+    if cp > 1:  # all_gather's gathered K/V and fp32 dK/dV; the ring's two hops' K/V and one fp32 dK/dV
+        kv = b * 2 * s * d["kv_heads"] * d["head_dim"] / t_heads
+        out["working"] += (2 * c + 4) * kv / cp if run.context_strategy == "ring" else (c + 4) * kv
     if compiler == "gpu" and t_res > 1:  # SP: 6 whole [b, s, h] (1b tp_sp, 64 H100s: 6 x 128 MiB)
         out["working"] += c * tokens * 6 * d["embed"]
     # fp32 logits and their gradient; a target: one buffer in the compute dtype, except under GPipe and

@@ -19,3 +19,4 @@ class Workload:
     softcap: float | None = None
     documents: bool = False  # packed documents: segment ids and positions travel beside the tokens
     precision: str = "bf16"
+    context_strategy: str = "all_gather"  # model.context_strategy: what attention holds across `context`

@@ -178,6 +178,29 @@ def test_context_parallelism_compiles_for_both_targets(h100, v5p, name, strategy
     assert "context" in kinds["all-gather" if strategy == "all_gather" else "collective-permute"]["axes"]
 
 
+def test_the_ring_holds_one_hops_partial_results_at_a_time_on_h100(h100, monkeypatch):
+    """Ring attention at context=8: each hop's merged output and its dQ, dK, dV sums are made before
+    the next hop's K/V shards are read (`meshpar.parallel.context._in_turn`). Without that XLA:GPU
+    ran all eight hops' flash blocks first and summed them after, holding every hop's partials."""
+    from meshpar.parallel import context
+
+    ring = [
+        "mesh.context=8",
+        "mesh.data=1",
+        "mesh.fsdp=1",
+        "mesh.tensor=1",
+        "model.attention=flash",
+        "model.context_strategy=ring",
+        "batch.length=1024",
+    ]
+    in_turn = _report(h100, *ring)["memory"]["temp"]
+    monkeypatch.setattr(context, "_in_turn", lambda done, arrived: (done, arrived))
+    all_at_once = _report(h100, *ring)["memory"]["temp"]
+    # one hop's dQ partial, fp32 [b, T / cp, N, H]: b = 8 sequences, 128 tokens, tiny's 8 heads of 8
+    dq = 4 * 8 * 128 * 8 * 8
+    assert all_at_once - in_turn > 4 * dq, (in_turn, all_at_once)
+
+
 def test_dropless_moe_over_expert_uses_ragged_all_to_all_on_h100_and_gathers_no_expert_weights(h100):
     rep = _report(
         h100,
