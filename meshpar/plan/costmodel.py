@@ -32,8 +32,8 @@ Memory (per device, bytes).
   whole (gathered column-parallel inputs, their cotangents, row-parallel outputs unscattered). Flash,
   cudnn (`auto` beyond 1k tokens) store no 2 a s term. Context parallelism divides the tokens per
   device by x; all_gather's gathered K and V (2 s k q per sequence) join the working set with their
-  fp32 gradients (1b, context=32 x fsdp=2, H100: 2 x 512 MiB); the ring's every hop's K/V shard (kept
-  from the recomputed forward, sent once), two hops' fp32 dK/dV: (c + 8 / x) 2 s k q; one microbatch's sets.
+  fp32 gradients (1b, context=32 x fsdp=2, H100: 2 x 512 MiB); the ring's two hops' K/V shards and
+  one fp32 dK/dV, (2c + 4) 2 s k q / x. Unpipelined, each layer stores one microbatch's set.
   GPipe and interleaved rerun each stage in its backward: a stage stores a stage input [b, s, h] per
   tick (v M + P - 1) plus one microbatch's sets of its L/(P v) layers; a target's compile holds a
   second [ticks, b, s, h] buffer (the stash's cotangents) and the last stage's fp32 logits with their
@@ -329,9 +329,9 @@ def activation_parts(facts: ModelFacts, cand: Candidate, c: int, compiler: str =
         stashes = 1 if compiler == "cpu" else 2  # a target's compile holds the stash's cotangents beside it
         out["stored"] = c * tokens * (stashes * ticks * d["embed"] / t_res + layers / cand.virtual * per_layer)
     out["working"] = c * tokens * per_token_elements(d, "none", t_heads, t_mlp, t_res, scores)
-    if cp > 1:  # all_gather's gathered K/V and fp32 dK/dV; the ring's K/V shards and two hops' fp32 dK/dV
+    if cp > 1:  # all_gather's gathered K/V and fp32 dK/dV; the ring's two hops' K/V and one fp32 dK/dV
         kv = b * 2 * s * d["kv_heads"] * d["head_dim"] / t_heads
-        out["working"] += (c + 8 / cp) * kv if run.context_strategy == "ring" else (c + 4) * kv
+        out["working"] += (2 * c + 4) * kv / cp if run.context_strategy == "ring" else (c + 4) * kv
     if compiler == "gpu" and t_res > 1:  # SP: 6 whole [b, s, h] (1b tp_sp, 64 H100s: 6 x 128 MiB)
         out["working"] += c * tokens * 6 * d["embed"]
     # fp32 logits and their gradient; a target: one buffer in the compute dtype, except under GPipe and

@@ -198,7 +198,7 @@ def test_the_ring_holds_one_hops_partial_results_at_a_time_on_h100(h100, monkeyp
     all_at_once = _report(h100, *ring)["memory"]["temp"]
     # one hop's dQ partial, fp32 [b, T / cp, N, H]: b = 8 sequences, 128 tokens, tiny's 8 heads of 8
     dq = 4 * 8 * 128 * 8 * 8
-    assert all_at_once - in_turn > 3 * dq, (in_turn, all_at_once)  # 4.6 dQ partials here (1.2 MB)
+    assert all_at_once - in_turn > 4 * dq, (in_turn, all_at_once)
 
 
 def test_dropless_moe_over_expert_uses_ragged_all_to_all_on_h100_and_gathers_no_expert_weights(h100):
