@@ -27,7 +27,10 @@ _COLLECTIVE_WAIT_FLAG = "xla_cpu_collective_call_terminate_timeout_seconds"
 
 
 def xla_knows(flag: str) -> bool:
-    """Whether this jaxlib's XLA defines `flag` (XLA aborts on an unknown flag in XLA_FLAGS)."""
+    """Whether this jaxlib's XLA defines `flag` (XLA aborts on an unknown flag in XLA_FLAGS): its name
+    as a C string of its own (NUL on both sides), as XLA's flag table holds it. A name that is only in
+    DebugOptions' descriptor (a field kept, or reserved, after its flag was removed: jaxlib 0.11's
+    `xla_cpu_use_fusion_emitters`) does not count."""
     import glob
     import importlib.util
     import mmap
@@ -38,7 +41,7 @@ def xla_knows(flag: str) -> bool:
     for lib in glob.glob(os.path.join(os.path.dirname(spec.origin), "**", "*.so"), recursive=True):
         if os.path.getsize(lib) > 50_000_000:  # the library that holds XLA
             with open(lib, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-                if m.find(flag.encode()) >= 0:
+                if m.find(b"\0" + flag.encode() + b"\0") >= 0:
                     return True
     return False
 

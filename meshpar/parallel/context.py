@@ -33,7 +33,8 @@ split: `meshpar.parallel.pipeline`), one custom VJP (`model.context_strategy`):
                 round again (cp - 1 hops) with their fp32 dK/dV accumulators (cp hops). The
                 forward moves the all-gather's bytes, the backward about twice its bytes in bf16;
                 hop by hop (`_in_turn`), only two K/V shards and one hop's partial sums live at a
-                time, and each hop's transfer can hide behind the previous block's compute.
+                time, and each hop's transfer can hide behind the previous block's compute. (The
+                planner costs the all-gather's traffic for both, and each one's own buffers.)
 """
 
 from __future__ import annotations
@@ -227,7 +228,10 @@ def _in_turn(done, arrived):
     Sending the shards as they travel instead kept the shared sends and every hop's K/V: 2.65 GiB
     on the H100, and libtpu's v5p program (context=4) no smaller at all (5.45 GiB; 4.89 as here)."""
     kept = [x for x in arrived if x is not None]
-    done, kept = lax.optimization_barrier((tuple(done), tuple(kept)))
+    every = (*done, *kept)  # one varying type for all (segment ids may vary over fewer manual axes)
+    done, kept = lax.optimization_barrier(
+        (tuple(flash_lib.varying_like(x, *every) for x in done), tuple(flash_lib.varying_like(x, *every) for x in kept))
+    )
     it = iter(kept)
     return done, tuple(None if x is None else next(it) for x in arrived)
 
