@@ -9,6 +9,7 @@ Multi-slice/multi-node runs add DCN sizes per axis: the full axis size is ICI si
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Sequence
@@ -26,6 +27,7 @@ COLLECTIVE_WAIT_S = 600
 _COLLECTIVE_WAIT_FLAG = "xla_cpu_collective_call_terminate_timeout_seconds"
 
 
+@functools.cache  # each call scans jaxlib's XLA library (hundreds of MB); a process asks a few times
 def xla_knows(flag: str) -> bool:
     """Whether this jaxlib's XLA defines `flag` (XLA aborts on an unknown flag in XLA_FLAGS): its name
     as a C string of its own (NUL on both sides), as XLA's flag table holds it. A name that is only in

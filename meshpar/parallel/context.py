@@ -230,7 +230,7 @@ def _in_turn(done, arrived):
     kept = [x for x in arrived if x is not None]
     every = (*done, *kept)  # one varying type for all (segment ids may vary over fewer manual axes)
     done, kept = lax.optimization_barrier(
-        (tuple(flash_lib.varying_like(x, *every) for x in done), tuple(flash_lib.varying_like(x, *every) for x in kept))
+        tuple(tuple(flash_lib.varying_like(x, *every) for x in g) for g in (done, kept))
     )
     it = iter(kept)
     return done, tuple(None if x is None else next(it) for x in arrived)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from meshpar.core.config import load_config
+from meshpar.core.mesh import MESH_AXES
 from meshpar.plan.costmodel import Candidate, ModelFacts, Resolver, state_bytes
 from meshpar.plan.hardware import load_hardware
 from meshpar.plan.search import estimate, plan, winner_yaml
@@ -30,8 +31,6 @@ GPT3 = [
 
 
 def _mesh(**sizes):
-    from meshpar.core.mesh import MESH_AXES
-
     return tuple(sizes.get(a, 1) for a in MESH_AXES)
 
 
