@@ -12,10 +12,12 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+from meshpar.core.mesh import MESH_AXES
 from meshpar.parallel import lockstep
 
 REPO = Path(__file__).resolve().parents[2]
@@ -180,3 +182,54 @@ def test_the_hlo_reader_finds_collectives_that_join_stages_inside_branches():
     found = sorted((s.op, s.devices) for s in lockstep.strays(HLO, stages, True))
     assert found == [("all-reduce", (0, 2)), ("collective-permute", (0, 1, 2, 3))]
     assert lockstep.strays(HLO.replace("T(1,0)", ""), stages, False) == []
+
+
+MESH = "mesh['pipeline'=2,'data'=2,'fsdp'=1,'context'=2,'expert'=1,'tensor'=1]"
+NAMED = f"""HloModule m
+
+%branch0 (p: f32[]) -> f32[] {{
+  %p = f32[] parameter(0)
+  %c = f32[] all-reduce(%p), channel_id=1, replica_groups={MESH} {{'context'}}, to_apply=%sum
+  ROOT %d = f32[] all-reduce(%c), channel_id=2, replica_groups={MESH} {{'data','context'}}, to_apply=%sum
+}}
+
+%branch1 (q: f32[]) -> f32[] {{
+  %q = f32[] parameter(0)
+  ROOT %e = f32[] all-reduce(%q), channel_id=3, replica_groups={MESH} {{GROUPS}}, to_apply=%sum
+}}
+
+ENTRY %main (x: f32[], i: s32[]) -> f32[] {{
+  %x = f32[] parameter(0)
+  %i = s32[] parameter(1)
+  ROOT %z = f32[] conditional(%i, %x, %x), branch_computations={{%branch0, %branch1}}, metadata={{op_name="jit(f)/shard_map/cond"}}
+}}
+"""
+
+
+@pytest.mark.parametrize(
+    "groups, stray",
+    [
+        ("{'context'}", None),
+        ("{'pipeline'}", (0, 4)),
+        ("{'pipeline','context'}", (0, 1, 4, 5)),
+    ],
+)
+def test_the_hlo_reader_reads_replica_groups_named_by_mesh_axes(groups, stray):
+    """jaxlib 0.11 names a collective's groups by mesh axes (`mesh[...] {'context'}`): groups over
+    `context` or `data` stay in a stage of [pipeline=2, data=2, context=2] (ids 0-3 stage 0, 4-7 stage
+    1), one over `pipeline` joins both. Read as every device (jax 0.11's pipelines with mesh.context > 1
+    were all refused), a psum over `context` in the loss's branch looked like a deadlock."""
+    stages = lockstep.stage_of(SimpleNamespace(devices=np.zeros((2, 2, 1, 2, 1, 1)), axis_names=MESH_AXES))
+    found = lockstep.strays(NAMED.replace("{GROUPS}", groups), stages, False)
+    assert [s.devices for s in found] == ([] if stray is None else [stray])
+
+
+def test_the_hlo_reader_reads_sub_axes_and_device_lists_of_named_groups():
+    """Shardy's sub-axis `'b':(pre)size` of b=4: (1)2 is b's major factor of 2, (2)2 its minor one;
+    a mesh with `device_ids=(...)` lists which device sits at each mesh position; text it cannot read
+    is None (the caller assumes every device)."""
+    assert lockstep._mesh_groups("a=2,b=4", None, "'b':(1)2") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert lockstep._mesh_groups("a=2,b=4", None, "'b':(2)2") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert lockstep._mesh_groups("'a'=2,'b'=2", "3,2,1,0", "'b'") == [[3, 2], [1, 0]]
+    assert lockstep._mesh_groups("'a'=2,'b'=2", "[2,2]<=[2,2]T(1,0)", "'a'") == [[0, 1], [2, 3]]
+    assert lockstep._mesh_groups("'a'=2,'b'=2", "?", "'a'") is None
