@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from meshpar.core.errors import ConfigError
+from meshpar.core.hlo import device_groups
 
 AXIS = "pipeline"
 _OPS = (
@@ -167,61 +168,9 @@ def _in_branches(bodies: dict[str, list[str]]) -> set[str]:
 
 
 def _participants(line: str, op: str, n: int) -> list[list[int]]:
-    """The device-id groups of one collective instruction's line (every device when it names none)."""
+    """The device-id groups of one collective instruction's line (every device when it names none,
+    or names them in a form not read: the reading that refuses rather than hangs)."""
+    groups = device_groups(line)
     if op == "collective-permute":
-        m = re.search(r"source_target_pairs=\{(.*?)\}\}", line)
-        return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", m.group(1) + "}")] if m else []
-    m = _MESH_GROUPS.search(line)
-    if m:
-        return _mesh_groups(*m.groups()) or [list(range(n))]
-    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
-    if m:
-        return _iota(m.group(3), m.group(4)).reshape(int(m.group(1)), int(m.group(2))).tolist()
-    m = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", line)
-    groups = [[int(d) for d in g.split(",") if d] for g in re.findall(r"\{([\d,]*)\}", m.group(1))] if m else []
-    return [g for g in groups if g] or [list(range(n))]
-
-
-def _iota(dims: str, perm: str | None) -> np.ndarray:
-    """XLA's iota device list `<=[dims]T(perm)`: arange over dims, transposed by perm."""
-    ids = np.arange(int(np.prod([int(d) for d in dims.split(",")]))).reshape([int(d) for d in dims.split(",")])
-    return ids.transpose([int(p) for p in perm.split(",")]) if perm else ids
-
-
-_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(([^)]*)\))?\s*\{([^}]*)\}")
-_AXIS_REF = re.compile(r"^['\"]?([\w.\-]+)['\"]?(?::\((\d+)\)(\d+))?$")
-
-
-def _mesh_groups(axes: str, device_ids: str | None, grouped: str) -> list[list[int]] | None:
-    """Replica groups in the form jaxlib 0.11 prints for a collective over named mesh axes:
-    `mesh['pipeline'=2,'data'=2,'context'=2] {'context'}` (optionally `, device_ids=(...)` after the
-    mesh, and sub-axes `'data':(pre)size`): one group per coordinate of the axes not named, over the
-    named ones. None where the text is not understood (the caller then assumes every device)."""
-    try:
-        mesh = [
-            (_AXIS_REF.match(a.rsplit("=", 1)[0].strip()).group(1), int(a.rsplit("=", 1)[1])) for a in axes.split(",")
-        ]
-        refs = [_AXIS_REF.match(r.strip()).groups() for r in grouped.split(",") if r.strip()]
-        n = int(np.prod([size for _, size in mesh]))
-        if device_ids is None:
-            ids = np.arange(n)
-        elif "<=" in device_ids:
-            m = re.fullmatch(r"\s*\[[\d,]+\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?\s*", device_ids)
-            ids = _iota(m.group(1), m.group(2)).ravel()
-        else:
-            ids = np.array([int(d) for d in re.findall(r"\d+", device_ids)])
-        # each mesh axis cut where a named sub-axis starts or ends: factors of its size, major first
-        dims, picked = [], []
-        for name, size in mesh:
-            subs = [(int(pre), int(pre) * int(sub)) for ref, pre, sub in refs if ref == name and pre]
-            whole = any(ref == name and not pre for ref, pre, _ in refs)
-            cuts = sorted({1, size, *(c for span in subs for c in span)})
-            for lo, hi in zip(cuts, cuts[1:]):
-                dims.append(hi // lo)
-                picked.append(whole or any(a <= lo and hi <= b for a, b in subs))
-        ids = ids.reshape(dims)
-        order = [i for i, p in enumerate(picked) if not p] + [i for i, p in enumerate(picked) if p]
-        width = int(np.prod([d for d, p in zip(dims, picked) if p]))
-        return ids.transpose(order).reshape(-1, width).tolist()
-    except (AttributeError, ValueError, TypeError):
-        return None
+        return groups or []
+    return groups or [list(range(n))]

@@ -247,11 +247,22 @@ def _manual_batch_axes(spec, layout) -> tuple:
     return () if any("data" in spec_axes(sp) for sp in specs) else ("data",)
 
 
+# jaxlib 0.11's SPMD partitioner aborts the process (spmd_partitioner_util.cc: "Check failed:
+# partition_group_list.num_replica_groups() * ...", in PartitionGatherTrivialSlicedOperandDimensions)
+# on the first stage's embedding gather from a table split over `tensor` inside the pipeline's partly
+# manual shard_map, when a batch axis (data, fsdp) is automatic there too (fsdp_tp on pipeline x data x
+# tensor, gpipe and 1f1b; jaxlib 0.10 partitions it). There the outer parameters are read whole over
+# `tensor` as well: V x E more per device than V x E / tensor, for the step.
+_GATHER_OVER_TENSOR_ABORTS = tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (0, 11)
+
+
 def _embed_specs(spec, layout):
-    """At-rest PartitionSpecs of the outer (non-`layers`) parameters without the batch mesh axes."""
+    """At-rest PartitionSpecs of the outer (non-`layers`) parameters without the batch mesh axes (and
+    without `tensor` where jaxlib aborts partitioning a gather split over it, `_GATHER_OVER_TENSOR_ABORTS`)."""
+    drop = BATCH_AXES + (("tensor",) if _GATHER_OVER_TENSOR_ABORTS else ())
 
     def one(shape, names):
-        return without(layout.spec(names, shape.shape), BATCH_AXES)
+        return without(layout.spec(names, shape.shape), drop)
 
     shapes, logical = split_params(spec.shapes)[0], split_params(spec.logical)[0]
     return jax.tree.map(one, shapes, logical, is_leaf=lambda x: isinstance(x, tuple))

@@ -16,6 +16,7 @@ from collections import defaultdict
 
 import numpy as np
 
+from meshpar.core.hlo import device_groups
 from meshpar.core.sharding import render_sharding_table
 from meshpar.parallel.schedules import BRANCH_SHARE
 from meshpar.parallel.schedules import describe as describe_pipeline
@@ -108,42 +109,6 @@ def _trip_from_condition(lines: list[str]) -> int:
     root = next((ln for ln in lines if ln.lstrip().startswith("ROOT") and "direction=LT" in ln), "")
     args = re.search(r"compare\(%?[\w.\-]+, %?([\w.\-]+)\)", root)
     return int(consts[args.group(1)]) if args and args.group(1) in consts else 1
-
-
-def _groups(line: str) -> list[list[int]] | None:
-    """Replica groups (or permute pairs) as lists of partition ids, from any of XLA's notations."""
-    m = re.search(
-        r"replica_groups=mesh\[([^\]]*)\](?:T\(([\d,]+)\))?"
-        r"(?:,\s*device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?\s*\{([^}]*)\}",
-        line,
-    )
-    if m:  # mesh['axis_0'=2,'axis_1'=4] {'axis_1'}: an iota mesh; groups vary along the named axes
-        axes = re.findall(r"'?([\w]+)'?=(\d+)", m.group(1))
-        names, sizes = [a for a, _ in axes], [int(s) for _, s in axes]
-        ids = np.arange(math.prod(sizes))
-        if m.group(3):  # device_ids=([dims]T(perm)): the mesh holds this permuted iota device list
-            ids = ids.reshape([int(x) for x in m.group(3).split(",")])
-            if m.group(4):
-                ids = ids.transpose([int(x) for x in m.group(4).split(",")])
-        ids = ids.reshape(sizes)
-        if m.group(2):
-            ids = ids.transpose([int(x) for x in m.group(2).split(",")])
-        grouped = [names.index(a) for a in re.findall(r"'?([\w]+)'?", m.group(5)) if a in names]
-        rest = [i for i in range(len(names)) if i not in grouped]
-        size = math.prod(sizes[i] for i in grouped)
-        return ids.transpose(rest + grouped).reshape(-1, size).tolist()
-    m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
-    if m:  # [G,S]<=[dims]T(perm): iota device list, transposed, cut into G groups of S
-        shape = [int(x) for x in m.group(1).split(",")]
-        dims = [int(x) for x in m.group(2).split(",")]
-        ids = np.arange(math.prod(dims)).reshape(dims)
-        if m.group(3):
-            ids = ids.transpose([int(x) for x in m.group(3).split(",")])
-        return ids.reshape(shape).tolist()
-    m = re.search(r"(?:replica_groups|source_target_pairs)=\{(\{[\d,{} ]*\})\}", line)
-    if m:
-        return [[int(x) for x in g.split(",") if x.strip()] for g in re.findall(r"\{([\d, ]*)\}", m.group(1))]
-    return None
 
 
 def _axes_of_groups(groups, mesh_shape: dict[str, int]) -> list[str]:
@@ -242,7 +207,7 @@ def collectives(hlo: str, mesh_shape: dict[str, int] | None = None) -> list[dict
                 continue
             result, kind, start, _ = m.groups()
             shapes = start_shapes(result, kind, bool(start))
-            groups = _groups(line)
+            groups = device_groups(line)
             group_size = len(groups[0]) if groups and kind != "collective-permute" else 1
             share = _SHARE.search(line)
             times = max(mult.get(comp, 1), 1) * (float(share.group(1)) if share else 1)

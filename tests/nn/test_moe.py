@@ -253,12 +253,13 @@ def test_errors_found_when_building():
 
 def test_inspect_reads_replica_groups_on_a_permuted_device_list():
     """XLA prints the dispatch all-to-all of the tp mesh as mesh[...], device_ids=([..]T(..)) {axis}."""
-    from meshpar.plan.inspect import _axes_of_groups, _groups
+    from meshpar.core.hlo import device_groups
+    from meshpar.plan.inspect import _axes_of_groups
 
     line = (
         "%all-to-all.42 = (f32[1,2]) all-to-all(%a, %b), channel_id=4, replica_groups=mesh['axis_0'=2,"
         "'axis_1'=2,'axis_2'=1,'axis_3'=1,'axis_4'=1,'axis_5'=2], device_ids=([2,2,2]T(1,0,2)) {'axis_0'}"
     )
-    groups = _groups(line)
+    groups = device_groups(line)
     assert groups == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert _axes_of_groups(groups, {"pipeline": 1, "data": 2, "fsdp": 1, "expert": 2, "tensor": 2}) == ["expert"]

@@ -62,7 +62,7 @@ def _shapes(mode, settings):
     def visit(jp):
         for eqn in jp.eqns:
             out.update(tuple(v.aval.shape) for v in eqn.outvars if hasattr(v.aval, "shape"))
-            for sub in jax.core.jaxprs_in_params(eqn.params):
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
                 visit(sub)
 
     visit(jaxpr.jaxpr)

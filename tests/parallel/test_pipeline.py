@@ -52,6 +52,22 @@ def test_pipeline_composes_with_data_and_tensor(schedule, m):
     check_equal(pp_cfg(schedule, 2, m, v, 4, {"pipeline": 2, "data": 2, "tensor": 2}), 8)
 
 
+def test_the_first_stage_reading_the_table_whole_over_tensor_equals_the_plain_model(monkeypatch):
+    """Under jaxlib >= 0.11 the first stage reads the outer parameters whole over `tensor` too (its
+    SPMD partitioner aborts on the embedding gather from a table split over `tensor` beside an
+    automatic `data`: `meshpar.parallel.pipeline._GATHER_OVER_TENSOR_ABORTS`). That path, forced here
+    under any jax, computes the same loss and gradients."""
+    from meshpar.parallel import pipeline
+
+    monkeypatch.setattr(pipeline, "_GATHER_OVER_TENSOR_ABORTS", True)
+    read = []
+    embed_specs = pipeline._embed_specs
+    monkeypatch.setattr(pipeline, "_embed_specs", lambda *a: read.append(embed_specs(*a)) or read[-1])
+    check_equal(pp_cfg("gpipe", 2, 2, 1, 4, {"pipeline": 2, "data": 2, "tensor": 2}), 8)
+    specs = jax.tree.leaves(read, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    assert specs and all(s == jax.sharding.PartitionSpec(*[None] * len(s)) for s in specs), specs
+
+
 @pytest.mark.slow
 def test_pipeline_with_fsdp_and_gradient_accumulation():
     cfg = pp_cfg(

@@ -222,14 +222,3 @@ def test_the_hlo_reader_reads_replica_groups_named_by_mesh_axes(groups, stray):
     stages = lockstep.stage_of(SimpleNamespace(devices=np.zeros((2, 2, 1, 2, 1, 1)), axis_names=MESH_AXES))
     found = lockstep.strays(NAMED.replace("{GROUPS}", groups), stages, False)
     assert [s.devices for s in found] == ([] if stray is None else [stray])
-
-
-def test_the_hlo_reader_reads_sub_axes_and_device_lists_of_named_groups():
-    """Shardy's sub-axis `'b':(pre)size` of b=4: (1)2 is b's major factor of 2, (2)2 its minor one;
-    a mesh with `device_ids=(...)` lists which device sits at each mesh position; text it cannot read
-    is None (the caller assumes every device)."""
-    assert lockstep._mesh_groups("a=2,b=4", None, "'b':(1)2") == [[0, 2], [1, 3], [4, 6], [5, 7]]
-    assert lockstep._mesh_groups("a=2,b=4", None, "'b':(2)2") == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert lockstep._mesh_groups("'a'=2,'b'=2", "3,2,1,0", "'b'") == [[3, 2], [1, 0]]
-    assert lockstep._mesh_groups("'a'=2,'b'=2", "[2,2]<=[2,2]T(1,0)", "'a'") == [[0, 1], [2, 3]]
-    assert lockstep._mesh_groups("'a'=2,'b'=2", "?", "'a'") is None
