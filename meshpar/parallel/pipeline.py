@@ -153,10 +153,10 @@ def value_and_grad(
     p = layout.shape[AXIS]
     m = pc.microbatches
     v = pc.virtual_stages if pc.schedule == "interleaved" else 1
-    model = StageModel(spec, policy, lm, _embed_specs(spec, layout), loss_chunks)
+    data = _manual_batch_axes(spec, layout)
+    model = StageModel(spec, policy, lm, _embed_specs(spec, layout, data), loss_chunks)
     vars = {} if vars is None else vars
     mesh = layout.mesh
-    data = _manual_batch_axes(spec, layout)
     with use_layout(layout):
         seq = (context.AXIS,) if lm and context.context_size() > 1 else ()
     manual = (AXIS,) + data + seq
@@ -256,10 +256,13 @@ def _manual_batch_axes(spec, layout) -> tuple:
 _GATHER_OVER_TENSOR_ABORTS = tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (0, 11)
 
 
-def _embed_specs(spec, layout):
+def _embed_specs(spec, layout, manual: tuple = ()):
     """At-rest PartitionSpecs of the outer (non-`layers`) parameters without the batch mesh axes (and
-    without `tensor` where jaxlib aborts partitioning a gather split over it, `_GATHER_OVER_TENSOR_ABORTS`)."""
-    drop = BATCH_AXES + (("tensor",) if _GATHER_OVER_TENSOR_ABORTS else ())
+    without `tensor` where jaxlib aborts partitioning a gather split over it beside a batch axis that
+    is automatic in the pipeline, one not in `manual`: `_GATHER_OVER_TENSOR_ABORTS`)."""
+    beside = any(layout.shape.get(a, 1) > 1 for a in BATCH_AXES if a not in manual)
+    whole = _GATHER_OVER_TENSOR_ABORTS and beside and layout.shape.get("tensor", 1) > 1
+    drop = BATCH_AXES + (("tensor",) if whole else ())
 
     def one(shape, names):
         return without(layout.spec(names, shape.shape), drop)
