@@ -36,6 +36,7 @@ _NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")
 _COMPUTE = (" fusion(", " convolution(", " custom-call(", " dot(")
 _CALLS = re.compile(r"calls=%?([\w.\-]+)")
 _SLICE_COPY = re.compile(r"ROOT %copy\S* = (\S+) copy\(%dynamic.slice")
+_SLICE_ROOT = re.compile(r"ROOT %\S+ = (\w+\[1((?:,\d+)*)\])(\S*) dynamic-slice\(%([\w.\-]+),")
 _ASYNC = re.compile(r"\s(" + "|".join(inspect.COLLECTIVES) + r")-start\(")
 _DONE = re.compile(r"\s(" + "|".join(inspect.COLLECTIVES) + r")-done\(\s*%?([\w.\-]+)")
 _SYNC = re.compile(r"\s(" + "|".join(inspect.COLLECTIVES) + r")\(")
@@ -46,9 +47,30 @@ def _base(name: str) -> str:
 
 
 def sliced_copies(hlo: str) -> list[str]:
-    """Shapes of the loop slices the program copies out before using them (a fusion whose root is
-    copy(dynamic-slice(...))): in XLA:GPU's decode step, each scanned layer's weights, every step."""
-    return _SLICE_COPY.findall(hlo)
+    """Shapes of the loop slices the program copies out before using them: in XLA:GPU's decode step,
+    each scanned layer's weights, every step. jaxlib 0.10 fuses each as copy(dynamic-slice(...));
+    jaxlib 0.11 as a fusion (often asynchronous, `fusion-start`) whose root slices one layer [1, ...]
+    out of a stacked parameter [L, ...] of the fused computation (not into another memory space:
+    libtpu's slice into on-chip memory is a prefetch)."""
+    found = _SLICE_COPY.findall(hlo)
+    comps, _ = inspect.split_computations(hlo)
+    fused = {
+        c
+        for lines in comps.values()
+        for line in lines
+        if re.search(r" fusion(?:-start)?\(", line)
+        for c in _CALLS.findall(line)
+    }
+    for name in fused:
+        lines = comps.get(name, [])
+        root = next((_SLICE_ROOT.search(ln) for ln in lines if _SLICE_ROOT.search(ln)), None)
+        if root is None or "S(" in root.group(3):  # into another memory space (libtpu's VMEM): a prefetch
+            continue
+        param = next((ln for ln in lines if re.match(rf"\s*%{re.escape(root.group(4))} = ", ln)), "")
+        stacked = re.search(r"= \w+\[(\d+)((?:,\d+)*)\]", param)
+        if stacked and int(stacked.group(1)) > 1 and stacked.group(2) == root.group(2):
+            found.append(root.group(1))
+    return found
 
 
 def cache_copies(hlo: str, slices) -> int:

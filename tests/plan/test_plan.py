@@ -598,3 +598,55 @@ def test_the_layer_being_computed_keeps_its_experts_split():
         cfg.devices = 2 * e
         ws[e] = estimate(cfg, load_hardware("h100"))["memory"]["workspace"]
     assert ws[4] / ws[2] == pytest.approx(0.5, abs=0.06), ws
+
+
+_DECODE_SLICES = """HloModule m
+
+%fused_copy (p0: bf16[2,64,128], p1: s32[]) -> bf16[1,64,128] {
+  %p0 = bf16[2,64,128]{2,1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %dynamic-slice.1 = bf16[1,64,128]{2,1,0} dynamic-slice(%p0, %p1), dynamic_slice_sizes={1,64,128}
+  ROOT %copy.1 = bf16[1,64,128]{2,1,0} copy(%dynamic-slice.1)
+}
+
+%fused_dynamic_slice (p2: bf16[2,64], p3: s32[]) -> bf16[1,64] {
+  %p2 = bf16[2,64]{1,0} parameter(0)
+  %p3 = s32[] parameter(1)
+  ROOT %dynamic_slice.2 = bf16[1,64]{1,0} dynamic-slice(%p2, %p3), dynamic_slice_sizes={1,64}
+}
+
+%fused_prefetch (p4: bf16[2,64,256], p5: s32[]) -> bf16[1,64,256] {
+  %p4 = bf16[2,64,256]{2,1,0} parameter(0)
+  %p5 = s32[] parameter(1)
+  ROOT %dynamic-slice.3 = bf16[1,64,256]{2,1,0:T(2,128)S(1)} dynamic-slice(%p4, %p5), dynamic_slice_sizes={1,64,256}
+}
+
+%fused_index (p6: s32[8], p7: s32[]) -> s32[2] {
+  %p6 = s32[8]{0} parameter(0)
+  %p7 = s32[] parameter(1)
+  ROOT %dynamic-slice.4 = s32[2]{0} dynamic-slice(%p6, %p7), dynamic_slice_sizes={2}
+}
+
+ENTRY %main (w: bf16[2,64,128], n: bf16[2,64], u: bf16[2,64,256], i: s32[8], l: s32[]) -> bf16[1,64] {
+  %w = bf16[2,64,128]{2,1,0} parameter(0)
+  %n = bf16[2,64]{1,0} parameter(1)
+  %u = bf16[2,64,256]{2,1,0} parameter(2)
+  %i = s32[8]{0} parameter(3)
+  %l = s32[] parameter(4)
+  %a = bf16[1,64,128]{2,1,0} fusion(%w, %l), kind=kLoop, calls=%fused_copy
+  %b = ((bf16[2,64]{1,0}, s32[]), bf16[1,64]{1,0}, u32[]) fusion-start(%n, %l), kind=kLoop, calls=%fused_dynamic_slice
+  %c = bf16[1,64,256]{2,1,0} fusion(%u, %l), kind=kLoop, calls=%fused_prefetch
+  %d = s32[2]{0} fusion(%i, %l), kind=kLoop, calls=%fused_index
+  ROOT %e = bf16[1,64]{1,0} fusion-done(%b)
+}
+"""
+
+
+def test_the_decode_steps_weight_copies_are_read_in_either_compilers_form():
+    """A layer's weights sliced out of their stack [L, ...] into a buffer of their own, as XLA:GPU's
+    scanned decode loop does: jaxlib 0.10 fuses copy(dynamic-slice), jaxlib 0.11 a fusion (here an
+    asynchronous one) rooted at the slice. Not copies: libtpu's slice into on-chip memory (S(1)), a
+    slice of something other than one layer."""
+    from meshpar.plan.program import sliced_copies
+
+    assert sorted(sliced_copies(_DECODE_SLICES)) == ["bf16[1,64,128]{2,1,0}", "bf16[1,64]"]
