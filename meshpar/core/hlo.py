@@ -58,6 +58,8 @@ def _by_mesh_axes(axes: str, device_ids: str | None, named: str) -> list[list[in
     try:
         mesh = [(m.group(1), int(m.group(2))) for m in (_read(axis + r"=(\d+)", a) for a in axes.split(","))]
         refs = [_read(axis + r"(?::\((\d+)\)(\d+))?", r).groups() for r in named.split(",") if r.strip()]
+        if any(ref not in dict(mesh) for ref, _, _ in refs):
+            raise ValueError(named)  # an axis the mesh does not name
         if device_ids is None:
             ids = np.arange(math.prod(size for _, size in mesh))
         elif "[" in device_ids:  # [dims]T(perm), or [dims]<=[iota dims]T(perm)

@@ -31,6 +31,7 @@ def _line(groups: str, op: str = "all-reduce") -> str:
         ("replica_groups=mesh['a'=2,'b'=2], device_ids=([2,2]T(1,0)) {'a'}", [[0, 1], [2, 3]]),
         ("replica_groups=mesh['a'=2,'b'=2], device_ids=(3,2,1,0) {'b'}", [[3, 2], [1, 0]]),
         ("replica_groups=mesh['a'=2,'b'=2], device_ids=(?) {'b'}", None),  # not read: the caller assumes all
+        ("replica_groups=mesh['a'=2,'b'=2] {'c'}", None),  # an axis the mesh lacks: not read either
     ],
 )
 def test_replica_groups_in_each_notation(groups, expected):
