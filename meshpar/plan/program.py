@@ -46,6 +46,11 @@ def _base(name: str) -> str:
     return re.sub(r"\.\d+$", "", name)
 
 
+def _fused(comps: dict[str, list[str]], call: str) -> set[str]:
+    """Names of the computations that instructions matching `call` (a regex: " fusion\\(") call."""
+    return {c for lines in comps.values() for line in lines if re.search(call, line) for c in _CALLS.findall(line)}
+
+
 def sliced_copies(hlo: str) -> list[str]:
     """Shapes of the loop slices the program copies out before using them: in XLA:GPU's decode step,
     each scanned layer's weights, every step. jaxlib 0.10 fuses each as copy(dynamic-slice(...));
@@ -54,16 +59,9 @@ def sliced_copies(hlo: str) -> list[str]:
     libtpu's slice into on-chip memory is a prefetch)."""
     found = _SLICE_COPY.findall(hlo)
     comps, _ = inspect.split_computations(hlo)
-    fused = {
-        c
-        for lines in comps.values()
-        for line in lines
-        if re.search(r" fusion(?:-start)?\(", line)
-        for c in _CALLS.findall(line)
-    }
-    for name in fused:
-        lines = comps.get(name, [])
-        root = next((_SLICE_ROOT.search(ln) for ln in lines if _SLICE_ROOT.search(ln)), None)
+    fused = _fused(comps, r" fusion(?:-start)?\(")
+    for name, lines in comps.items():
+        root = next(filter(None, map(_SLICE_ROOT.search, lines)), None) if name in fused else None
         if root is None or "S(" in root.group(3):  # into another memory space (libtpu's VMEM): a prefetch
             continue
         param = next((ln for ln in lines if re.match(rf"\s*%{re.escape(root.group(4))} = ", ln)), "")
@@ -79,7 +77,7 @@ def cache_copies(hlo: str, slices) -> int:
     the slice copied out of the stacked cache, where a `meshpar.nn.kvcache` view reads it in place."""
     shapes = {",".join(map(str, d)) for d in slices} | {",".join(map(str, (1, *d))) for d in slices}
     comps, _ = inspect.split_computations(hlo)
-    fused = {c for lines in comps.values() for line in lines if " fusion(" in line for c in _CALLS.findall(line)}
+    fused = _fused(comps, r" fusion\(")
     found = 0
     for name, lines in comps.items():
         if name in fused:
