@@ -57,13 +57,24 @@ def row(target, name: str, overrides: list[str]) -> dict:
     from meshpar.core.config import load_config
     from meshpar.plan.program import report
     from meshpar.plan.search import estimate
+    from meshpar.plan.target import DoesNotFit
 
     start = time.perf_counter()
+    pred = None
     try:
         cfg = load_config(None, overrides)
         cfg.devices = len(target.devices)
         pred = estimate(cfg, target.hardware)
         rep = report(cfg, target)
+    except DoesNotFit as e:  # libtpu's verdict: the bytes it asked for stand in for the peak
+        return {
+            "name": name,
+            "peak": e.needed,
+            "pred": pred["memory"]["total"] if pred else None,
+            "compile_s": time.perf_counter() - start,
+            "kernels": "does not fit: libtpu refused it",
+            "fits": False,
+        }
     except Exception as e:  # noqa: BLE001 - a row that does not compile says why and the sweep goes on
         return {"name": name, "error": str(e).splitlines()[0][:120]}
     t = rep["target"]

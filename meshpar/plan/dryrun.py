@@ -31,6 +31,7 @@ from meshpar.core.precision import get_policy
 from meshpar.plan import inspect
 from meshpar.plan.collectives import summarize
 from meshpar.plan.search import estimate
+from meshpar.plan.target import DoesNotFit
 from meshpar.train.step import trainer_for
 
 COMPILE_OPTIONS = {"xla_backend_optimization_level": 0}
@@ -79,7 +80,11 @@ def verify(result: dict, config_path: str | None, overrides: list[str], k: int, 
     mem_limit = result["hardware"]["memory_bytes"]
     for rank, cand in enumerate(result["candidates"][:k], 1):
         cfg = load_config(config_path, list(overrides) + cand["overrides"])
-        trainer, compiled = compile_step(cfg, target)
+        try:
+            trainer, compiled = compile_step(cfg, target)
+        except DoesNotFit as e:  # libtpu's verdict at compile time: this plan's row says so, the rest go on
+            rows.append(_refused(rank, cand, e, target))
+            continue
         got = compiled_numbers(trainer, compiled)
         peak = on_target = got["memory"].get("peak_estimate", 0)
         predicted = cand["memory"]
@@ -103,6 +108,24 @@ def verify(result: dict, config_path: str | None, overrides: list[str], k: int, 
             }
         )
     return rows
+
+
+def _refused(rank: int, cand: dict, e, target) -> dict:
+    """The row of a plan the target's compiler refused as too large (`meshpar.plan.target.DoesNotFit`):
+    the bytes it asked for per chip stand in for the compiled peak."""
+    memory = {"argument": e.arguments, "temp": e.temp or 0, "peak_estimate": int(e.needed)}
+    return {
+        "rank": rank,
+        "mesh": cand["mesh"],
+        "strategy": cand["strategy"],
+        "overrides": cand["overrides"],
+        "predicted": {"memory": cand["memory"], "collectives": cand["collectives"]},
+        "compiled": {"memory": memory, "collectives": {}},
+        "target_peak": int(e.needed),
+        "fits_compiled": False,
+        "compiled_by": target.describe()["device_kind"],
+        "refused": str(e),
+    }
 
 
 def _upcast_on_cpu(precision: str) -> bool:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
 from dataclasses import dataclass, field
 
 from meshpar.core.errors import ConfigError, MeshparError
@@ -185,27 +186,78 @@ def _shape(text: str, dims: int, hint: str) -> tuple[int, ...]:
     return shape
 
 
+class DoesNotFit(MeshparError):
+    """libtpu's refusal of a step that needs more HBM than a chip has (it checks at compile time; XLA:GPU
+    compiles the step and its peak says so): `needed` bytes per chip (the step's arguments, state and
+    batch, plus the temporaries libtpu asked for), `hbm` the chip's, and one line that says so."""
+
+    def __init__(self, target: Target, needed: float, hbm: float, temp: float | None, arguments: float, config=""):
+        self.needed, self.hbm, self.temp, self.arguments = needed, hbm, temp, arguments
+        gib = 2**30
+        parts = (
+            f"{temp / gib:.2f} GiB of temporaries beside {arguments / gib:.2f} GiB of state and batch, " if temp else ""
+        )
+        super().__init__(
+            f"does not fit on {len(target.devices)} x {target.hardware.name}: the step needs {parts}"
+            f"{needed / gib:.2f} GiB per chip in all, and the chip has {hbm / gib:.2f} GiB (libtpu refused to "
+            "compile it); split the state over more devices (strategy=fsdp, a larger mesh.fsdp) or ask "
+            "`meshpar plan`" + (f"; config: {config}" if config else "")
+        )
+
+
+# libtpu's out-of-memory refusals, in the two forms its versions print (units binary: 95.74G = v5p's HBM):
+# "the total memory required for HLO temporaries (115.14G) exceeds available HBM (95.74G)", and
+# "Ran out of memory in memory space hbm. Used 120.49G of 95.74G hbm."
+_TEMPS = re.compile(r"required for HLO temporaries \(([\d.]+)([KMGT]?)\) exceeds available HBM \(([\d.]+)([KMGT]?)\)")
+_USED = re.compile(r"memory space hbm\. Used ([\d.]+)([KMGT]?) of ([\d.]+)([KMGT]?) hbm")
+_UNIT = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def hbm_exhausted(message: str) -> dict | None:
+    """{"temp" or "used", "hbm"} bytes from a libtpu out-of-memory message; None for any other error."""
+    for pattern, key in ((_TEMPS, "temp"), (_USED, "used")):
+        m = pattern.search(message)
+        if m:
+            a, ua, b, ub = m.groups()
+            return {key: float(a) * _UNIT[ua], "hbm": float(b) * _UNIT[ub]}
+    return None
+
+
+def _config_words(config) -> str:
+    """The config that caused a refusal: the overrides, or a config object's strategy and mesh."""
+    if isinstance(config, (list, tuple)):
+        return " ".join(config) or "the defaults"
+    return f"strategy={config.strategy} mesh={config.mesh}"
+
+
 @contextlib.contextmanager
 def compile_errors(target: Target | None, config):
     """A target compiler's refusal as one line: its first line of error, and the config that caused it
-    (`config`: the overrides, or a config object whose mesh and strategy are named)."""
+    (`config`: the overrides, or a config object whose mesh and strategy are named); a step too large
+    for the chip as `DoesNotFit`, with the numbers."""
     if target is None:
         yield
         return
     try:
         yield
+    except DoesNotFit as e:
+        raise DoesNotFit(target, e.needed, e.hbm, e.temp, e.arguments, _config_words(config)) from None
     except MeshparError:
         raise
     except Exception as e:  # noqa: BLE001 - XLA's errors (JaxRuntimeError, NotImplementedError...) are the point
         first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
-        what = (
-            (" ".join(config) or "the defaults")
-            if isinstance(config, (list, tuple))
-            else f"strategy={config.strategy} mesh={config.mesh}"
-        )
         raise MeshparError(
-            f"the {target.hardware.name} compiler refused this step ({type(e).__name__}: {first}); config: {what}"
+            f"the {target.hardware.name} compiler refused this step ({type(e).__name__}: {first}); "
+            f"config: {_config_words(config)}"
         ) from None
+
+
+def argument_bytes(trainer) -> int:
+    """Bytes per device of the step's arguments: the train state and the batch, as sharded."""
+    import jax
+
+    leaves = jax.tree.leaves((trainer.abstract_state(), trainer.abstract_batch()))
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in leaves)
 
 
 # XLA:GPU without a device cannot autotune, and for some small dots its Triton GEMM emitter finds no
@@ -224,11 +276,17 @@ def launch_options(target: Target) -> dict:
 def compile_trainer(target: Target, trainer, options: dict | None = None) -> tuple[object, list[str]]:
     """(the trainer's step compiled for `target`, with its launch flags and XLA compiler `options`,
     notes): on GPU targets a step whose dots XLA:GPU's Triton GEMM cannot tile without a device is
-    compiled again with cuBLAS GEMMs, and says so."""
+    compiled again with cuBLAS GEMMs, and says so; on TPU targets a step libtpu finds too large for the
+    chip raises `DoesNotFit`."""
     options = {**launch_options(target), **(options or {})}
     try:
         return trainer.compile(options), []
     except Exception as e:  # noqa: BLE001 - only this one XLA:GPU refusal is retried
+        oom = hbm_exhausted(str(e)) if target.platform == "tpu" else None
+        if oom:
+            args = argument_bytes(trainer)
+            needed = oom.get("used") or args + oom["temp"]
+            raise DoesNotFit(target, needed, oom["hbm"], oom.get("temp"), args) from None
         if target.platform != "gpu" or _NO_TILING not in str(e):
             raise
     return trainer.compile({**(options or {}), **NO_TRITON_GEMM}), [

@@ -353,6 +353,84 @@ def test_a_compiler_refusal_is_one_line_with_the_config(h100):
     )
 
 
+def test_a_step_too_large_for_the_tpu_is_a_verdict_with_the_numbers_and_verify_goes_on(v5p, capsys):
+    """libtpu refuses at compile time a step that needs more HBM than the chip has (XLA:GPU compiles it,
+    and its peak says so). That refusal is the plan's verdict: one line with the bytes asked for and the
+    chip's, and under `plan --verify` that plan's row, with the other plans still compiled."""
+    from rich.console import Console
+
+    from meshpar.plan import dryrun
+    from meshpar.plan.search import plan
+    from meshpar.plan.target import DoesNotFit, argument_bytes, compile_errors, compile_trainer, hbm_exhausted
+    from meshpar.train.step import trainer_for
+
+    # the two forms libtpu versions print (jax 0.10.2's first), and any other error is not one
+    assert hbm_exhausted(
+        "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries "
+        "(115.14G) exceeds available HBM (95.74G)."
+    ) == {"temp": 115.14 * 2**30, "hbm": 95.74 * 2**30}
+    assert hbm_exhausted(
+        "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm. "
+        "Used 120.49G of 95.74G hbm. Exceeded hbm capacity by 24.75G."
+    ) == {"used": 120.49 * 2**30, "hbm": 95.74 * 2**30}
+    assert hbm_exhausted("INTERNAL: RET_CHECK failure") is None
+
+    overrides = ["strategy=dp", "mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1"]
+    trainer = trainer_for(load_config(None, TINY + overrides), devices=v5p.devices)
+    state = argument_bytes(trainer)  # the tiny model's state and batch per chip: replicated, and split 8 ways
+    fsdp = ["strategy=fsdp", "mesh.data=1", "mesh.fsdp=8", "mesh.tensor=1"]
+    assert state <= 8 * argument_bytes(trainer_for(load_config(None, TINY + fsdp), devices=v5p.devices)) < 1.2 * state
+
+    def refuse(options=None):
+        raise RuntimeError(
+            "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries "
+            "(115.14G) exceeds available HBM (95.74G).\nstack frames ..."
+        )
+
+    trainer.compile = refuse
+    with pytest.raises(DoesNotFit) as e:
+        with compile_errors(v5p, overrides):
+            compile_trainer(v5p, trainer)
+    assert e.value.needed == pytest.approx(state + 115.14 * 2**30) and e.value.hbm == pytest.approx(95.74 * 2**30)
+    line = str(e.value)
+    assert "\n" not in line and line.startswith("does not fit on 8 x tpu-v5p: the step needs 115.14 GiB of temporaries")
+    assert line.endswith("config: strategy=dp mesh.data=8 mesh.fsdp=1 mesh.tensor=1")
+
+    # `plan --verify 2 --target`: the first plan refused, the second compiled; both rows, in rank order
+    cfg = load_config(None, TINY)
+    result = plan(cfg, 8, v5p.hardware, top=2)
+    calls = []
+
+    def compile_step(cfg, target=None):
+        calls.append(cfg.strategy)
+        if len(calls) == 1:
+            with compile_errors(target, cfg):
+                raise DoesNotFit(target, 120 * 2**30, 95.74 * 2**30, 100 * 2**30, 20 * 2**30)
+        return _Compiled.trainer, _Compiled()
+
+    class _Compiled:  # a compiled step's text and memory, as `compiled_numbers` reads them
+        trainer = trainer_for(cfg, devices=v5p.devices)
+
+        def as_text(self):
+            return ""
+
+        def memory_analysis(self):
+            return None
+
+    original = dryrun.compile_step
+    dryrun.compile_step = compile_step
+    try:
+        rows = dryrun.verify(result, None, TINY, 2, v5p)
+    finally:
+        dryrun.compile_step = original
+    assert len(calls) == 2 and [r["rank"] for r in rows] == [1, 2]
+    assert not rows[0]["fits_compiled"] and rows[0]["target_peak"] == 120 * 2**30
+    assert rows[0]["refused"].startswith("does not fit on 8 x tpu-v5p") and rows[1]["fits_compiled"]
+    console = Console(record=True, width=300)
+    dryrun.render(rows, console)
+    assert "compiled: does not fit" in console.export_text()
+
+
 def test_a_missing_compiler_names_the_command_that_installs_it(tmp_path, monkeypatch):
     monkeypatch.setenv("MESHPAR_COMPILERS", str(tmp_path))
     out = _cli("inspect", "--target", "tpu-v5p")
