@@ -256,8 +256,10 @@ def argument_bytes(trainer) -> int:
     """Bytes per device of the step's arguments: the train state and the batch, as sharded."""
     import jax
 
+    from meshpar.core.sharding import bytes_per_device  # local: JAX and Flax load only for a compile
+
     leaves = jax.tree.leaves((trainer.abstract_state(), trainer.abstract_batch()))
-    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in leaves)
+    return sum(bytes_per_device(x.shape, x.dtype, x.sharding) for x in leaves)
 
 
 # XLA:GPU without a device cannot autotune, and for some small dots its Triton GEMM emitter finds no

@@ -353,7 +353,7 @@ def test_a_compiler_refusal_is_one_line_with_the_config(h100):
     )
 
 
-def test_a_step_too_large_for_the_tpu_is_a_verdict_with_the_numbers_and_verify_goes_on(v5p, capsys):
+def test_a_step_too_large_for_the_tpu_is_a_verdict_with_the_numbers_and_verify_goes_on(v5p, monkeypatch):
     """libtpu refuses at compile time a step that needs more HBM than the chip has (XLA:GPU compiles it,
     and its peak says so). That refusal is the plan's verdict: one line with the bytes asked for and the
     chip's, and under `plan --verify` that plan's row, with the other plans still compiled."""
@@ -417,12 +417,8 @@ def test_a_step_too_large_for_the_tpu_is_a_verdict_with_the_numbers_and_verify_g
         def memory_analysis(self):
             return None
 
-    original = dryrun.compile_step
-    dryrun.compile_step = compile_step
-    try:
-        rows = dryrun.verify(result, None, TINY, 2, v5p)
-    finally:
-        dryrun.compile_step = original
+    monkeypatch.setattr(dryrun, "compile_step", compile_step)
+    rows = dryrun.verify(result, None, TINY, 2, v5p)
     assert len(calls) == 2 and [r["rank"] for r in rows] == [1, 2]
     assert not rows[0]["fits_compiled"] and rows[0]["target_peak"] == 120 * 2**30
     assert rows[0]["refused"].startswith("does not fit on 8 x tpu-v5p") and rows[1]["fits_compiled"]
