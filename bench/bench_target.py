@@ -4,7 +4,7 @@
 
 Per configuration (bf16, full remat), one deviceless compile by the target's compiler
 (`meshpar.plan.program.report`, what `meshpar inspect --target` runs) and, per device:
-  * peak HBM (argument + output + temp - alias) against the device's memory;
+  * peak HBM (the compiler's own peak, `meshpar.plan.inspect.memory`) against the device's memory;
   * FLOPs and bytes from XLA's `cost_analysis()` (a while loop's body counted once: for a scanned
     model these undercount by about the layer count, so the roofline uses meshpar's own count of the
     executed FLOPs, `meshpar.plan.steptime.executed_flops`, beside them);

@@ -3,7 +3,7 @@
     python bench/bench_targets.py [--quick] [--out bench/RESULTS.md]
 
 Each row is one config compiled by the target's compiler (`meshpar.plan.program.report`, the same path
-as `meshpar inspect --target`): the compiled peak per device (argument + output + temp - alias)
+as `meshpar inspect --target`): the compiled peak per device (the compiler's own, `meshpar.plan.inspect.memory`)
 beside the planner's total (`meshpar.plan.search.estimate` for the same hardware), their ratio, the
 compile time and the kernels that matter. bf16, remat full, as `meshpar plan` costs them. Run once
 `meshpar compilers --install` first.

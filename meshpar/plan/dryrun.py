@@ -6,7 +6,7 @@ planner's numbers next to the compiler's.
 
 What is compared (per device, per step):
 * memory: the planner's total (params + grads + optimizer + activations) against XLA's
-  `memory_analysis()` peak (argument + output + temp - alias), and params + optimizer + batch
+  `memory_analysis()` peak (`meshpar.plan.inspect.memory`), and params + optimizer + batch
   against the argument bytes (the train state and the batch are exactly the step's arguments);
 * collectives: bytes per kind against the compiled HLO as `meshpar inspect` reads it.
 The CPU compile runs XLA's SPMD partitioner and buffer assignment like a GPU/TPU one, but codegen

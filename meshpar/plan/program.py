@@ -193,6 +193,15 @@ def report(cfg, target) -> dict:
     return rep
 
 
+# how `DoesNotFit` words a decode step too large for the chip
+SERVE_WORDS = {
+    "what": "the decode step",
+    "held": "weights and KV cache",
+    "advice": "serve fewer slots or a shorter cache (serve.slots, serve.cache_length), or split the weights and "
+    "cache over more chips (mesh.tensor)",
+}
+
+
 def serve_report(cfg, target=None) -> dict:
     """`meshpar inspect --serve [--target HW]`: the serving decode step (one token for every slot, its
     KV cache in place) compiled without weights (`meshpar.serve.placement.ABSTRACT`): its memory and
@@ -207,9 +216,17 @@ def serve_report(cfg, target=None) -> dict:
         device_memory=int(target.hardware.memory_bytes) if target else None,
     )
     start = time.perf_counter()
-    from meshpar.plan.target import launch_options  # local: beside compile_with_live_ranges' import
+    from meshpar.plan.target import launch_options, too_large  # local: beside compile_with_live_ranges' import
 
-    compiled = engine.compiled_generate(launch_options(target) if target else None)
+    try:
+        compiled = engine.compiled_generate(launch_options(target) if target else None)
+    except Exception as e:  # noqa: BLE001 - libtpu's refusal of a decode step too large for the chip is a verdict
+        refused = (
+            too_large(target, e, lambda: sum(engine.bytes_per_device().values()), **SERVE_WORDS) if target else None
+        )
+        if refused:
+            raise refused from None
+        raise
     seconds = time.perf_counter() - start
     shape = dict(zip(engine.mesh.axis_names, engine.mesh.devices.shape))
     hlo = compiled.as_text()

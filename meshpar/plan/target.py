@@ -132,12 +132,16 @@ def tpu_wrap(shape: tuple[int, ...]) -> tuple[bool, ...]:
 
 
 def tpu_shape(chips: int, dims: int) -> tuple[int, ...]:
-    """The slice shape of `chips` chips (a power of two >= 4): one host, then doubling the shortest side."""
-    shape = list(TPU_HOST[dims])
+    """The slice shape of `chips` chips (a power of two >= 4): one host, then doubling the shortest side;
+    its sides shortest first as Cloud TPU names them (v5p:2x2x4), unless a host no longer tiles that
+    order (one v5p host is 2x2x1, not 1x2x2)."""
+    host = TPU_HOST[dims]
+    shape = list(host)
     while math.prod(shape) < chips:
         i = min(range(dims), key=lambda k: (shape[k], -k))
         shape[i] *= 2
-    return tuple(sorted(shape))
+    ordered = tuple(sorted(shape))
+    return ordered if all(s % h == 0 for s, h in zip(ordered, host)) else tuple(shape)
 
 
 def _tpu(hw: Hardware, n: int, topology: str | None, slices: int | None) -> Target:
@@ -186,22 +190,35 @@ def _shape(text: str, dims: int, hint: str) -> tuple[int, ...]:
     return shape
 
 
-class DoesNotFit(MeshparError):
-    """libtpu's refusal of a step that needs more HBM than a chip has (it checks at compile time; XLA:GPU
-    compiles the step and its peak says so): `needed` bytes per chip (the step's arguments, state and
-    batch, plus the temporaries libtpu asked for), `hbm` the chip's, and one line that says so."""
+SPLIT_STATE = "split the state over more devices (strategy=fsdp, a larger mesh.fsdp) or ask `meshpar plan`"
 
-    def __init__(self, target: Target, needed: float, hbm: float, temp: float | None, arguments: float, config=""):
+
+class DoesNotFit(MeshparError):
+    """libtpu's refusal of a program that needs more HBM than a chip has (it checks at compile time;
+    XLA:GPU compiles the program and its peak says so): `needed` bytes per chip (the program's
+    arguments, `held`, plus the temporaries libtpu asked for), `hbm` the chip's, and one line that says
+    so, ending with `advice`."""
+
+    def __init__(
+        self,
+        target: Target,
+        needed: float,
+        hbm: float,
+        temp: float | None,
+        arguments: float,
+        config="",
+        what: str = "the step",
+        held: str = "state and batch",
+        advice: str = SPLIT_STATE,
+    ):
         self.needed, self.hbm, self.temp, self.arguments = needed, hbm, temp, arguments
+        self.what, self.held, self.advice = what, held, advice
         gib = 2**30
-        parts = (
-            f"{temp / gib:.2f} GiB of temporaries beside {arguments / gib:.2f} GiB of state and batch, " if temp else ""
-        )
+        parts = f"{temp / gib:.2f} GiB of temporaries beside {arguments / gib:.2f} GiB of {held}, " if temp else ""
         super().__init__(
-            f"does not fit on {len(target.devices)} x {target.hardware.name}: the step needs {parts}"
+            f"does not fit on {len(target.devices)} x {target.hardware.name}: {what} needs {parts}"
             f"{needed / gib:.2f} GiB per chip in all, and the chip has {hbm / gib:.2f} GiB (libtpu refused to "
-            "compile it); split the state over more devices (strategy=fsdp, a larger mesh.fsdp) or ask "
-            "`meshpar plan`" + (f"; config: {config}" if config else "")
+            f"compile it); {advice}" + (f"; config: {config}" if config else "")
         )
 
 
@@ -223,6 +240,16 @@ def hbm_exhausted(message: str) -> dict | None:
     return None
 
 
+def too_large(target: Target, error: Exception, arguments, **words) -> DoesNotFit | None:
+    """`error` as `DoesNotFit` where it is libtpu's out-of-memory refusal, else None. `arguments()`: the
+    program's argument bytes per chip; `words`: `DoesNotFit`'s what, held and advice."""
+    oom = hbm_exhausted(str(error)) if target.platform == "tpu" else None
+    if oom is None:
+        return None
+    args = arguments()
+    return DoesNotFit(target, oom.get("used") or args + oom["temp"], oom["hbm"], oom.get("temp"), args, **words)
+
+
 def _config_words(config) -> str:
     """The config that caused a refusal: the overrides, or a config object's strategy and mesh."""
     if isinstance(config, (list, tuple)):
@@ -241,7 +268,9 @@ def compile_errors(target: Target | None, config):
     try:
         yield
     except DoesNotFit as e:
-        raise DoesNotFit(target, e.needed, e.hbm, e.temp, e.arguments, _config_words(config)) from None
+        raise DoesNotFit(
+            target, e.needed, e.hbm, e.temp, e.arguments, _config_words(config), e.what, e.held, e.advice
+        ) from None
     except MeshparError:
         raise
     except Exception as e:  # noqa: BLE001 - XLA's errors (JaxRuntimeError, NotImplementedError...) are the point
@@ -284,11 +313,9 @@ def compile_trainer(target: Target, trainer, options: dict | None = None) -> tup
     try:
         return trainer.compile(options), []
     except Exception as e:  # noqa: BLE001 - only this one XLA:GPU refusal is retried
-        oom = hbm_exhausted(str(e)) if target.platform == "tpu" else None
-        if oom:
-            args = argument_bytes(trainer)
-            needed = oom.get("used") or args + oom["temp"]
-            raise DoesNotFit(target, needed, oom["hbm"], oom.get("temp"), args) from None
+        refused = too_large(target, e, lambda: argument_bytes(trainer))
+        if refused:
+            raise refused from None
         if target.platform != "gpu" or _NO_TILING not in str(e):
             raise
     return trainer.compile({**(options or {}), **NO_TRITON_GEMM}), [
