@@ -32,6 +32,7 @@ owns SIGTERM once `jax.distributed` is up) agrees on it, and SIGINT is forwarded
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
@@ -168,6 +169,7 @@ def initialize(settings: Settings, local_devices: int | None = None) -> None:
             _watchdog = None
         else:
             _watchdog.start()
+            atexit.register(_watchdog.stop)  # after JAX's own exit hook was registered: runs before it
 
 
 def is_main() -> bool:
@@ -181,6 +183,7 @@ def is_main() -> bool:
 
 progress = {"step": 0}  # the loop's last finished step, for the watchdog's message
 _watchdog = None
+DONE = "done"  # a process's last heartbeat value, once its run has ended
 
 
 class _Watchdog(threading.Thread):
@@ -200,10 +203,11 @@ class _Watchdog(threading.Thread):
             raise RuntimeError("jax.distributed has no client")
         self.me, self.n = jax.process_index(), jax.process_count()
         self.timeout, self.period = timeout, period
+        self.done = threading.Event()
 
     def run(self) -> None:
         beat, seen, start = 0, {}, time.monotonic()
-        while True:
+        while not self.done.is_set():
             beat += 1
             try:
                 self.client.key_value_set(f"meshpar/alive/{self.me}", str(beat), allow_overwrite=True)
@@ -212,15 +216,31 @@ class _Watchdog(threading.Thread):
                 else:
                     self._read_verdict()
             except Exception as e:  # noqa: BLE001 - the coordination service (in process 0) is gone
-                if self.me != 0:
+                if self.me != 0 and not self.done.is_set():
                     _peer_lost(f"process 0 (the coordinator) is unreachable: {str(e).splitlines()[0][:160]}", self.me)
-            time.sleep(self.period)
+            self.done.wait(self.period)
+
+    def stop(self) -> None:
+        """At exit (`atexit`, before JAX's own shutdown of the client): end the loop, wait for it to leave
+        the coordination client, and mark this process finished (`done`), which process 0 does not count
+        as a lost peer. A daemon thread still inside a C++ call of that client when the interpreter
+        finalizes is unwound by force there and the process aborts (SIGABRT, "terminate called after
+        throwing an instance of ''", "FATAL: exception not rethrown"), as a resumed 2-process run's
+        process 1 once did."""
+        self.done.set()
+        self.join(timeout=2 * self.period + 5)
+        try:
+            self.client.key_value_set(f"meshpar/alive/{self.me}", DONE, allow_overwrite=True)
+        except Exception:  # noqa: BLE001 - the coordination service is already gone: nothing to tell
+            pass
 
     def _watch_peers(self, seen: dict, start: float) -> None:
         now = time.monotonic()
         beats = dict(self.client.key_value_dir_get("meshpar/alive/"))
         for peer in range(1, self.n):
             value = beats.get(f"meshpar/alive/{peer}")
+            if value == DONE:  # finished its run and exiting: its beat stopped on purpose
+                continue
             if peer not in seen or value != seen[peer][0]:
                 seen[peer] = (value, now)
             elif now - max(seen[peer][1], start) > self.timeout:

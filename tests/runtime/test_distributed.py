@@ -163,6 +163,59 @@ def test_two_processes_match_one_and_fail_fast_and_resume(tmp_path):
     print(f"peer loss noticed after {waited:.1f}s; resumed from {resumed}; max relative loss difference {diff:.2e}")
 
 
+def test_the_watchdog_leaves_the_client_before_exit_and_a_finished_peer_is_not_lost(monkeypatch):
+    """At exit each process's watchdog stops and waits for its thread to leave the coordination client
+    (a daemon thread inside its C++ call at interpreter finalization aborts the process: a resumed
+    2-process run's process 1 died so, SIGABRT, "FATAL: exception not rethrown"), then marks itself
+    done; process 0 does not call a done peer lost, however long it runs on (a fake client, no JAX)."""
+    import threading
+
+    from meshpar.runtime import distributed
+
+    class Client:  # the coordination service's key-value store, as the watchdog uses it
+        def __init__(self):
+            self.kv, self.inside = {}, threading.Event()
+
+        def key_value_set(self, key, value, allow_overwrite=False):
+            self.inside.set()
+            time.sleep(0.05)  # a call in flight, as a remote one is
+            self.kv[key] = value
+            self.inside.clear()
+
+        def key_value_dir_get(self, prefix):
+            return [(k, v) for k, v in self.kv.items() if k.startswith(prefix)]
+
+        def key_value_try_get(self, key):
+            if key not in self.kv:
+                raise RuntimeError("NOT_FOUND")
+            return self.kv[key]
+
+    def watchdog(me, client):
+        w = distributed._Watchdog.__new__(distributed._Watchdog)
+        threading.Thread.__init__(w, daemon=True)
+        w.client, w.me, w.n, w.timeout, w.period, w.done = client, me, 2, 0.3, 0.05, threading.Event()
+        return w
+
+    lost = []
+    monkeypatch.setattr(distributed, "_peer_lost", lambda what, me: lost.append(what))
+    client = Client()
+    peer = watchdog(1, client)
+    peer.start()
+    time.sleep(0.3)
+    peer.stop()
+    assert not peer.is_alive() and not client.inside.is_set()  # out of the client's call, for good
+    assert client.kv["meshpar/alive/1"] == distributed.DONE
+    seen, start = {}, time.monotonic() - 10
+    watchdog(0, client)._watch_peers(seen, start)  # long past the timeout: a done peer is not lost
+    assert lost == []
+    client.kv["meshpar/alive/1"] = "7"  # one that stopped beating mid-run still is
+    w0 = watchdog(0, client)
+    w0._watch_peers(seen, start)
+    time.sleep(0.35)
+    w0._watch_peers(seen, start)
+    assert lost and lost[0].startswith("process 1 stopped responding")
+
+
 # -- launch scripts that cannot run here: their contract, checked without a cluster ---------------
 
 
