@@ -16,6 +16,8 @@ Each variable is set with a `with` block by the module named first and read by t
               layer) key parts                      read: nn.dropout
     PLATFORM  the platform a program is built for   set: core.platform.target (deviceless compiles);
               (a target, not the host's)            read: core.platform
+    DECODE_LOOP  how decoding runs the stacked      set: nn.layers.decode_loop (Engine's generate);
+              layers: "scan", "unrolled", "auto"    read: nn.layers.scan_layers
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ BRANCHES: contextvars.ContextVar[bool] = contextvars.ContextVar("meshpar_moe_bra
 ROUTING_KEY: contextvars.ContextVar[Any] = contextvars.ContextVar("meshpar_moe_key", default=None)
 DRAWS: contextvars.ContextVar[Any] = contextvars.ContextVar("meshpar_dropout_draws", default=None)
 PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar("meshpar_platform", default=None)
+DECODE_LOOP: contextvars.ContextVar[str] = contextvars.ContextVar("meshpar_decode_loop", default="scan")
 
 
 def manual_axes() -> tuple[str, ...]:

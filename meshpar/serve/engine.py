@@ -149,13 +149,14 @@ def _facts(part: str, names: str) -> tuple:
 class Engine:
     """Serve a model: its weights placed (`placement`, `Placement`: the keywords `model`, `weights`,
     `devices`, `info`, `device_memory` as there), the compiled calls over them (`programs`,
-    `DecodePrograms`: `flush`, `ticks` as there) and their state (`decode_state`), and the host side
-    here: padding to buckets, sampling rows, request checks, and `run` (continuous batching, reading
-    `serve`: the `cfg.serve` section)."""
+    `DecodePrograms`: `flush`, `ticks` as there) and their state (`decode_state`), and the host side here:
+    padding to buckets, sampling rows, request checks, `run` (continuous batching, reading `cfg.serve`)."""
 
     def __init__(self, cfg, *, flush: bool = False, ticks: int | None = None, **placement):
         self.placement = Placement(cfg, **placement)  # model=, devices=, weights=, info=, device_memory=
-        self.programs = DecodePrograms(self.placement, flush=flush, ticks=ticks, microbatches=cfg.pipeline.microbatches)
+        self.programs = DecodePrograms(
+            self.placement, flush=flush, ticks=ticks, microbatches=cfg.pipeline.microbatches, loop=cfg.serve.decode_loop
+        )
         self.decode_state = self.programs.state
         self.serve = cfg.serve
         self.decode_steps, self.decode_s = 0, 0.0  # set by `run` (meshpar.serve.scheduler)
@@ -259,7 +260,6 @@ class Engine:
 
     def run(self, requests: list[Request], on_token: Callable[[int, int], None] | None = None) -> list[Completion]:
         """Continuous batching to each request's end; `on_token(request index, token)` streams (`scheduler`)."""
-
         return run_all(self, requests, on_token)
 
     def compiled_generate(self, options: dict | None = None):

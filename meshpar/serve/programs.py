@@ -6,6 +6,9 @@
     insert(entry, state, slots)                                -> state with entry row r in slot slots[r]
     generate(weights, state)                                   -> (state, next token per slot [B], logits [B, V])
 
+generate runs the stacked layers as `serve.decode_loop` says (`meshpar.nn.layers.decode_loop`): on a
+GPU, unrolled, so no decode step copies the layers' weights out of their stack.
+
 `meshpar.serve.engine.Engine` calls them with host inputs (padding, buckets, sampling rows); the
 decode state's layout is `state_shapes`. With `mesh.pipeline` > 1 the decode runs through the
 stages (`meshpar.parallel.pipeline_decode`), kept in flight across calls (`meshpar.serve.in_flight`).
@@ -27,6 +30,7 @@ from meshpar.core.errors import ConfigError
 from meshpar.core.layout import active_layout, for_rows, use_layout
 from meshpar.core.platform import compiling_for, of_mesh
 from meshpar.core.sharding import bytes_per_device
+from meshpar.nn.layers import decode_loop
 from meshpar.parallel import pipeline_decode
 from meshpar.serve import in_flight
 from meshpar.serve.placement import Placement, zeros
@@ -119,19 +123,9 @@ class DecodePrograms:
     them with host inputs); `traces` counts their compilations per name. `microbatches`: with
     `mesh.pipeline` > 1, the decode batch's microbatches through the stages (`pipeline.microbatches`)."""
 
-    def __init__(self, placement: Placement, *, flush: bool = False, ticks: int | None = None, microbatches: int = 1):
-        self.placement, self.microbatches = placement, microbatches
-        for name in (
-            "mesh",
-            "layout",
-            "policy",
-            "stages",
-            "slots",
-            "vocab",
-            "length",
-            "cache_spec",
-            "weight_shardings",
-        ):
+    def __init__(self, placement: Placement, *, flush=False, ticks: int | None = None, microbatches=1, loop="auto"):
+        self.placement, self.microbatches, self.loop = placement, microbatches, loop  # loop: serve.decode_loop
+        for name in "mesh layout policy stages slots vocab length cache_spec weight_shardings".split():
             setattr(self, name, getattr(placement, name))  # the placement's facts the bodies read
         rep = NamedSharding(self.mesh, P())
         # mesh.pipeline > 1: one group of slots per stage in flight across generate calls, `ticks` (1..P,
@@ -224,11 +218,12 @@ class DecodePrograms:
     def _generate_fn(self, weights, state):
         """One token for every slot: each slot's last token at its position -> the next one."""
         self.traces["generate"] += 1
-        if self.in_flight:
-            return in_flight.generate(self.placement, self.ticks, weights, state)
-        pos = jnp.minimum(state["pos"], self.length - 1)  # a full slot is never read back (run frees it)
-        with use_layout(self.layout), precision_lib.use_policy(self.policy):
-            logits, cache = self._decode(weights, state["token"][:, None], pos[:, None], state["cache"])
+        with decode_loop(self.loop):  # unrolled on a GPU (meshpar.nn.layers.decode_loop)
+            if self.in_flight:
+                return in_flight.generate(self.placement, self.ticks, weights, state)
+            pos = jnp.minimum(state["pos"], self.length - 1)  # a full slot is never read back (run frees it)
+            with use_layout(self.layout), precision_lib.use_policy(self.policy):
+                logits, cache = self._decode(weights, state["token"][:, None], pos[:, None], state["cache"])
         logits = logits[:, 0].astype(jnp.float32)  # [B, V]
         keys = jax.vmap(position_key)(state["key"], pos)
         nxt = sample(adjust(logits, state, state["counts"]), state["temp"], state["top_k"], state["top_p"], keys)

@@ -38,6 +38,10 @@ def test_overrides_are_typed_and_dotted():
         (["steps=many"], "config key 'steps' must be an integer, got 'many'"),
         (["steps=0"], "config key 'steps' must be >= 1, got 0"),
         (["model.remat=some"], "config key 'model.remat' has unknown value 'some'"),
+        (
+            ["serve.decode_loop=unroll"],
+            "config key 'serve.decode_loop' has unknown value 'unroll' (did you mean 'unrolled'?)",
+        ),
         (["mesh.tensor"], "override 'mesh.tensor' must look like KEY=VALUE"),
     ],
 )

@@ -259,12 +259,12 @@ def test_the_serving_decode_step_compiles_for_both_targets(h100, v5p, name):
     assert 2 * d["weights"] == fp32.bytes_per_device()["weights"]
     held = d["weights"] + d["cache"] + d["slot_state"]  # libtpu pads the small slot arrays to its tiles
     assert held <= 1.02 * rep["memory"]["argument"] < held + d["weights"]  # fp32 weights would be 2x
-    # XLA:GPU's scanned decode loop copies each layer's weights every step (libtpu's does not); said once
-    copies = [w for w in rep["warnings"] if "model.scan_layers=false" in w]
-    assert len(copies) == (name == "h100")
-    if name == "h100":  # unrolled, the layers read the stacked weights in place: no copy, no note
-        unrolled = serve_report(load_config(None, ["precision=bf16", *serve, "model.scan_layers=false"]), target)
-        assert not any("model.scan_layers=false" in w for w in unrolled["warnings"])
+    # serve.decode_loop=auto: unrolled on the GPU, where the layers read the stacked weights in place,
+    # scanned on the TPU, whose loop prefetches each layer's slice: no copy, no note on either
+    assert not any("serve.decode_loop=unrolled" in w for w in rep["warnings"])
+    if name == "h100":  # XLA:GPU's scanned decode loop copies each layer's weights every step; said once
+        scanned = serve_report(load_config(None, ["precision=bf16", *serve, "serve.decode_loop=scan"]), target)
+        assert len([w for w in scanned["warnings"] if "serve.decode_loop=unrolled" in w]) == 1
     # serve_tp: weights stay in place, heads split over `tensor`: every token all-reduces over tensor only
     assert "tensor" in rep["collectives"]["summary"]["all-reduce"]["axes"]
 

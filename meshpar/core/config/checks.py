@@ -12,6 +12,7 @@ from meshpar.core.config.schema import (
     CONTEXT_STRATEGIES,
     DATA_DTYPES,
     DATA_KINDS,
+    DECODE_LOOPS,
     MOE_BALANCES,
     MOE_SCORES,
     ON_NAN,
@@ -143,6 +144,7 @@ def validate(cfg: Config) -> None:
     _choice("moe.second_expert_policy", cfg.moe.second_expert_policy, SECOND_EXPERT_POLICIES)
     _choice("train.on_nan", cfg.train.on_nan, ON_NAN)
     _choice("serve.strategy", cfg.serve.strategy, {**rules.SERVING, **rules.PRESETS})
+    _choice("serve.decode_loop", cfg.serve.decode_loop, DECODE_LOOPS)
     for key, v, zero in [
         ("checkpoint.every", cfg.checkpoint.every, "only at the end"),
         ("eval.every", cfg.eval.every, "no evaluation"),

@@ -10,6 +10,7 @@ from typing import Any
 # options a key takes; the module that implements each list imports it from here
 REMAT = ("none", "full", "save_dots", "offload")  # model.remat (meshpar.nn.layers)
 ATTENTION = ("auto", "xla", "flash", "cudnn", "splash")  # model.attention (meshpar.nn.attention)
+DECODE_LOOPS = ("auto", "scan", "unrolled")  # serve.decode_loop (meshpar.nn.layers.decode_loop)
 CONTEXT_STRATEGIES = ("all_gather", "ring")  # model.context_strategy (meshpar.parallel.context)
 SCHEDULES = ("gpipe", "1f1b", "interleaved")  # pipeline.schedule (meshpar.parallel.schedules)
 MOE_SCORES = ("softmax", "sigmoid")  # moe.score (meshpar.nn.routing)
@@ -201,6 +202,8 @@ class ServeConfig:
     cors_origins: list[str] = field(default_factory=list)  # web origins allowed to call the API from a browser (CORS)
     openapi: bool = False  # serve the API's schema at /openapi.json
     allow_special_tokens_in_content: bool = False  # true: a special token's text in a chat message stays special
+    decode_loop: str = "auto"  # the layers in the decode step: scan | unrolled | auto (unrolled on a GPU,
+    # where a scanned step copies every layer's weights out of the stack: meshpar.nn.layers.decode_loop)
     drain_timeout_s: float | None = None  # SIGTERM: finish the requests in flight at most this long, then end
     # the rest with 503 (None: however long)
 
