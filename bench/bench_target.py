@@ -11,7 +11,8 @@ Per configuration (bf16, full remat), one deviceless compile by the target's com
   * collective bytes by kind and mesh axes (async start/done counted once, loop bodies times their
     trip counts);
   * exposed collective bytes: those with no compute scheduled between start and done, or
-    synchronous (`meshpar.plan.program.overlap`);
+    synchronous (`meshpar.plan.program.overlap`; libtpu writes every collective synchronously unless its
+    async collective fusion is on, LIBTPU_INIT_ARGS);
   * a roofline step: max(executed FLOPs / peak, cost_analysis bytes x layers / HBM bandwidth) plus
     the exposed bytes at the bandwidth of the slowest link their kind's axes cross
     (`meshpar/plan/hardware.py`), and its MFU (model FLOPs over that step at peak); beside it the
@@ -364,7 +365,11 @@ def main() -> int:
     rows, lines = [], list(HEADER)
     if "tpu" in args.targets:
         compilers.load("tpu")
-        print(f"TPU rows compiled by {compilers.version('tpu')} ({os.environ['TPU_LIBRARY_PATH']})", flush=True)
+        print(
+            f"TPU rows compiled by {compilers.version('tpu')} ({os.environ['TPU_LIBRARY_PATH']}), "
+            f"LIBTPU_INIT_ARGS: {os.environ.get('LIBTPU_INIT_ARGS', '')!r}",
+            flush=True,
+        )
     if "h100" in args.targets:
         print(f"GPU rows compiled by {compilers.version('gpu')}, flags: {gpu_flags()}", flush=True)
     print("\n".join(HEADER), flush=True)

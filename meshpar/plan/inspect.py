@@ -188,6 +188,28 @@ def _is_scattered(lines: list[str], name: str, comps: dict[str, list[str]], dept
     return True
 
 
+def async_fusions(comps: dict[str, list[str]]) -> tuple[set[str], set[str]]:
+    """libtpu's async collective fusion (`--xla_tpu_enable_async_collective_fusion`): each collective is
+    written three times, under one channel id, in the computation its `async-collective-start` fusion
+    calls, in compute fusions over `async_collective_fusion.*` that carry pieces of it, and in the one
+    its `async-collective-done` fusion calls. -> (the start computations, which count it; the others,
+    which repeat it)."""
+    starts: set[str] = set()
+    repeats = {c for c in comps if c.startswith("async_collective_fusion")}
+    for lines in comps.values():
+        for line in lines:
+            if "async-collective-" not in line and "async_collective_fusion" not in line:
+                continue
+            name, callees = line.split("=", 1)[0], re.findall(r"calls=%?([\w.\-]+)", line)
+            if "%async-collective-start" in name:
+                starts.update(callees)
+            elif "%async-collective-done" in name:
+                repeats.update(callees)
+            else:
+                repeats.update(c for c in callees if c.startswith("async_collective_fusion"))
+    return starts, repeats
+
+
 def collectives(hlo: str, mesh_shape: dict[str, int] | None = None) -> list[dict]:
     """Every collective op in optimized HLO text: kind, bytes (whole tensor), runs per step, axes.
 
@@ -200,8 +222,11 @@ def collectives(hlo: str, mesh_shape: dict[str, int] | None = None) -> list[dict
     """
     comps, entry = split_computations(hlo)
     mult = multipliers(comps, entry)
+    repeats = async_fusions(comps)[1]
     out = []
     for comp, lines in comps.items():
+        if comp in repeats:  # libtpu's fused form repeats a collective its start computation counts
+            continue
         for line in lines:
             m = INSTR.match(line)
             if not m:
