@@ -1,6 +1,6 @@
 """The training step compiled for a pod, read from the target's own program (issue 43).
 
-    python bench/bench_target.py [--only NAME,...] [--vocab-tiles N] [--out table.md] [--json rows.json]
+    python bench/bench_target.py [--only NAME,...] [--vocab-tiles N] [--planner-first] [--out F.md] [--json F.json]
 
 Per configuration (bf16, full remat), one deviceless compile by the target's compiler
 (`meshpar.plan.program.report`, what `meshpar inspect --target` runs) and, per device:
@@ -233,6 +233,17 @@ def _link(hw, axes: list, dcn: dict) -> float:
     return hw.dcn_bw if any(dcn.get(a, 1) > 1 for a in axes) else hw.ici_bw
 
 
+def planner_first(overrides: list[str], target) -> list[str]:
+    """`meshpar plan`'s first plan that fits for this configuration on `target`, as overrides (what its
+    winner YAML holds): the row that asks whether the planner ranks the best compiled layout first."""
+    from meshpar.core.config import load_config
+    from meshpar.plan.search import plan
+
+    cfg = load_config(None, ["precision=bf16"] + overrides)
+    best = next(c for c in plan(cfg, len(target.devices), target.hardware)["candidates"] if c["fits"])
+    return overrides + [o for o in best["overrides"] if not o.startswith("devices=")]
+
+
 def row(name: str, target, overrides: list[str]) -> dict:
     from meshpar.core.config import load_config
     from meshpar.plan.program import report
@@ -344,6 +355,12 @@ def main() -> int:
         "own libtpu (jax's pin), not MaxText's: by default both sides use the one compiler",
     )
     ap.add_argument(
+        "--planner-first",
+        action="store_true",
+        help="after each dense row, compile `meshpar plan`'s own first plan for that model, length and target "
+        "(its mesh, strategy and remat), meshpar only",
+    )
+    ap.add_argument(
         "--gpu-flags",
         default="",
         metavar="FLAGS",
@@ -385,6 +402,10 @@ def main() -> int:
         mx = maxtext_overrides(name, n, ov, gpu=hw == "h100") if args.maxtext else None
         if mx:
             found.append(maxtext_row(name, n, args.maxtext, mx, targets[hw, n].hardware))
+        if args.planner_first and name.endswith(" fsdp") and not name.startswith("mixtral"):
+            first = planner_first([o for o in ov if not o.startswith(("strategy=", "mesh."))], targets[hw, n])
+            layout = " ".join(o for o in first if o.startswith(("strategy=", "mesh.", "model.remat=")))
+            found.append(row(f"{name.removesuffix(' fsdp')} planner's first: {layout}", targets[hw, n], first))
         for r in found:
             rows.append(r)
             lines.append(line(r))
