@@ -656,21 +656,21 @@ _FUSED_GATHER = """HloModule m
 
 %fused_start (p0: bf16[8,16]) -> (bf16[8,16], bf16[64,16]) {
   %p0 = bf16[8,16]{1,0} parameter(0)
-  %all-gather.1 = bf16[64,16]{1,0} all-gather(%p0), channel_id=7, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
+  %all-gather.1 = bf16[64,16]{1,0} all-gather(%p0), channel_id=7, replica_groups=[1,8]<=[8], dimensions={0}
   ROOT %tuple.1 = (bf16[8,16]{1,0}, bf16[64,16]{1,0}) tuple(%p0, %all-gather.1)
 }
 
 %async_collective_fusion.1 (p1: bf16[8,16], p2: bf16[16,16]) -> (bf16[64,16], bf16[8,16]) {
   %p1 = bf16[8,16]{1,0} parameter(0)
   %p2 = bf16[16,16]{1,0} parameter(1)
-  %all-gather.2 = bf16[64,16]{1,0} all-gather(%p1), channel_id=7, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
+  %all-gather.2 = bf16[64,16]{1,0} all-gather(%p1), channel_id=7, replica_groups=[1,8]<=[8], dimensions={0}
   %dot.1 = bf16[8,16]{1,0} dot(%p1, %p2), lhs_contracting_dims={1}, rhs_contracting_dims={0}
   ROOT %tuple.2 = (bf16[64,16]{1,0}, bf16[8,16]{1,0}) tuple(%all-gather.2, %dot.1)
 }
 
 %fused_done (p3: bf16[64,16]) -> bf16[64,16] {
   %p3 = bf16[64,16]{1,0} parameter(0)
-  ROOT %all-gather.3 = bf16[64,16]{1,0} all-gather(%p3), channel_id=7, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
+  ROOT %all-gather.3 = bf16[64,16]{1,0} all-gather(%p3), channel_id=7, replica_groups=[1,8]<=[8], dimensions={0}
 }
 
 ENTRY %main (a: bf16[8,16], w: bf16[16,16]) -> bf16[64,16] {
@@ -697,7 +697,8 @@ def test_libtpus_fused_async_collectives_count_once_and_overlap_the_compute_betw
     assert [(op["kind"], op["bytes"]) for op in ops] == [("all-gather", 2048)]
     assert overlap(_FUSED_GATHER)["hidden_bytes"] == 2048 and overlap(_FUSED_GATHER)["exposed_bytes"] == 0
     bare = _FUSED_GATHER.replace(
-        "  %fusion.9 = (bf16[64,16]{1,0}, bf16[8,16]{1,0}) fusion(%a, %w), kind=kOutput, calls=%async_collective_fusion.1\n"
+        "  %fusion.9 = (bf16[64,16]{1,0}, bf16[8,16]{1,0}) fusion(%a, %w), kind=kOutput, "
+        "calls=%async_collective_fusion.1\n"
         "  %h = bf16[64,16]{1,0} get-tuple-element(%fusion.9), index=0\n",
         "",
     ).replace("fusion(%h)", "fusion(%g)")
