@@ -240,7 +240,9 @@ def planner_first(overrides: list[str], target) -> list[str]:
     from meshpar.plan.search import plan
 
     cfg = load_config(None, ["precision=bf16"] + overrides)
-    best = next(c for c in plan(cfg, len(target.devices), target.hardware)["candidates"] if c["fits"])
+    best = next((c for c in plan(cfg, len(target.devices), target.hardware)["candidates"] if c["fits"]), None)
+    if best is None:
+        raise ValueError("no plan fits")
     return overrides + [o for o in best["overrides"] if not o.startswith("devices=")]
 
 
@@ -357,7 +359,7 @@ def main() -> int:
     ap.add_argument(
         "--planner-first",
         action="store_true",
-        help="after each dense row, compile `meshpar plan`'s own first plan for that model, length and target "
+        help="after each dense fsdp row, compile `meshpar plan`'s own first plan for that model, length and target "
         "(its mesh, strategy and remat), meshpar only",
     )
     ap.add_argument(
@@ -403,9 +405,14 @@ def main() -> int:
         if mx:
             found.append(maxtext_row(name, n, args.maxtext, mx, targets[hw, n].hardware))
         if args.planner_first and name.endswith(" fsdp") and not name.startswith("mixtral"):
-            first = planner_first([o for o in ov if not o.startswith(("strategy=", "mesh."))], targets[hw, n])
-            layout = " ".join(o for o in first if o.startswith(("strategy=", "mesh.", "model.remat=")))
-            found.append(row(f"{name.removesuffix(' fsdp')} planner's first: {layout}", targets[hw, n], first))
+            label = f"{name.removesuffix(' fsdp')} planner's first"
+            try:
+                first = planner_first([o for o in ov if not o.startswith(("strategy=", "mesh."))], targets[hw, n])
+            except Exception as e:  # noqa: BLE001 - a plan that cannot be made says why and the table goes on
+                found.append({"name": label, "target": hw, "error": str(e).splitlines()[0][:160]})
+            else:
+                layout = " ".join(o for o in first if o.startswith(("strategy=", "mesh.", "model.remat=")))
+                found.append(row(f"{label}: {layout}", targets[hw, n], first))
         for r in found:
             rows.append(r)
             lines.append(line(r))

@@ -23,8 +23,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshpar.core import scopes
-from meshpar.core.config.schema import REMAT
-from meshpar.core.errors import ConfigError
+from meshpar.core.config.schema import DECODE_LOOPS, REMAT
+from meshpar.core.errors import ConfigError, suggest
 from meshpar.core.layout import at_use, constrain
 from meshpar.core.platform import platform
 from meshpar.core.precision import param_dtype
@@ -148,8 +148,10 @@ def decode_loop(loop: str) -> Iterator[None]:
     """Within: how `scan_layers` runs the stack when decoding (called with `cache`). "scan": as
     training does; "unrolled": one program copy per layer, each reading its weights from the stack in
     place; "auto": unrolled on a GPU, where XLA copies each scanned layer's weights out of the stacked
-    arrays on every call (the matmuls' Triton kernels take no dynamic slice: 16 GB, 6.8 ms per decode
+    arrays on every call (the matmuls' Triton kernels take no dynamic slice: 6.8 ms of copies per decode
     step for Llama-3 8B on an H200), scanned elsewhere (libtpu prefetches the slice)."""
+    if loop not in DECODE_LOOPS:
+        raise ConfigError(f"decode loop '{loop}': one of {', '.join(DECODE_LOOPS)}" + suggest(loop, DECODE_LOOPS))
     token = scopes.DECODE_LOOP.set(loop)
     try:
         yield

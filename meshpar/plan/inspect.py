@@ -188,6 +188,9 @@ def _is_scattered(lines: list[str], name: str, comps: dict[str, list[str]], dept
     return True
 
 
+FUSED = re.compile(r"^\s*(?:ROOT\s+)?%?async-collective-(start|done)[\w.\-]* = .*\bcalls=%?([\w.\-]+)")
+
+
 def async_fusions(comps: dict[str, list[str]]) -> tuple[set[str], set[str]]:
     """libtpu's async collective fusion (`--xla_tpu_enable_async_collective_fusion`): each collective is
     written three times, under one channel id, in the computation its `async-collective-start` fusion
@@ -198,16 +201,27 @@ def async_fusions(comps: dict[str, list[str]]) -> tuple[set[str], set[str]]:
     repeats = {c for c in comps if c.startswith("async_collective_fusion")}
     for lines in comps.values():
         for line in lines:
-            if "async-collective-" not in line and "async_collective_fusion" not in line:
-                continue
-            name, callees = line.split("=", 1)[0], re.findall(r"calls=%?([\w.\-]+)", line)
-            if "%async-collective-start" in name:
-                starts.update(callees)
-            elif "%async-collective-done" in name:
-                repeats.update(callees)
-            else:
-                repeats.update(c for c in callees if c.startswith("async_collective_fusion"))
-    return starts, repeats
+            fused = FUSED.match(line)
+            if fused:
+                (starts if fused.group(1) == "start" else repeats).add(fused.group(2))
+            elif "async_collective_fusion" in line:
+                repeats.update(
+                    c for c in re.findall(r"calls=%?([\w.\-]+)", line) if c.startswith("async_collective_fusion")
+                )
+    return starts, repeats - starts
+
+
+def fused_collective(line: str, comps: dict[str, list[str]]) -> tuple[str, str, str, int] | None:
+    """An `async-collective-start`/`-done` line (`async_fusions`) -> ("start" or "done", the channel id
+    that pairs them, the collective's kind, its bytes); None for any other line."""
+    fused = FUSED.match(line)
+    if not fused:
+        return None
+    body = comps.get(fused.group(2), [])
+    ops = [m.groups() for m in map(INSTR.match, body) if m]
+    channel = re.search(r"channel_id=(\d+)", "\n".join(body))
+    nbytes = sum(sum(start_shapes(r, k, False)) for r, k, _, _ in ops)
+    return fused.group(1), channel.group(1) if channel else fused.group(2), ops[0][1] if ops else "all-gather", nbytes
 
 
 def collectives(hlo: str, mesh_shape: dict[str, int] | None = None) -> list[dict]:

@@ -40,8 +40,6 @@ _SLICE_ROOT = re.compile(r"ROOT %\S+ = (\w+\[1((?:,\d+)*)\])(\S*) dynamic-slice\
 _ASYNC = re.compile(r"\s(" + "|".join(inspect.COLLECTIVES) + r")-start\(")
 _DONE = re.compile(r"\s(" + "|".join(inspect.COLLECTIVES) + r")-done\(\s*%?([\w.\-]+)")
 _SYNC = re.compile(r"\s(" + "|".join(inspect.COLLECTIVES) + r")\(")
-_FUSED_START = re.compile(r"\s*(?:ROOT\s+)?%async-collective-start(\.\d+|) = .*\bcalls=%?([\w.\-]+)")
-_FUSED_DONE = re.compile(r"\s*(?:ROOT\s+)?%async-collective-done(\.\d+|) = ")
 
 
 def _base(name: str) -> str:
@@ -53,12 +51,13 @@ def _fused(comps: dict[str, list[str]], call: str) -> set[str]:
     return {c for lines in comps.values() for line in lines if re.search(call, line) for c in _CALLS.findall(line)}
 
 
-def sliced_copies(hlo: str) -> list[str]:
+def sliced_copies(hlo: str, skip=frozenset()) -> list[str]:
     """Shapes of the loop slices the program copies out before using them: in XLA:GPU's decode step,
     each scanned layer's weights, every step. jaxlib 0.10 fuses each as copy(dynamic-slice(...));
     jaxlib 0.11 as a fusion (often asynchronous, `fusion-start`) whose root slices one layer [1, ...]
     out of a stacked parameter [L, ...] of the fused computation (not into another memory space:
-    libtpu's slice into on-chip memory is a prefetch)."""
+    libtpu's slice into on-chip memory is a prefetch). Shapes whose dims ("1,64,128") are in `skip` are
+    left out (a KV cache slice, counted by `cache_copies`)."""
     found = _SLICE_COPY.findall(hlo)
     comps, _ = inspect.split_computations(hlo)
     fused = _fused(comps, r" fusion(?:-start)?\(")
@@ -70,7 +69,7 @@ def sliced_copies(hlo: str) -> list[str]:
         stacked = re.search(r"= \w+\[(\d+)((?:,\d+)*)\]", param)
         if stacked and int(stacked.group(1)) > 1 and stacked.group(2) == root.group(2):
             found.append(root.group(1))
-    return found
+    return [c for c in found if re.search(r"\[([\d,]*)\]", c).group(1) not in skip]
 
 
 def cache_copies(hlo: str, slices) -> int:
@@ -120,7 +119,8 @@ def kernels(hlo: str) -> dict[str, int]:
 
 
 def overlap(hlo: str) -> dict:
-    """Collective bytes per step hidden behind compute and exposed, by kind, from the schedule."""
+    """Collective bytes per step hidden behind compute and exposed, by kind, from the schedule (libtpu's
+    fused async collectives, `inspect.async_fusions`, at their start/done pair, matched by channel id)."""
     comps, entry = inspect.split_computations(hlo)
     mult = inspect.multipliers(comps, entry)
     out: dict[str, dict] = {}
@@ -145,23 +145,24 @@ def overlap(hlo: str) -> dict:
                 shapes = inspect.start_shapes(m.group(1), a.group(1), True) if m else []
                 starts[name.group(1)] = (a.group(1), i, sum(shapes))
                 continue
-            fused = _FUSED_START.match(line)
-            if fused:  # libtpu: `%async-collective-start.N = ... fusion(...), calls=%C`, C holding the collective
-                ops = [m.groups() for m in map(inspect.INSTR.match, comps.get(fused.group(2), [])) if m]
-                nbytes = sum(sum(inspect.start_shapes(r, k, False)) for r, k, _, _ in ops)
-                starts[f"fused{fused.group(1)}"] = (ops[0][1] if ops else "all-gather", i, nbytes)
+            fused = inspect.fused_collective(line, comps)  # libtpu's async collective fusion, paired by channel
+            if fused and fused[0] == "start":
+                starts[f"channel {fused[1]}"] = (fused[2], i, fused[3])
                 continue
-            d, fd = _DONE.search(line), _FUSED_DONE.match(line)
-            key = f"fused{fd.group(1)}" if fd else d.group(2) if d else None
+            d = _DONE.search(line)
+            key = f"channel {fused[1]}" if fused else d.group(2) if d else None
             if key in starts:
                 kind, begin, nbytes = starts.pop(key)
-                computes = sum(any(op in ln for op in _COMPUTE) for ln in lines[begin + 1 : i])
-                add(kind, nbytes, times, computes > 0)
+                between = [ln for ln in lines[begin + 1 : i] if not inspect.FUSED.match(ln)]  # another's start/done
+                add(kind, nbytes, times, any(op in ln for ln in between for op in _COMPUTE))
                 continue
             s = _SYNC.search(line)
             if s and not _TARGET.search(line):
                 m = inspect.INSTR.match(line)
                 add(s.group(1), sum(inspect.start_shapes(m.group(1), s.group(1), False)) if m else 0, times, False)
+        for key, (kind, _, nbytes) in starts.items():  # a fused start whose done this computation lacks
+            if key.startswith("channel "):
+                add(kind, nbytes, times, False)
     total = {k: sum(d[k] for d in out.values()) for k in ("hidden_bytes", "exposed_bytes")}
     return {"by_kind": out, **total}
 
@@ -250,15 +251,14 @@ def serve_report(cfg, target=None) -> dict:
         )
         if leaf.axes and leaf.axes[0] == "layers"
     ]
-    cache_shaped = {",".join(map(str, (1, *d))) for d in stacked}  # counted below, as cache copies
-    copies = [c for c in sliced_copies(hlo) if c[c.index("[") + 1 : -1] not in cache_shaped]
+    copies = sliced_copies(hlo, skip={",".join(map(str, (1, *d))) for d in stacked})  # cache: counted below
     slow = (
         [
             f"the decode step copies each layer's weights out of the stacked arrays every step ({len(copies)} "
             "tensors per layer, the scanned layer loop): serve.decode_loop=unrolled reads them in place "
             "(Llama-3 8B on one H200: 13.9 -> 7.5 ms per step at one slot)"
         ]
-        if copies
+        if copies and engine.programs.loop == "scan" and cfg.model.scan_layers
         else []
     )
     copied = cache_copies(hlo, set(stacked)) if stacked else 0

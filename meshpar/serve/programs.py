@@ -121,12 +121,14 @@ class DecodeState:
 class DecodePrograms:
     """The jitted bodies of prefill, extend, insert and generate over a `Placement` (`Engine` calls
     them with host inputs); `traces` counts their compilations per name. `microbatches`: with
-    `mesh.pipeline` > 1, the decode batch's microbatches through the stages (`pipeline.microbatches`)."""
+    `mesh.pipeline` > 1, the decode batch's microbatches through the stages (`pipeline.microbatches`).
+    `loop` (`serve.decode_loop`): generate's layers, "auto" resolved for the mesh's platform."""
 
-    def __init__(self, placement: Placement, *, flush=False, ticks: int | None = None, microbatches=1, loop="auto"):
-        self.placement, self.microbatches, self.loop = placement, microbatches, loop  # loop: serve.decode_loop
+    def __init__(self, placement: Placement, *, flush: bool = False, ticks=None, microbatches: int = 1, loop="auto"):
+        self.placement, self.microbatches = placement, microbatches
         for name in "mesh layout policy stages slots vocab length cache_spec weight_shardings".split():
             setattr(self, name, getattr(placement, name))  # the placement's facts the bodies read
+        self.loop = ("unrolled" if of_mesh(self.mesh) == "gpu" else "scan") if loop == "auto" else loop
         rep = NamedSharding(self.mesh, P())
         # mesh.pipeline > 1: one group of slots per stage in flight across generate calls, `ticks` (1..P,
         # default P) ticks per call; `flush`: each call fills and drains the pipe instead (for comparison)

@@ -116,7 +116,8 @@ def test_unrolled_layers_decode_as_the_scan_does(loop):
     """The decode step's layers unrolled (`serve.decode_loop`'s choice on a GPU, where the scan copies
     each layer's weights every step; or the whole model unrolled) serve the same stacked weights and
     give the same tokens and logits as the scan, here under tensor parallelism."""
-    ref_toks, ref_logits = drive(engine("mha", "tensor4"), PROMPTS, STEPS)
+    scanned = engine("mha", "tensor4")
+    ref_toks, ref_logits = drive(scanned, PROMPTS, STEPS)
     weights = jax.tree.map(np.asarray, engine("mha", "1").weights)
     cfg = make_cfg(*SERVE, *MODELS["mha"], loop, mesh=MESHES["tensor4"])
     eng = Engine(cfg, devices=devices(4), weights=weights)
@@ -124,7 +125,8 @@ def test_unrolled_layers_decode_as_the_scan_does(loop):
     assert toks == ref_toks
     for lg, ref in zip(logits, ref_logits):
         assert np.linalg.norm(lg - ref) <= 1e-5 * np.linalg.norm(ref)
-    # the step holds one copy of the layer program per layer: no scan over them
+    # the step holds one copy of the layer program per layer: no scan over them (the reference's has one)
+    assert " scan[" in str(scanned.programs.generate.trace(scanned.weights, scanned.new_state()).jaxpr)
     assert " scan[" not in str(eng.programs.generate.trace(eng.weights, eng.new_state()).jaxpr)
 
 
@@ -358,8 +360,8 @@ def test_pipelined_decoding_cuts_the_layers_over_stages_and_changes_no_token():
     decoder (4 layers, dropless at decode) serves a stream of greedy and sampled requests, more than
     the slots (so slots are refilled while their last token is still in the pipe), as on one device:
     with the pipe kept full across ticks, one tick per call, on pipeline x data x tensor (where
-    neither a decode tick nor a prefill in 2 microbatches gathers the KV cache over data), and
-    filled and drained per call (4 microbatches, each stage's layers unrolled as on a GPU); the other
+    neither a decode tick nor a prefill in 2 microbatches gathers the KV cache over data; each stage's
+    layers unrolled, as on a GPU), and filled and drained per call (4 microbatches); the other
     tests' pipelined engine runs P ticks per call; a model without the LM cut (the GPT-2 example) is
     refused in one line."""
     from meshpar.plan.inspect import collectives
@@ -382,8 +384,8 @@ def test_pipelined_decoding_cuts_the_layers_over_stages_and_changes_no_token():
     want = [c.tokens for c in one.run(reqs)]
     w = jax.tree.map(np.asarray, one.weights)
     for mb, mesh, kw, loop in (
-        (2, dict(pipeline=2, data=2, tensor=2), {"ticks": 1}, "scan"),
-        (4, MESHES["pipeline2_tensor4"], {"flush": True}, "unrolled"),  # each stage's layers unrolled (a GPU's)
+        (2, dict(pipeline=2, data=2, tensor=2), {"ticks": 1}, "unrolled"),  # each stage's layers unrolled (a GPU's)
+        (4, MESHES["pipeline2_tensor4"], {"flush": True}, "scan"),
     ):
         cfg = make_cfg(*moe, f"pipeline.microbatches={mb}", f"serve.decode_loop={loop}", mesh=mesh)
         piped = Engine(cfg, devices=devices(8), weights=w, **kw)
