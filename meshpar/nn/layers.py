@@ -143,25 +143,26 @@ def _swiglu_bwd(res, d):
 swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
+def decode_loop_for(loop: str, platform_name: str) -> str:
+    """`serve.decode_loop` on a platform -> "scan" or "unrolled". "auto": unrolled on a GPU, where XLA
+    copies each scanned layer's weights out of the stacked arrays on every call (the matmuls' Triton
+    kernels take no dynamic slice: 6.8 ms of copies per decode step for Llama-3 8B on an H200), scanned
+    elsewhere (libtpu prefetches the slice)."""
+    if loop not in DECODE_LOOPS:
+        raise ConfigError(f"decode loop '{loop}': one of {', '.join(DECODE_LOOPS)}" + suggest(loop, DECODE_LOOPS))
+    return ("unrolled" if platform_name == "gpu" else "scan") if loop == "auto" else loop
+
+
 @contextlib.contextmanager
 def decode_loop(loop: str) -> Iterator[None]:
     """Within: how `scan_layers` runs the stack when decoding (called with `cache`). "scan": as
     training does; "unrolled": one program copy per layer, each reading its weights from the stack in
-    place; "auto": unrolled on a GPU, where XLA copies each scanned layer's weights out of the stacked
-    arrays on every call (the matmuls' Triton kernels take no dynamic slice: 6.8 ms of copies per decode
-    step for Llama-3 8B on an H200), scanned elsewhere (libtpu prefetches the slice)."""
-    if loop not in DECODE_LOOPS:
-        raise ConfigError(f"decode loop '{loop}': one of {', '.join(DECODE_LOOPS)}" + suggest(loop, DECODE_LOOPS))
-    token = scopes.DECODE_LOOP.set(loop)
+    place; "auto": as `decode_loop_for` decides for the platform being compiled for."""
+    token = scopes.DECODE_LOOP.set(decode_loop_for(loop, platform()))
     try:
         yield
     finally:
         scopes.DECODE_LOOP.reset(token)
-
-
-def _unroll_decode() -> bool:
-    loop = scopes.DECODE_LOOP.get()
-    return loop == "unrolled" or (loop == "auto" and platform() == "gpu")
 
 
 def scan_layers(layers_mod, x, positions, remat: str = "full", scan: bool = True, cache=None, segment_ids=None):
@@ -219,9 +220,9 @@ def scan_layers(layers_mod, x, positions, remat: str = "full", scan: bool = True
     n = jax.tree.leaves(state)[0].shape[0]
     views = getattr(layers_mod, "cache_views", False)
     draws = dropout.draws(graphdef)  # its blocks draw dropout keys: the scan passes the layer index
-    loop = jax.lax.scan if scan else functools.partial(_unrolled, n=n)
+    unrolled = not scan or (cache is not None and scopes.DECODE_LOOP.get() == "unrolled")
+    loop = functools.partial(_unrolled, n=n) if unrolled else jax.lax.scan
     if cache is not None:  # decoding: no backward pass, so no remat
-        loop = functools.partial(_unrolled, n=n) if _unroll_decode() else loop
         (x, cache), aux = loop(decode_body, (x, cache), (state, jnp.arange(n)))
         return x, aux, cache
     body = _activation_and_aux(body, type(layers_mod).__name__, scan)

@@ -30,7 +30,7 @@ from meshpar.core.errors import ConfigError
 from meshpar.core.layout import active_layout, for_rows, use_layout
 from meshpar.core.platform import compiling_for, of_mesh
 from meshpar.core.sharding import bytes_per_device
-from meshpar.nn.layers import decode_loop
+from meshpar.nn.layers import decode_loop, decode_loop_for
 from meshpar.parallel import pipeline_decode
 from meshpar.serve import in_flight
 from meshpar.serve.placement import Placement, zeros
@@ -128,7 +128,7 @@ class DecodePrograms:
         self.placement, self.microbatches = placement, microbatches
         for name in "mesh layout policy stages slots vocab length cache_spec weight_shardings".split():
             setattr(self, name, getattr(placement, name))  # the placement's facts the bodies read
-        self.loop = ("unrolled" if of_mesh(self.mesh) == "gpu" else "scan") if loop == "auto" else loop
+        self.loop = decode_loop_for(loop, of_mesh(self.mesh))
         rep = NamedSharding(self.mesh, P())
         # mesh.pipeline > 1: one group of slots per stage in flight across generate calls, `ticks` (1..P,
         # default P) ticks per call; `flush`: each call fills and drains the pipe instead (for comparison)
