@@ -4,6 +4,7 @@
     blocks = stacked(lambda r: Block(cfg, r), L, rngs)     # L copies on a leading `layers` axis
     x, aux = scan_layers(blocks, x, positions, remat)      # lax.scan over `layers`, with remat
     x, w = after(x, head[...])                             # the head's weight read after the stack
+    logits = settled_cotangent(logits)                     # its gradient written in place (a TP head)
     gate, up = gated_inputs(x, w_in[...])                  # a GLU's two projections from one [E, 2, F]
     h = swiglu(gate, up)                                   # silu(gate) * up, its backward in one pass
 
@@ -25,7 +26,7 @@ from flax import nnx
 from meshpar.core import scopes
 from meshpar.core.config.schema import DECODE_LOOPS, REMAT
 from meshpar.core.errors import ConfigError, suggest
-from meshpar.core.layout import at_use, constrain
+from meshpar.core.layout import active_layout, at_use, constrain
 from meshpar.core.platform import platform
 from meshpar.core.precision import param_dtype
 from meshpar.core.sharding import logical_axes
@@ -69,6 +70,17 @@ def stacked(make, n: int, rngs: nnx.Rngs):
     return mod
 
 
+def vocab_parallel_head() -> bool:
+    """Whether the active layout splits the logits [batch, seq, vocab] over `vocab` (a Megatron head,
+    under tp, tp_sp, fsdp_tp...) outside a pipeline stage: there the head's backward is a vocab-parallel
+    dot whose input gradient XLA reduce-scatters, and `after` and `settled_cotangent` order it."""
+    layout = active_layout()
+    if layout is None or scopes.manual_axes():
+        return False
+    spec = tuple(layout.spec(("batch", "seq", "vocab")))
+    return len(spec) == 3 and spec[2] is not None
+
+
 @jax.custom_vjp
 def after(x, *weights):
     """(x, *weights), unchanged, with each weight readable only once x exists
@@ -77,10 +89,13 @@ def after(x, *weights):
     after the stack, where it is used. Without it libtpu started Llama-2's head gather, bf16 [E, V] =
     250 MB per device, before the first layer and held it across all of them (issue 43).
 
-    The backward passes the cotangents straight through. A barrier there too, which finishes the
-    head's backward before the layers' begins, lowered Llama-2 7B's peak further (v5p: 4.07 -> 3.84
-    GiB) but raised Llama-3 8B's, whose 128k vocabulary makes the head's backward the peak (v5p
-    5.31 -> 5.64, H100 5.13 -> 5.78, a 1F1B pipeline +0.6 GiB): bench/RESULTS.md."""
+    The backward, under a vocab-parallel head (`vocab_parallel_head`), returns the cotangents of x and
+    the weights together (a barrier): the head's weight gradient is finished before the layers'
+    backward starts, so the logits' gradient [B, T, V / tensor] is not held across that backward.
+    With `settled_cotangent` this took Llama-3 8B on 64 v5p chips, fsdp_tp_sp, from 9.20 to 8.08 GiB
+    at 8k tokens and from 6.35 to 5.16 GiB on 64 H100s at 4k. Elsewhere it passes them straight through:
+    the barrier raised fsdp's peak on H100 (5.08 -> 5.78 GiB) and a 1F1B pipeline's (+0.24 GiB);
+    bench/RESULTS.md."""
     return jax.lax.optimization_barrier((x, *weights))
 
 
@@ -89,10 +104,31 @@ def _after_fwd(x, *weights):
 
 
 def _after_bwd(_, cotangents):
+    if vocab_parallel_head():
+        return tuple(jax.lax.optimization_barrier(tuple(cotangents)))
     return tuple(cotangents)
 
 
 after.defvjp(_after_fwd, _after_bwd)
+
+
+@jax.custom_vjp
+def settled_cotangent(logits):
+    """`logits` [B, T, V], unchanged; under a vocab-parallel head (`vocab_parallel_head`) its cotangent
+    is written whole, in the logits' own shape, before the head's backward reads it (a barrier). XLA
+    then writes that gradient over the logits, in place. Without it libtpu fused the softmax's
+    gradient into the operand of the head's windowed (collective-matmul) backward, [B, 1, T, V /
+    tensor], which cannot share the logits' buffer: two such buffers live at once, 2.1 GB each for
+    Llama-3 8B at 8k tokens on v5p with tensor=4. Under fsdp (whole vocabulary) the barrier raised
+    libtpu's peak (5.11 -> 5.61 GiB at 4k), so there it is not set."""
+    return logits
+
+
+def _settled_bwd(_, g):
+    return (jax.lax.optimization_barrier(g) if vocab_parallel_head() else g,)
+
+
+settled_cotangent.defvjp(lambda logits: (logits, None), _settled_bwd)
 
 
 REMAT_POLICIES = {

@@ -176,18 +176,19 @@ def loss_phase(facts: ModelFacts, cand: Candidate, res: Resolver, bpp, c: int, p
       computes the head's weight gradient straight after the loss; the phase holds the logits (their
       cotangent in their slot), the head's weight in the compute dtype, the stacked gradients as held
       and a layer's input and output.
+    - A head split over the vocabulary (TP, TP+SP, FSDP x TP): meshpar finishes the head's backward
+      before the layers' (`meshpar.nn.layers.after`), so the phase is the same as ZeRO's.
     - Otherwise XLA:GPU's scheduler has computed the head's weight gradient after the layers' backward
-      (DP, TP+SP, FSDP at 125m on 8 and TP at 125m on 64), holding the cotangent through it, or before
-      (FSDP at 125m and 1b on 64, FSDP x TP at 125m on 8): the sum, the larger (H100 buffer
-      assignments, bench/RESULTS.md)."""
+      (DP, FSDP at 125m on 8), holding the cotangent through it, or before (FSDP at 125m and 1b on 64):
+      the sum, the larger (H100 buffer assignments, bench/RESULTS.md)."""
     if cand.microbatches > 1 or cand.shape["pipeline"] > 1 or "logits" not in parts:
         return None
     if math.prod(cand.shape.values()) == 1:
         return 2 * parts["logits"] + sum(bpp[1] * lf.numel for lf in facts.leaves if not lf.stacked)
     shape, st = cand.shape, get_strategy(cand.strategy)
-    if st.opt_state is None or not any(shape[a] > 1 for a in BATCH_AXES):
-        return None
     d, sp = facts.dims, tensor_splits(facts, cand)
+    if (st.opt_state is None and sp["vocab"] == 1) or not any(shape[a] > 1 for a in BATCH_AXES):
+        return None
     stacked = sum(
         bpp[1] * lf.numel / split_factor(res.spec(lf, cand.strategy, shape, "opt_state"), shape)
         for lf in facts.leaves

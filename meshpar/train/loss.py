@@ -12,6 +12,7 @@ from meshpar.core import precision as precision_lib
 from meshpar.core.errors import ConfigError
 from meshpar.core.layout import at_use
 from meshpar.core.sharding import logical_axes
+from meshpar.nn.layers import settled_cotangent
 from meshpar.nn.stages import check_loss, lm_rows  # noqa: F401  (check_loss: the contract, which stage_loss keeps too)
 from meshpar.parallel import context
 
@@ -49,7 +50,7 @@ def lm_loss(model, batch, chunks: int = 1) -> tuple[jax.Array, dict]:
         with context.balanced(cp > 1):
             out = model(inputs, **kwargs)
         logits, aux = out if isinstance(out, tuple) else (out, {})
-        ce = precision_lib.cross_entropy(logits.astype(out_dtype), targets, weights)
+        ce = precision_lib.cross_entropy(settled_cotangent(logits).astype(out_dtype), targets, weights)
     aux = dict(aux)
     extra = jnp.sum(aux.pop("loss")) if "loss" in aux else 0.0
     return ce + extra, {"ce": ce, **aux}

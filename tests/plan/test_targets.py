@@ -552,9 +552,10 @@ def test_the_planner_counts_what_the_h100_compile_keeps(h100, devices, remat, se
 def test_the_planner_counts_the_loss_phase_as_xla_gpu_schedules_it(h100, strategy, mesh):
     """125m at 4k tokens on 8 H100s, where the 500 MiB logits set the peak. ZeRO-1: XLA computes the
     head's weight gradient straight after the loss, so the loss and the layers' backward are two phases
-    and the larger counts (the planner said 1.25x before). TP+SP: the head's gradient waits until after
-    the layers' backward, which holds the logits' cotangent and six whole-sequence [b, s, h] of each
-    layer beside it (0.84x before). `meshpar.plan.steptime.loss_phase`, bench/RESULTS.md."""
+    and the larger counts (the planner said 1.25x before). TP+SP: the same, as meshpar finishes a
+    vocab-parallel head's backward before the layers' (`meshpar.nn.layers.after`; XLA:GPU left it until
+    after them, holding the logits' cotangent through that backward, 1.38x the compiled peak with the
+    old rule). `meshpar.plan.steptime.loss_phase`, bench/RESULTS.md."""
     from meshpar.plan.program import report
     from meshpar.plan.search import estimate
 
