@@ -41,6 +41,7 @@ _API = {
     "stacked": "meshpar.nn.layers",
     "scan_layers": "meshpar.nn.layers",
     "after": "meshpar.nn.layers",
+    "settled_cotangent": "meshpar.nn.layers",
     "gated_inputs": "meshpar.nn.layers",
     "stage_loss": "meshpar.nn.stages",
     "apply_layers": "meshpar.nn.stages",
