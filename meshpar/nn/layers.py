@@ -81,6 +81,22 @@ def vocab_parallel_head() -> bool:
     return len(spec) == 3 and spec[2] is not None
 
 
+def head_backward_first() -> bool:
+    """Whether `after`'s backward finishes the head's backward before the layers' (a barrier over the
+    cotangents): under a vocab-parallel head (`vocab_parallel_head`), and for libtpu under a head whose
+    weight [E, V] is gathered at its use (FSDP: split over a data axis, the whole vocabulary).
+    There libtpu otherwise computed the head's weight gradient after the layers' backward, holding the
+    logits' cotangent through it: Llama-2 7B at 4k tokens on 64 v5p chips, fsdp, 4.02 -> 3.72 GiB.
+    XLA:GPU already orders FSDP's head first, and the barrier raised its peak (5.08 -> 5.78 GiB); with
+    replicated weights (DP, ZeRO-1/2) libtpu's peak rose by 0.49 GiB (bench/RESULTS.md)."""
+    if vocab_parallel_head():
+        return True
+    layout = active_layout()
+    if layout is None or scopes.manual_axes() or platform() != "tpu":
+        return False
+    return any(axes is not None for axes in layout.spec(("embed", "vocab")))
+
+
 @jax.custom_vjp
 def after(x, *weights):
     """(x, *weights), unchanged, with each weight readable only once x exists
@@ -89,9 +105,10 @@ def after(x, *weights):
     after the stack, where it is used. Without it libtpu started Llama-2's head gather, bf16 [E, V] =
     250 MB per device, before the first layer and held it across all of them (issue 43).
 
-    The backward, under a vocab-parallel head (`vocab_parallel_head`), returns the cotangents of x and
-    the weights together (a barrier): the head's weight gradient is finished before the layers'
-    backward starts, so the logits' gradient [B, T, V / tensor] is not held across that backward.
+    The backward, where `head_backward_first` (a vocab-parallel head; an FSDP head on TPU), returns the
+    cotangents of x and the weights together (a barrier): the head's weight gradient is finished
+    before the layers' backward starts, so the logits' gradient [B, T, V / tensor] is not held across
+    that backward.
     With `settled_cotangent` this took Llama-3 8B on 64 v5p chips, fsdp_tp_sp, from 9.20 to 8.08 GiB
     at 8k tokens and from 6.35 to 5.16 GiB on 64 H100s at 4k. Elsewhere it passes them straight through:
     the barrier raised fsdp's peak on H100 (5.08 -> 5.78 GiB) and a 1F1B pipeline's (+0.24 GiB);
@@ -104,7 +121,7 @@ def _after_fwd(x, *weights):
 
 
 def _after_bwd(_, cotangents):
-    if vocab_parallel_head():
+    if head_backward_first():
         return tuple(jax.lax.optimization_barrier(tuple(cotangents)))
     return tuple(cotangents)
 

@@ -167,7 +167,18 @@ def zero_update_gather(facts: ModelFacts, cand: Candidate, res: Resolver, hw, st
     return min(sum(sizes), max(max(sizes, default=0.0), limit))
 
 
-def loss_phase(facts: ModelFacts, cand: Candidate, res: Resolver, bpp, c: int, parts: dict) -> float | None:
+def fsdp_head(facts: ModelFacts, cand: Candidate, res: Resolver) -> bool:
+    """Whether the LM head's weight [E, V] (or the tied embedding) is split over the batch axes at its
+    use and whole over the vocabulary: FSDP's head, gathered before its GEMM."""
+    if tensor_splits(facts, cand)["vocab"] > 1:
+        return False
+    heads = [lf for lf in facts.leaves if not lf.stacked and {"embed", "vocab"} <= set(lf.names)]
+    return any(split_factor(res.spec(lf, cand.strategy, cand.shape, "params"), cand.shape) > 1 for lf in heads)
+
+
+def loss_phase(
+    facts: ModelFacts, cand: Candidate, res: Resolver, bpp, c: int, parts: dict, compiler: str = "gpu"
+) -> float | None:
     """Bytes XLA:GPU holds beside the state and the stored residuals while it computes the loss and the
     head's backward, where that phase ends before the layers' backward begins (the larger phase then
     counts); None where the logits' cotangent stays live through the layers' backward (the sum counts).
@@ -180,14 +191,20 @@ def loss_phase(facts: ModelFacts, cand: Candidate, res: Resolver, bpp, c: int, p
       before the layers' (`meshpar.nn.layers.after`), so the phase is the same as ZeRO's.
     - Otherwise XLA:GPU's scheduler has computed the head's weight gradient after the layers' backward
       (DP, FSDP at 125m on 8), holding the cotangent through it, or before (FSDP at 125m and 1b on 64):
-      the sum, the larger (H100 buffer assignments, bench/RESULTS.md)."""
+      the sum, the larger (H100 buffer assignments, bench/RESULTS.md).
+    `compiler` "tpu": only a head gathered over the batch axes (FSDP, the whole vocabulary), whose
+    backward meshpar finishes first there (`meshpar.nn.layers.head_backward_first`); libtpu's other
+    orders are its scheduler's choice, and the sum counts."""
     if cand.microbatches > 1 or cand.shape["pipeline"] > 1 or "logits" not in parts:
+        return None
+    if compiler == "tpu" and not fsdp_head(facts, cand, res):
         return None
     if math.prod(cand.shape.values()) == 1:
         return 2 * parts["logits"] + sum(bpp[1] * lf.numel for lf in facts.leaves if not lf.stacked)
     shape, st = cand.shape, get_strategy(cand.strategy)
     d, sp = facts.dims, tensor_splits(facts, cand)
-    if (st.opt_state is None and sp["vocab"] == 1) or not any(shape[a] > 1 for a in BATCH_AXES):
+    fsdp = compiler == "tpu"  # fsdp_head above
+    if (st.opt_state is None and sp["vocab"] == 1 and not fsdp) or not any(shape[a] > 1 for a in BATCH_AXES):
         return None
     stacked = sum(
         bpp[1] * lf.numel / split_factor(res.spec(lf, cand.strategy, shape, "opt_state"), shape)
@@ -233,7 +250,7 @@ def evaluate(
             / split_factor(res.spec(lf, cand.strategy, cand.shape, "opt_state" if lf.stacked else "rest"), cand.shape)
             for lf in facts.leaves
         )
-    loss = loss_phase(facts, cand, res, bpp, c, parts) if compiler == "gpu" else None
+    loss = loss_phase(facts, cand, res, bpp, c, parts, compiler) if compiler in ("gpu", "tpu") else None
     if loss is not None:  # the loss ends before the layers' backward: the larger phase counts
         backward = mem["grads"] + parts["working"] + sum(ws.values())
         parts["logits"] = max(loss, backward) - backward
