@@ -17,6 +17,7 @@ Compiling is most of the suite's time (bench/RESULTS.md, "Suite time"), so:
   its fatal-error stacks, all threads, are kept in a file the summary names and prints.
 """
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -24,16 +25,18 @@ import tempfile
 from meshpar.core.mesh import fake_cpu_flags, xla_knows
 
 # How XLA:CPU generates machine code, not what it partitions: fewer LLVM passes and its classic
-# fusion emitter compile in about half the time (bench/RESULTS.md, "Suite time").
-FAST_CODEGEN = [
-    f"--{name}={value}"
-    for name, value in (
-        ("xla_backend_optimization_level", 0),
-        ("xla_llvm_disable_expensive_passes", "true"),
-        ("xla_cpu_use_fusion_emitters", "false"),
+# fusion emitter compile in about half the time (bench/RESULTS.md, "Suite time"). Each flag: (this
+# suite's value, XLA's default), where this jaxlib knows it.
+CODEGEN = {
+    name: values
+    for name, values in (
+        ("xla_backend_optimization_level", (0, 3)),
+        ("xla_llvm_disable_expensive_passes", (True, False)),
+        ("xla_cpu_use_fusion_emitters", (False, True)),
     )
     if xla_knows(name)
-]
+}
+FAST_CODEGEN = [f"--{name}={str(fast).lower()}" for name, (fast, _) in CODEGEN.items()]
 # 8 fake devices whose collectives wait out a busy machine (meshpar.core.mesh.fake_cpu_flags: XLA's
 # own 60 s limit aborted a worker, issue 46)
 os.environ["XLA_FLAGS"] = fake_cpu_flags(
@@ -93,6 +96,26 @@ def make_cfg(*overrides: str, mesh: dict | None = None, fast: bool = True):
     if mesh is not None:
         items += [f"mesh.{a}={mesh.get(a, 1)}" for a in ("data", "fsdp", "tensor", "pipeline", "expert", "context")]
     return load_config(None, items + list(overrides))
+
+
+@contextlib.contextmanager
+def usual_codegen():
+    """Within it, `meshpar.Trainer` compiles its steps with XLA:CPU's default code generation (per
+    compile, `CODEGEN`'s defaults as compiler options): for a test that runs tens of steps in this
+    process, where FAST_CODEGEN's slower code costs more than its compile saves (moe-tiny's 40 steps:
+    23.6 -> 15.2 s)."""
+    from meshpar.train.step import Trainer
+
+    compile_ = Trainer.compile
+
+    def compile(self, options=None):
+        return compile_(self, {**{name: usual for name, (_, usual) in CODEGEN.items()}, **(options or {})})
+
+    Trainer.compile = compile
+    try:
+        yield
+    finally:
+        Trainer.compile = compile_
 
 
 def devices(n: int):
