@@ -76,9 +76,13 @@ def test_the_budget_scales_with_a_slower_machine():
     from tests.suite_watch import calibrate
 
     idle = calibrate()
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 * (os.cpu_count() or 1))]
-    try:
-        time.sleep(0.2)
+    spin = "print('spinning', flush=True)\nwhile True: pass"
+    hogs = [
+        subprocess.Popen([sys.executable, "-c", spin], stdout=subprocess.PIPE, text=True)
+        for _ in range(2 * (os.cpu_count() or 1))
+    ]
+    try:  # each hog spinning before the clock starts (on a busy machine Python takes a while to start)
+        assert all(h.stdout.readline().strip() == "spinning" for h in hogs)
         loaded = calibrate()
     finally:
         for h in hogs:
