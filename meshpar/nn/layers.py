@@ -88,7 +88,7 @@ def head_backward_first() -> bool:
     There libtpu otherwise computed the head's weight gradient after the layers' backward, holding the
     logits' cotangent through it: Llama-2 7B at 4k tokens on 64 v5p chips, fsdp, 4.02 -> 3.72 GiB.
     XLA:GPU already orders FSDP's head first, and the barrier raised its peak (5.08 -> 5.78 GiB); with
-    replicated weights (DP, ZeRO-1/2) libtpu's peak rose by 0.49 GiB (bench/RESULTS.md)."""
+    replicated weights libtpu's peak rose under DP (+0.49 GiB) and held under ZeRO-1 (bench/RESULTS.md)."""
     if vocab_parallel_head():
         return True
     layout = active_layout()

@@ -179,9 +179,10 @@ def fsdp_head(facts: ModelFacts, cand: Candidate, res: Resolver) -> bool:
 def loss_phase(
     facts: ModelFacts, cand: Candidate, res: Resolver, bpp, c: int, parts: dict, compiler: str = "gpu"
 ) -> float | None:
-    """Bytes XLA:GPU holds beside the state and the stored residuals while it computes the loss and the
-    head's backward, where that phase ends before the layers' backward begins (the larger phase then
-    counts); None where the logits' cotangent stays live through the layers' backward (the sum counts).
+    """Bytes the compiler (XLA:GPU; libtpu for an FSDP head, below) holds beside the state and the stored
+    residuals while it computes the loss and the head's backward, where that phase ends before the
+    layers' backward begins (the larger phase then counts); None where the logits' cotangent stays
+    live through the layers' backward (the sum counts).
     - One device: the logits, their cotangent and the unstacked weights' gradients.
     - ZeRO-1/2 (replicated weights, gradients reduce-scattered to the optimizer's layout): XLA
       computes the head's weight gradient straight after the loss; the phase holds the logits (their
@@ -203,7 +204,7 @@ def loss_phase(
         return 2 * parts["logits"] + sum(bpp[1] * lf.numel for lf in facts.leaves if not lf.stacked)
     shape, st = cand.shape, get_strategy(cand.strategy)
     d, sp = facts.dims, tensor_splits(facts, cand)
-    fsdp = compiler == "tpu"  # fsdp_head above
+    fsdp = compiler == "tpu"  # on TPU only an FSDP head gets here (fsdp_head, above)
     if (st.opt_state is None and sp["vocab"] == 1 and not fsdp) or not any(shape[a] > 1 for a in BATCH_AXES):
         return None
     stacked = sum(
