@@ -199,6 +199,14 @@ def rel(a, b) -> float:
     return (num / den) ** 0.5
 
 
+def barrier_operands(trainer) -> list[str]:
+    """The operand types of each optimization barrier in `trainer`'s lowered step (no compile), one
+    string per barrier: "tensor<16x16x64xbf16>, tensor<64x512xf32>"."""
+    import re
+
+    return re.findall(r"stablehlo\.optimization_barrier [^\n]*: (.*)$", trainer.lower().as_text(), re.M)
+
+
 def metrics_records(path: Path) -> list[dict]:
     """The complete JSON Lines records of a `--metrics-out` file (none if it does not exist yet)."""
     if not path.exists():

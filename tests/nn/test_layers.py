@@ -35,14 +35,12 @@ def test_swiglu_equals_autodiff_of_silu_times_up(dtype):
 
 def _barriers(strategy: str, **mesh) -> list[str]:
     """The operand types of each optimization barrier in the lowered training step (no compile)."""
-    import re
-
     from meshpar.train.step import trainer_for
-    from tests.conftest import make_cfg
+    from tests.conftest import barrier_operands, make_cfg
 
-    cfg = make_cfg("precision=bf16", "model.vocab=512", f"strategy={strategy}", mesh=mesh)
-    text = trainer_for(cfg).lower().as_text()
-    return re.findall(r"stablehlo\.optimization_barrier [^\n]*: (.*)$", text, re.M)
+    return barrier_operands(
+        trainer_for(make_cfg("precision=bf16", "model.vocab=512", f"strategy={strategy}", mesh=mesh))
+    )
 
 
 def test_a_vocab_parallel_head_finishes_its_backward_before_the_layers_and_settles_the_logits_gradient():

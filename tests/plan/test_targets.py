@@ -643,16 +643,14 @@ def test_an_fsdp_head_finishes_its_backward_before_the_layers_on_tpu_only(h100, 
     under dp on either, only the forward's. Neither settles the logits' gradient: that is for a head
     split over the vocabulary. The bytes are the bench's (Llama-2 7B 4k on 64 v5p chips, 4.02 -> 3.72
     GiB); this reads the lowered program, no compile."""
-    import re
-
     from meshpar.train.step import trainer_for
+    from tests.conftest import barrier_operands
 
     x, w, logits = "tensor<8x256x64xbf16>", "tensor<64x512xf32>", "tensor<8x256x512xbf16>"
 
     def barriers(target, strategy, mesh):
         cfg = load_config(None, TINY + ["model.vocab=512", f"strategy={strategy}", *mesh])
-        text = trainer_for(cfg, devices=target.devices).lower().as_text()
-        types = re.findall(r"stablehlo\.optimization_barrier [^\n]*: (.*)$", text, re.M)
+        types = barrier_operands(trainer_for(cfg, devices=target.devices))
         return [t for t in types if x in t and w in t], [t for t in types if logits in t]
 
     fsdp, dp = ("mesh.data=1", "mesh.fsdp=8", "mesh.tensor=1"), ("mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1")
