@@ -204,8 +204,9 @@ def loss_phase(
         return 2 * parts["logits"] + sum(bpp[1] * lf.numel for lf in facts.leaves if not lf.stacked)
     shape, st = cand.shape, get_strategy(cand.strategy)
     d, sp = facts.dims, tensor_splits(facts, cand)
-    fsdp = compiler == "tpu"  # on TPU only an FSDP head gets here (fsdp_head, above)
-    if (st.opt_state is None and sp["vocab"] == 1 and not fsdp) or not any(shape[a] > 1 for a in BATCH_AXES):
+    # the head's backward ends before the layers': ZeRO's, a vocab-parallel head's, on TPU an FSDP head's (above)
+    phased = compiler == "tpu" or st.opt_state is not None or sp["vocab"] > 1
+    if not phased or not any(shape[a] > 1 for a in BATCH_AXES):
         return None
     stacked = sum(
         bpp[1] * lf.numel / split_factor(res.spec(lf, cand.strategy, shape, "opt_state"), shape)
