@@ -167,13 +167,13 @@ def zero_update_gather(facts: ModelFacts, cand: Candidate, res: Resolver, hw, st
     return min(sum(sizes), max(max(sizes, default=0.0), limit))
 
 
-def fsdp_head(facts: ModelFacts, cand: Candidate, res: Resolver) -> bool:
-    """Whether the LM head's weight [E, V] (or the tied embedding) is split over the batch axes at its
-    use and whole over the vocabulary: FSDP's head, gathered before its GEMM."""
-    if tensor_splits(facts, cand)["vocab"] > 1:
+def whole_vocab_head(facts: ModelFacts, cand: Candidate, res: Resolver) -> bool:
+    """Whether the LM head's weight [E, V] (or the tied embedding) is whole over the vocabulary at its
+    use and the optimizer state is not ZeRO's: FSDP's head, gathered over the batch axes before its
+    GEMM, or DP's, replicated."""
+    if tensor_splits(facts, cand)["vocab"] > 1 or get_strategy(cand.strategy).opt_state is not None:
         return False
-    heads = [lf for lf in facts.leaves if not lf.stacked and {"embed", "vocab"} <= set(lf.names)]
-    return any(split_factor(res.spec(lf, cand.strategy, cand.shape, "params"), cand.shape) > 1 for lf in heads)
+    return any(not lf.stacked and {"embed", "vocab"} <= set(lf.names) for lf in facts.leaves)
 
 
 def loss_phase(
@@ -193,18 +193,19 @@ def loss_phase(
     - Otherwise XLA:GPU's scheduler has computed the head's weight gradient after the layers' backward
       (DP, FSDP at 125m on 8), holding the cotangent through it, or before (FSDP at 125m and 1b on 64):
       the sum, the larger (H100 buffer assignments, bench/RESULTS.md).
-    `compiler` "tpu": only a head gathered over the batch axes (FSDP, the whole vocabulary), whose
-    backward meshpar finishes first there (`meshpar.nn.layers.head_backward_first`); libtpu's other
-    orders are its scheduler's choice, and the sum counts."""
+    `compiler` "tpu": a head whole over the vocabulary (`whole_vocab_head`): FSDP's, whose backward
+    meshpar finishes first there (`meshpar.nn.layers.head_backward_first`), and DP's, which libtpu
+    itself differentiates first (125m and 1b on 8 and 64 v5p chips: the logits' slot is free at its
+    peak). Its orders for vocab-parallel heads and ZeRO vary with size and chip count: the sum counts."""
     if cand.microbatches > 1 or cand.shape["pipeline"] > 1 or "logits" not in parts:
         return None
-    if compiler == "tpu" and not fsdp_head(facts, cand, res):
+    if compiler == "tpu" and not whole_vocab_head(facts, cand, res):
         return None
     if math.prod(cand.shape.values()) == 1:
         return 2 * parts["logits"] + sum(bpp[1] * lf.numel for lf in facts.leaves if not lf.stacked)
     shape, st = cand.shape, get_strategy(cand.strategy)
     d, sp = facts.dims, tensor_splits(facts, cand)
-    # the head's backward ends before the layers': ZeRO's, a vocab-parallel head's, on TPU an FSDP head's (above)
+    # the head's backward ends before the layers': ZeRO's, a vocab-parallel head's, on TPU a whole one's (above)
     phased = compiler == "tpu" or st.opt_state is not None or sp["vocab"] > 1
     if not phased or not any(shape[a] > 1 for a in BATCH_AXES):
         return None
@@ -253,6 +254,9 @@ def evaluate(
             for lf in facts.leaves
         )
     loss = loss_phase(facts, cand, res, bpp, c, parts, compiler) if compiler in ("gpu", "tpu") else None
+    if one_f and compiler == "tpu" and "logits" in parts:  # libtpu's 1F1B last stage: the loss and the
+        # head's backward end before the stage's layers' backward (the logits' slot is free at the peak)
+        loss = mem["grads"] + sum(ws.values()) + parts["logits"]
     if loss is not None:  # the loss ends before the layers' backward: the larger phase counts
         backward = mem["grads"] + parts["working"] + sum(ws.values())
         parts["logits"] = max(loss, backward) - backward
