@@ -93,10 +93,9 @@ def cross_entropy(
 
     logits [batch, length, vocab] (any float dtype), targets [batch, length] int -> scalar fp32.
     The target logit is picked with a one-hot contraction so a vocab-sharded `logits` needs only
-    the small all-reduces of the max, the sum of exponentials and the picked logit.
+    the small all-reduces of the max, the sum of exponentials and the picked logit. The gradient
+    comes back in the logits' dtype from one elementwise pass (`_weighted_nll`'s own backward).
     """
-    if weights is None and not over:
-        return jnp.mean(_nll(logits, targets))
     return _mean(*_nll_sums(logits, targets, weights), over)
 
 
@@ -160,19 +159,50 @@ def check_loss_chunks(chunks: int, length: int, context: int = 1, other_loss: st
 
 def _nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
     """Per-token negative log-likelihood [batch, length] in fp32 (see `cross_entropy`)."""
-    logits = logits.astype(jnp.float32)
-    shifted = logits - jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
-    log_z = jnp.log(jnp.sum(jnp.exp(shifted), axis=-1))
-    picked = jnp.sum(shifted * jax.nn.one_hot(targets, logits.shape[-1], dtype=jnp.float32), axis=-1)
-    return log_z - picked
+    return _nll_lse(logits, targets)[0]
+
+
+def _nll_lse(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(nll, log-sum-exp), each [batch, length] fp32: log sum_v exp(z_v) - z_target, max-shifted."""
+    z = logits.astype(jnp.float32)
+    top = jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))
+    lse = jnp.log(jnp.sum(jnp.exp(z - top), axis=-1)) + top[..., 0]
+    picked = jnp.sum(z * jax.nn.one_hot(targets, z.shape[-1], dtype=jnp.float32), axis=-1)
+    return lse - picked, lse
+
+
+@jax.custom_vjp
+def _weighted_nll(logits: jax.Array, targets: jax.Array, weights: jax.Array) -> jax.Array:
+    """sum(w nll) (scalar fp32) of logits [batch, length, vocab] in any float dtype, with its own
+    backward: d logits = g w (softmax(z) - onehot(target)), computed in fp32 from the logits and the
+    saved log-sum-exp and written in the logits' dtype in one elementwise pass (as MaxText's
+    `cross_entropy_with_logits`). Autodiff of the fp32 upcast kept fp32 [b s, V / t] buffers where
+    XLA did not fuse it: four in libtpu's GPipe loss tick, two in XLA:GPU's (bench/RESULTS.md)."""
+    return jnp.sum(weights * _nll(logits, targets))
+
+
+def _weighted_nll_fwd(logits, targets, weights):
+    nll, lse = _nll_lse(logits, targets)
+    return jnp.sum(weights * nll), (logits, targets, weights, lse)
+
+
+def _weighted_nll_bwd(res, g):
+    logits, targets, weights, lse = res
+    z = logits.astype(jnp.float32)
+    onehot = jax.nn.one_hot(targets, z.shape[-1], dtype=jnp.float32)
+    d = (g * weights)[..., None] * (jnp.exp(z - lse[..., None]) - onehot)
+    return d.astype(logits.dtype), None, None  # targets and weights are data: no gradient
+
+
+_weighted_nll.defvjp(_weighted_nll_fwd, _weighted_nll_bwd)
 
 
 def _nll_sums(logits, targets, weights) -> tuple[jax.Array, jax.Array]:
     """(sum of w nll, sum of w): w = 1 per token without weights."""
-    nll = _nll(logits, targets)
     if weights is None:
-        return jnp.sum(nll), jnp.asarray(nll.size, jnp.float32)
-    return jnp.sum(nll * weights), jnp.sum(weights).astype(jnp.float32)
+        ones = jnp.ones(targets.shape, jnp.float32)
+        return _weighted_nll(logits, targets, ones), jnp.asarray(targets.size, jnp.float32)
+    return _weighted_nll(logits, targets, weights.astype(jnp.float32)), jnp.sum(weights).astype(jnp.float32)
 
 
 def _mean(num, den, over: tuple[str, ...]) -> jax.Array:

@@ -36,10 +36,8 @@ Memory (per device, bytes).
   one fp32 dK/dV, (2c + 4) 2 s k q / x. Unpipelined, each layer stores one microbatch's set.
   GPipe and interleaved rerun each stage in its backward: a stage stores a stage input [b, s, h] per
   tick (v M + P - 1) plus one microbatch's sets of its L/(P v) layers; a target's compile holds a
-  second [ticks, b, s, h] buffer (the stash's cotangents) and the last stage's fp32 logits with their
-  gradient, as XLA:CPU does (1b gpipe on 8 and 64 H100s: 2 x 5 x 160 MiB, 2 x 500 MiB; 2 x 4.75 GiB,
-  2 x 3.91 GiB); libtpu holds four fp32 [b s, V / t] in its loss tick (the same rows on v5p: 4 x 500
-  MiB, 4 x 3.91 GiB, beside three in the compute dtype, in turn). 1F1B stores the sets of its
+  second [ticks, b, s, h] buffer, the stash's cotangents (1b gpipe on 8 and 64 H100s: 2 x 5 x 160
+  MiB; 2 x 4.75 GiB). 1F1B stores the sets of its
   L/P layers per slot (`stash_slots`; under `none` with the stage's weights in the compute dtype)
   and two [b, s, h] received per tick. On top: the working set of the layer being differentiated
   (its `none` set once), the logits in fp32 with their gradient (2 x 4 b s V / t) on XLA:CPU, one
@@ -335,11 +333,9 @@ def activation_parts(facts: ModelFacts, cand: Candidate, c: int, compiler: str =
         out["working"] += (2 * c + 4) * kv / cp if run.context_strategy == "ring" else (c + 4) * kv
     if compiler == "gpu" and t_res > 1:  # SP: 6 whole [b, s, h] (1b tp_sp, 64 H100s: 6 x 128 MiB)
         out["working"] += c * tokens * 6 * d["embed"]
-    # fp32 logits and their gradient; a target: one buffer in the compute dtype, except under GPipe and
-    # interleaved, whose last stage holds the fp32 pair too (H100: two [b s, V / t] f32 buffers; libtpu,
-    # whose loss tick does not fuse the fp32 softmax: four)
-    gpipe = shape["pipeline"] > 1 and cand.schedule != "1f1b"
-    logit_bytes = c if compiler != "cpu" and not gpipe else 4 * 4 if compiler == "tpu" else 2 * 4
+    # fp32 logits and their gradient; a target: one buffer in the compute dtype (GPipe's loss tick too,
+    # since `cross_entropy` writes its own backward: it held two fp32 [b s, V / t] on H100, four on v5p)
+    logit_bytes = 2 * 4 if compiler == "cpu" else c
     out["logits"] = logit_bytes * tokens * d["vocab"] / t_vocab / run.loss_chunks  # one slice's (train.loss_chunks)
     if facts.moe:
         m = facts.moe

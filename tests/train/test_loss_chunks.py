@@ -28,6 +28,31 @@ def test_slices_give_the_whole_logits_loss_and_gradients_with_weights():
         assert all(float(jnp.max(jnp.abs(a - b))) <= 1e-6 for a, b in zip(sliced[1], whole[1]))
 
 
+def test_the_cross_entropy_backward_is_autodiffs_written_in_the_logits_dtype():
+    """`cross_entropy`'s own backward (softmax - onehot from the saved log-sum-exp, one pass) equals
+    autodiff of the fp32 log-softmax, with and without weights, and returns bf16 logits a bf16 gradient."""
+
+    def autodiff(z, targets, weights):  # the formula, differentiated by JAX
+        z = z.astype(jnp.float32)
+        nll = jax.nn.logsumexp(z, axis=-1) - jnp.take_along_axis(z, targets[..., None], -1)[..., 0]
+        w = jnp.ones(targets.shape) if weights is None else weights
+        return jnp.sum(w * nll) / jnp.maximum(jnp.sum(w), 1.0)
+
+    k = jax.random.split(jax.random.key(1), 3)
+    z = 4 * jax.random.normal(k[0], (2, 16, 50))
+    targets = jax.random.randint(k[1], (2, 16), 0, 50)
+    for weights in (None, (jax.random.uniform(k[2], (2, 16)) > 0.3).astype(jnp.float32)):
+        got = jax.value_and_grad(cross_entropy)(z, targets, weights)
+        want = jax.value_and_grad(autodiff)(z, targets, weights)
+        assert float(jnp.abs(got[0] - want[0])) <= 1e-5 and float(jnp.max(jnp.abs(got[1] - want[1]))) <= 1e-6
+        if weights is not None:  # a token of weight 0 gets no gradient
+            assert float(jnp.max(jnp.abs(got[1] * (1 - weights)[..., None]))) == 0.0
+        g16 = jax.grad(cross_entropy)(z.astype(jnp.bfloat16), targets, weights)
+        assert g16.dtype == jnp.bfloat16
+        want16 = jax.grad(autodiff)(z.astype(jnp.bfloat16), targets, weights)
+        assert float(jnp.max(jnp.abs(g16.astype(jnp.float32) - want16.astype(jnp.float32)))) <= 2e-3
+
+
 def test_the_backward_recomputes_a_slice_instead_of_storing_the_logits():
     """The scan saves no [B, T / n, V] slice of logits for its backward: its residuals are the inputs."""
     x, w = jnp.ones((2, 16, 8)), jnp.ones((8, 1000))
