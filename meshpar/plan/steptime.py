@@ -167,7 +167,7 @@ def zero_update_gather(facts: ModelFacts, cand: Candidate, res: Resolver, hw, st
     return min(sum(sizes), max(max(sizes, default=0.0), limit))
 
 
-def whole_vocab_head(facts: ModelFacts, cand: Candidate, res: Resolver) -> bool:
+def whole_vocab_head(facts: ModelFacts, cand: Candidate) -> bool:
     """Whether the LM head's weight [E, V] (or the tied embedding) is whole over the vocabulary at its
     use and the optimizer state is not ZeRO's: FSDP's head, gathered over the batch axes before its
     GEMM, or DP's, replicated."""
@@ -199,7 +199,7 @@ def loss_phase(
     peak). Its orders for vocab-parallel heads and ZeRO vary with size and chip count: the sum counts."""
     if cand.microbatches > 1 or cand.shape["pipeline"] > 1 or "logits" not in parts:
         return None
-    if compiler == "tpu" and not whole_vocab_head(facts, cand, res):
+    if compiler == "tpu" and not whole_vocab_head(facts, cand):
         return None
     if math.prod(cand.shape.values()) == 1:
         return 2 * parts["logits"] + sum(bpp[1] * lf.numel for lf in facts.leaves if not lf.stacked)
