@@ -94,7 +94,9 @@ def cross_entropy(
     logits [batch, length, vocab] (any float dtype), targets [batch, length] int -> scalar fp32.
     The target logit is picked with a one-hot contraction so a vocab-sharded `logits` needs only
     the small all-reduces of the max, the sum of exponentials and the picked logit. The gradient
-    comes back in the logits' dtype from one elementwise pass (`_weighted_nll`'s own backward).
+    comes back in the logits' dtype from one elementwise pass (`_weighted_nll`'s own backward);
+    `weights`, like `targets`, are data: no gradient flows to them (differentiate a loss of your own
+    for learned token weights).
     """
     return _mean(*_nll_sums(logits, targets, weights), over)
 
