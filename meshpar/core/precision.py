@@ -159,11 +159,6 @@ def check_loss_chunks(chunks: int, length: int, context: int = 1, other_loss: st
         raise ConfigError(f"train.loss_chunks={chunks} does not divide {where}; pick a divisor")
 
 
-def _nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Per-token negative log-likelihood [batch, length] in fp32 (see `cross_entropy`)."""
-    return _nll_lse(logits, targets)[0]
-
-
 def _nll_lse(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(nll, log-sum-exp), each [batch, length] fp32: log sum_v exp(z_v) - z_target, max-shifted."""
     z = logits.astype(jnp.float32)
@@ -180,7 +175,7 @@ def _weighted_nll(logits: jax.Array, targets: jax.Array, weights: jax.Array) -> 
     saved log-sum-exp and written in the logits' dtype in one elementwise pass (as MaxText's
     `cross_entropy_with_logits`). Autodiff of the fp32 upcast kept fp32 [b s, V / t] buffers where
     XLA did not fuse it: four in libtpu's GPipe loss tick, two in XLA:GPU's (bench/RESULTS.md)."""
-    return jnp.sum(weights * _nll(logits, targets))
+    return _weighted_nll_fwd(logits, targets, weights)[0]
 
 
 def _weighted_nll_fwd(logits, targets, weights):

@@ -179,10 +179,10 @@ def whole_vocab_head(facts: ModelFacts, cand: Candidate) -> bool:
 def loss_phase(
     facts: ModelFacts, cand: Candidate, res: Resolver, bpp, c: int, parts: dict, compiler: str = "gpu"
 ) -> float | None:
-    """Bytes the compiler (XLA:GPU; libtpu for an FSDP head, below) holds beside the state and the stored
-    residuals while it computes the loss and the head's backward, where that phase ends before the
-    layers' backward begins (the larger phase then counts); None where the logits' cotangent stays
-    live through the layers' backward (the sum counts).
+    """Bytes the compiler (XLA:GPU; libtpu for a head whole over the vocabulary, below) holds beside
+    the state and the stored residuals while it computes the loss and the head's backward, where that
+    phase ends before the layers' backward begins (the larger phase then counts); None where the
+    logits' cotangent stays live through the layers' backward (the sum counts).
     - One device: the logits, their cotangent and the unstacked weights' gradients.
     - ZeRO-1/2 (replicated weights, gradients reduce-scattered to the optimizer's layout): XLA
       computes the head's weight gradient straight after the loss; the phase holds the logits (their
