@@ -165,8 +165,13 @@ def grads(model: StageModel, p: int, m: int, outer, layers, vars, mbs, seed):
     of loss * seed. The last stage runs F(m) and B(m) in one tick, fused."""
     (f_micro, b_micro), k_res = one_f_one_b_program(p, m)
     n = f_micro.shape[0]
-    branch = one_f_one_b_branches(f_micro, b_micro)  # [ticks, P] switch index
-    shares = branch_shares(branch, len(ONE_F_ONE_B_BRANCHES))
+    # [ticks, P] switch index into the branches this schedule runs: XLA compiles every branch of a
+    # switch, and at P = 2 half of `ONE_F_ONE_B_BRANCHES` never run (no middle stage; the last stage
+    # always runs F and B together)
+    table = one_f_one_b_branches(f_micro, b_micro)
+    used = sorted(set(table.flat))
+    branch = np.searchsorted(used, table)
+    shares = branch_shares(branch, len(used))
     stashes = jnp.asarray((f_micro >= 0) & (np.arange(p) < p - 1)[None, :])  # a forward that keeps residuals
     branch, f_micro, b_micro = map(jnp.asarray, (branch, f_micro, b_micro))
 
@@ -195,8 +200,9 @@ def grads(model: StageModel, p: int, m: int, outer, layers, vars, mbs, seed):
     n_res = len(ops.residuals.shapes)
 
     def branch_fn(i: int):
-        """Branch i of `ONE_F_ONE_B_BRANCHES`: a position's ops, scoped by tick share (`inspect`) and name."""
-        position, what = ONE_F_ONE_B_BRANCHES[i]
+        """Switch branch i: `ONE_F_ONE_B_BRANCHES[used[i]]`, a position's ops, scoped by its share of the
+        ticks (`inspect`) and its name."""
+        position, what = ONE_F_ONE_B_BRANCHES[used[i]]
 
         def run(c: Carry, ins: Inbox, mf, mb) -> Carry:
             with (
@@ -214,7 +220,7 @@ def grads(model: StageModel, p: int, m: int, outer, layers, vars, mbs, seed):
 
         return run
 
-    branches = [branch_fn(i) for i in range(len(ONE_F_ONE_B_BRANCHES))]
+    branches = [branch_fn(i) for i in range(len(used))]
 
     def tick(c: Carry, t):
         # 1. exchange what was sent at the end of the previous tick (every stage, every tick): this

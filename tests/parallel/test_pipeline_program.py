@@ -46,13 +46,15 @@ def test_hlo_permutes_activations_and_never_gathers_the_stack(compiled_2x2x2):
     # stacked layer params stay split over pipeline at rest
     for sh in jax.tree.leaves(tr.param_shardings["layers"]):
         assert sh.spec[0] == "pipeline"
-    if schedule == "1f1b":  # a real per-device conditional (idle + F/B x first/middle/last), permutes outside it
+    if schedule == "1f1b":  # a real per-device conditional, permutes outside it
         branches = set()
         for line in compiled.as_text().splitlines():
             found = re.search(r" conditional\(.*branch_computations=\{([^}]*)\}", line)
             if found:
                 branches |= {c.strip().lstrip("%") for c in found.group(1).split(",")}
-        assert len(branches) >= 7
+        # only the branches two stages run: idle, the first stage's F, B and F+B, the last's fused F+B
+        # (not the middle stage's, nor the last's F or B alone: 5 of the 10, the program 2.3x smaller)
+        assert len(branches) == 5
         assert not any(o["computation"] in branches for o in permutes)
         ticks = schedules.one_f_one_b_program(2, 4)[0][0].shape[0]
         # (where the first stage reads the outer parameters whole over `tensor`, jaxlib >= 0.11, XLA
