@@ -53,6 +53,21 @@ def mesh_overrides(mesh: dict, devices: int) -> list[str]:
     return [f"mesh.{a}={v}" for a, v in sizes.items()]
 
 
+def cases(n: int, sizes=tuple(SIZES), length: int = 4096) -> list[tuple[str, list[str]]]:
+    """The sweep's rows on `n` devices, (name, config overrides): each size under each preset of MESH,
+    then 1b under EXTRA's layouts; bf16, two sequences of `length` tokens per device."""
+    rows = [
+        (f"{size} {p}", SIZES[size] + [f"strategy={p}"] + mesh_overrides(MESH[p], n)) for size in sizes for p in MESH
+    ]
+    rows += [
+        (f"1b {name}", SIZES["1b"] + [f"strategy={p}"] + mesh_overrides(mesh, n) + extra)
+        for name, (p, mesh, extra) in EXTRA.items()
+    ]
+    return [
+        (name, ["precision=bf16", f"batch.length={length}", f"batch.global_size={2 * n}", *ov]) for name, ov in rows
+    ]
+
+
 def row(target, name: str, overrides: list[str]) -> dict:
     from meshpar.core.config import load_config
     from meshpar.plan.program import report
@@ -118,19 +133,9 @@ def main() -> None:
     for hw in args.targets.split(","):
         for n in counts:
             target = resolve(hw, n)
-            cases = [
-                (f"{size} {p}", SIZES[size] + [f"strategy={p}"] + mesh_overrides(MESH[p], n))
-                for size in sizes
-                for p in MESH
-            ]
-            cases += [
-                (f"1b {name}", SIZES["1b"] + [f"strategy={p}"] + mesh_overrides(mesh, n) + extra)
-                for name, (p, mesh, extra) in EXTRA.items()
-            ]
-            for name, ov in cases:
+            for name, ov in cases(n, sizes, args.length):
                 if args.only and name not in args.only.split(","):
                     continue
-                ov = ["precision=bf16", f"batch.length={args.length}", f"batch.global_size={2 * n}"] + ov
                 r = row(target, name, ov)
                 if "error" in r:
                     line = f"| {hw} | {n} | {name} | - | - | - | - | refused: {r['error']} |"

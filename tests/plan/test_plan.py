@@ -80,6 +80,54 @@ def test_zeros_update_gathers_every_layer_where_xla_gpu_has_room_and_fewer_where
     assert zero_update_gather(facts, cand, res, small, 0.0, 4) == max(stacked)
 
 
+# libtpu 0.0.42.1's own peaks (GiB) of bench/bench_targets.py's rows on v5p (bench/RESULTS.md, the
+# seventh to twelfth sessions' tables: the sweep of issue 39)
+V5P_PEAKS = {
+    8: {
+        **{"125m dp": 3.02, "125m zero1": 2.27, "125m fsdp": 1.46, "125m fsdp_tp": 1.85, "125m tp_sp": 1.68},
+        **{"1b dp": 19.05, "1b zero1": 10.12, "1b fsdp": 3.89, "1b fsdp_tp": 5.31, "1b tp_sp": 6.03},
+        **{"7b zero1": 56.48, "7b fsdp": 17.93, "7b fsdp_tp": 23.78, "7b tp_sp": 31.85},
+        **{"8b zero1": 67.66, "8b fsdp": 20.45, "8b fsdp_tp": 26.18, "8b tp_sp": 36.65},
+        **{"1b gpipe": 4.11, "1b 1f1b": 5.26, "1b context all_gather": 3.83, "1b context ring": 3.84},
+        **{"1b moe capacity": 10.84, "1b moe dropless": 13.47},
+    },
+    64: {
+        **{"125m dp": 3.02, "125m zero1": 1.59, "125m fsdp": 0.73, "125m fsdp_tp": 1.68, "125m tp_sp": 1.68},
+        **{"1b dp": 19.05, "1b zero1": 8.74, "1b fsdp": 1.73, "1b fsdp_tp": 3.72, "1b tp_sp": 6.13},
+        **{"7b zero1": 44.18, "7b fsdp": 5.06, "7b fsdp_tp": 12.03, "7b tp_sp": 32.62},
+        **{"8b zero1": 58.97, "8b fsdp": 6.67, "8b fsdp_tp": 14.27, "8b tp_sp": 37.46},
+        **{"1b gpipe": 16.57, "1b 1f1b": 7.06, "1b context all_gather": 3.44, "1b context ring": 1.88},
+        **{"1b moe capacity": 3.91, "1b moe dropless": 6.42},
+    },
+}
+# the rows outside 15%, and why (bench/RESULTS.md): libtpu packs 125m fsdp's live set at its peak
+# (1.07 GB) into a heap of 1.47 GiB (0.67); it ends 1b fsdp_tp's vocab-parallel loss phase before the
+# layers' backward at this size, not at 125m (1.16)
+V5P_OFF = {(8, "125m fsdp"), (8, "1b fsdp_tp")}
+
+
+def test_the_planner_is_within_15_percent_of_libtpus_own_peaks_on_the_v5p_sweep():
+    """The planner's total (`search.estimate`, compiler "tpu") against the peaks libtpu compiled for the
+    sweep's 48 rows on 8 and 64 v5p chips: within 15% on all but V5P_OFF. A rule that moves a row out
+    of the band fails here, without a compile (the rows take libtpu minutes each)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_targets", REPO / "bench" / "bench_targets.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    v5p = load_hardware("tpu-v5p")
+    ratios = {}
+    for n, peaks in V5P_PEAKS.items():
+        for name, overrides in bench.cases(n):
+            if name in peaks:
+                cfg = load_config(None, overrides)
+                cfg.devices = n
+                ratios[n, name] = estimate(cfg, v5p)["memory"]["total"] / 2**30 / peaks[name]
+    assert len(ratios) == 48
+    off = {row: round(r, 2) for row, r in ratios.items() if not 0.85 <= r <= 1.15}
+    assert set(off) <= V5P_OFF, off  # 7b zero1 on 64 was 1.18 while ZeRO's update counted every stack
+
+
 def test_the_ring_holds_two_hops_of_keys_and_values_where_the_all_gather_holds_the_sequence():
     """Context parallelism's working set: the all-gather's gathered K/V [b, S, K, H] and their fp32
     gradients ((c + 4) bytes per element); the ring's two hops' shards and one fp32 dK/dV
