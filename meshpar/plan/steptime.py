@@ -186,8 +186,26 @@ def whole_vocab_head(facts: ModelFacts, cand: Candidate) -> bool:
     return any(not lf.stacked and {"embed", "vocab"} <= set(lf.names) for lf in facts.leaves)
 
 
+def fsdp_head(facts: ModelFacts, cand: Candidate, res: Resolver) -> bool:
+    """Whether the LM head's weight is whole over the vocabulary (`whole_vocab_head`) and split at rest
+    (over the batch axes: FSDP's, gathered before its GEMM), not replicated (DP's)."""
+    return whole_vocab_head(facts, cand) and any(
+        not lf.stacked
+        and {"embed", "vocab"} <= set(lf.names)
+        and split_factor(res.spec(lf, cand.strategy, cand.shape, "rest"), cand.shape) > 1
+        for lf in facts.leaves
+    )
+
+
 def loss_phase(
-    facts: ModelFacts, cand: Candidate, res: Resolver, bpp, c: int, parts: dict, compiler: str = "gpu"
+    facts: ModelFacts,
+    cand: Candidate,
+    res: Resolver,
+    bpp,
+    c: int,
+    parts: dict,
+    compiler: str = "gpu",
+    domain: int | None = None,
 ) -> float | None:
     """Bytes the compiler (XLA:GPU; libtpu for a head whole over the vocabulary, below) holds beside
     the state and the stored residuals while it computes the loss and the head's backward, where that
@@ -200,9 +218,12 @@ def loss_phase(
       and a layer's input and output.
     - A head split over the vocabulary (TP, TP+SP, FSDP x TP): meshpar finishes the head's backward
       before the layers' (`meshpar.nn.layers.after`), so the phase is the same as ZeRO's.
-    - Otherwise XLA:GPU's scheduler has computed the head's weight gradient after the layers' backward
-      (DP, FSDP at 125m on 8), holding the cotangent through it, or before (FSDP at 125m and 1b on 64):
-      the sum, the larger (H100 buffer assignments, bench/RESULTS.md).
+    - An FSDP head (whole over the vocabulary, its weight split over the batch axes) whose batch axes
+      span more than one node (`domain` devices): XLA:GPU's scheduler computes the head's weight
+      gradient before the layers' backward (its compiled order on 64 H100s at 125m, 1b and 7b, and
+      1b's MoE rows; on 8 after), so the phase is the same as ZeRO's.
+    - Otherwise (DP's replicated head, an FSDP head inside one node) XLA:GPU computes the head's weight
+      gradient after the layers' backward, holding the cotangent through it: the sum counts.
     `compiler` "tpu": a head whole over the vocabulary (`whole_vocab_head`): FSDP's, whose backward
     meshpar finishes first there (`meshpar.nn.layers.head_backward_first`), and DP's, which libtpu
     itself differentiates first (125m and 1b on 8 and 64 v5p chips: the logits' slot is free at its
@@ -215,8 +236,14 @@ def loss_phase(
         return 2 * parts["logits"] + sum(bpp[1] * lf.numel for lf in facts.leaves if not lf.stacked)
     shape, st = cand.shape, get_strategy(cand.strategy)
     d, sp = facts.dims, tensor_splits(facts, cand)
-    # the head's backward ends before the layers': ZeRO's, a vocab-parallel head's, on TPU a whole one's (above)
-    phased = compiler == "tpu" or st.opt_state is not None or sp["vocab"] > 1
+    # the head's backward ends before the layers': ZeRO's, a vocab-parallel head's, on TPU a whole one's,
+    # on GPU an FSDP one's across nodes (above)
+    phased = (
+        compiler == "tpu"
+        or st.opt_state is not None
+        or sp["vocab"] > 1
+        or (domain is not None and math.prod(shape[a] for a in BATCH_AXES) > domain and fsdp_head(facts, cand, res))
+    )
     if not phased or not any(shape[a] > 1 for a in BATCH_AXES):
         return None
     stacked = sum(
@@ -263,7 +290,11 @@ def evaluate(
             / split_factor(res.spec(lf, cand.strategy, cand.shape, "opt_state" if lf.stacked else "rest"), cand.shape)
             for lf in facts.leaves
         )
-    loss = loss_phase(facts, cand, res, bpp, c, parts, compiler) if compiler in ("gpu", "tpu") else None
+    loss = (
+        loss_phase(facts, cand, res, bpp, c, parts, compiler, hw.domain if compiler == "gpu" else None)
+        if compiler in ("gpu", "tpu")
+        else None
+    )
     if one_f and compiler == "tpu" and "logits" in parts:  # libtpu's 1F1B last stage: the loss and the
         # head's backward end before the stage's layers' backward (the logits' slot is free at the peak)
         loss = mem["grads"] + sum(ws.values()) + parts["logits"]
