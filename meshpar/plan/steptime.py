@@ -162,7 +162,7 @@ def zero_update_gather(facts: ModelFacts, cand: Candidate, res: Resolver, hw, st
     GetSchedulerMemoryLimit), where its rematerialization gathers them fewer at a time, never fewer
     than the largest. From the H100 compiles' buffer assignments: 7b at data=64 held all four
     (24.1 GiB), 8B at data=8 (limit 21.1 GiB) the largest and less beside it (18.0 GiB temp)."""
-    sizes = [w * local_elements(lf, cand, res) for lf in facts.leaves if lf.stacked]
+    sizes = _stacked_bytes(facts, cand, res, w)
     limit = 0.95 * (0.8 * hw.memory_bytes - state)
     return min(sum(sizes), max(max(sizes, default=0.0), limit))
 
@@ -174,7 +174,17 @@ def tpu_zero_update(facts: ModelFacts, cand: Candidate, res: Resolver, w: float)
     fp32 (10.75 GiB) gathered and copied; 1b at data=8 held w_in's copy (2 GiB) and w_down's, old and
     new (1 + 1 GiB), in a heap of 10.12 GiB. The whole gathered model (the rule before) was 1.18x
     7b's compiled peak on 64 chips."""
-    return 2 * max((w * local_elements(lf, cand, res) for lf in facts.leaves if lf.stacked), default=0.0)
+    return 2 * max(_stacked_bytes(facts, cand, res, w), default=0.0)
+
+
+def _stacked_bytes(facts: ModelFacts, cand: Candidate, res: Resolver, w: float) -> list[float]:
+    """Each stacked weight's bytes on a device in its at-rest layout (ZeRO's: whole), W bytes an element."""
+    return [w * local_elements(lf, cand, res) for lf in facts.leaves if lf.stacked]
+
+
+def _head_leaves(facts: ModelFacts) -> list:
+    """The LM head's weight [E, V] (or the tied embedding): the unstacked leaves naming embed and vocab."""
+    return [lf for lf in facts.leaves if not lf.stacked and {"embed", "vocab"} <= set(lf.names)]
 
 
 def whole_vocab_head(facts: ModelFacts, cand: Candidate) -> bool:
@@ -183,17 +193,14 @@ def whole_vocab_head(facts: ModelFacts, cand: Candidate) -> bool:
     GEMM, or DP's, replicated."""
     if tensor_splits(facts, cand)["vocab"] > 1 or get_strategy(cand.strategy).opt_state is not None:
         return False
-    return any(not lf.stacked and {"embed", "vocab"} <= set(lf.names) for lf in facts.leaves)
+    return bool(_head_leaves(facts))
 
 
 def fsdp_head(facts: ModelFacts, cand: Candidate, res: Resolver) -> bool:
     """Whether the LM head's weight is whole over the vocabulary (`whole_vocab_head`) and split at rest
     (over the batch axes: FSDP's, gathered before its GEMM), not replicated (DP's)."""
     return whole_vocab_head(facts, cand) and any(
-        not lf.stacked
-        and {"embed", "vocab"} <= set(lf.names)
-        and split_factor(res.spec(lf, cand.strategy, cand.shape, "rest"), cand.shape) > 1
-        for lf in facts.leaves
+        split_factor(res.spec(lf, cand.strategy, cand.shape, "rest"), cand.shape) > 1 for lf in _head_leaves(facts)
     )
 
 
