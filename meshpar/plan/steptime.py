@@ -204,6 +204,24 @@ def fsdp_head(facts: ModelFacts, cand: Candidate, res: Resolver) -> bool:
     )
 
 
+# the largest group libtpu 0.0.42.1 windows an FSDP einsum over (v5p: on 8, 16 and 32 chips; not on 64)
+TPU_WINDOWED_GROUP = 32
+
+
+def tpu_windowed_head(facts: ModelFacts, cand: Candidate, res: Resolver) -> bool:
+    """Whether libtpu computes the FSDP head's weight gradient dW = h^T dlogits [E, V] as a windowed
+    einsum (XLA SPMD's `windowed_dot_general_body_rs` loop: a shard of dW a step, passed round the
+    group by collective-permute) rather than one matmul and a reduce-scatter: an FSDP head
+    (`fsdp_head`) split over at most TPU_WINDOWED_GROUP devices. The loop takes the logits' cotangent
+    as an operand, so libtpu writes it to its own slot beside the logits. Its v5p dumps: 125m, 1b and
+    8b fsdp on 8 chips, 125m and 1b on 16 and 32, and fsdp=32 x tensor=2 on 64 hold the loops; a
+    group of 64 (fsdp=64, data=2 x fsdp=32) holds none, and dW there fuses the cotangent in."""
+    if not fsdp_head(facts, cand, res):
+        return False
+    split = max(split_factor(res.spec(lf, cand.strategy, cand.shape, "rest"), cand.shape) for lf in _head_leaves(facts))
+    return split <= TPU_WINDOWED_GROUP
+
+
 def loss_phase(
     facts: ModelFacts,
     cand: Candidate,
@@ -214,10 +232,10 @@ def loss_phase(
     compiler: str = "gpu",
     domain: int | None = None,
 ) -> float | None:
-    """Bytes the compiler (XLA:GPU; libtpu for a head whole over the vocabulary, below) holds beside
-    the state and the stored residuals while it computes the loss and the head's backward, where that
-    phase ends before the layers' backward begins (the larger phase then counts); None where the
-    logits' cotangent stays live through the layers' backward (the sum counts).
+    """Bytes the compiler (XLA:GPU; libtpu, below) holds beside the state and the stored residuals
+    while it computes the loss and the head's backward, where that phase ends before the layers'
+    backward begins (the larger phase then counts); None where the logits' cotangent stays live
+    through the layers' backward (the sum counts).
     - One device: the logits, their cotangent and the unstacked weights' gradients.
     - ZeRO-1/2 (replicated weights, gradients reduce-scattered to the optimizer's layout): XLA
       computes the head's weight gradient straight after the loss; the phase holds the logits (their
@@ -231,13 +249,18 @@ def loss_phase(
       1b's MoE rows; on 8 after), so the phase is the same as ZeRO's.
     - Otherwise (DP's replicated head, an FSDP head inside one node) XLA:GPU computes the head's weight
       gradient after the layers' backward, holding the cotangent through it: the sum counts.
-    `compiler` "tpu": a head whole over the vocabulary (`whole_vocab_head`): FSDP's, whose backward
-    meshpar finishes first there (`meshpar.nn.layers.head_backward_first`), and DP's, which libtpu
-    itself differentiates first (125m and 1b on 8 and 64 v5p chips: the logits' slot is free at its
-    peak). Its orders for vocab-parallel heads and ZeRO vary with size and chip count: the sum counts."""
+    `compiler` "tpu": the phase ends before the layers' backward for a head whole over the vocabulary
+    (`whole_vocab_head`: FSDP's, whose backward meshpar finishes first there,
+    `meshpar.nn.layers.head_backward_first`, and DP's, which libtpu itself differentiates first) and
+    for a vocab-parallel head; ZeRO's order varies with size and chip count: the sum counts. libtpu
+    writes the logits' cotangent to its own slot, the phase holding two [b, s, V / t] buffers, where
+    it has two consumers it is not fused into: a vocab-parallel head's dh and dW GEMMs, or an FSDP
+    head's windowed dW loop (`tpu_windowed_head`). From the v5p dumps: 125m and 1b fsdp_tp and 1b
+    tp_sp on 8 chips hold logits and cotangent (2 x 500 MiB) at the loss and neither in the layers'
+    backward; 125m fsdp on 8 peaks there, at 1.46 GiB."""
     if cand.microbatches > 1 or cand.shape["pipeline"] > 1 or "logits" not in parts:
         return None
-    if compiler == "tpu" and not whole_vocab_head(facts, cand):
+    if compiler == "tpu" and not (whole_vocab_head(facts, cand) or tensor_splits(facts, cand)["vocab"] > 1):
         return None
     if math.prod(cand.shape.values()) == 1:
         return 2 * parts["logits"] + sum(bpp[1] * lf.numel for lf in facts.leaves if not lf.stacked)
@@ -260,7 +283,9 @@ def loss_phase(
     )
     tokens = local_batch(facts.run, cand) * facts.run.length / shape["context"]
     head = c * d["vocab"] * d["embed"] / sp["vocab"]
-    return parts["logits"] + head + stacked + 2 * c * tokens * d["embed"] / sp["res"]
+    two = compiler == "tpu" and (sp["vocab"] > 1 or tpu_windowed_head(facts, cand, res))
+    logits = 2 * parts["logits"] if two else parts["logits"]
+    return logits + head + stacked + 2 * c * tokens * d["embed"] / sp["res"]
 
 
 def evaluate(

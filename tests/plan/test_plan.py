@@ -2,6 +2,7 @@
 ranking against the field's advice, the winner as a runnable config, bad input as one line."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -121,11 +122,10 @@ PEAKS = {
         },
     },
 }
-# the rows outside 15%, and why (bench/RESULTS.md): libtpu packs 125m fsdp's live set at its peak
-# (1.07 GB) into a heap of 1.47 GiB (0.67); it ends 1b fsdp_tp's vocab-parallel loss phase before the
-# layers' backward at this size, not at 125m (1.16). H100: none (FSDP's head across nodes was 1.32 and
-# 1.22 at 125m and 1b on 64 while the planner held its logits' cotangent through the backward)
-OFF = {"tpu-v5p": {(8, "125m fsdp"), (8, "1b fsdp_tp")}, "h100": set()}
+# the rows allowed outside 15%, each with its reason: none since the thirteenth session (libtpu's loss
+# phase holding the logits and their cotangent in two slots brought v5p's 125m fsdp on 8 from 0.67 and
+# 1b fsdp_tp on 8 from 1.16; FSDP's head across nodes on H100 was 1.32 and 1.22 at 125m and 1b on 64)
+OFF: dict[str, set] = {"tpu-v5p": set(), "h100": set()}
 
 
 @pytest.mark.parametrize("hw", ["tpu-v5p", "h100"])
@@ -771,3 +771,32 @@ def test_libtpus_fused_async_collectives_count_once_and_overlap_the_compute_betw
         0,
         2048,
     )
+
+
+def test_libtpus_loss_phase_holds_the_logits_and_their_cotangent_where_the_cotangent_has_two_consumers():
+    """libtpu writes the logits' cotangent to its own slot where it feeds a windowed dW loop (an FSDP
+    head over at most 32 chips; v5p dumps: 8, 16 and 32 hold the loop, 64 not) or a vocab-parallel
+    head's two GEMMs: the loss phase holds two [b, s, V / t] buffers there, one elsewhere and on GPU."""
+    from meshpar.plan.costmodel import activation_parts
+    from meshpar.plan.steptime import loss_phase, tpu_windowed_head
+
+    def held(compiler, strategy, **mesh):  # (logit bytes the phase holds, one logits buffer, windowed)
+        n = math.prod(mesh.values())
+        cfg = load_config(None, ["model.size=125m", "batch.length=4096", f"batch.global_size={2 * n}"])
+        facts, res = ModelFacts.from_config(cfg), Resolver(cfg.rules)
+        cand = Candidate(_mesh(**mesh), _mesh(), strategy, "full")
+        parts = activation_parts(facts, cand, 2, compiler)
+        with_logits, without = (
+            loss_phase(facts, cand, res, (4, 4), 2, p, compiler) for p in (parts, {**parts, "logits": 0.0})
+        )
+        return with_logits - without, parts["logits"], tpu_windowed_head(facts, cand, res)
+
+    for n, windowed in ((8, True), (32, True), (64, False)):
+        logit_bytes, one, w = held("tpu", "fsdp", fsdp=n)
+        assert w is windowed and logit_bytes == (2 if windowed else 1) * one > 0, n
+    tp = held("tpu", "fsdp_tp", fsdp=2, tensor=4)
+    assert tp[0] == 2 * tp[1] > 0 and not tp[2]  # a vocab-parallel head: dh's and dW's GEMMs
+    dp = held("tpu", "dp", data=8)
+    assert dp[0] == dp[1] > 0  # DP's replicated head: no windowed loop, the cotangent fused in
+    gpu = held("gpu", "fsdp_tp", fsdp=2, tensor=4)
+    assert gpu[0] == gpu[1] > 0
