@@ -5,6 +5,11 @@ XLA's live-range view counts values. Its buffer assignment can give two of them 
 that writes its output over its input, such as the cross-entropy's cotangent over the logits. Both
 are then "live at the peak" in the first dump and share one slot in the second. `peak_buffers`
 names the value whose slot another one holds, so the same bytes are not read as twice.
+
+The live-range dump's own "peak" line does not count a value that dies at the instruction that
+defines another: the two are taken to share memory. Where the compiler gave them two slots (libtpu's
+logits and their cotangent, 2 x 500 MiB for 125m fsdp on 8 v5p chips) both are held at that instant,
+and the heap's peak is there, not at the dump's line. `peak_instant` finds it from the slots.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ _SHAPES = re.compile(r"[a-z]\w*\[[\d,]*\]")
 _TUPLE = re.compile(r"=\s*\((.*?)\)\s+[a-z][\w\-]*\(")
 _OPCODE = re.compile(r"\s([a-z][\w\-]*)\(")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
-_ALLOCATION = re.compile(r"^allocation (\d+):")
+_ALLOCATION = re.compile(r"^allocation (\d+): size \d+(.*)$")
+_RANGE = re.compile(r"^\s+([\w.\-]+\{[\d,]*\}):(\d+)-(\d+)$", re.M)
 _VALUE = re.compile(r"^\s*value: <\d+ ([\w.\-]+)(\{[\d,]*\})?(?: \(phi\))? @\d+> \(size=(\d+),offset=(\d+)\)")
 
 
@@ -40,9 +46,56 @@ def slots(assignment: str) -> dict[str, tuple[int, int, int]]:
     return out
 
 
+def _temporaries(assignment: str) -> set[int]:
+    """The allocations of a step's temporaries and outputs: not its parameters, constants, or
+    thread-local scratch, and in the default memory space."""
+    out = set()
+    for line in assignment.splitlines():
+        a = _ALLOCATION.match(line)
+        if a and not any(w in a.group(2) for w in ("parameter", "constant", "thread-local", "color")):
+            out.add(int(a.group(1)))
+    return out
+
+
+def _held(live: list[tuple[int, int, int]]) -> int:
+    """Bytes the slots (allocation, offset, size) cover together: a shared or overlapping slot once."""
+    total, alloc, end = 0, None, 0
+    for a, start, size in sorted(live):
+        if a != alloc:
+            alloc, end = a, 0
+        if start + size > end:
+            total += start + size - max(start, end)
+            end = start + size
+    return total
+
+
+def peak_instant(live_range: str, assignment: str) -> int | None:
+    """The instant (instruction index of the live-range dump) at which the slots of the values live
+    together, in the buffer `assignment`'s temporary allocations, cover the most bytes; a value is
+    live from the instruction that defines it to its last use, both included."""
+    import numpy as np
+
+    where, kept = slots(assignment), _temporaries(assignment)
+    spans = [(int(a), int(b), where[k]) for k, a, b in _RANGE.findall(live_range) if where.get(k, (-1,))[0] in kept]
+    if not spans:
+        return None
+    starts, ends = np.array([s[0] for s in spans]), np.array([s[1] for s in spans])
+    sizes = np.array([s[2][2] for s in spans])
+    best, at = -1, None
+    for t in np.unique(starts):  # the bytes held only grow where a value begins
+        live = (starts <= t) & (t <= ends)
+        if sizes[live].sum() <= best:  # the sum bounds the union: this instant cannot beat the best
+            continue
+        held = _held([spans[i][2] for i in np.flatnonzero(live)])
+        if held > best:
+            best, at = held, int(t)
+    return at
+
+
 def peak_buffers(live_range: str, hlo: str, top: int = 8, assignment: str | None = None) -> list[dict]:
-    """The buffers the compiler itself found live at its peak, largest first (its `*-live-range.txt`
-    dump, read beside the optimized HLO `hlo` for each buffer's shape, opcode and JAX op name):
+    """The buffers live at the compiler's peak, largest first: at `peak_instant` where the buffer
+    `assignment` is given, else at its `*-live-range.txt` dump's own peak line; read beside the
+    optimized HLO `hlo` for each buffer's shape, opcode and JAX op name:
     [{"name", "bytes", "shape", "opcode", "op_name"}], and "slot_of": the larger buffer whose slot it
     shares, where the buffer `assignment` says so (its bytes are that buffer's). The entry's
     parameters (the train state, counted as arguments) and aliases of other buffers are left out:
@@ -56,32 +109,31 @@ def peak_buffers(live_range: str, hlo: str, top: int = 8, assignment: str | None
             shapes = _SHAPES.findall(tup.group(1)) if tup else [shape.group(1)]  # a tuple's elements, in order
             opcode, op = _OPCODE.search(line, tup.end(1) if tup else shape.end()), _OP_NAME.search(line)
             info[name.group(1)] = (shapes, opcode.group(1) if opcode else "?", op.group(1) if op else "")
-    out, reading = [], False
-    for line in live_range.splitlines():
-        if _PEAK.match(line):
-            reading = True
-            continue
-        m = _LIVE.match(line) if reading else None
-        if reading and not m:
-            break
-        if m:
-            shapes, opcode, op = info.get(m.group(1), (["?"], "?", ""))
-            if opcode in _ALIASES or m.group(1).startswith(("param", "constant")):
-                continue
-            index = int(m.group(2).split(",")[0]) if m.group(2) else 0
-            shape = shapes[index] if index < len(shapes) else "?"
-            out.append(
-                {
-                    "name": m.group(1),
-                    "key": f"{m.group(1)}{{{m.group(2)}}}",
-                    "bytes": int(m.group(3)),
-                    "shape": shape,
-                    "opcode": opcode,
-                    "op_name": op,
-                }
-            )
-    out.sort(key=lambda b: -b["bytes"])
     where = slots(assignment) if assignment else {}
+    t = peak_instant(live_range, assignment) if assignment else None
+    if t is not None:  # the values live at the heap's peak, each its slot's bytes
+        live = [(k, where[k][2]) for k, a, b in _RANGE.findall(live_range) if int(a) <= t <= int(b) and k in where]
+    else:  # the dump's own peak line
+        live, reading = [], False
+        for line in live_range.splitlines():
+            if _PEAK.match(line):
+                reading = True
+                continue
+            m = _LIVE.match(line) if reading else None
+            if reading and not m:
+                break
+            if m:
+                live.append((f"{m.group(1)}{{{m.group(2)}}}", int(m.group(3))))
+    out = []
+    for key, nbytes in live:
+        name, index = key[: key.index("{")], key[key.index("{") + 1 : -1]
+        shapes, opcode, op = info.get(name, (["?"], "?", ""))
+        if opcode in _ALIASES or name.startswith(("param", "constant")):
+            continue
+        i = int(index.split(",")[0]) if index else 0
+        shape = shapes[i] if i < len(shapes) else "?"
+        out.append({"name": name, "key": key, "bytes": nbytes, "shape": shape, "opcode": opcode, "op_name": op})
+    out.sort(key=lambda b: -b["bytes"])
     held: list[tuple[tuple[int, int, int], str]] = []
     for b in out:
         slot = where.get(b.pop("key"))
