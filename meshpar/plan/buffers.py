@@ -46,13 +46,13 @@ def slots(assignment: str) -> dict[str, tuple[int, int, int]]:
     return out
 
 
-def _temporaries(assignment: str) -> set[int]:
-    """The allocations of a step's temporaries and outputs: not its parameters, constants, or
-    thread-local scratch, and in the default memory space."""
+def _device_memory(assignment: str) -> set[int]:
+    """The allocations a step's arguments, outputs and temporaries take in device memory: not its
+    constants or thread-local scratch, and in the default memory space."""
     out = set()
     for line in assignment.splitlines():
         a = _ALLOCATION.match(line)
-        if a and not any(w in a.group(2) for w in ("parameter", "constant", "thread-local", "color")):
+        if a and not any(w in a.group(2) for w in ("constant", "thread-local", "color")):
             out.add(int(a.group(1)))
     return out
 
@@ -69,19 +69,23 @@ def _held(live: list[tuple[int, int, int]]) -> int:
     return total
 
 
-def peak_instant(live_range: str, assignment: str) -> int | None:
-    """The instant (instruction index of the live-range dump) at which the slots of the values live
-    together, in the buffer `assignment`'s temporary allocations, cover the most bytes; a value is
-    live from the instruction that defines it to its last use, both included."""
+def peak_instant(live_range: str, assignment: str) -> tuple[int, int] | None:
+    """(instant, bytes): the instruction index of the live-range dump at which the slots of the values
+    live together cover the most bytes of device memory in the buffer `assignment` (the arguments
+    until they die or are updated in place, the outputs and the temporaries), and those bytes. A value
+    is live from the instruction that defines it to its last use, both included. The bytes are the
+    compiler's own peak: XLA:GPU's `peak_memory_in_bytes` to 0.01% (125m on one H100: 2,603.7 MiB);
+    libtpu's counts more than its dumps show, 0.3% more for 125m fsdp on 8 v5p chips (1,490.6 of
+    1,495.0 MiB), up to 6% more for tiny programs."""
     import numpy as np
 
-    where, kept = slots(assignment), _temporaries(assignment)
+    where, kept = slots(assignment), _device_memory(assignment)
     spans = [(int(a), int(b), where[k]) for k, a, b in _RANGE.findall(live_range) if where.get(k, (-1,))[0] in kept]
     if not spans:
         return None
     starts, ends = np.array([s[0] for s in spans]), np.array([s[1] for s in spans])
     sizes = np.array([s[2][2] for s in spans])
-    best, at = -1, None
+    best, at = -1, 0
     for t in np.unique(starts):  # the bytes held only grow where a value begins
         live = (starts <= t) & (t <= ends)
         if sizes[live].sum() <= best:  # the sum bounds the union: this instant cannot beat the best
@@ -89,7 +93,7 @@ def peak_instant(live_range: str, assignment: str) -> int | None:
         held = _held([spans[i][2] for i in np.flatnonzero(live)])
         if held > best:
             best, at = held, int(t)
-    return at
+    return at, best
 
 
 def peak_buffers(live_range: str, hlo: str, top: int = 8, assignment: str | None = None) -> list[dict]:
@@ -110,8 +114,9 @@ def peak_buffers(live_range: str, hlo: str, top: int = 8, assignment: str | None
             opcode, op = _OPCODE.search(line, tup.end(1) if tup else shape.end()), _OP_NAME.search(line)
             info[name.group(1)] = (shapes, opcode.group(1) if opcode else "?", op.group(1) if op else "")
     where = slots(assignment) if assignment else {}
-    t = peak_instant(live_range, assignment) if assignment else None
-    if t is not None:  # the values live at the heap's peak, each its slot's bytes
+    peak = peak_instant(live_range, assignment) if assignment else None
+    if peak is not None:
+        t = peak[0]  # the values live at the heap's peak, each its slot's bytes
         live = [(k, where[k][2]) for k, a, b in _RANGE.findall(live_range) if int(a) <= t <= int(b) and k in where]
     else:  # the dump's own peak line
         live, reading = [], False

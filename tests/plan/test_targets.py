@@ -78,7 +78,9 @@ def test_every_preset_compiles_for_h100_with_cudnn_attention(gpu_presets, preset
     kinds = rep["collectives"]["summary"]
     if preset in ("fsdp", "fsdp_tp", "zero1"):  # XLA:GPU emits a real reduce-scatter, not all-reduce + slice
         rs = [op for op in rep["collectives"]["ops"] if op["kind"] == "reduce-scatter"]
-        assert rs and not any(op.get("lowered_as") for op in rs)
+        lowered = sum(op["bytes"] * op["times"] for op in rs if op.get("lowered_as"))
+        # jax-cuda12-plugin 0.11.2 lowers one 8 KiB vector's (of fsdp_tp's 136 KiB) as all-reduce + slice
+        assert rs and lowered <= 0.1 * sum(op["bytes"] * op["times"] for op in rs), rs
     if preset in ("fsdp", "fsdp_tp"):
         assert kinds["all-gather"]["bytes"] > 0
     if preset == "dp":
@@ -112,7 +114,8 @@ def test_the_peak_is_the_compilers_own(gpu_presets, tpu_presets):
     assert all(m["peak_estimate"] == m["compiler_peak"] > m["argument"] for m in tpu)
     assert any(abs(m["compiler_peak"] / total(m) - 1) > 0.02 for m in tpu)
     gpu = [rep["memory"] for rep in gpu_presets.values()]
-    assert all(0.95 * total(m) <= m["peak_estimate"] == m["compiler_peak"] <= total(m) for m in gpu)
+    # within a few percent: 0.96-1.00 of the sum with jax-cuda12-plugin 0.10.2, 0.93-0.99 with 0.11.2
+    assert all(0.9 * total(m) <= m["peak_estimate"] == m["compiler_peak"] <= total(m) for m in gpu)
     # XLA:CPU's own peak (here 2 of the sum's 3 MiB) is kept aside: the planner's "cpu" rules fit the sum
     square = jax.ShapeDtypeStruct((512, 512), "float32")
     cpu = memory(jax.jit(lambda a: jax.numpy.tanh(a @ a) @ a).lower(square).compile())
@@ -540,9 +543,11 @@ def test_the_planner_counts_what_the_h100_compile_keeps(h100, devices, remat, se
     compiled = rep["target"]["peak_bytes"]
     predicted = estimate(cfg, target.hardware)["memory"]["total"]
     assert 0.92 < predicted / compiled < 1.1, (predicted / 2**20, compiled / 2**20)
-    if devices == 1:  # both "live at the peak" in XLA's live ranges; its buffer assignment gives them one slot
-        logits = [b for b in rep["target"]["peak_buffers"] if b["shape"] in ("bf16[4096,32000]", "bf16[4,1024,32000]")]
-        assert len(logits) == 2 and logits[1]["slot_of"] == logits[0]["name"] and "slot_of" not in logits[0]
+    if devices == 1:  # the logits and their cotangent share one slot (the live-range dump's own peak line
+        # counts it twice and is at the loss); the heap peaks in the layers' backward, the loss's slot reused
+        peak = rep["target"]["peak_buffers"]
+        assert peak and not any(b["shape"] in ("bf16[4096,32000]", "bf16[4,1024,32000]") for b in peak)
+        assert sum(b["bytes"] for b in peak if "slot_of" not in b) <= rep["memory"]["temp"]
 
 
 @pytest.mark.parametrize(
@@ -660,12 +665,18 @@ def test_an_fsdp_head_finishes_its_backward_before_the_layers_on_tpu_only(h100, 
 
 
 def test_inspect_target_names_the_buffers_live_at_the_compilers_peak(tpu_presets, gpu_presets):
-    """Both compilers' own live ranges at their peak, read into the target report, largest first."""
+    """Both compilers' own live ranges at their peak, read into the target report, largest first; the
+    slots live at that instant cover the compiler's own peak (`meshpar.plan.buffers.peak_instant`)."""
     for rep in (tpu_presets["fsdp"], gpu_presets["fsdp"]):
         peak = rep["target"]["peak_buffers"]
         assert peak and [b["bytes"] for b in peak] == sorted((b["bytes"] for b in peak), reverse=True)
         assert all(b["bytes"] > 0 and b["shape"] != "?" and not b["name"].startswith("param") for b in peak)
         assert sum(b["bytes"] for b in peak) <= rep["memory"]["temp"]
+    # the instant named holds the compiler's own peak (arguments, outputs and temporaries in their slots):
+    # XLA:GPU's to 0.01%; libtpu's within 5%, its peak counting more than its dumps show (0.94-1.00 of it
+    # over the five presets with libtpu 0.0.42.1 and with jax 0.11.2's; 0.997 for 125m fsdp on 8 chips)
+    for rep, low in ((tpu_presets["fsdp"], 0.95), (gpu_presets["fsdp"], 0.999)):
+        assert low * rep["target"]["peak_bytes"] <= rep["target"]["peak_buffers_held"] <= rep["target"]["peak_bytes"]
 
 
 def test_the_planner_counts_zeros_gather_of_the_updated_weights_as_xla_gpu_schedules_it(h100):
