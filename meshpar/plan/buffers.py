@@ -151,3 +151,12 @@ def peak_buffers(live_range: str, hlo: str, top: int = 8, assignment: str | None
         else:
             held.append((slot, b["name"]))
     return out[:top]
+
+
+def at_peak(live_range: str | None, hlo: str, assignment: str | None) -> tuple[list[dict] | None, int | None]:
+    """`inspect --target`'s view of the dumps: (`peak_buffers`, the bytes `peak_instant` finds held
+    there, the compiler's own peak); None for what the compiler did not dump."""
+    if not live_range:
+        return None, None
+    peak = peak_instant(live_range, assignment) if assignment else None
+    return peak_buffers(live_range, hlo, assignment=assignment), peak[1] if peak else None

@@ -202,9 +202,7 @@ def report(cfg, target) -> dict:
     rep["warnings"] += notes
     hlo = compiled.as_text()
     rep["target"] = target_report(target, compiled, hlo, rep["memory"], seconds)
-    rep["target"]["peak_buffers"] = buffers.peak_buffers(live, hlo, assignment=assignment) if live else None
-    peak = buffers.peak_instant(live, assignment) if live and assignment else None
-    rep["target"]["peak_buffers_held"] = peak[1] if peak else None  # the compiler's peak, from the dumps
+    rep["target"]["peak_buffers"], rep["target"]["peak_buffers_held"] = buffers.at_peak(live, hlo, assignment)
     return rep
 
 
