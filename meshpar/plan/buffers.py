@@ -96,15 +96,18 @@ def peak_instant(live_range: str, assignment: str) -> tuple[int, int] | None:
     return at, best
 
 
-def peak_buffers(live_range: str, hlo: str, top: int = 8, assignment: str | None = None) -> list[dict]:
+def peak_buffers(
+    live_range: str, hlo: str, top: int = 8, assignment: str | None = None, instant: int | None = None
+) -> list[dict]:
     """The buffers live at the compiler's peak, largest first: at `peak_instant` where the buffer
     `assignment` is given, else at its `*-live-range.txt` dump's own peak line; read beside the
     optimized HLO `hlo` for each buffer's shape, opcode and JAX op name:
     [{"name", "bytes", "shape", "opcode", "op_name"}], and "slot_of": the larger buffer whose slot it
-    shares, where the buffer `assignment` says so (its bytes are that buffer's). The entry's
-    parameters (the train state, counted as arguments) and aliases of other buffers are left out:
-    these are the temporaries a change to the program moves. Their sum can be below
-    `memory_analysis()`'s temp, the packed allocation of every temporary over the whole program."""
+    shares, where the buffer `assignment` says so (its bytes are that buffer's); `instant`:
+    `peak_instant`'s, where the caller has it. The entry's parameters (the train state, counted as
+    arguments) and aliases of other buffers are left out: these are the temporaries a change to the
+    program moves. Their sum can be below `memory_analysis()`'s temp, the packed allocation of every
+    temporary over the whole program."""
     info = {}
     for line in hlo.splitlines():
         name, shape = _NAME.match(line), _SHAPE.search(line)
@@ -114,10 +117,13 @@ def peak_buffers(live_range: str, hlo: str, top: int = 8, assignment: str | None
             opcode, op = _OPCODE.search(line, tup.end(1) if tup else shape.end()), _OP_NAME.search(line)
             info[name.group(1)] = (shapes, opcode.group(1) if opcode else "?", op.group(1) if op else "")
     where = slots(assignment) if assignment else {}
-    peak = peak_instant(live_range, assignment) if assignment else None
-    if peak is not None:
-        t = peak[0]  # the values live at the heap's peak, each its slot's bytes
-        live = [(k, where[k][2]) for k, a, b in _RANGE.findall(live_range) if int(a) <= t <= int(b) and k in where]
+    if instant is None and assignment:
+        peak = peak_instant(live_range, assignment)
+        instant = peak[0] if peak else None
+    if instant is not None:  # the values live at the heap's peak, each its slot's bytes
+        live = [
+            (k, where[k][2]) for k, a, b in _RANGE.findall(live_range) if int(a) <= instant <= int(b) and k in where
+        ]
     else:  # the dump's own peak line
         live, reading = [], False
         for line in live_range.splitlines():
@@ -159,4 +165,5 @@ def at_peak(live_range: str | None, hlo: str, assignment: str | None) -> tuple[l
     if not live_range:
         return None, None
     peak = peak_instant(live_range, assignment) if assignment else None
-    return peak_buffers(live_range, hlo, assignment=assignment), peak[1] if peak else None
+    instant, held = peak if peak else (None, None)
+    return peak_buffers(live_range, hlo, assignment=assignment, instant=instant), held

@@ -196,12 +196,18 @@ def whole_vocab_head(facts: ModelFacts, cand: Candidate) -> bool:
     return bool(_head_leaves(facts))
 
 
+def _head_split(facts: ModelFacts, cand: Candidate, res: Resolver) -> int:
+    """Devices the LM head's weight is split over at rest (1: replicated, or no head)."""
+    return max(
+        (split_factor(res.spec(lf, cand.strategy, cand.shape, "rest"), cand.shape) for lf in _head_leaves(facts)),
+        default=1,
+    )
+
+
 def fsdp_head(facts: ModelFacts, cand: Candidate, res: Resolver) -> bool:
     """Whether the LM head's weight is whole over the vocabulary (`whole_vocab_head`) and split at rest
     (over the batch axes: FSDP's, gathered before its GEMM), not replicated (DP's)."""
-    return whole_vocab_head(facts, cand) and any(
-        split_factor(res.spec(lf, cand.strategy, cand.shape, "rest"), cand.shape) > 1 for lf in _head_leaves(facts)
-    )
+    return whole_vocab_head(facts, cand) and _head_split(facts, cand, res) > 1
 
 
 # the largest group libtpu 0.0.42.1 windows an FSDP einsum over (v5p: on 8, 16 and 32 chips; not on 64)
@@ -216,10 +222,7 @@ def tpu_windowed_head(facts: ModelFacts, cand: Candidate, res: Resolver) -> bool
     as an operand, so libtpu writes it to its own slot beside the logits. Its v5p dumps: 125m, 1b and
     8b fsdp on 8 chips, 125m and 1b on 16 and 32, and fsdp=32 x tensor=2 on 64 hold the loops; a
     group of 64 (fsdp=64, data=2 x fsdp=32) holds none, and dW there fuses the cotangent in."""
-    if not fsdp_head(facts, cand, res):
-        return False
-    split = max(split_factor(res.spec(lf, cand.strategy, cand.shape, "rest"), cand.shape) for lf in _head_leaves(facts))
-    return split <= TPU_WINDOWED_GROUP
+    return fsdp_head(facts, cand, res) and _head_split(facts, cand, res) <= TPU_WINDOWED_GROUP
 
 
 def loss_phase(
@@ -260,12 +263,12 @@ def loss_phase(
     backward; 125m fsdp on 8 peaks there, at 1.46 GiB."""
     if cand.microbatches > 1 or cand.shape["pipeline"] > 1 or "logits" not in parts:
         return None
-    if compiler == "tpu" and not (whole_vocab_head(facts, cand) or tensor_splits(facts, cand)["vocab"] > 1):
+    sp = tensor_splits(facts, cand)
+    if compiler == "tpu" and not (whole_vocab_head(facts, cand) or sp["vocab"] > 1):
         return None
     if math.prod(cand.shape.values()) == 1:
         return 2 * parts["logits"] + sum(bpp[1] * lf.numel for lf in facts.leaves if not lf.stacked)
-    shape, st = cand.shape, get_strategy(cand.strategy)
-    d, sp = facts.dims, tensor_splits(facts, cand)
+    shape, st, d = cand.shape, get_strategy(cand.strategy), facts.dims
     # the head's backward ends before the layers': ZeRO's, a vocab-parallel head's, on TPU a whole one's,
     # on GPU an FSDP one's across nodes (above)
     phased = (
