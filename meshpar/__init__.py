@@ -50,6 +50,7 @@ _API = {
     "compute_dtype": "meshpar.core.precision",
     "param_dtype": "meshpar.core.precision",
     "cross_entropy": "meshpar.core.precision",
+    "weighted": "meshpar.core.objective",
     "chunked_cross_entropy": "meshpar.core.precision",
     # shardings of a model
     "model_spec": "meshpar.core.sharding",

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshpar.core.errors import ConfigError
+from meshpar.core.objective import Weight, weight_of
 from meshpar.nn.layers import scan_layers
 
 PROTOCOL = ("pre", "post", "loss")
@@ -77,6 +78,19 @@ def lm_rows(batch) -> dict:
     return rows
 
 
+def lm_rows_weight(rows: dict) -> jax.Array:
+    """The LM loss's weight over its rows (`lm_rows`): the targets it counts, sum(weights) for packed
+    documents, else every target of [B, T] (`meshpar.core.objective`)."""
+    if "weights" in rows:
+        return jnp.sum(rows["weights"]).astype(jnp.float32)
+    return jnp.asarray(rows["targets"].size, jnp.float32)
+
+
+def lm_weight(batch) -> jax.Array:
+    """The LM loss's weight over a batch of token rows [B, T+1] or packed documents."""
+    return lm_rows_weight(lm_rows(batch))
+
+
 def check_activation(x, what: str):
     """`pre`'s output: any pytree of arrays (one line naming the leaf otherwise) -> x."""
     leaves = jax.tree_util.tree_leaves_with_path(x)
@@ -95,10 +109,17 @@ def check_activation(x, what: str):
 
 def stage_loss(model, batch):
     """`train.loss=stages`: model.loss(model.post(layers(model.pre(batch))), batch), plus the layers'
-    aux loss. The loss a pipeline computes stage by stage, computed in one piece."""
+    aux loss. The loss a pipeline computes stage by stage, computed in one piece. Its weight is the
+    one `model.loss` declares (`meshpar.weighted`; `protocol_weight`), else the batch's rows."""
     x, extra, aux = apply_layers(model, check_activation(model.pre(batch), f"{type(model).__name__}.pre"))
     loss, metrics = check_loss(model.loss(model.post(x), batch), f"{type(model).__name__}.loss")
     return loss + extra, {**dict(metrics), **aux}
+
+
+def protocol_weight(module) -> Weight:
+    """The weight of a protocol model's objective over a batch: what its `loss` method declares
+    (`meshpar.core.objective.weighted`), else the batch's rows."""
+    return weight_of(getattr(module, "loss", None))
 
 
 def check_protocol(module, lm: bool) -> None:

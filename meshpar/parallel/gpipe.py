@@ -28,10 +28,12 @@ from meshpar.parallel.stage_model import (
 )
 
 
-def circular_loss(model: StageModel, p: int, m: int, v: int, outer, layers, vars, mbs):
+def circular_loss(model: StageModel, p: int, m: int, v: int, outer, layers, vars, mbs, total):
     """Body of the shard_map for GPipe (v = 1) and the circular schedule (v > 1); differentiated by
     autodiff. layers: this device's chunks [v, Lc, ...]; vars: the model's non-Param state; mbs: the
-    batch pytree, leaves [M, b, ...] -> (loss, (loss of the parts, metrics [v, Lc], loss metrics, vars))."""
+    batch pytree, leaves [M, b, ...]; total: the step's batch's weight, of which each microbatch's
+    loss and metrics count their share (`StageModel.share`) -> (loss, (loss of the parts, metrics
+    [v, Lc], loss metrics, vars))."""
     # Invariant inputs become varying here, once: the transpose of this pcast (a psum of the outer
     # parameters' cotangent) then runs outside every per-device branch instead of inside one.
     outer, layers = vary_tree(outer), vary_tree(layers)  # (over `data` too: its psum, once)
@@ -86,7 +88,8 @@ def circular_loss(model: StageModel, p: int, m: int, v: int, outer, layers, vars
         y, a_loss, met = run_stage(layers, r, x, mb, micro)
         last = (s == p - 1) & (r == v - 1) & valid
         ce, lm, vs = post_or_zero(outer if model.lm else outer_e, vs, y, mb, last)
-        w = valid.astype(jnp.float32)
+        part = model.share(mb, total)  # zero on ticks without a loss: ce and lm are zeros there
+        w = valid.astype(jnp.float32) * part
         metrics = jax.tree.map(
             lambda acc, x_: lax.dynamic_update_index_in_dim(
                 acc, lax.dynamic_index_in_dim(acc, r, 0, False) + w * x_, r, 0
@@ -95,7 +98,8 @@ def circular_loss(model: StageModel, p: int, m: int, v: int, outer, layers, vars
             met,
         )
         send = lax.ppermute(y, AXIS, perm)
-        return (send, vs, loss + ce, aux_loss + w * a_loss, metrics, jax.tree.map(jnp.add, lmet, lm)), None
+        lmet = jax.tree.map(lambda acc, x_: acc + part * x_, lmet, lm)
+        return (send, vs, loss + part * ce, aux_loss + w * a_loss, metrics, lmet), None
 
     f32 = jax.ShapeDtypeStruct((), jnp.float32)
     init = (
@@ -106,7 +110,7 @@ def circular_loss(model: StageModel, p: int, m: int, v: int, outer, layers, vars
         ),
     )
     (_, vs, ce, aux_loss, metrics, lmet), _ = lax.scan(tick, init, jnp.arange(ticks))
-    ce, aux_loss = reduce_batch(lax.psum(ce, AXIS) / m), reduce_batch(lax.psum(aux_loss, AXIS) / m)
-    metrics = jax.tree.map(lambda a: reduce_batch(a / m), metrics)
-    lmet = jax.tree.map(lambda a: reduce_batch(lax.psum(a, AXIS) / m), lmet)
+    ce, aux_loss = reduce_batch(ce, stages=True), reduce_batch(aux_loss, stages=True)
+    metrics = jax.tree.map(reduce_batch, metrics)
+    lmet = jax.tree.map(lambda a: reduce_batch(a, stages=True), lmet)
     return ce + aux_loss, (ce, metrics, lmet, merge_stage_vars(vars_in, vs, p, AXIS))

@@ -18,7 +18,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from meshpar.core.scopes import manual_axes
 from meshpar.nn import dropout
 from meshpar.parallel.residuals import Residuals, carried, pulled
 from meshpar.parallel.schedules import (
@@ -84,14 +83,17 @@ class _StageOps:
     layers: Any  # this stage's [Lc, ...]
     mbs: Any  # the batch pytree [M, b, ...]
     seed: Any  # the loss's cotangent
-    seed_m: Any  # each microbatch's aux-loss cotangent: seed / M (the loss is a mean)
-    inv_m: float
+    total: Any  # the step's batch's weight: microbatch i's loss counts share(i) of it
     zero_x: Any
     residuals: Any = None  # `Residuals`, set once its structure is traced
 
     def stage_only(self, lp, x, mb):
         y, a_loss, met = self.model.stage(self.outer, lp, x, mb)
         return (y, a_loss), met
+
+    def share(self, mi):
+        """Microbatch mi's share of the step's objective (`StageModel.share`)."""
+        return self.model.share(microbatch(self.mbs, mi), self.total)
 
     def fwd(self, first: bool, c: Carry, ins: Inbox, mi) -> Carry:
         """A stage before the last: microbatch mi's forward; its residuals (and the state `pre`
@@ -105,18 +107,19 @@ class _StageOps:
         (y, a_loss), pull, met = jax.vjp(
             partial(self.stage_only, mb=microbatch(self.mbs, mi)), self.layers, x, has_aux=True
         )
+        part = self.share(mi)
         return c._replace(
             send_f=vary(y),
             res=self.residuals.split(pull, self.layers) + jax.tree.leaves(before),
-            aux_loss=c.aux_loss + a_loss,
-            metrics=jax.tree.map(jnp.add, c.metrics, met),
+            aux_loss=c.aux_loss + part * a_loss,
+            metrics=jax.tree.map(lambda acc, x_: acc + part * x_, c.metrics, met),
         )
 
-    def bwd(self, first: bool, c: Carry, ins: Inbox) -> Carry:
-        """A stage before the last: the backward of the microbatch whose residuals are `ins.res`."""
+    def bwd(self, first: bool, c: Carry, ins: Inbox, mi) -> Carry:
+        """A stage before the last: the backward of microbatch mi, whose residuals are `ins.res`."""
         n_res = len(self.residuals.shapes)
         d_lp, dx = carried(
-            self.residuals.join(ins.res[:n_res], self.layers)((pulled(ins.dy), self.seed_m)),
+            self.residuals.join(ins.res[:n_res], self.layers)((pulled(ins.dy), self.seed * self.share(mi))),
             (self.layers, self.zero_x),
         )
         # stage 0's dx is the embedding's cotangent: its backward runs after the switch (see the tick)
@@ -129,13 +132,13 @@ class _StageOps:
         the protocol's post's weight gradient is taken after the switch (see the tick): XLA resharded
         them in this branch with a collective-permute over all devices, which the other stages never
         join (a hang, JAX 0.10 on CPU)."""
-        model, mb = self.model, microbatch(self.mbs, mi)
+        model, mb, part = self.model, microbatch(self.mbs, mi), self.share(mi)
         o = self.outer if model.lm else self.outer_e
 
         def f(lp, o_, x_):
             y_, a_, met_ = model.stage(o_, lp, x_, mb)
             ce_, lm_, vars_ = model.post_loss(model.for_embed(o_), lp, c.vars, y_, mb)
-            return (ce_ + a_) * self.inv_m, (ce_, a_, met_, lm_, vars_, y_)
+            return (ce_ + a_) * part, (ce_, a_, met_, lm_, vars_, y_)
 
         if model.lm:
             _, vjp, (ce, a_loss, met, lm, vars_, y) = jax.vjp(f, self.layers, o, ins.x, has_aux=True)
@@ -151,18 +154,19 @@ class _StageOps:
             y_last=vary(y),
             vars=vars_,
             d_layers=jax.tree.map(jnp.add, c.d_layers, d_lp),
-            ce=c.ce + ce,
-            aux_loss=c.aux_loss + a_loss,
-            metrics=jax.tree.map(jnp.add, c.metrics, met),
-            lmet=jax.tree.map(jnp.add, c.lmet, lm),
+            ce=c.ce + part * ce,
+            aux_loss=c.aux_loss + part * a_loss,
+            metrics=jax.tree.map(lambda acc, x_: acc + part * x_, c.metrics, met),
+            lmet=jax.tree.map(lambda acc, x_: acc + part * x_, c.lmet, lm),
         )
 
 
-def grads(model: StageModel, p: int, m: int, outer, layers, vars, mbs, seed):
+def grads(model: StageModel, p: int, m: int, outer, layers, vars, mbs, seed, total):
     """Body of the pipeline's shard_map under 1F1B: layers [Lc, ...] (this stage), vars the model's
     non-Param state, mbs the batch pytree [M, b, ...], seed the loss's cotangent (1, or the fp16 loss
-    scale S) -> (loss, loss of the parts, metrics, loss metrics, d_outer, d_layers, vars), gradients
-    of loss * seed. The last stage runs F(m) and B(m) in one tick, fused."""
+    scale S), total the step's batch's weight (each microbatch's loss counts its share of it,
+    `StageModel.share`) -> (loss, loss of the parts, metrics, loss metrics, d_outer, d_layers,
+    vars), gradients of loss * seed. The last stage runs F(m) and B(m) in one tick, fused."""
     (f_micro, b_micro), k_res = one_f_one_b_program(p, m)
     n = f_micro.shape[0]
     # [ticks, P] switch index into the branches this schedule runs: XLA compiles every branch of a
@@ -179,9 +183,7 @@ def grads(model: StageModel, p: int, m: int, outer, layers, vars, mbs, seed):
     outer, layers = vary_tree(outer), vary_tree(layers)
     outer_e = model.for_embed(outer)
     s = lax.axis_index(AXIS)
-    inv_m = 1.0 / m
     seed = vary(seed.astype(jnp.float32))
-    seed_m = seed * inv_m  # cotangent of each microbatch's aux loss (the loss is a mean)
     vars_in = vars
     mb0 = microbatch(mbs, 0)
     x_spec = jax.eval_shape(lambda: model.pre(outer_e, layers, vars, mb0)[0])
@@ -192,7 +194,7 @@ def grads(model: StageModel, p: int, m: int, outer, layers, vars, mbs, seed):
     bwd_perm = [(i + 1, i) for i in range(p - 1)]
     var_leaves, var_tree = jax.tree.flatten(vars)
 
-    ops = _StageOps(model, outer, outer_e, layers, mbs, seed, seed_m, inv_m, zero_x)
+    ops = _StageOps(model, outer, outer_e, layers, mbs, seed, total, zero_x)
     # the microbatch's rows are residuals too; typed as in the loop (picked by a stage-dependent index),
     # and so are the dropout keys' microbatch and first layer (meshpar.nn.dropout)
     with dropout.at(f_micro[0, s], s, layers):
@@ -215,7 +217,7 @@ def grads(model: StageModel, p: int, m: int, outer, layers, vars, mbs, seed):
                     c = ops.last(c, ins, mf)
                 else:
                     c = ops.fwd(position == POSITIONS[0], c, ins, mf) if "F" in what else c
-                    c = ops.bwd(position == POSITIONS[0], c, ins) if "B" in what else c
+                    c = ops.bwd(position == POSITIONS[0], c, ins, mb) if "B" in what else c
                 return vary_tree(c)
 
         return run
@@ -246,7 +248,8 @@ def grads(model: StageModel, p: int, m: int, outer, layers, vars, mbs, seed):
         if not model.lm:  # 4. post's weight gradient, the same way: nonzero on the last stage after its forward
             mb_f = microbatch(mbs, jnp.maximum(mf, 0))
             _, post_vjp = jax.vjp(lambda o: model.post_loss(o, layers, vars_read, c.y_last, mb_f)[0], outer_e)
-            (d_p,) = post_vjp(jnp.where((s == p - 1) & (mf >= 0), seed_m, jnp.zeros_like(seed_m)))
+            d_post = seed * ops.share(jnp.maximum(mf, 0))
+            (d_p,) = post_vjp(jnp.where((s == p - 1) & (mf >= 0), d_post, jnp.zeros_like(d_post)))
             d_embed = jax.tree.map(jnp.add, d_embed, d_p)
         return c._replace(d_embed=model.for_embed(d_embed), dx0=vary(zero_x)), None
 
@@ -272,19 +275,19 @@ def grads(model: StageModel, p: int, m: int, outer, layers, vars, mbs, seed):
     )
     carry = carry._replace(d_embed=model.for_embed(carry.d_embed))
     c, _ = lax.scan(tick, carry, jnp.arange(n))
-    return reduce(c, p, inv_m, vars_in)
+    return reduce(c, p, vars_in)
 
 
-def reduce(c: Carry, p: int, inv_m: float, vars_in):
+def reduce(c: Carry, p: int, vars_in):
     """The carry after the last tick -> (loss, loss of the parts, metrics, loss metrics, d_outer,
-    d_layers, vars): sums over stages (psum over `pipeline`), means over microbatches and replicas."""
-    ce = reduce_batch(lax.psum(c.ce, AXIS) * inv_m)
-    aux_loss = reduce_batch(lax.psum(c.aux_loss, AXIS) * inv_m)
+    d_layers, vars): sums over stages (psum over `pipeline`) and over replicas (`reduce_batch`;
+    each microbatch already counted its share of the step's objective)."""
+    ce = reduce_batch(c.ce, stages=True)
+    aux_loss = reduce_batch(c.aux_loss, stages=True)
     # embedding-path gradients live in the gathered layout inside the loop (StageModel.for_embed);
-    # a replica's gradients are of its own mean loss: averaged over `data`, once per step
-    # (one all-reduce over pipeline x data: a sum over stages, a mean over replicas)
-    d_outer = jax.tree.map(lambda g, e: lax.pmean(g + e, manual_axes()) * p, c.d_outer, c.d_embed)
+    # summed over stages and replicas once per step (one all-reduce over pipeline x data)
+    d_outer = jax.tree.map(lambda g, e: reduce_batch(g + e, stages=True), c.d_outer, c.d_embed)
     d_layers = jax.tree.map(reduce_batch, c.d_layers)
-    metrics = jax.tree.map(lambda a: reduce_batch(a * inv_m), c.metrics)
-    lmet = jax.tree.map(lambda a: reduce_batch(lax.psum(a, AXIS) * inv_m), c.lmet)
+    metrics = jax.tree.map(reduce_batch, c.metrics)
+    lmet = jax.tree.map(lambda a: reduce_batch(a, stages=True), c.lmet)
     return ce + aux_loss, ce, metrics, lmet, d_outer, d_layers, merge_stage_vars(vars_in, c.vars, p, AXIS)

@@ -48,13 +48,14 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from meshpar.core import objective
 from meshpar.core.batch import Leaf
 from meshpar.core.errors import ConfigError, ShardingError
 from meshpar.core.layout import use_layout, without
 from meshpar.core.rules import BATCH_AXES, spec_axes
 from meshpar.core.sharding import split_microbatches
 from meshpar.nn import dropless, dropout
-from meshpar.nn.stages import lm_rows
+from meshpar.nn.stages import lm_rows, lm_rows_weight
 from meshpar.parallel import context, gpipe, one_f_one_b
 from meshpar.parallel.stage_model import AXIS, StageModel, split_params
 
@@ -141,20 +142,25 @@ def value_and_grad(
     lm: bool = True,
     batch_spec=None,
     loss_chunks: int = 1,
+    weighting=None,
 ):
     """Pipelined ((loss, aux), grads), the structure of `jax.value_and_grad` of the loss the model's
     parts make (`meshpar.nn.stages`): next-token cross-entropy (`lm`; aux holds "ce") or `stage_loss` (aux holds the
     model loss's metrics), with the layers' metrics stacked [L] and "vars", the model's non-Param state after the
     step. params, vars: pure dicts; batch: the batch pytree [B, ...] (`batch_spec` its leaves' logical axes); `pc`:
-    the run's `cfg.pipeline`; `loss_chunks`: the LM head's token slices (`train.loss_chunks`). With `loss_scale` S
-    (fp16) the grads are those of
+    the run's `cfg.pipeline`; `loss_chunks`: the LM head's token slices (`train.loss_chunks`). `weighting`:
+    (weight, W), the loss's weight over a batch (`meshpar.core.objective`; the LM's is counted on its rows) and the
+    step's whole batch's: each microbatch's loss, metrics and gradients count w / W, summed (default: this batch
+    is the step's, its microbatches counted by their rows). With `loss_scale` S (fp16) the grads are those of
     loss * S (the caller unscales); loss and aux are never scaled."""
 
     p = layout.shape[AXIS]
     m = pc.microbatches
     v = pc.virtual_stages if pc.schedule == "interleaved" else 1
     data = _manual_batch_axes(spec, layout)
-    model = StageModel(spec, policy, lm, _embed_specs(spec, layout, data), loss_chunks)
+    weight, total = weighting if weighting is not None else (objective.rows, None)
+    weight = lm_rows_weight if lm else weight  # the LM's microbatches are its rows (`_lm_rows`)
+    model = StageModel(spec, policy, lm, _embed_specs(spec, layout, data), loss_chunks, weight)
     vars = {} if vars is None else vars
     mesh = layout.mesh
     with use_layout(layout):
@@ -178,6 +184,7 @@ def value_and_grad(
         n_layers = jax.tree.leaves(layers)[0].shape[0]
         if lm:  # the LM's rows [B, T] (balanced over `context`), cut before the shard_map
             batch, batch_spec = _lm_rows(batch)
+        total = weight(batch) if total is None else total
         mbs = split_microbatches(batch, m, layout, batch_spec)
         mb_specs = jax.tree.map(lambda a: P(None, data or None, *seq[: a.ndim - 2]), mbs)
         if pc.schedule == "1f1b":
@@ -185,12 +192,12 @@ def value_and_grad(
             fn = jax.shard_map(
                 body,
                 mesh=mesh,
-                in_specs=(P(), P(AXIS), P(), mb_specs, P()),
+                in_specs=(P(), P(AXIS), P(), mb_specs, P(), P()),
                 out_specs=(P(), P(), P(AXIS), P(), P(), P(AXIS), P()),
                 axis_names=set(manual),
             )
             seed = jnp.ones((), jnp.float32) if loss_scale is None else jnp.asarray(loss_scale, jnp.float32)
-            loss, ce, metrics, lmet, d_outer, d_layers, vars = fn(outer, layers, vars, mbs, seed)
+            loss, ce, metrics, lmet, d_outer, d_layers, vars = fn(outer, layers, vars, mbs, seed, total)
             grads = {**d_outer, "layers": d_layers}
         else:
 
@@ -201,11 +208,11 @@ def value_and_grad(
                 fn = jax.shard_map(
                     body,
                     mesh=mesh,
-                    in_specs=(P(), P(None, AXIS), P(), mb_specs),
+                    in_specs=(P(), P(None, AXIS), P(), mb_specs, P()),
                     out_specs=(P(), (P(), P(None, AXIS), P(), P())),
                     axis_names=set(manual),
                 )
-                loss_, (ce_, met_, lmet_, vars_) = fn(o, chunks, vars, mbs)
+                loss_, (ce_, met_, lmet_, vars_) = fn(o, chunks, vars, mbs, total)
                 met_ = jax.tree.map(lambda a: a.reshape((n_layers,) + a.shape[2:]), met_)
                 scaled = loss_ if loss_scale is None else loss_ * jnp.asarray(loss_scale).astype(loss_.dtype)
                 return scaled, (loss_, ce_, met_, lmet_, vars_)

@@ -1,17 +1,19 @@
 """A model as the pipeline executors call it (`StageModel`: one part of the stage protocol at a time,
 `meshpar.nn.stages`, on pure dicts of parameters and state), and the executors' tools on the values
 that travel between stages inside the pipeline's `shard_map`: `vary` (a loop carry or branch output
-varies over the manual axes), `merge_stage_vars` (the state after a step), the batch mean over a
-manual `data`, microbatch indexing."""
+varies over the manual axes), `merge_stage_vars` (the state after a step), a microbatch's share of
+the step's objective and the sum of the replicas' over a manual `data`, microbatch indexing."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from meshpar.core import objective
 from meshpar.core.errors import ConfigError
 from meshpar.core.layout import active_layout, constrain, use_layout
 from meshpar.core.precision import chunked_cross_entropy
@@ -53,6 +55,15 @@ class StageModel:
     lm: bool  # the reference LM's cut (embed/head + cross-entropy) or the protocol's
     embed_specs: object = None  # outer parameters' layouts with the batch axes dropped
     loss_chunks: int = 1  # the LM head + cross-entropy in this many token slices (train.loss_chunks)
+    weight: objective.Weight = objective.rows  # a microbatch -> its weight (the LM: `lm_rows_weight`)
+
+    def share(self, mb, total):
+        """Microbatch mb's share w / W of the step's objective (`meshpar.core.objective`; `total`: the
+        step's whole batch's weight W): of this replica's rows when the pipeline is manual over
+        `data`, of a whole sequence split over a manual `context` (its shards' weights summed)."""
+        w = self.weight(mb)
+        over = tuple(a for a in manual_axes() if a in SEQUENCE_AXES)
+        return objective.share(lax.psum(w, over) if over else w, total)
 
     def for_embed(self, outer):
         """The outer parameters as the first stage reads them: gathered over the batch axes
@@ -171,10 +182,15 @@ def merge_stage_vars(vars_in, vars_out, stages: int, axis: str):
 AXIS = "pipeline"
 
 
-def reduce_batch(x):
-    """Mean over the manual batch axis (`data`), once per step; identity without one."""
-    axes = tuple(a for a in manual_axes() if a != AXIS)
-    return lax.pmean(x, axes) if axes else x
+def reduce_batch(x, stages: bool = False):
+    """Once per step, in one all-reduce: the sum over a manual `data` (each replica's values are
+    already its share of the step's objective, `StageModel.share`), the mean over a manual `context`
+    (its devices hold parts of the same sequences), and with `stages` the sum over `pipeline`."""
+    axes = tuple(a for a in manual_axes() if stages or a != AXIS)
+    seq = math.prod(lax.axis_size(a) for a in axes if a in SEQUENCE_AXES)
+    if not axes:
+        return x
+    return lax.psum(x, axes) / seq if seq > 1 else lax.psum(x, axes)
 
 
 def vary_tree(tree):

@@ -11,16 +11,25 @@ import jax.numpy as jnp
 from meshpar.core import precision as precision_lib
 from meshpar.core.errors import ConfigError
 from meshpar.core.layout import at_use
+from meshpar.core.objective import weighted
 from meshpar.core.sharding import logical_axes
 from meshpar.nn.layers import settled_cotangent
-from meshpar.nn.stages import check_loss, lm_rows  # noqa: F401  (check_loss: the contract, which stage_loss keeps too)
+from meshpar.nn.stages import check_loss, lm_rows, lm_weight  # noqa: F401  (check_loss: the contract, which stage_loss keeps too)
 from meshpar.parallel import context
 
 
+@weighted(lm_weight)
 def lm_loss(model, batch, chunks: int = 1) -> tuple[jax.Array, dict]:
     """Next-token cross-entropy of token rows [B, T+1] (the default loss), or of packed documents
     {"tokens", "segment_ids", "positions"} each [B, T+1]: the model gets `positions=` and
-    `segment_ids=` of the inputs, and a target counts only inside its input's document.
+    `segment_ids=` of the inputs, and a target counts only inside its input's document. It is the
+    mean over the targets it counts, and declares them its weight (`meshpar.core.objective`), so a
+    step that cuts the batch into microbatches, replicas or pipeline microbatches still takes one
+    mean over the whole batch's targets.
+
+    What it calls on a model: `model(inputs [B, T])`, with `positions=` and `segment_ids=` [B, T]
+    added for packed documents or sequences split over `context` (a model that cannot take them is
+    refused in one line), or with `train.loss_chunks` > 1 `model.features` and `model.head` (below).
 
     The model maps tokens [B, T] to logits [B, T, V], or to (logits, aux) where aux values under the
     key `loss` (already weighted, e.g. MoE load balancing) are added to the loss and the rest are

@@ -26,6 +26,7 @@ from meshpar.core.errors import ConfigError, ShardingError
 from meshpar.core.layout import Layout
 from meshpar.core.mesh import describe, mesh_shape
 from meshpar.core.notices import config_warnings
+from meshpar.core.objective import weight_of
 from meshpar.core.platform import of_mesh
 from meshpar.core.registry import loss_function
 from meshpar.core.rules import check_rule_names, get_strategy, parse_user_rules
@@ -41,7 +42,7 @@ from meshpar.core.sharding import (
     var_shardings,
 )
 from meshpar.nn.attention import AUTO_FLASH_FROM
-from meshpar.nn.stages import check_protocol, check_state, stage_loss
+from meshpar.nn.stages import check_protocol, check_state, protocol_weight, stage_loss
 from meshpar.parallel import pipeline
 from meshpar.runtime.placed import PlacedModel
 from meshpar.train.data import packs_documents
@@ -122,6 +123,8 @@ class TrainSetup:
         check_platform(cfg.model, of_mesh(self.mesh))
         self.loss = _loss_of(self.loss, cfg.train, cfg.batch.length)
         self.loss_name = getattr(self.loss, "__qualname__", repr(self.loss))
+        # the loss's weight over a batch: its parts count by their shares of it (meshpar.core.objective)
+        self.weight = protocol_weight(placed.abstract) if self.loss is stage_loss else weight_of(self.loss)
         check_batch(cfg.batch, self.layout)
         if self.batch_spec is None:
             self.batch_spec = lm_batch_spec(cfg.batch.global_size, cfg.batch.length, packs_documents(cfg.data))

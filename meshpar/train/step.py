@@ -12,8 +12,11 @@ logical axes). Defaults: the model named by `cfg.model.name` and next-token cros
 The train state, its shardings and the sharded init: `meshpar.train.state.TrainSetup`, which
 `Trainer` extends with the step; the optimizer: `meshpar.train.optimizer`; the losses: `meshpar.train.loss`.
 
-The step: microbatches (gradient accumulation, `lax.scan`) -> grads -> clip -> AdamW. Where the
-gradients are reduced is the strategy (ZeRO, Rajbhandari et al. 2020):
+The step: microbatches (gradient accumulation, `lax.scan`) -> grads -> clip -> AdamW. However the
+batch is cut (microbatches, replicas, pipeline microbatches) the objective is one weighted mean over
+the whole batch: each part counts by its share of the batch's weight (`meshpar.core.objective`), and
+the parts' losses, metrics and gradients are summed. Where the gradients are reduced is the strategy
+(ZeRO, Rajbhandari et al. 2020):
 
 * dp / fsdp / tp ...: gradients take the parameters' layout (all-reduce, or reduce-scatter when the
   parameters are sharded).
@@ -39,6 +42,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from meshpar.core import objective
 from meshpar.core import precision as precision_lib
 from meshpar.core.batch import is_leaf
 from meshpar.core.layout import use_layout
@@ -69,10 +73,12 @@ class Trainer(TrainSetup):
         self._compiled = None
 
     # -- step ------------------------------------------------------------------------------------
-    def _grads(self, params, batch, loss_scale=None, vars=None, layout=None):
+    def _grads(self, params, batch, loss_scale=None, vars=None, layout=None, total=None):
         """((loss, aux), grads) of one (micro)batch; aux["vars"] is the model's non-Param state after
-        the call. With `loss_scale` S (fp16) the grads are those of loss * S, for the caller to
-        unscale; loss and aux are never scaled."""
+        the call. With `total` W, the step's whole batch's weight, each is this part's share of the
+        step's objective: times w / W (`meshpar.core.objective`), for the caller to sum. With
+        `loss_scale` S (fp16) the grads are those of loss * S, for the caller to unscale; loss and
+        aux are never scaled by S."""
         vars = {} if vars is None else vars
         if self.pipelined:  # hand-written schedule (meshpar/parallel/pipeline.py)
             return pipeline.value_and_grad(
@@ -87,11 +93,14 @@ class Trainer(TrainSetup):
                 self.is_lm,
                 self.batch_spec,
                 self.cfg.train.loss_chunks,
+                (self.weight, total),
             )
 
         def loss_fn(p, b):
             model = self.spec.merge(p, vars)
             loss, metrics = check_loss(self.loss(model, b), self.loss_name)
+            if total is not None:
+                loss, metrics = objective.scaled((loss, dict(metrics)), objective.share(self.weight(b), total))
             return precision_lib.LossScale.scale(loss, loss_scale), (
                 loss,
                 {**metrics, "vars": self.spec.vars_of(model)},
@@ -108,9 +117,9 @@ class Trainer(TrainSetup):
             if self.cfg.batch.microbatches == 1:
                 (loss, aux), grads = self._grads(params, batch, scale, state["vars"])
                 vars = aux.pop("vars")
-            else:
+            else:  # the parts' shares of the batch's weight, found once (meshpar.core.objective)
                 (loss, aux, grads), vars = _accumulate(
-                    self, params, batch, scale, state["vars"], self.cfg.batch.microbatches
+                    self, params, batch, scale, state["vars"], self.cfg.batch.microbatches, self.weight(batch)
                 )
         grads = jax.lax.with_sharding_constraint(precision_lib.LossScale.unscale(grads, scale), self.grad_shardings)
         # a non-finite loss or gradient (or an fp16 overflow) skips the update: params, optimizer
@@ -170,8 +179,10 @@ class Trainer(TrainSetup):
         return self.compile()(state, batch)
 
 
-def _accumulate(trainer: Trainer, params, batch, scale, vars, m: int):
-    """Gradient accumulation over m = `batch.microbatches` (see the module docstring for the layouts)."""
+def _accumulate(trainer: Trainer, params, batch, scale, vars, m: int, total):
+    """Gradient accumulation over m = `batch.microbatches` (see the module docstring for the layouts):
+    the sums of each microbatch's (and under ZeRO-1 each replica's) share of the objective, the
+    shares of the batch's weight `total` (`meshpar.core.objective`)."""
     mbs = split_microbatches(batch, m, trainer.layout, trainer.batch_spec)
     strategy = trainer.layout.strategy
     replicas = batch_axes_of(trainer.layout)
@@ -181,7 +192,7 @@ def _accumulate(trainer: Trainer, params, batch, scale, vars, m: int):
         inner = trainer.layout.hiding(replicas)
         mbs = jax.tree.map(lambda x: x.reshape((m, r, x.shape[1] // r) + x.shape[2:]), mbs)
         grads_fn = jax.vmap(
-            lambda p, b, v: trainer._grads(p, b, scale, v, inner),
+            lambda p, b, v: trainer._grads(p, b, scale, v, inner, total),
             in_axes=(None, 0, None),
             spmd_axis_name=replicas[0] if len(replicas) == 1 else replicas,
         )
@@ -191,7 +202,7 @@ def _accumulate(trainer: Trainer, params, batch, scale, vars, m: int):
     else:
 
         def grads_fn(p, b, v):
-            return trainer._grads(p, b, scale, v)
+            return trainer._grads(p, b, scale, v, total=total)
 
         def pin(g):  # ZeRO-2: reduce-scatter each microbatch's grads, accumulate 1/N shards
             return jax.lax.with_sharding_constraint(g, trainer.grad_shardings) if strategy.shard_grads else g
@@ -206,8 +217,8 @@ def _accumulate(trainer: Trainer, params, batch, scale, vars, m: int):
     zeros = _zero_sums(grads_fn, params, jax.tree.map(lambda x: x[0], mbs), vars, pin)
     ((loss, aux, grads), vars), _ = jax.lax.scan(acc, (zeros, vars), (mbs, jnp.arange(m)))
     if local:  # sum the replicas' partial sums: one reduce(-scatter) per optimizer step
-        loss, aux, grads = jax.tree.map(lambda x: jnp.sum(x, axis=0) / r, (loss, aux, grads))
-    return jax.tree.map(lambda x: x / m, (loss, aux, grads)), vars
+        loss, aux, grads = jax.tree.map(lambda x: jnp.sum(x, axis=0), (loss, aux, grads))
+    return (loss, aux, grads), vars
 
 
 def _per_replica(trainer: Trainer, replicas: tuple, vars) -> bool:
