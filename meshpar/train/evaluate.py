@@ -11,7 +11,8 @@ only the rest). The K batches are built once, at the first evaluation, and kept 
 
 The eval step is the train step's loss without gradients or update: the model in eval mode
 (`nnx.Module.eval()`: dropout off), its non-Param state left as it was. The loss is the one the step
-logs as `loss` (for the built-in LM loss the cross-entropy, without the MoE auxiliary terms);
+logs as `loss` (for the built-in LM loss the cross-entropy, without the MoE auxiliary terms), one
+weighted mean over the K batches as over a step's microbatches (`meshpar.core.objective`);
 perplexity = exp(mean loss) (meaningful for the LM loss). One compiled program serves every call.
 """
 
@@ -55,7 +56,8 @@ class Evaluator:
             if hasattr(model, "eval"):
                 model.eval()  # deterministic: dropout off (a no-op for models without it)
             loss, metrics = tr.loss(model, batch)
-        return metrics.get("ce", loss) if isinstance(metrics, dict) else loss
+            weight = tr.weight(batch)  # the batch's share of the held-out set's mean (meshpar.core.objective)
+        return (metrics.get("ce", loss) if isinstance(metrics, dict) else loss), weight
 
     def _held_out(self):
         if self.batches is None:
@@ -72,10 +74,12 @@ class Evaluator:
         return self.batches
 
     def __call__(self, state) -> dict:
-        """Mean loss over the K held-out batches (one device->host read for all of them)."""
+        """The loss over the K held-out batches as one weighted mean (each batch counts its loss's
+        weight, the targets it scores for the LM loss; one device->host read for all of them)."""
         t0 = time.perf_counter()
-        losses = [self._step(state["params"], state["vars"], b) for b in self._held_out()]
-        loss = float(jax.device_get(jnp.mean(jnp.stack(losses))))
+        losses, weights = zip(*[self._step(state["params"], state["vars"], b) for b in self._held_out()])
+        w = jnp.stack(weights)
+        loss = float(jax.device_get(jnp.sum(jnp.stack(losses) * w) / jnp.maximum(jnp.sum(w), 1e-30)))
         rows = self.batch.global_size * len(losses)
         return {
             "loss": loss,

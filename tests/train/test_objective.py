@@ -192,3 +192,25 @@ def test_a_users_declared_weights_hold_through_1f1b_and_accumulation():
         8,
     )
     assert_same(got, want)
+
+
+def test_evaluation_takes_one_weighted_mean_over_its_held_out_batches():
+    """Two held-out batches of packed documents, one with far fewer counted targets: the eval loss is
+    their targets' mean, sum(l_k w_k) / sum(w_k), not the mean of the two batches' means."""
+    from meshpar.nn.stages import lm_weight
+    from meshpar.train.evaluate import Evaluator
+
+    cfg = make_cfg(*LM, "strategy=dp", mesh={})
+    tr = Trainer(cfg, devices=devices(1), batch_spec=lm_batch_spec(B, T, documents=True))
+    state = tr.init()
+    few = documents(1)
+    few["segment_ids"] = np.tile(np.arange(T + 1, dtype=np.int32), (B, 1)) // 2  # documents of 2 tokens
+    few["positions"] = np.tile(np.arange(T + 1, dtype=np.int32) % 2, (B, 1))
+    ev = Evaluator(tr, None, cfg.eval, cfg.batch, 0)
+    ev.batches = [jax.device_put(b, tr.batch_sharding) for b in (documents(0), few)]
+    losses = [float(ev._step(state["params"], state["vars"], b)[0]) for b in ev.batches]
+    w = [float(lm_weight(b)) for b in (documents(0), few)]
+    assert w[1] < 0.7 * w[0]
+    want = (losses[0] * w[0] + losses[1] * w[1]) / sum(w)
+    assert ev(state)["loss"] == pytest.approx(want, rel=1e-6)
+    assert abs(want - sum(losses) / 2) > 1e-5 * want  # far beyond the tolerance: the two means differ

@@ -154,8 +154,8 @@ def test_evaluation_draws_no_dropout_and_a_draw_without_a_key_is_refused(one_dev
     """The evaluator puts the model in eval mode: the loss of the dropout-0 model on the same parameters."""
     tr, off, state = one_device[0], no_dropout, one_device[3]
     batch = jax.device_put(_batches(1)[0], tr.batch_sharding)
-    on_eval = Evaluator(tr, None, tr.cfg.eval, tr.cfg.batch, 0)._step(state["params"], state["vars"], batch)
-    off_eval = Evaluator(off, None, off.cfg.eval, off.cfg.batch, 0)._step(state["params"], state["vars"], batch)
+    on_eval = Evaluator(tr, None, tr.cfg.eval, tr.cfg.batch, 0)._step(state["params"], state["vars"], batch)[0]
+    off_eval = Evaluator(off, None, off.cfg.eval, off.cfg.batch, 0)._step(state["params"], state["vars"], batch)[0]
     assert float(on_eval) == pytest.approx(float(off_eval), rel=1e-6)
     model = tr.spec.merge(state["params"], state["vars"])
     with pytest.raises(
