@@ -1,6 +1,7 @@
 """The active layout: a mesh plus the rule tables in force (`meshpar.core.rules`), and what model code
 calls while a model is traced under it: `constrain` (an activation's layout) and `at_use` (a weight
-gathered at its use). `use_layout` makes a layout active (`meshpar.core.scopes.LAYOUT`)."""
+gathered at its use). `use_layout` makes a layout active (`meshpar.core.scopes.LAYOUT`), and with it
+the contexts Flax's own sharding API reads (`meshpar.core.flax_rules`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshpar.core import scopes
+from meshpar.core.flax_rules import flax_contexts
 from meshpar.core.rules import RuleTable, Strategy, resolve_kind, spec_axes, table
 
 
@@ -72,10 +74,16 @@ _ACTIVE = scopes.LAYOUT
 
 @contextlib.contextmanager
 def use_layout(layout: Layout | None) -> Iterator[Layout | None]:
-    """Make `layout` the one `constrain` uses (while tracing a jitted function)."""
+    """Make `layout` the one `constrain` uses (while tracing a jitted function), and the one Flax's own
+    sharding API reads: its mesh as the trace's mesh context, its rules as Flax's logical rules
+    (`meshpar.core.flax_rules`)."""
     token = _ACTIVE.set(layout)
     try:
-        yield layout
+        if layout is None:
+            yield layout
+        else:
+            with flax_contexts(layout.mesh, layout.rules(), layout.shape):
+                yield layout
     finally:
         _ACTIVE.reset(token)
 

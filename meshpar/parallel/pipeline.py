@@ -42,6 +42,7 @@ pipelined forward/backward) are independent: each accumulation step is pipelined
 
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 
 import jax
@@ -179,7 +180,7 @@ def value_and_grad(
 
         return run
 
-    with use_layout(layout):
+    with use_layout(layout), _manual_in_constraints(data + seq):
         outer, layers = split_params(params)
         n_layers = jax.tree.leaves(layers)[0].shape[0]
         if lm:  # the LM's rows [B, T] (balanced over `context`), cut before the shard_map
@@ -219,6 +220,25 @@ def value_and_grad(
 
             (_, (loss, ce, metrics, lmet, vars)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     return (loss, {**({"ce": ce} if lm else {}), **lmet, **metrics, "vars": vars}), grads
+
+
+@contextlib.contextmanager
+def _manual_in_constraints(manual: tuple):
+    """One line for a model whose own sharding constraint (`jax.lax.with_sharding_constraint` with a
+    PartitionSpec) names a batch axis this pipeline holds manual, which JAX refuses inside the
+    shard_map (a ValueError naming "Auto axes")."""
+    try:
+        yield
+    except ValueError as e:
+        if not manual or "Auto axes" not in str(e):
+            raise
+        axes = " and ".join(f"'{a}'" for a in manual)
+        raise ConfigError(
+            f"the model constrains an activation over mesh axis {axes}, which this pipeline runs manual "
+            f"(each replica pipelines its own rows: meshpar.parallel.pipeline); constrain it with logical "
+            "names instead (meshpar.constrain, or flax.linen.with_logical_constraint: the rules place "
+            "them), or split the batch over mesh.fsdp rather than mesh.data"
+        ) from None
 
 
 def _lm_rows(batch):

@@ -12,6 +12,7 @@ import math
 import jax
 
 from meshpar.core.batch import is_leaf
+from meshpar.core.layout import use_layout
 from meshpar.core.precision import use_policy
 from meshpar.core.sharding import ModelSpec
 from meshpar.nn import dropout
@@ -109,8 +110,8 @@ def loss_forward_flops(trainer, seed: int = 0) -> float:
         lambda leaf: jax.ShapeDtypeStruct(tuple(leaf.shape), leaf.dtype), trainer.batch_spec, is_leaf=is_leaf
     )
 
-    def forward(params, vars, b):  # traced as the train step traces it (dropout of stacked layers drawn)
-        with use_policy(trainer.policy), dropout.training(seed, 0):
+    def forward(params, vars, b):  # traced as the train step traces it (its layout, dropout of stacked layers drawn)
+        with use_layout(trainer.layout), use_policy(trainer.policy), dropout.training(seed, 0):
             return trainer.loss(spec.merge(params, vars), b)[0]
 
     return matmul_flops(jax.make_jaxpr(forward)(spec.shapes, spec.var_shapes or {}, batch))

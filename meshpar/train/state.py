@@ -34,6 +34,7 @@ from meshpar.core.sharding import (
     batch_shardings,
     building,
     context_unsplit,
+    mesh_axis_names,
     opt_state_shardings,
     param_shardings,
     sharding_table,
@@ -129,6 +130,7 @@ class TrainSetup:
         if self.batch_spec is None:
             self.batch_spec = lm_batch_spec(cfg.batch.global_size, cfg.batch.length, packs_documents(cfg.data))
         self.batch_warnings = _batch_warnings(self.batch_spec, self.layout, cfg.train.require_annotations, self.is_lm)
+        self.batch_warnings += _named_by_mesh_axes(self.spec, self.layout, cfg.train.require_annotations)
         self.idle_rules = check_rule_names(self.layout.user_rules, _names_used(self.spec, self.batch_spec))
         self.pipelined = self.layout.shape.get("pipeline", 1) > 1
         if self.pipelined:
@@ -270,6 +272,14 @@ def _batch_warnings(batch_spec, layout: Layout, strict: bool, is_lm: bool) -> li
     if found and strict:
         raise ShardingError(f"{found[0]} (train.require_annotations=true)")
     return found + ([] if is_lm else context_unsplit(batch_spec, layout))
+
+
+def _named_by_mesh_axes(spec, layout: Layout, strict: bool) -> list[str]:
+    """Variables named by mesh axes, replicated (`mesh_axis_names`): a warning, an error when `strict`."""
+    found = mesh_axis_names(spec, layout)
+    if found and strict:
+        raise ShardingError(f"{found[0]} (train.require_annotations=true)")
+    return found
 
 
 def _names_used(spec, batch_spec) -> set[str]:

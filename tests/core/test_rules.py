@@ -150,3 +150,42 @@ def test_a_state_dimension_context_does_not_divide_keeps_the_data_axes_split(nam
     assert layout.spec(("embed", "mlp"), (embed, 64), kind="rest") == (P("context") if name == "zero1" else want)
     with pytest.raises(ShardingError, match="not divisible by mesh axes"):
         layout.spec(("embed", "mlp"), (3, 64), kind="opt_state")
+
+
+# the logical names of the tensors meshpar's models and layers constrain, in their dimensions' order
+FLAX_CASES = [
+    ("batch", "length", "embed"),
+    ("batch", None, "embed"),
+    ("batch", "seq", "heads", "kv"),
+    ("batch", "seq", "kv_heads", None, "kv"),
+    ("batch", "seq", "mlp"),
+    ("batch", "seq", "vocab"),
+    ("group", None, "embed"),
+    ("group", "capacity", "expert", "embed"),
+    ("vocab", "embed"),
+    ("embed", "vocab"),
+    ("embed", None, "mlp"),
+    ("heads", "kv", "embed"),
+    ("layers", "embed", "mlp"),
+    ("layers", "expert", "embed", "expert_mlp"),
+    ("layers", "cache_batch", "kv_heads", "cache_length", "kv"),
+]
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+@pytest.mark.parametrize("mesh", [MESH, {a: 2 for a in ("pipeline", "data", "fsdp", "expert", "tensor", "context")}])
+def test_flax_logical_rules_resolve_as_meshpar_does(preset, mesh):
+    """Flax's own resolver (`flax.linen.logical_to_mesh_axes`) over `flax_table`'s rules gives every
+    case meshpar's PartitionSpec, under each preset, with a user rule ahead of it whose candidate an
+    earlier dimension takes part of (meshpar takes the rest), and one that replicates."""
+    import flax.linen as nn
+
+    from meshpar.core.flax_rules import flax_table
+
+    user = table(mlp=[("fsdp", "tensor")], vocab=None)
+    for rules in (PRESETS[preset].rules("params"), user + PRESETS[preset].rules("params")):
+        flax_rules = flax_table(rules, mesh)
+        for names in FLAX_CASES:
+            want = tuple(resolve(names, rules, mesh))
+            got = tuple(nn.logical_to_mesh_axes(names, flax_rules))
+            assert got[: len(want)] == want and not any(got[len(want) :]), (preset, names, got, want)
