@@ -101,9 +101,10 @@ def matmul_flops(jaxpr) -> float:
     return total
 
 
-def loss_forward_flops(trainer, seed: int = 0) -> float:
-    """Matmul FLOPs of `trainer.loss` on the whole global batch, forward only (traced, not compiled;
-    the dropout of stacked layers drawn from `seed`, as the step draws it)."""
+def loss_forward(trainer, seed: int = 0, layout=None):
+    """The jaxpr of `trainer.loss` on the whole global batch, forward only (traced, not compiled),
+    under `layout` (default: the trainer's), the dropout of stacked layers drawn from `seed` as the
+    step draws it."""
 
     spec = trainer.spec
     batch = jax.tree.map(
@@ -111,10 +112,15 @@ def loss_forward_flops(trainer, seed: int = 0) -> float:
     )
 
     def forward(params, vars, b):  # traced as the train step traces it (its layout, dropout of stacked layers drawn)
-        with use_layout(trainer.layout), use_policy(trainer.policy), dropout.training(seed, 0):
+        with use_layout(layout or trainer.layout), use_policy(trainer.policy), dropout.training(seed, 0):
             return trainer.loss(spec.merge(params, vars), b)[0]
 
-    return matmul_flops(jax.make_jaxpr(forward)(spec.shapes, spec.var_shapes or {}, batch))
+    return jax.make_jaxpr(forward)(spec.shapes, spec.var_shapes or {}, batch)
+
+
+def loss_forward_flops(trainer, seed: int = 0) -> float:
+    """Matmul FLOPs of `trainer.loss` on the whole global batch, forward only (`loss_forward`)."""
+    return matmul_flops(loss_forward(trainer, seed))
 
 
 def model_flops_per_step(trainer, batch, train, experts_per_token: int) -> tuple[float, str]:

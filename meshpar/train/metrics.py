@@ -42,6 +42,18 @@ def make_console(stderr: bool = False):
     return console if console.is_terminal else Console(stderr=stderr, width=1000)
 
 
+def _matmuls(facts: dict) -> str:
+    """` (matmuls in float32)` when the run's matmuls are not in its policy's compute dtype (a model
+    that sets its own dtypes: `meshpar.train.noops`), else nothing."""
+    import jax.numpy as jnp
+
+    from meshpar.core.precision import get_policy
+
+    used = facts.get("matmul_dtypes") or []
+    want = jnp.dtype(get_policy(facts["precision"]).compute_dtype).name if facts.get("precision") else None
+    return f" (matmuls in {' / '.join(used)})" if used and want not in used else ""
+
+
 def _devices(facts: dict) -> str:
     """`8 devices`, or `8 devices in 2 processes` (and the scheduler's job) when several take part."""
     n, procs = facts["devices"], facts.get("processes") or 1
@@ -94,7 +106,7 @@ class MetricsLogger:
         floor = facts.get("entropy_floor")
         self.console.print(
             f"[bold]meshpar[/] {facts['strategy']} on {facts['mesh_str']} ({_devices(facts)}), "
-            f"{facts['params'] / 1e6:.2f}M params, precision {facts['precision']}"
+            f"{facts['params'] / 1e6:.2f}M params, precision {facts['precision']}{_matmuls(facts)}"
             + (f", entropy floor {floor:.4f} nats/token" if floor is not None else "")
         )
         if trainer is not None:

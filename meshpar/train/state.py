@@ -47,8 +47,9 @@ from meshpar.nn.stages import check_protocol, check_state, protocol_weight, stag
 from meshpar.parallel import pipeline
 from meshpar.runtime.placed import PlacedModel
 from meshpar.train.data import packs_documents
-from meshpar.train.flops import model_flops_per_step
+from meshpar.train.flops import loss_forward, model_flops_per_step
 from meshpar.train.loss import lm_loss
+from meshpar.train.noops import matmul_dtypes, notices
 from meshpar.train.optimizer import make_optimizer
 
 
@@ -142,13 +143,25 @@ class TrainSetup:
         self.state_shardings = _state_shardings(self, NamedSharding(self.mesh, P()))
         self.batch_sharding = batch_shardings(self.batch_spec, self.layout)
         self._init = jax.jit(self._init_fn, out_shardings=self.state_shardings)
+        self._forward = None
 
     def warnings(self) -> list[str]:
         """One line each: the config's (`meshpar.core.notices`: keys it does not read, a warmup longer
         than the run), user rules that name no parameter, variable or batch leaf (they can only reach
         activations), batch axes no rule maps, a `context` axis that splits no batch leaf of a user's
-        loss, and the padded exchange dropless expert parallelism falls back to."""
-        return _warnings(self.cfg, self.layout, self.pipelined, self.idle_rules, self.batch_warnings)
+        loss, the padded exchange dropless expert parallelism falls back to, and settings that would
+        change nothing (`meshpar.train.noops`: an idle mesh axis, sequence parallelism that splits no
+        activation, a precision no matmul uses)."""
+        return _warnings(self.cfg, self.layout, self.pipelined, self.idle_rules, self.batch_warnings) + notices(
+            self, self.cfg.strategy, self.cfg.train.seed
+        )
+
+    def forward(self):
+        """The loss's forward on the whole batch as a jaxpr, traced once (`meshpar.train.flops.loss_forward`):
+        what the run's notices (`meshpar.train.noops`) and its header read."""
+        if self._forward is None:
+            self._forward = loss_forward(self, self.cfg.train.seed)
+        return self._forward
 
     def sharding_table(self) -> list[dict]:
         """The sharding table of this run: parameters, other state, batch leaves, and with the
@@ -216,9 +229,11 @@ class TrainSetup:
         }
 
     def describe(self) -> dict:
-        """The run's facts for its logs: mesh, strategy, precision, devices, parameters, batch."""
+        """The run's facts for its logs: mesh, strategy, precision (and the dtypes its matmuls really
+        run in), devices, parameters, batch."""
         c = self.cfg
-        return _describe(c.batch, c.strategy, c.precision, self.mesh, self.spec.num_params, self.is_lm)
+        facts = _describe(c.batch, c.strategy, c.precision, self.mesh, self.spec.num_params, self.is_lm)
+        return {**facts, "matmul_dtypes": sorted(matmul_dtypes(self.forward()))}
 
 
 def _state_around(setup, params, key):
