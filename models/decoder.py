@@ -129,7 +129,11 @@ class Decoder(nnx.Module):
 
     def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs, block=None):
         self.cfg = cfg
-        self.embedding = param(rngs, (cfg.vocab, cfg.embed), ("vocab", "embed"), 1.0)
+        # tied, the table is the LM head too: at the head's scale 1/sqrt(E) (std 1.0 gave logits of std
+        # sqrt(E) and a first loss of ~10 ln V), as tied families start (GPT-2's 0.02, Gemma's table
+        # times sqrt(E) at the input, model.embed_scale)
+        std = 1.0 / math.sqrt(cfg.embed) if cfg.tie_embeddings else 1.0
+        self.embedding = param(rngs, (cfg.vocab, cfg.embed), ("vocab", "embed"), std)
         p = cfg.local_global or 1
         groups, rest = divmod(cfg.layers, p)
         if groups == 0:

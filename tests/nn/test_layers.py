@@ -59,3 +59,25 @@ def test_a_vocab_parallel_head_finishes_its_backward_before_the_layers_and_settl
     tp, fsdp = _barriers("tp", data=2, tensor=4), _barriers("fsdp", fsdp=8)
     assert (count(tp, x, w), count(tp, logits)) == (2, 1), tp
     assert (count(fsdp, x, w), count(fsdp, logits)) == (1, 0), fsdp
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_reference_decoder_starts_near_ln_v(tied):
+    """A fresh decoder's first loss on uniform random tokens is near ln V (a uniform guess), tied
+    embeddings included: the table that doubles as the LM head starts at the head's scale (std 1.0
+    gave logits of std sqrt(E) and a first loss of 51.5 where ln V is 4.85)."""
+    import math
+
+    from flax import nnx
+
+    from meshpar.core.config import load_config
+    from meshpar.core.precision import get_policy, use_policy
+    from meshpar.core.registry import default_model
+    from meshpar.train.loss import lm_loss
+
+    cfg = load_config(None, ["precision=fp32", f"model.tie_embeddings={str(tied).lower()}"])
+    with use_policy(get_policy("fp32")):
+        model = default_model(cfg)(nnx.Rngs(0))
+        tokens = np.random.default_rng(0).integers(0, model.cfg.vocab, (4, 65))
+        loss = float(lm_loss(model, tokens)[0])
+    assert abs(loss - math.log(model.cfg.vocab)) < 1.0, loss
