@@ -76,6 +76,21 @@ def test_inspect_json_has_the_contracted_keys(capsys):
     assert kinds["all-gather"]["bytes"] > 0 and "tensor" in kinds["all-reduce"]["axes"]
     assert rep["memory"]["argument"] > 0 and rep["memory"]["temp"] > 0
     assert rep["flops"]["xla_per_device"] > 0 and rep["flops"]["model_per_step"] > 0
+    est = rep["plan_estimate"]  # numbers, not a sentence
+    assert set(est["bytes"]) == {"total", "params", "grads", "optimizer", "activations", "workspace"}
+    assert 0 < est["bytes"]["params"] < est["bytes"]["total"] and est["exceeds"] is False
+
+
+def test_the_planner_estimate_line_shows_its_figures_in_a_unit_that_fits():
+    """A small model's estimate in KiB or MiB (it printed 0.000 GiB), a large one's in GiB."""
+    from meshpar.cli.commands import estimate_line
+
+    parts = ("total", "params", "grads", "optimizer", "activations", "workspace")
+    small = {"bytes": dict.fromkeys(parts, 3 * 2**20), "limit_bytes": None, "exceeds": False}
+    assert estimate_line(small).startswith("planner estimate per device: 3.000 MiB (params 3.000, ")
+    big = {"bytes": dict.fromkeys(parts, 80 * 2**30), "limit_bytes": 64 * 2**30, "exceeds": True}
+    assert "80.000 GiB" in estimate_line(big) and "exceeds this device's 64.0 GiB" in estimate_line(big)
+    assert estimate_line({"bytes": None, "limit_bytes": None, "exceeds": False}).startswith("planner estimate: none")
 
 
 def test_inspect_json_lists_the_warnings_of_its_set_up():

@@ -37,7 +37,15 @@ import json
 import os
 import sys
 
-from meshpar.cli.commands import export, generate, plan_command, plan_estimate, serve, with_saved_settings
+from meshpar.cli.commands import (
+    estimate_line,
+    export,
+    generate,
+    plan_command,
+    plan_estimate,
+    serve,
+    with_saved_settings,
+)
 from meshpar.cli.parser import parse
 from meshpar.core.errors import MeshparError
 
@@ -178,8 +186,8 @@ def _run(args) -> int:
             from meshpar.train.loop import run
 
             estimate = plan_estimate(cfg)
-            if "warning:" in estimate:  # said only when the planner expects the step not to fit
-                print(estimate, file=sys.stderr)
+            if estimate["exceeds"]:  # said only when the planner expects the step not to fit
+                print(estimate_line(estimate), file=sys.stderr)
             run(cfg, metrics_out=args.metrics_out)
         elif args.command == "generate":
             generate(cfg, args)
@@ -216,7 +224,7 @@ def _run(args) -> int:
                     program.render_serve(rep, console)
                 else:
                     render_report(rep, console)
-                    print(rep["plan_estimate"])
+                    print(estimate_line(rep["plan_estimate"]))
                 if target:
                     program.render_target(rep["target"], console)
     except MeshparError as e:

@@ -122,27 +122,45 @@ def plan_command(cfg, args, target=None) -> None:
         print(f"wrote the best plan{why} to {args.out} (meshpar train --config {args.out})", file=sys.stderr)
 
 
-def plan_estimate(cfg, target=None) -> str:
-    """`train`/`inspect`: the planner's per-device estimate for this config, warning when it exceeds
-    the device's memory (known on GPU/TPU and for a --target; fake CPU devices have no limit)."""
+def plan_estimate(cfg, target=None) -> dict:
+    """`train`/`inspect`: the planner's per-device estimate for this config in bytes (`meshpar inspect
+    --json`'s `plan_estimate`: total, params, grads, optimizer, activations, workspace), the device's
+    memory where it is known (GPU/TPU, a --target; fake CPU devices have none) and whether the
+    estimate exceeds it; `estimate_line` says it in words."""
     import jax
 
     from meshpar.plan.search import estimate
 
     ev = estimate(cfg, target.hardware if target else None)
     if ev is None:  # a tensor that does not divide its axes: the run itself will say so
-        return "planner estimate: none (a tensor does not divide its mesh axes)"
-    m = ev["memory"]
-    line = (
-        f"planner estimate per device: {m['total'] / 2**30:.3f} GiB (params {m['params'] / 2**30:.3f}, grads "
-        f"{m['grads'] / 2**30:.3f}, optimizer {m['optimizer'] / 2**30:.3f}, "
-        f"activations {m['activations'] / 2**30:.3f}, "
-        f"workspace {m['workspace'] / 2**30:.3f})"
-    )
+        return {"bytes": None, "limit_bytes": None, "exceeds": False}
+    parts = ("total", "params", "grads", "optimizer", "activations", "workspace")
     stats = getattr(jax.local_devices()[0], "memory_stats", lambda: None)() or {}
     limit = target.hardware.memory_bytes if target else stats.get("bytes_limit")
-    if limit and m["total"] > limit:
-        line += f"\nwarning: the estimate exceeds this device's {limit / 2**30:.1f} GiB; see `meshpar plan`"
+    total = int(ev["memory"]["total"])
+    return {
+        "bytes": {k: int(ev["memory"][k]) for k in parts},
+        "limit_bytes": int(limit) if limit else None,
+        "exceeds": bool(limit and total > limit),
+    }
+
+
+def estimate_line(est: dict) -> str:
+    """`plan_estimate` as the line `inspect` prints (and `train` when it warns), in units that show
+    its figures: GiB, MiB or KiB."""
+    b = est["bytes"]
+    if b is None:
+        return "planner estimate: none (a tensor does not divide its mesh axes)"
+    unit, size = next(((u, s) for u, s in (("GiB", 2**30), ("MiB", 2**20)) if b["total"] >= s), ("KiB", 2**10))
+    show = lambda k: f"{b[k] / size:.3f}"  # noqa: E731
+    line = (
+        f"planner estimate per device: {show('total')} {unit} (params {show('params')}, grads {show('grads')}, "
+        f"optimizer {show('optimizer')}, activations {show('activations')}, workspace {show('workspace')})"
+    )
+    if est["exceeds"]:
+        line += (
+            f"\nwarning: the estimate exceeds this device's {est['limit_bytes'] / 2**30:.1f} GiB; see `meshpar plan`"
+        )
     return line
 
 
