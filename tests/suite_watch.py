@@ -14,8 +14,9 @@ stacks of a worker that dies. A pytest plugin (tests/conftest.py loads it).
 - **A dead worker is a failure with a reason.** pyproject's addopts stop pytest-xdist from replacing
   a crashed worker (`--max-worker-restart=0`): the run fails at once, naming the test. Every test
   process writes Python's fatal-error stacks (faulthandler, all threads) to a file of its own, with
-  the test it was running beside it; the summary names the files of processes that died and prints
-  their stacks, and keeps them (the folder is removed when nothing died).
+  the test it was running beside it, and a worker's native stderr (XLA's C++ log, its fatal line
+  too) to another; the summary names the files of processes that died and prints the last lines of
+  that log, then their stacks, and keeps them (the folder is removed when nothing died).
 """
 
 import faulthandler
@@ -104,6 +105,20 @@ def pytest_configure(config):
         _slowdown[0] = float(fixed) if fixed else max(1.0, calibrate() / REFERENCE_S)
     _fault_file.append(open(_fault_dir[0] / f"{name}-{os.getpid()}.log", "w"))
     faulthandler.enable(file=_fault_file[0], all_threads=True)
+    if hasattr(config, "workerinput"):
+        _native_stderr_to(Path(_fault_file[0].name + ".stderr"))
+
+
+def _native_stderr_to(path: Path) -> None:
+    """A worker's file descriptor 2, where XLA's C++ logging writes (its fatal line before an abort,
+    "Check failed: ...", too), appended to `path`. pytest captures stderr at the sys level
+    (`--capture=sys`, pyproject's addopts) and never redirects descriptor 2, so what XLA wrote last is
+    in the file when the worker is gone (with the default fd capture it sat in pytest's unlinked
+    temporary file and died with the worker). A worker's descriptor 2 was the controller's terminal,
+    where nothing reads it."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 2)
+    os.close(fd)
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -176,6 +191,12 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     tr = terminalreporter
     for log, test in deaths():
         tr.write_sep("=", f"a test process died while running {test}", red=True)
+        native = Path(str(log) + ".stderr")
+        last = native.read_text(errors="replace").splitlines()[-12:] if native.exists() else []
+        if last:  # XLA's own last words (its fatal line) before Python's stacks
+            tr.write_line(f"the last lines it wrote to its stderr ({native}):")
+            for line in last:
+                tr.write_line("    " + line)
         lines = log.read_text().splitlines()
         at = next((i for i, line in enumerate(lines) if line.startswith("Current thread")), 0)
         tr.write_line(f"{lines[0]}; the dying thread's stack (every thread's: {log}):")

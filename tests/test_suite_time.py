@@ -92,10 +92,14 @@ def test_the_budget_scales_with_a_slower_machine():
 
 def test_a_worker_that_dies_fails_the_run_at_once_naming_its_test_with_its_stacks(tmp_path):
     """The repo's own addopts (xdist, --max-worker-restart=0): a test that aborts its process ends the
-    run within a minute, non-zero, naming the test; its fault log holds the stack down to the abort."""
+    run within a minute, non-zero, naming the test; its fault log holds the stack down to the abort,
+    and the summary prints the last line the process wrote to its descriptor 2 (where XLA's C++ log
+    writes its fatal "Check failed" line), which pytest's fd capture used to lose with the worker."""
     (tmp_path / "test_aborts.py").write_text(
         "import os\n\ndef test_aborts_its_process():\n"
-        "    if os.environ.get('MESHPAR_TEST_ABORT'):\n        os.abort()\n"
+        "    if os.environ.get('MESHPAR_TEST_ABORT'):\n"
+        "        os.write(2, b'F1201 00:00:00 1 native.cc:7] Check failed: its own last words\\n')\n"
+        "        os.abort()\n"
     )
     t = time.monotonic()
     run = _pytest(tmp_path, "30", *ADDOPTS, env={"MESHPAR_TEST_ABORT": "1"})
@@ -105,8 +109,9 @@ def test_a_worker_that_dies_fails_the_run_at_once_naming_its_test_with_its_stack
     assert "a test process died while running test_aborts.py::test_aborts_its_process" in run.stdout
     assert (
         "Fatal Python error: Aborted" in run.stdout
-        and 'test_aborts.py", line 5 in test_aborts_its_process' in run.stdout
+        and 'test_aborts.py", line 6 in test_aborts_its_process' in run.stdout
     )
+    assert "    F1201 00:00:00 1 native.cc:7] Check failed: its own last words" in run.stdout, run.stdout[-3000:]
     assert "--max-worker-restart=0" in ADDOPTS
     kept = next(
         line.split("every thread's: ")[1].rstrip("):") for line in run.stdout.splitlines() if "every thread's: " in line
