@@ -32,7 +32,7 @@ def circular_loss(model: StageModel, p: int, m: int, v: int, outer, layers, vars
     """Body of the shard_map for GPipe (v = 1) and the circular schedule (v > 1); differentiated by
     autodiff. layers: this device's chunks [v, Lc, ...]; vars: the model's non-Param state; mbs: the
     batch pytree, leaves [M, b, ...]; total: the step's batch's weight, of which each microbatch's
-    loss and metrics count their share (`StageModel.share`) -> (loss, (loss of the parts, metrics
+    loss and metrics count their share (`StageModel.parts`) -> (loss, (loss of the parts, metrics
     [v, Lc], loss metrics, vars))."""
     # Invariant inputs become varying here, once: the transpose of this pcast (a psum of the outer
     # parameters' cotangent) then runs outside every per-device branch instead of inside one.
@@ -40,6 +40,7 @@ def circular_loss(model: StageModel, p: int, m: int, v: int, outer, layers, vars
     vars_in = vars
     outer_e = model.for_embed(outer)  # pre reads the outer parameters gathered (see StageModel.for_embed)
     s = lax.axis_index(AXIS)
+    parts = model.parts(mbs, total)  # [M]: each microbatch's share of the step's objective
     n_items, ticks = v * m, v * m + p - 1
     perm = [(i, (i + 1) % p) for i in range(p)] if v > 1 else [(i, i + 1) for i in range(p - 1)]
     chunk0 = jax.tree.map(lambda a: a[0], layers)
@@ -88,7 +89,7 @@ def circular_loss(model: StageModel, p: int, m: int, v: int, outer, layers, vars
         y, a_loss, met = run_stage(layers, r, x, mb, micro)
         last = (s == p - 1) & (r == v - 1) & valid
         ce, lm, vs = post_or_zero(outer if model.lm else outer_e, vs, y, mb, last)
-        part = model.share(mb, total)  # zero on ticks without a loss: ce and lm are zeros there
+        part = parts[micro]  # ce and lm are zeros on ticks without a loss
         w = valid.astype(jnp.float32) * part
         metrics = jax.tree.map(
             lambda acc, x_: lax.dynamic_update_index_in_dim(

@@ -83,7 +83,7 @@ class _StageOps:
     layers: Any  # this stage's [Lc, ...]
     mbs: Any  # the batch pytree [M, b, ...]
     seed: Any  # the loss's cotangent
-    total: Any  # the step's batch's weight: microbatch i's loss counts share(i) of it
+    parts: Any  # [M]: microbatch i's loss counts parts[i] of the step's objective (`StageModel.parts`)
     zero_x: Any
     residuals: Any = None  # `Residuals`, set once its structure is traced
 
@@ -92,8 +92,8 @@ class _StageOps:
         return (y, a_loss), met
 
     def share(self, mi):
-        """Microbatch mi's share of the step's objective (`StageModel.share`)."""
-        return self.model.share(microbatch(self.mbs, mi), self.total)
+        """Microbatch mi's share of the step's objective."""
+        return self.parts[mi]
 
     def fwd(self, first: bool, c: Carry, ins: Inbox, mi) -> Carry:
         """A stage before the last: microbatch mi's forward; its residuals (and the state `pre`
@@ -165,7 +165,7 @@ def grads(model: StageModel, p: int, m: int, outer, layers, vars, mbs, seed, tot
     """Body of the pipeline's shard_map under 1F1B: layers [Lc, ...] (this stage), vars the model's
     non-Param state, mbs the batch pytree [M, b, ...], seed the loss's cotangent (1, or the fp16 loss
     scale S), total the step's batch's weight (each microbatch's loss counts its share of it,
-    `StageModel.share`) -> (loss, loss of the parts, metrics, loss metrics, d_outer, d_layers,
+    `StageModel.parts`) -> (loss, loss of the parts, metrics, loss metrics, d_outer, d_layers,
     vars), gradients of loss * seed. The last stage runs F(m) and B(m) in one tick, fused."""
     (f_micro, b_micro), k_res = one_f_one_b_program(p, m)
     n = f_micro.shape[0]
@@ -194,7 +194,7 @@ def grads(model: StageModel, p: int, m: int, outer, layers, vars, mbs, seed, tot
     bwd_perm = [(i + 1, i) for i in range(p - 1)]
     var_leaves, var_tree = jax.tree.flatten(vars)
 
-    ops = _StageOps(model, outer, outer_e, layers, mbs, seed, total, zero_x)
+    ops = _StageOps(model, outer, outer_e, layers, mbs, seed, model.parts(mbs, total), zero_x)
     # the microbatch's rows are residuals too; typed as in the loop (picked by a stage-dependent index),
     # and so are the dropout keys' microbatch and first layer (meshpar.nn.dropout)
     with dropout.at(f_micro[0, s], s, layers):

@@ -57,11 +57,12 @@ class StageModel:
     loss_chunks: int = 1  # the LM head + cross-entropy in this many token slices (train.loss_chunks)
     weight: objective.Weight = objective.rows  # a microbatch -> its weight (the LM: `lm_rows_weight`)
 
-    def share(self, mb, total):
-        """Microbatch mb's share w / W of the step's objective (`meshpar.core.objective`; `total`: the
-        step's whole batch's weight W): of this replica's rows when the pipeline is manual over
-        `data`, of a whole sequence split over a manual `context` (its shards' weights summed)."""
-        w = self.weight(mb)
+    def parts(self, mbs, total):
+        """Each microbatch's share w_i / W of the step's objective, [M] (`meshpar.core.objective`; mbs:
+        leaves [M, b, ...]; `total`: the step's whole batch's weight W): of this replica's rows when
+        the pipeline is manual over `data`, of whole sequences split over a manual `context` (their
+        shards' weights summed). Found once, before the ticks: no tick's branch holds a collective."""
+        w = jax.vmap(self.weight)(mbs)
         over = tuple(a for a in manual_axes() if a in SEQUENCE_AXES)
         return objective.share(lax.psum(w, over) if over else w, total)
 
@@ -184,7 +185,7 @@ AXIS = "pipeline"
 
 def reduce_batch(x, stages: bool = False):
     """Once per step, in one all-reduce: the sum over a manual `data` (each replica's values are
-    already its share of the step's objective, `StageModel.share`), the mean over a manual `context`
+    already its share of the step's objective, `StageModel.parts`), the mean over a manual `context`
     (its devices hold parts of the same sequences), and with `stages` the sum over `pipeline`."""
     axes = tuple(a for a in manual_axes() if stages or a != AXIS)
     seq = math.prod(lax.axis_size(a) for a in axes if a in SEQUENCE_AXES)

@@ -108,12 +108,14 @@ PIPELINES = {
     "gpipe": ("gpipe", 1, 4, 1),
     "1f1b-accumulating": ("1f1b", 1, 2, 2),
     "interleaved": ("interleaved", 2, 4, 1),
+    # manual over `context` too: a microbatch's weight is its sequences' shards' summed
+    "1f1b-context": ("1f1b", 1, 2, 1, {"pipeline": 2, "context": 2, "data": 2}),
 }
 
 
 @pytest.mark.parametrize("case", tiered(sorted(PIPELINES), {"1f1b-accumulating"}))
 def test_pipelines_take_the_whole_batchs_weighted_mean(case, whole):
-    schedule, v, m, k = PIPELINES[case]
+    schedule, v, m, k, *mesh = PIPELINES[case]
     cfg = make_cfg(
         *LM,
         "strategy=dp",
@@ -121,7 +123,7 @@ def test_pipelines_take_the_whole_batchs_weighted_mean(case, whole):
         f"pipeline.virtual_stages={v}",
         f"pipeline.microbatches={m}",
         f"batch.microbatches={k}",
-        mesh={"pipeline": 2, "data": 2, "tensor": 2},
+        mesh=mesh[0] if mesh else {"pipeline": 2, "data": 2, "tensor": 2},
     )
     assert_same(one_step(cfg, 8), whole)
 
