@@ -65,29 +65,63 @@ def user_frames(error: BaseException) -> list[traceback.FrameSummary]:
     return frames
 
 
-# meshpar and the libraries it runs user code through: their frames are not the user's
-INTERNAL_PACKAGES = ("meshpar", "jax", "jaxlib", "flax", "optax", "numpy", "orbax", "ml_dtypes", "chex", "treescope")
+# meshpar (its reference models are installed as meshpar.models from models/) and the libraries it runs
+# user code through, with theirs: their frames are not the user's (another library's, which user code
+# called, are shown)
+INTERNAL_PACKAGES = (
+    "meshpar",
+    "meshpar.models",
+    "jax",
+    "jaxlib",
+    "flax",
+    "optax",
+    "numpy",
+    "orbax",
+    "ml_dtypes",
+    "chex",
+    "treescope",
+    "opt_einsum",
+    "scipy",
+    "absl",
+    "etils",
+    "typing_extensions",
+    "yaml",
+    "rich",
+    "tensorstore",
+    "msgpack",
+)
 
 
 @functools.cache
-def _internal_roots() -> tuple[str, ...]:
+def _roots() -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """(INTERNAL_PACKAGES' folders, the folders packages install into, Python's own library), each a
+    realpath ending in a separator."""
     import importlib.util
     import sysconfig
 
-    roots = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib")}
+    def folders(paths) -> tuple[str, ...]:
+        return tuple(os.path.join(os.path.realpath(p), "") for p in paths if p)
+
+    packages = []
     for name in INTERNAL_PACKAGES:
         spec = importlib.util.find_spec(name)
         if spec is not None:
-            roots.update(spec.submodule_search_locations or [])
-    return tuple(os.path.join(os.path.realpath(r), "") for r in roots)
+            packages += spec.submodule_search_locations or []
+    paths = sysconfig.get_paths()
+    return folders(packages), folders({paths["purelib"], paths["platlib"]}), folders({paths["stdlib"]})
 
 
 def _is_user_file(path: str) -> bool:
     """A Python file of the user's: one on disk (not <frozen importlib._bootstrap>, <string>, nor a
-    compiled extension's relative source name) outside meshpar, its libraries and Python's own."""
+    compiled extension's relative source name) outside meshpar, its libraries and Python's own
+    library (a package the user installed counts, wherever site-packages lies)."""
     if not path or path.startswith("<") or not os.path.isfile(path):
         return False
-    return not os.path.realpath(path).startswith(_internal_roots())
+    packages, installed, stdlib = _roots()
+    real = os.path.realpath(path)
+    if real.startswith(packages):
+        return False
+    return real.startswith(installed) or not real.startswith(stdlib)  # a package of the user's, installed
 
 
 def suggest(name: str, choices: Iterable[str], prefix: str = "") -> str:
