@@ -19,9 +19,10 @@ precision=fp32 model.layers=2 batch.global_size=16 train.log_every=1. Flags and 
 in any order (`meshpar train steps=1 --devices 1 mesh.data=1`).
 
 `plan` ranks meshes x presets x remat x microbatches by predicted step time (meshpar/plan/costmodel.py),
+those that agree with the layout keys given as KEY=VALUE (mesh.*, strategy, pipeline.*: pins),
 writes the winner as a config for `train --config`, and with --verify K compiles the top K on N
-fake devices to print predicted vs compiled memory and collective bytes. `inspect` prints the
-planner's memory estimate too; `train` warns when that estimate exceeds the device's memory.
+fake devices to print predicted vs compiled memory and collective bytes (without it, no device is
+made). `inspect` prints the planner's memory estimate too; `train` warns when that estimate exceeds the device's memory.
 
 `train` with checkpoint.dir=D resumes from D's newest usable checkpoint. Multi-process runs add
 `--coordinator HOST:PORT --num-processes N --process-id I` (or MESHPAR_* variables, or srun/mpirun/
