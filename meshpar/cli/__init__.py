@@ -19,9 +19,10 @@ precision=fp32 model.layers=2 batch.global_size=16 train.log_every=1. Flags and 
 in any order (`meshpar train steps=1 --devices 1 mesh.data=1`).
 
 `plan` ranks meshes x presets x remat x microbatches by predicted step time (meshpar/plan/costmodel.py),
+those that agree with the layout keys given as KEY=VALUE (mesh.*, strategy, pipeline.*: pins),
 writes the winner as a config for `train --config`, and with --verify K compiles the top K on N
-fake devices to print predicted vs compiled memory and collective bytes. `inspect` prints the
-planner's memory estimate too; `train` warns when that estimate exceeds the device's memory.
+fake devices to print predicted vs compiled memory and collective bytes (without it, no device is
+made). `inspect` prints the planner's memory estimate too; `train` warns when that estimate exceeds the device's memory.
 
 `train` with checkpoint.dir=D resumes from D's newest usable checkpoint. Multi-process runs add
 `--coordinator HOST:PORT --num-processes N --process-id I` (or MESHPAR_* variables, or srun/mpirun/
@@ -62,12 +63,23 @@ def _check_outputs(args) -> None:
         check_output_dir("--out", args.out)
 
 
-def _setup_devices(cfg, devices_flag: int | None, processes: int = 1, planning: bool = False) -> list[str]:
+def _check_counts(args) -> None:
+    """The counts `plan` takes: --top K plans to print (>= 1), --verify K to compile (>= 0, 0: none)."""
+    if args.command == "plan":
+        for flag, value, least in (("--top", args.top, 1), ("--verify", args.verify, 0)):
+            if value < least:
+                raise MeshparError(f"{flag} must be >= {least}, got {value}")
+
+
+def _setup_devices(
+    cfg, devices_flag: int | None, processes: int = 1, planning: bool = False, compiles: bool = True
+) -> list[str]:
     """Fake host devices before JAX initialises (only CPU-only hosts are affected; where jax has a CUDA
     plugin, meshpar's GPU XLA flags are added too, `meshpar.runtime.xla_flags`). `devices` counts all processes
-    together; each of `processes` fakes its share. One device (not for `plan`, which
-    searches meshes of `devices` itself) collapses the configured mesh. -> the warnings to show."""
-    from meshpar.core.mesh import fake_cpu_devices
+    together; each of `processes` fakes its share, at most `MAX_FAKE_DEVICES`. One device (not for
+    `planning`: `plan`, which searches meshes of `devices` itself) collapses the configured mesh; a
+    command that `compiles` nothing (`plan` without --verify) makes no device. -> the warnings to show."""
+    from meshpar.core.mesh import MAX_FAKE_DEVICES, fake_cpu_devices
 
     n = devices_flag if devices_flag is not None else cfg.devices
     if n < 1:
@@ -75,8 +87,17 @@ def _setup_devices(cfg, devices_flag: int | None, processes: int = 1, planning: 
     if n % processes:
         raise MeshparError(f"--devices {n} (all processes) is not divisible by the {processes} processes")
     cfg.devices = n
+    if not compiles:
+        return []
     notes = [_one_device(cfg.mesh, cfg.strategy)] if n == 1 and not planning else []
     if os.environ.get("JAX_PLATFORMS", "cpu") in ("cpu", "") or not _has_accelerator():
+        if n // processes > MAX_FAKE_DEVICES:
+            each = f" ({n // processes} in each of {processes} processes)" if processes > 1 else ""
+            raise MeshparError(
+                f"--devices {n}{each}: a process fakes at most {MAX_FAKE_DEVICES} CPU devices (XLA starts a "
+                "thread per device; 4096 take over a minute to start and stop, 8192 over 5 minutes); `meshpar "
+                "plan` needs none without --verify, and --target HW compiles for more devices without making them"
+            )
         fake_cpu_devices(n // processes)
     if _has_accelerator(CUDA_PLUGINS):  # the flags GPU programs run with (inert on CPU)
         from meshpar.runtime.xla_flags import with_gpu_flags
@@ -136,6 +157,7 @@ def _run(args) -> int:
     try:
         from meshpar.core.config import load_config
 
+        _check_counts(args)
         cfg = load_config(args.config, args.overrides)
         if args.command == "config":  # no devices: the configuration only
             from meshpar.core.annotate import annotated_yaml
@@ -162,11 +184,9 @@ def _run(args) -> int:
             target = resolve(args.target, cfg.devices, args.topology, args.slices)
         elif getattr(args, "topology", None) or getattr(args, "slices", None):
             raise MeshparError("--topology and --slices describe a --target; add --target HW (h100, tpu-v5p, ...)")
-        notes = (
-            []
-            if target
-            else _setup_devices(cfg, args.devices, (multi.num_processes or 1) if multi else 1, args.command == "plan")
-        )
+        compiles = args.command != "plan" or bool(args.verify)  # a plan without --verify uses no devices
+        processes = (multi.num_processes or 1) if multi else 1
+        notes = [] if target else _setup_devices(cfg, args.devices, processes, args.command == "plan", compiles)
         if args.command != "inspect":  # inspect reports them among its warnings (--json: in its list)
             for line in notes:
                 print(line, file=sys.stderr)
@@ -179,8 +199,7 @@ def _run(args) -> int:
             cfg.devices, cfg.mesh = devices, mesh  # the mesh is not a saved setting
         import jax
 
-        planning = args.command == "plan" and not args.verify  # a plan without --verify uses no devices
-        if jax.device_count() < cfg.devices and jax.default_backend() == "cpu" and not planning and not target:
+        if compiles and not target and jax.device_count() < cfg.devices and jax.default_backend() == "cpu":
             raise MeshparError(f"asked for {cfg.devices} devices but JAX already initialised with {jax.device_count()}")
         if args.command == "train":
             from meshpar.train.loop import run
@@ -233,6 +252,8 @@ def _run(args) -> int:
         if isinstance(e, Preempted):  # saved and stopped on SIGTERM/SIGINT: 128 + signal, like a shell
             print(f"meshpar: {e}", file=sys.stderr)
             return 128 + e.signum
+        if getattr(e, "trace", None):  # an exception of the user's code: their frames, then the line
+            sys.stderr.write(e.trace)
         print(f"meshpar: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -76,11 +76,15 @@ def plan_command(cfg, args, target=None) -> None:
     """`meshpar plan`: cost model search (meshpar/plan/search.py), table or JSON, --verify, then the YAML of
     the best plan: with --verify the best one that fits once compiled (with --target: by the target's own
     compiler, on its devices; the plan is then made for the target's hardware)."""
+    from meshpar.core.config import Config, parse_override
+    from meshpar.core.notices import given_keys
+    from meshpar.plan.candidates import Pins
     from meshpar.plan.hardware import load_hardware
     from meshpar.plan.search import parse_bytes_per_param, plan, render, winner_yaml
 
     hw = target.hardware if target else load_hardware(args.hardware)
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()] if args.strategies else None
+    given = given_keys({}, [parse_override(o) for o in args.overrides], Config())  # the keys set on the command line
     result = plan(
         cfg,
         cfg.devices,
@@ -89,6 +93,7 @@ def plan_command(cfg, args, target=None) -> None:
         parse_bytes_per_param(args.bytes_per_param, cfg.precision) if args.bytes_per_param else None,
         keep_all=args.all,
         top=max(args.top, args.verify),
+        pins=Pins.of(given, cfg.mesh, cfg.pipeline, cfg.strategy, cfg.model.remat, cfg.batch.microbatches),
     )
     best, why = next((c for c in result["candidates"] if c["fits"]), None), ""
     if args.verify:
@@ -196,7 +201,7 @@ def generate(cfg, args) -> None:
         Request(p, n, Sampling(args.temperature, args.top_k, args.top_p, args.seed + i), eos=eos)
         for i, p in enumerate(prompts)
     ]
-    vocab = Engine.precheck(cfg, reqs)  # before loading anything: what needs no weights
+    vocab = Engine.precheck(cfg, reqs, byte_text=bool(args.prompt) and not hf_tok)  # before loading: no weights
     _check_tokenizer(hf_tok, vocab)
     engine = Engine(cfg, info=lambda m: print(m, file=sys.stderr))
     for note in engine.notes:

@@ -101,6 +101,9 @@ def _parser() -> argparse.ArgumentParser:
         parents=[common],
         help="choose mesh, strategy, microbatches and remat for N devices "
         "of some hardware (cost model), write the winner as a config; --verify compiles the top K",
+        epilog="KEY=VALUE overrides of mesh.* (the axis's size over all devices; -1: searched), mesh.dcn, "
+        "strategy, model.remat, batch.microbatches and pipeline.* pin the search: only plans that agree are "
+        "ranked. Without --verify nothing is compiled and no device is made.",
     )
     _plan_flags(pl)
     _target_flags(pl)
@@ -180,7 +183,7 @@ def _plan_flags(pl) -> None:
     pl.add_argument(
         "--hardware", default="h100", help="h100, h200, a100-80g, tpu-v4, tpu-v5e, tpu-v5p, tpu-v6e or a YAML"
     )
-    pl.add_argument("--top", type=int, default=10, help="plans to print (default 10)")
+    pl.add_argument("--top", type=int, default=10, help="plans to print, >= 1 (default 10)")
     pl.add_argument("--strategies", help="comma-separated presets to consider (default: all)")
     pl.add_argument("--all", action="store_true", help="keep the plans that do not fit (and every variant)")
     pl.add_argument("--json", action="store_true", help="print one JSON object (model, hardware, candidates)")
@@ -198,5 +201,6 @@ def _plan_flags(pl) -> None:
         type=int,
         default=0,
         metavar="K",
-        help="compile the top K plans on N (fake) devices and print predicted vs compiled memory and collective bytes",
+        help="compile the top K plans on N (fake) devices and print predicted vs compiled memory and collective "
+        "bytes (default 0: none, and no device is made)",
     )

@@ -58,6 +58,14 @@ def fake_cpu_flags(n: int, flags: str = "", wait_s: int = COLLECTIVE_WAIT_S) -> 
     return " ".join(out)
 
 
+# The most host devices one process fakes. XLA:CPU starts a thread per device, and the time to start and
+# stop them grows faster than their number: on this 2-core machine a process that imports jax and lists
+# its devices ran 3 s with 1 device, 7 s with 1024, 8-13 s with 2048, 40-82 s with 4096 and over 5 minutes
+# with 8192 (never exiting: its threads spin at shutdown); bench/RESULTS.md, "Fake devices". Deviceless
+# targets (`--target HW`) compile for more devices without making them.
+MAX_FAKE_DEVICES = 2048
+
+
 def fake_cpu_devices(n: int) -> None:
     """Ask XLA for `n` host (CPU) devices. Must run before JAX initialises its backends."""
     os.environ["XLA_FLAGS"] = fake_cpu_flags(n, os.environ.get("XLA_FLAGS", ""))
@@ -69,8 +77,12 @@ def fake_cpu_devices(n: int) -> None:
         pass
 
 
-def resolve_axis_sizes(sizes: dict[str, int], n_devices: int, what: str = "mesh") -> dict[str, int]:
-    """Fill a single -1 size so that the product equals `n_devices`; check everything else."""
+def resolve_axis_sizes(
+    sizes: dict[str, int], n_devices: int, what: str = "mesh", slices: int = 1, dcn: str = ""
+) -> dict[str, int]:
+    """Fill a single -1 size so that the product equals `n_devices`; check everything else.
+    `slices` > 1: the mesh fills one of that many DCN slices (`dcn`: their sizes, 'data=2'), each of
+    `n_devices`; the messages name the slices, all the devices and the count that would fit."""
     for name in sizes:
         if name not in MESH_AXES:
             raise ConfigError(f"unknown mesh axis '{what}.{name}'" + suggest(name, MESH_AXES, f"{what}."))
@@ -82,20 +94,40 @@ def resolve_axis_sizes(sizes: dict[str, int], n_devices: int, what: str = "mesh"
         if s == 0 or s < -1:
             raise ConfigError(f"{what}.{a} must be a positive size or -1 (fill), got {s}")
     known = math.prod(s for s in sizes.values() if s != -1)
+    each = f" in each of the {slices} DCN slices (mesh.dcn {dcn}) of the {n_devices * slices}" if slices > 1 else ""
+    per = f"{n_devices} devices{each}"
     if fill:
         if n_devices % known:
             raise ConfigError(
-                f"cannot fill {what}.{fill[0]}=-1: the other axes multiply to {known}, "
-                f"which does not divide the {n_devices} devices"
+                f"cannot fill {what}.{fill[0]}=-1: the other axes multiply to {known}, which does not divide the {per}"
             )
         sizes[fill[0]] = n_devices // known
     elif known != n_devices:
         shape = " x ".join(f"{a}={s}" for a, s in sizes.items() if s != 1) or "all 1"
         raise ConfigError(
-            f"{what} axes multiply to {known} ({shape}) but there are {n_devices} devices; "
-            f"set one axis to -1 to fill, or run with --devices {known}"
+            f"{what} axes multiply to {known} ({shape}) but there are {per}; "
+            f"set one axis to -1 to fill, or run with --devices {known * slices}"
         )
     return sizes
+
+
+def split_sizes(mesh_cfg, n: int) -> tuple[dict[str, int], dict[str, int]]:
+    """(ICI sizes, DCN sizes) of every axis of a `MeshConfig` over `n` devices: the DCN sizes
+    (`mesh.dcn`, absent axes 1) cut the devices into slices, and the ICI sizes fill one slice; one
+    line naming the real counts when they do not fit."""
+    dcn = dict(getattr(mesh_cfg, "dcn", {}) or {})
+    ici_req = {a: getattr(mesh_cfg, a) for a in MESH_AXES}
+    if not dcn:
+        return resolve_axis_sizes(ici_req, n), dict.fromkeys(MESH_AXES, 1)
+    dcn_sizes = resolve_axis_sizes(dcn, max(1, math.prod(v for v in dcn.values() if v > 0)), "mesh.dcn")
+    n_slices = math.prod(dcn_sizes.values())
+    shape = " ".join(f"{a}={v}" for a, v in dcn_sizes.items() if v != 1)
+    if n % n_slices:
+        raise ConfigError(
+            f"mesh.dcn sizes multiply to {n_slices} ({shape}), which does not divide the {n} devices; "
+            f"use DCN sizes whose product divides {n}, or run with a multiple of {n_slices} devices"
+        )
+    return resolve_axis_sizes(ici_req, n // n_slices, slices=n_slices, dcn=shape), dcn_sizes
 
 
 def make_mesh(mesh_cfg, devices: Sequence | None = None):
@@ -111,14 +143,8 @@ def make_mesh(mesh_cfg, devices: Sequence | None = None):
 
     devices = list(devices if devices is not None else jax.devices())
     n = len(devices)
-    dcn = dict(getattr(mesh_cfg, "dcn", {}) or {})
-    ici_req = {a: getattr(mesh_cfg, a) for a in MESH_AXES}
-    if dcn:
-        dcn_sizes = resolve_axis_sizes(dcn, max(1, math.prod(v for v in dcn.values() if v > 0)), "mesh.dcn")
-        n_slices = math.prod(dcn_sizes.values())
-        if n % n_slices:
-            raise ConfigError(f"mesh.dcn sizes multiply to {n_slices}, which does not divide the {n} devices")
-        ici = resolve_axis_sizes(ici_req, n // n_slices)
+    ici, dcn_sizes = split_sizes(mesh_cfg, n)
+    if getattr(mesh_cfg, "dcn", None):
         ici_shape = [ici[a] for a in MESH_AXES]
         dcn_shape = [dcn_sizes[a] for a in MESH_AXES]
         try:
@@ -126,7 +152,6 @@ def make_mesh(mesh_cfg, devices: Sequence | None = None):
         except Exception:  # noqa: BLE001 - fake/CPU devices have no slice_index: plain row-major
             arr = np.asarray(devices).reshape([i * d for i, d in zip(ici_shape, dcn_shape)])
     else:
-        ici = resolve_axis_sizes(ici_req, n)
         shape = [ici[a] for a in MESH_AXES]
         try:
             arr = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)

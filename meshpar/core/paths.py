@@ -28,16 +28,19 @@ def check_output_file(flag: str, path: str) -> None:
 
 
 def check_output_dir(flag: str, path: str) -> None:
-    """A folder the command will create (with its parents) or write into: not a file, and the
-    nearest folder that exists on its way is writable."""
+    """A folder the command will write into, or create in a folder that exists (as for a file, a
+    missing parent folder is refused, not created): not a file, and writable."""
     p = Path(path).expanduser()
     if p.exists() and not p.is_dir():
         raise MeshparError(f"{flag} {path}: that is a file, not a folder; choose a folder")
-    have = p
-    while not have.exists() and have != have.parent:
-        have = have.parent
-    if not have.is_dir():
-        raise MeshparError(f"{flag} {path}: {have} is a file, not a folder; choose another path")
-    if not _writable(have):
-        what = "is not writable" if have == p else f"cannot be created: {have} is not writable"
-        raise MeshparError(f"{flag} {path}: {'the folder ' if have == p else ''}{what}; choose another path")
+    if p.is_dir():
+        if not _writable(p):
+            raise MeshparError(f"{flag} {path}: the folder is not writable; choose another path")
+        return
+    folder = p.parent
+    if folder.exists() and not folder.is_dir():
+        raise MeshparError(f"{flag} {path}: {folder} is a file, not a folder; choose another path")
+    if not folder.is_dir():
+        raise MeshparError(f"{flag} {path}: the folder {folder} does not exist; create it or choose another path")
+    if not _writable(folder):
+        raise MeshparError(f"{flag} {path}: cannot be created: {folder} is not writable; choose another path")

@@ -1,12 +1,14 @@
 """The layouts `meshpar plan` considers: every way to write the device count as the mesh axes' sizes,
-split into ICI x DCN, times the presets that use those axes, remat, and the microbatch counts; and a
-candidate as the config overrides that run it (`meshpar.plan.search` costs and ranks them)."""
+split into ICI x DCN, times the presets that use those axes, remat, and the microbatch counts; a
+candidate as the config overrides that run it; and the keys a user pinned (`Pins`), which keep only
+the candidates that agree with them (`meshpar.plan.search` costs and ranks what is left)."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
+from meshpar.core.errors import ConfigError
 from meshpar.core.mesh import MESH_AXES
 from meshpar.plan.costmodel import REMATS, Candidate, ModelFacts
 
@@ -116,3 +118,86 @@ def overrides(cand: Candidate, n: int) -> list[str]:
             f"pipeline.virtual_stages={cand.virtual}",
         ]
     return out
+
+
+PIPELINE_KEYS = ("pipeline.schedule", "pipeline.microbatches", "pipeline.virtual_stages")
+
+
+@dataclass(frozen=True)
+class Pins:
+    """What a user fixed of the layout the search chooses, by a KEY=VALUE override of its key:
+    `mesh.<axis>=K` the axis's size over all devices (ICI x DCN; -1 leaves it free), `mesh.dcn` the
+    part of every axis across nodes or slices, `strategy`, `model.remat`, `batch.microbatches`, and
+    `pipeline.*` (which keep only pipelined plans). `keys`: the pinned keys as given (KEY=VALUE)."""
+
+    sizes: dict = field(default_factory=dict)  # axis -> its size over all devices
+    dcn: dict | None = None  # axis -> its DCN factor (every axis), or None: free
+    strategy: str | None = None
+    remat: str | None = None
+    microbatches: int | None = None
+    pipeline: dict = field(default_factory=dict)  # pipeline.* key -> value
+    keys: tuple = ()
+
+    @classmethod
+    def of(cls, given: list[str], mesh, pipeline, strategy: str, remat: str, microbatches: int) -> Pins:
+        """The pins of the dotted keys `given` on the command line, with the run config's (validated)
+        values: `mesh` and `pipeline` its sections, `strategy`, `remat` (`model.remat`) and
+        `microbatches` (`batch.microbatches`)."""
+        dcn = dict(mesh.dcn or {})
+        pinned_dcn = "mesh.dcn" in given or any(k.startswith("mesh.dcn.") for k in given)
+        sizes = {
+            a: getattr(mesh, a) * (int(dcn.get(a, 1)) if pinned_dcn else 1)
+            for a in MESH_AXES
+            if f"mesh.{a}" in given and getattr(mesh, a) != -1
+        }
+        if remat not in REMATS and "model.remat" in given:
+            raise ConfigError(
+                f"model.remat={remat}: `meshpar plan` costs model.remat {', '.join(REMATS)}; pin one of "
+                "them or leave model.remat to the search"
+            )
+        out = cls(
+            sizes,
+            {a: int(dcn.get(a, 1)) for a in MESH_AXES} if pinned_dcn else None,
+            strategy if "strategy" in given else None,
+            remat if "model.remat" in given else None,
+            microbatches if "batch.microbatches" in given else None,
+            {k: getattr(pipeline, k.split(".")[1]) for k in PIPELINE_KEYS if k in given},
+        )
+        return replace(out, keys=tuple(_shown(out, mesh)))
+
+    def allows(self, cand: Candidate) -> bool:
+        """Whether `cand` agrees with every pinned key."""
+        s = cand.shape
+        if any(s[a] != v for a, v in self.sizes.items()):
+            return False
+        if self.dcn is not None and cand.dcn_shape != self.dcn:
+            return False
+        if self.strategy not in (None, cand.strategy) or self.remat not in (None, cand.remat):
+            return False
+        if self.microbatches not in (None, cand.microbatches):
+            return False
+        if self.pipeline:
+            if s["pipeline"] == 1:
+                return False
+            have = {
+                "pipeline.schedule": cand.schedule,
+                "pipeline.microbatches": cand.pp_microbatches,
+                "pipeline.virtual_stages": cand.virtual,
+            }
+            return all(have[k] == v for k, v in self.pipeline.items())
+        return True
+
+
+def _shown(pins: Pins, mesh) -> list[str]:
+    """The pinned keys as KEY=VALUE (`mesh`: the run's `cfg.mesh`, the sizes as given), in the config's order."""
+    out = [f"mesh.{a}={getattr(mesh, a)}" for a in MESH_AXES if a in pins.sizes]
+    if pins.dcn is not None:
+        out.append("mesh.dcn={" + ", ".join(f"{a}: {v}" for a, v in pins.dcn.items() if v > 1) + "}")
+    for key, value in (
+        ("strategy", pins.strategy),
+        ("model.remat", pins.remat),
+        ("batch.microbatches", pins.microbatches),
+    ):
+        if value is not None:
+            out.append(f"{key}={value}")
+    return out + [f"{k}={v}" for k, v in pins.pipeline.items()]

@@ -29,10 +29,10 @@ import math
 
 from meshpar.core.config import apply_overrides
 from meshpar.core.errors import ConfigError, suggest
-from meshpar.core.mesh import MESH_AXES, resolve_axis_sizes
+from meshpar.core.mesh import MESH_AXES, split_sizes
 from meshpar.core.precision import get_policy
 from meshpar.core.rules import PRESETS
-from meshpar.plan.candidates import ORDER, candidates, overrides
+from meshpar.plan.candidates import ORDER, Pins, candidates, overrides
 from meshpar.plan.collectives import summarize
 from meshpar.plan.costmodel import Candidate, ModelFacts, Resolver
 from meshpar.plan.hardware import PRESETS as HW
@@ -163,27 +163,42 @@ def _cost(cands: list, facts, hw, res, bpp, c, top: int | None) -> list:
 
 
 def plan(
-    cfg, devices: int, hardware, strategies=None, bytes_per_param=None, keep_all: bool = False, top: int | None = None
+    cfg,
+    devices: int,
+    hardware,
+    strategies=None,
+    bytes_per_param=None,
+    keep_all: bool = False,
+    top: int | None = None,
+    pins: Pins | None = None,
 ) -> dict:
-    """Cost every candidate and rank them. Returns the `meshpar plan --json` object."""
+    """Cost every candidate that agrees with `pins` (the keys the user fixed) and rank them. Returns
+    the `meshpar plan --json` object."""
     hardware.check_devices(devices)
-    strategies = list(strategies or ORDER)
-    for st in strategies:
+    pins = pins or Pins()
+    for st in strategies or ():
         if st not in PRESETS:
             raise ConfigError(f"unknown strategy '{st}' in --strategies" + suggest(st, PRESETS))
+    if pins.strategy and strategies and pins.strategy not in strategies:
+        raise ConfigError(
+            f"strategy={pins.strategy} is not among --strategies {','.join(strategies)}; give one or the other"
+        )
+    strategies = [pins.strategy] if pins.strategy else list(strategies or ORDER)
     bpp = bytes_per_param or parse_bytes_per_param(None, cfg.precision)
     import numpy as np
 
     c = np.dtype(get_policy(cfg.precision).compute_dtype).itemsize
     facts = ModelFacts.from_config(cfg)
     res = Resolver(cfg.rules)
-    cands = candidates(facts, devices, hardware, strategies)
+    cands = [cand for cand in candidates(facts, devices, hardware, strategies) if pins.allows(cand)]
     rows = _cost(cands, facts, hardware, res, bpp, c, None if keep_all else (top or 10))
     if not rows:
+        which = [] if pins.strategy else [f"--strategies {','.join(strategies)}"]
         raise ConfigError(
-            f"no mesh of {devices} devices can shard this model with --strategies "
-            f"{','.join(strategies)} (sizes must divide layers, heads, batch.global_size="
+            f"no mesh of {devices} devices can shard this model with {' and '.join(which + list(pins.keys))}"
+            f" (sizes must divide layers, heads, batch.global_size="
             f"{cfg.batch.global_size}); try another --devices or batch.global_size"
+            + (", or pin less" if pins.keys else "")
         )
     fitting = [r for r in rows if r["fits"]]
     if not fitting and not keep_all:
@@ -231,6 +246,7 @@ def plan(
         )
     return {
         "model": {"params": facts.params, "flops_per_token": facts.flops_per_token, "dims": facts.dims},
+        "pinned": list(pins.keys),
         "hardware": hardware.as_dict(),
         "devices": devices,
         "bytes_per_param": list(bpp),
@@ -273,7 +289,7 @@ def render(result: dict, console, top: int = 10) -> None:
         f"{hw['peak_flops'] / 1e12:.0f} TFLOP/s, matmuls at {hw['efficiency']:.0%})  [bold]batch[/] "
         f"{result['batch']['global_size']} x {result['batch']['length']}  "
         f"[bold]searched[/] {result['searched']}, costed {result.get('costed', result['searched'])}, "
-        f"{result['fitting']} fit"
+        f"{result['fitting']} fit" + (f"  [bold]pinned[/] {' '.join(result['pinned'])}" if result.get("pinned") else "")
     )
     t = Table(title="plans, best first (memory in GiB per device)")
     for col in (
@@ -323,13 +339,11 @@ def estimate(cfg, hardware=None, compiler: str | None = None, bytes_per_param=No
     as `steptime.evaluate`'s."""
     import numpy as np
 
-    dcn_cfg = {a: v for a, v in (cfg.mesh.dcn or {}).items()}
-    n_dcn = math.prod(dcn_cfg.values()) if dcn_cfg else 1
-    ici = resolve_axis_sizes({a: getattr(cfg.mesh, a) for a in MESH_AXES}, cfg.devices // n_dcn)
-    sizes = tuple(ici[a] * dcn_cfg.get(a, 1) for a in MESH_AXES)
+    ici, dcn_cfg = split_sizes(cfg.mesh, cfg.devices)
+    sizes = tuple(ici[a] * dcn_cfg[a] for a in MESH_AXES)
     cand = Candidate(
         sizes,
-        tuple(dcn_cfg.get(a, 1) for a in MESH_AXES),
+        tuple(dcn_cfg[a] for a in MESH_AXES),
         cfg.strategy,
         cfg.model.remat,
         cfg.batch.microbatches,

@@ -43,6 +43,7 @@ from meshpar.core import precision as precision_lib
 from meshpar.core.errors import ConfigError
 from meshpar.core.registry import default_model
 from meshpar.core.sharding import model_spec
+from meshpar.io.tokenizer import ByteTokenizer
 from meshpar.serve.placement import Placement, cache_length
 from meshpar.serve.programs import DecodePrograms
 from meshpar.serve.requests import Completion, Request
@@ -120,17 +121,21 @@ def sampling_rows(samplings: list, rows: int, vocab: int) -> dict:
     return {k: np.stack([np.asarray(a[k]) for a in arrays]) for k in arrays[0]}
 
 
-def precheck(cfg, requests, model: Callable | None = None) -> int | None:
+def precheck(cfg, requests, model: Callable | None = None, byte_text: bool = False) -> int | None:
     """The checks that need no weights (run before loading any): prompt lengths, sampling ranges,
     and token ids against the vocabulary the model's config declares (`cfg.vocab` of the abstract
-    model: `model.vocab`, the size preset, init_from's config.json). -> that vocabulary (None: the
-    model keeps no `cfg.vocab`; `check` has the logits' own once the model is placed)."""
+    model: `model.vocab`, the size preset, init_from's config.json); `byte_text`: some prompts are
+    text as UTF-8 bytes, which needs a vocabulary of all 256 (said first, not as an id out of range).
+    -> that vocabulary (None: the model keeps no `cfg.vocab`; `check` has the logits' own once the
+    model is placed)."""
 
     length = cache_length(cfg.serve, cfg.model.init_from)
     vocab = getattr(
         model_spec(model or default_model(cfg), precision_lib.get_policy(cfg.precision)).model_config, "vocab", None
     )
     vocab = vocab if isinstance(vocab, int) and vocab > 0 else None
+    if byte_text and vocab:
+        ByteTokenizer(vocab)  # one line when the vocabulary is too small for bytes
     for r in requests:
         _check_length(r, length)
         if vocab:

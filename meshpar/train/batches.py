@@ -8,6 +8,7 @@ import jax
 import numpy as np
 
 from meshpar.core.batch import is_leaf, lm_batch_spec
+from meshpar.core.errors import user_code
 from meshpar.train.data import check_rows
 
 
@@ -29,7 +30,12 @@ class Batches:
 
     def probe(self) -> None:
         """Check the source against the batch spec on one row (before anything compiles)."""
-        check_rows(self.spec, self.source.rows(self.seed, self.step, range(0, 1), self.length), 1, self.length)
+        check_rows(self.spec, self._rows(self.step, range(0, 1)), 1, self.length)
+
+    def _rows(self, step: int, rows: range):
+        """`source.rows` of `step`, inside `user_code` (a user's source's exception: its frames, one line)."""
+        with user_code(f"reading step {step + 1}'s rows {rows.start}..{rows.stop - 1} from {_name(self.source)}"):
+            return self.source.rows(self.seed, step, rows, self.length)
 
     def state(self) -> dict:
         return {"step": self.step}
@@ -68,9 +74,14 @@ class Batches:
         breaks = np.flatnonzero(np.diff(rows) != 1) + 1
         parts = []
         for run in np.split(rows, breaks):
-            parts.append(self.source.rows(self.seed, step, range(int(run[0]), int(run[-1]) + 1), self.length))
+            parts.append(self._rows(step, range(int(run[0]), int(run[-1]) + 1)))
             check_rows(self.spec, parts[-1], len(run), self.length)
         return rows, (parts[0] if len(parts) == 1 else jax.tree.map(lambda *a: np.concatenate(a), *parts))
+
+
+def _name(source) -> str:
+    kind = type(source)
+    return f"the data source {kind.__module__}.{kind.__qualname__}"
 
 
 class Prefetch:

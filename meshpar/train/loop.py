@@ -11,7 +11,8 @@ ahead on a background thread (`meshpar.train.batches.Prefetch`), and the loop re
 the one place it does) only at logging steps (`train.log_every`, the first and the last step), at
 evaluations, before a checkpoint is written and at the end. In between, steps are dispatched back
 to back. The non-finite flag of every step is kept on the device until then and checked in order,
-so `train.on_nan=stop` still names the first bad step and no checkpoint is ever written after it.
+so `train.on_nan=stop` still names the first bad step and no checkpoint is ever written after it, and
+`train.on_nan=skip` stops, naming them, once `train.max_consecutive_skips` steps in a row were skipped.
 """
 
 from __future__ import annotations
@@ -122,7 +123,8 @@ def run(cfg, metrics_out: str | None = None, console=None, trainer: Trainer | No
         # the whole run's first logged loss: kept in every checkpoint, so a resumed run reports its gap too
         first_loss = found.meta.get("initial_loss") if found else None
         stop, metrics = None, None
-        unchecked = []  # (step, nonfinite, loss) on the device, not yet read (train.on_nan=stop)
+        unchecked = []  # (step, nonfinite, loss) on the device, not yet read
+        skipped = []  # the steps skipped in a row so far (train.on_nan=skip)
         window_start, window_steps = time.perf_counter(), 0
 
         def check_finite(values=None):
@@ -131,7 +133,7 @@ def run(cfg, metrics_out: str | None = None, console=None, trainer: Trainer | No
             if unchecked:
                 values = _read([u[1:] for u in unchecked]) if values is None else values
                 for (n, _, _), (bad, loss) in zip(unchecked, values):
-                    _check_finite(cfg.train.on_nan, n, bad, loss)
+                    _check_finite(cfg.train, n, bad, loss, skipped)
             unchecked = []
 
         # Ctrl-C from here on (second one: at once) saves at the step reached and stops, and one that
@@ -146,8 +148,7 @@ def run(cfg, metrics_out: str | None = None, console=None, trainer: Trainer | No
                         state, metrics = compiled(state, batch)
                     profiler.after(n, metrics, last=n == cfg.steps)
                     window_steps += 1
-                    if cfg.train.on_nan == "stop":
-                        unchecked.append((n, metrics["nonfinite"], metrics["loss"]))
+                    unchecked.append((n, metrics["nonfinite"], metrics["loss"]))
                     progress["step"] = n
                     if n % cfg.train.log_every == 0 or n == cfg.steps or step == start:
                         metrics, flags = _read((metrics, [u[1:] for u in unchecked]))  # waits for step n
@@ -332,13 +333,26 @@ def _read(tree):
     return jax.device_get(tree)
 
 
-def _check_finite(on_nan: str, step: int, nonfinite, loss) -> None:
-    """`train.on_nan=stop`: raise if `step` had a non-finite loss or gradients (its update was skipped)."""
-    if on_nan == "stop" and int(nonfinite):
+def _check_finite(train, step: int, nonfinite, loss, skipped: list) -> None:
+    """Whether `step` had a non-finite loss or gradients (its update was skipped), by `train.on_nan`
+    (`train`: the run's `cfg.train`): `stop` raises naming it; `skip` counts it in `skipped`, the steps
+    skipped in a row, and raises once they reach `train.max_consecutive_skips` (a state that makes
+    every batch non-finite never trains again: its updates are all dropped)."""
+    if not int(nonfinite):
+        skipped.clear()
+        return
+    if train.on_nan == "stop":
         raise MeshparError(
             f"non-finite loss or gradients at step {step} (loss {float(loss)}); its update was "
             "not applied and no checkpoint was written after it (train.on_nan=stop). Lower "
             "train.lr, check the data, or set train.on_nan=skip to skip such steps"
+        )
+    skipped.append(step)
+    if len(skipped) >= train.max_consecutive_skips:
+        raise MeshparError(
+            f"steps {skipped[0]}..{step}: {len(skipped)} steps in a row had a non-finite loss or gradients "
+            f"(the last loss {float(loss):.4g}) and were skipped (train.on_nan=skip, train.max_consecutive_skips="
+            f"{train.max_consecutive_skips}); the run stops, as it no longer trains. Lower train.lr or check the data"
         )
 
 

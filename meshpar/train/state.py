@@ -123,6 +123,7 @@ class TrainSetup:
             precision_lib.check_loss_chunks(cfg.train.loss_chunks, cfg.batch.length, cp)
         self.layout = Layout(self.mesh, get_strategy(cfg.strategy), parse_user_rules(cfg.rules))
         check_platform(cfg.model, of_mesh(self.mesh))
+        self.runs = _what_runs(cfg.model.name, cfg.train.loss, self.model, self.loss)
         self.loss = _loss_of(self.loss, cfg.train, cfg.batch.length)
         self.loss_name = getattr(self.loss, "__qualname__", repr(self.loss))
         # the loss's weight over a batch: its parts count by their shares of it (meshpar.core.objective)
@@ -305,6 +306,15 @@ def _names_used(spec, batch_spec) -> set[str]:
         *(leaf.axes for leaf in jax.tree.leaves(batch_spec, is_leaf=is_leaf)),
     ]
     return {n for names in leaves if names for n in names if n}
+
+
+def _what_runs(model_name: str, loss_name: str, model: Callable | None, loss: Callable | None) -> str:
+    """'model.name=pkg.mod:fn, train.loss=lm': the model and loss of a run, as the config names them
+    (`model.name`, `train.loss`) or as passed in Python (`model`, `loss`), for what `user_code` says
+    meshpar was doing."""
+    model_part = f"model.name={model_name}" if model is None else f"model {getattr(model, '__qualname__', model)}"
+    loss_part = f"train.loss={loss_name}" if loss is None else f"loss {getattr(loss, '__qualname__', loss)}"
+    return f"{model_part}, {loss_part}"
 
 
 def _loss_of(loss, train, length: int):

@@ -45,6 +45,7 @@ from jax.sharding import PartitionSpec as P
 from meshpar.core import objective
 from meshpar.core import precision as precision_lib
 from meshpar.core.batch import is_leaf
+from meshpar.core.errors import user_code
 from meshpar.core.layout import use_layout
 from meshpar.core.mesh import describe
 from meshpar.core.platform import compiling_for, of_mesh
@@ -153,8 +154,9 @@ class Trainer(TrainSetup):
         )
 
     def lower(self):
-        """The step traced for this mesh's platform (a deviceless target's GPU or TPU too)."""
-        with compiling_for(of_mesh(self.mesh)):
+        """The step traced for this mesh's platform (a deviceless target's GPU or TPU too); what the
+        user's model raises in it comes out through `user_code` ("tracing the train step ...")."""
+        with compiling_for(of_mesh(self.mesh)), user_code(f"tracing the train step ({self.runs})"):
             return self._step.lower(self.abstract_state(), self.abstract_batch())
 
     def compile(self, options: dict | None = None):
@@ -252,11 +254,16 @@ def user_source(cfg):
     """`data.kind=PKG.MODULE:FN` -> FN(cfg), else None (a built-in token source)."""
     if ":" not in cfg.data.kind:
         return None
-    return import_object(cfg.data.kind, "data.kind")(cfg)
+    fn = import_object(cfg.data.kind, "data.kind", "FN (FN(cfg) -> a data source)")
+    with user_code(f"building data.kind={cfg.data.kind}"):
+        return fn(cfg)
 
 
 def trainer_for(cfg, devices=None, source=None) -> Trainer:
     """The Trainer a config names: its model, its loss, and its data source's batch layout."""
     source = source if source is not None else user_source(cfg)
-    spec = source.batch_spec(cfg.batch.global_size, cfg.batch.length) if hasattr(source, "batch_spec") else None
+    spec = None
+    if hasattr(source, "batch_spec"):
+        with user_code(f"asking the data source {type(source).__qualname__} for its batch_spec"):
+            spec = source.batch_spec(cfg.batch.global_size, cfg.batch.length)
     return Trainer(cfg, devices=devices, batch_spec=spec)

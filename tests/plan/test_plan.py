@@ -560,6 +560,16 @@ def test_verify_compiles_the_top_plan_on_16_fake_devices(tmp_path):
         (["--devices", "12"], "--devices 12 cannot be formed from h100 nodes of 8"),
         (["--strategies", "dp,fdsp"], "unknown strategy 'fdsp' in --strategies (did you mean 'fsdp'?)"),
         (["--devices", "1", "model.size=7b", "batch.length=2048"], "fits on no plan of 1 h100: the smallest needs"),
+        (["--top", "-3"], "--top must be >= 1, got -3"),
+        (["--top", "0"], "--top must be >= 1, got 0"),
+        (["--verify", "-1"], "--verify must be >= 0, got -1"),
+        (["strategy=tp", "--strategies", "fsdp,dp"], "strategy=tp is not among --strategies fsdp,dp"),
+        (
+            ["mesh.tensor=3"],
+            "no mesh of 8 devices can shard this model with --strategies dp,zero1,zero2,fsdp,hsdp,tp,tp_sp,"
+            "fsdp_tp,fsdp_tp_sp and mesh.tensor=3 (sizes must divide",
+        ),
+        (["model.remat=offload"], "model.remat=offload: `meshpar plan` costs model.remat none, save_dots, full"),
     ],
 )
 def test_bad_input_is_one_line(capsys, args, message):
@@ -569,6 +579,51 @@ def test_bad_input_is_one_line(capsys, args, message):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1, err
+
+
+def _plan_json(capsys, *args) -> dict:
+    from meshpar.cli import main
+
+    assert main(["plan", "--out", "-", "--json", *args]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_pinned_keys_constrain_the_search(capsys):
+    """KEY=VALUE overrides of what the search chooses pin it (they were ignored: `mesh.tensor=8
+    strategy=tp` printed the fsdp=8 winner): every plan listed keeps them, and the rest is searched."""
+    seven_b = ["model.size=7b", "batch.global_size=64", "batch.length=2048"]
+    tp = _plan_json(capsys, "--devices", "8", "--top", "3", *seven_b, "mesh.tensor=8", "strategy=tp", "mesh.data=-1")
+    assert tp["pinned"] == ["mesh.tensor=8", "strategy=tp"]  # -1 fills: left to the search
+    assert tp["candidates"] and all(c["strategy"] == "tp" and c["mesh"]["tensor"] == 8 for c in tp["candidates"])
+    small = ["model.size=125m", "batch.global_size=64", "batch.length=2048"]
+    pp = _plan_json(
+        capsys, "--devices", "16", "--top", "3", *small, "pipeline.schedule=gpipe", "model.remat=full",
+        "mesh.dcn={pipeline: 2}",
+    )  # fmt: skip
+    assert pp["pinned"] == ["mesh.dcn={pipeline: 2}", "model.remat=full", "pipeline.schedule=gpipe"]
+    assert len({c["strategy"] for c in pp["candidates"]}) > 1  # the strategy is still searched
+    for c in pp["candidates"]:
+        assert c["pipeline"]["schedule"] == "gpipe" and c["remat"] == "full" and c["dcn"] == {"pipeline": 2}
+        assert "pipeline.schedule=gpipe" in c["overrides"] and "mesh.dcn={pipeline: 2}" in c["overrides"]
+
+
+def test_a_plan_without_verify_makes_no_device_and_exits_at_16384_devices():
+    """`plan --devices 16384` printed its plan and never exited (the CPU client's 16k threads at
+    shutdown): without --verify it compiles nothing, so it makes no device. A process of its own,
+    which must end well within its timeout."""
+    run = subprocess.run(
+        [sys.executable, "-m", "meshpar.cli", "plan", "--devices", "16384", "--hardware", "h100", "--top", "1"]
+        + ["--strategies", "dp", "--json", "--out", "-", "model.size=tiny", "batch.global_size=16384"]
+        + ["batch.length=64"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "XLA_FLAGS": ""},
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads(run.stdout)
+    assert result["devices"] == 16384 and math.prod(result["candidates"][0]["mesh"].values()) == 16384
 
 
 def test_a_hardware_file_is_read_with_its_time_keys_and_a_bad_latency_is_one_line(tmp_path):

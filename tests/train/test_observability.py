@@ -120,10 +120,12 @@ def test_the_host_peak_is_measured_once_per_machine(monkeypatch, tmp_path):
     assert peak_flops_per_device(2.0) == (2e12, "train.peak_tflops")
 
 
-def test_on_nan_stop_still_names_the_first_bad_step(monkeypatch, tmp_path):
-    """lr 1e30: step 2 is the first non-finite step. Read only at logging steps (1 and 5), the run
-    still stops naming step 2 (after logging step 5); with on_nan=skip it finishes, counting the
-    skipped steps."""
+def test_on_nan_stop_names_the_first_bad_step_and_skip_stops_after_too_many_in_a_row(monkeypatch, tmp_path):
+    """lr 1e30: step 2 is the first non-finite step, and every step after it (the parameters are no
+    longer finite). Read only at logging steps (1 and 5), the run still stops naming step 2 (after
+    logging step 5); with on_nan=skip it finishes, counting the skipped steps, unless
+    train.max_consecutive_skips of them come in a row: then it stops naming them (it exited 0 with
+    "nan% of the gap closed"), still reading only at logging steps."""
     cfg = make_cfg(
         "precision=fp32", "train.lr=1e30", "train.on_nan=stop", "steps=8", "train.log_every=5", "model.layers=1"
     )
@@ -136,6 +138,13 @@ def test_on_nan_stop_still_names_the_first_bad_step(monkeypatch, tmp_path):
     end = run(cfg, metrics_out=str(tmp_path / "skip.jsonl"), trainer=tr)
     last = [r for r in metrics_records(tmp_path / "skip.jsonl") if r["event"] == "step"][-1]
     assert end["steps"] == 8 and last["skipped_steps"] >= 1
+    cfg.train.max_consecutive_skips = 3  # steps 2, 3, 4 in a row
+    reads.clear()
+    bound = r"^steps 2\.\.4: 3 steps in a row had a non-finite loss or gradients \(the last loss [^)]+\) and were "
+    with pytest.raises(MeshparError, match=bound + r"skipped \(train.on_nan=skip, train.max_consecutive_skips=3\)"):
+        run(cfg, metrics_out=str(tmp_path / "bound.jsonl"), trainer=tr)
+    assert {n - reads[0] for n in reads} == {0, 1, 5}  # steps dispatched in this run when each read came
+    assert sorted(metrics_losses(tmp_path / "bound.jsonl")) == [1, 5]
 
 
 def test_prefetch_gives_the_same_bits_and_resumes_where_training_stopped(monkeypatch, tmp_path):

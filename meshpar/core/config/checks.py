@@ -161,6 +161,7 @@ def validate(cfg: Config) -> None:
         ("batch.microbatches", cfg.batch.microbatches),
         ("train.log_every", cfg.train.log_every),
         ("train.loss_chunks", cfg.train.loss_chunks),
+        ("train.max_consecutive_skips", cfg.train.max_consecutive_skips),
         ("pipeline.microbatches", cfg.pipeline.microbatches),
         ("pipeline.virtual_stages", cfg.pipeline.virtual_stages),
         ("moe.num_experts", cfg.moe.num_experts),

@@ -4,6 +4,7 @@ coercion of plain values into `schema`'s typed dataclasses, with one-line errors
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from pathlib import Path
@@ -75,14 +76,19 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return value
         raise ConfigError(f"config key '{key}' must be an integer, got {value!r}")
     if tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads '1e-3' (no dot) as a string
+            number = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads '1e-3' (no dot) as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        raise ConfigError(f"config key '{key}' must be a number, got {value!r}")
+        if number is None:
+            raise ConfigError(f"config key '{key}' must be a number, got {value!r}")
+        if not math.isfinite(number):  # nan, inf, .inf: no setting means that
+            raise ConfigError(f"config key '{key}' must be a finite number, got {value!r}")
+        return number
     if tp is str:
         if isinstance(value, str):
             return value
@@ -112,8 +118,16 @@ def _merge(base: dict, over: dict) -> dict:
 def _read_yaml(path: Path) -> dict:
     if not path.exists():
         raise ConfigError(f"config file '{path}' does not exist")
+    raw = path.read_bytes()
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"config file '{path}' is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); "
+            "a config is YAML: save it as UTF-8"
+        ) from None
+    try:
+        data = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"config file '{path}' is not valid YAML: {str(e).splitlines()[0]}") from None
     if not isinstance(data, dict):

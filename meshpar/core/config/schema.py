@@ -89,6 +89,7 @@ class TrainConfig:
     flops_per_example: float | None = None  # model FLOPs of one example, forward + backward (MFU of a loss
     # other than lm); None: counted
     on_nan: str = "stop"  # non-finite loss/gradients: skip (drop the update) | stop (error naming the step)
+    max_consecutive_skips: int = 10  # on_nan=skip: this many skipped steps in a row stop the run (naming them)
     loss: str = "lm"  # lm (next-token cross-entropy) | stages (the model's pre/layers/post/loss) | PKG.MODULE:FN,
     # FN(model, batch) -> (loss, metrics)
     loss_chunks: int = 1  # lm loss: head + cross-entropy over this many strided token slices, recomputed in the
