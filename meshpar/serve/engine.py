@@ -125,7 +125,8 @@ def precheck(cfg, requests, model: Callable | None = None, byte_text: bool = Fal
     """The checks that need no weights (run before loading any): prompt lengths, sampling ranges,
     and token ids against the vocabulary the model's config declares (`cfg.vocab` of the abstract
     model: `model.vocab`, the size preset, init_from's config.json); `byte_text`: some prompts are
-    text as UTF-8 bytes, which needs a vocabulary of all 256 (said first, not as an id out of range).
+    text as UTF-8 bytes: a byte the vocabulary lacks is said as bytes needing all 256, not as an id
+    out of range (a missing checkpoint, which would set the vocabulary, is said first).
     -> that vocabulary (None: the model keeps no `cfg.vocab`; `check` has the logits' own once the
     model is placed)."""
 
@@ -134,11 +135,11 @@ def precheck(cfg, requests, model: Callable | None = None, byte_text: bool = Fal
         model_spec(model or default_model(cfg), precision_lib.get_policy(cfg.precision)).model_config, "vocab", None
     )
     vocab = vocab if isinstance(vocab, int) and vocab > 0 else None
-    if byte_text and vocab:
-        ByteTokenizer(vocab)  # one line when the vocabulary is too small for bytes
     for r in requests:
         _check_length(r, length)
         if vocab:
+            if byte_text and max(r.tokens, default=0) >= vocab:
+                ByteTokenizer(vocab)  # a byte past a vocabulary under 256: say bytes need all 256
             _check_ids(r, vocab)
         r.sampling.check(vocab=None)
     return vocab
