@@ -67,3 +67,12 @@ def share(weight: jax.Array, total: jax.Array) -> jax.Array:
 def scaled(tree, by: jax.Array):
     """Each leaf of a tree (a loss, its metrics, gradients) times a part's share `by` (float32)."""
     return jax.tree.map(lambda a: a * by, tree)
+
+
+def counted(out: tuple, weight: Weight, batch, total: jax.Array | None) -> tuple:
+    """A part's (loss, metrics) as its share of the step's objective: both times `share(weight(batch),
+    total)`; unchanged without a `total` (the batch is the step's whole batch)."""
+    if total is None:
+        return out
+    loss, metrics = out
+    return scaled((loss, dict(metrics)), share(weight(batch), total))

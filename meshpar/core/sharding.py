@@ -272,30 +272,6 @@ def unruled_batch_axes(batch_spec, layout: Layout) -> list[str]:
     return out
 
 
-def mesh_axis_names(spec: ModelSpec, layout: Layout) -> list[str]:
-    """One line (else none) for the variables whose names are mesh axes (`tensor`, `data`, ...: Flax's
-    way when no logical rules are set) that no rule maps: meshpar reads them as logical names, so those
-    dimensions are replicated. Says how to map them."""
-    from meshpar.core.mesh import MESH_AXES
-
-    rules = layout.rules()
-    found: dict[str, tuple] = {}
-    for logical in (spec.logical, spec.var_logical or {}):
-        for path, names in jax.tree_util.tree_leaves_with_path(logical, is_leaf=_is_names):
-            if any(n in MESH_AXES for n in uncovered(names, rules)):
-                found[path_name(path)] = tuple(names)
-    if not found:
-        return []
-    axes = sorted({n for names in found.values() for n in uncovered(names, rules) if n in MESH_AXES})
-    shown = ", ".join(f"'{k}' {v}" for k, v in list(found.items())[:4]) + (" ..." if len(found) > 4 else "")
-    return [
-        f"{len(found)} variable(s) name mesh axes where meshpar reads logical names, so those dimensions are "
-        f"replicated: {shown}; map each to itself (rules=[{', '.join(f'[{a}, {a}]' for a in axes)}]) or name "
-        "what each dimension means (embed, mlp, heads, vocab, ...: meshpar.LOGICAL_AXES) and let the strategy "
-        "place it"
-    ]
-
-
 def context_unsplit(batch_spec, layout: Layout) -> list[str]:
     """One line (else none) when the `context` mesh axis (size > 1) splits no dimension of any batch leaf: a batch
     whose sequence dimension is not named `length` (nor another name a rule puts on `context`) is

@@ -89,7 +89,7 @@ def run(cfg, metrics_out: str | None = None, console=None, trainer: Trainer | No
     source = source if source is not None else user_source(cfg)
     trainer = trainer or trainer_for(cfg, source=source)
     source = source or make_data_source(cfg, trainer)
-    facts = trainer.describe()
+    facts = {**trainer.describe(), "matmul_dtypes": trainer.notices.matmul_dtypes()}  # the dtypes really used
     log = MetricsLogger(metrics_out, cfg.steps, console=console, tensorboard=cfg.metrics.tensorboard)
     floor = getattr(source, "entropy_rate", None)
     ckpt = data = profiler = None

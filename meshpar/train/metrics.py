@@ -29,6 +29,9 @@ import dataclasses
 import json
 from pathlib import Path
 
+import jax.numpy as jnp
+
+from meshpar.core.precision import get_policy
 from meshpar.core.sharding import render_sharding_table
 from meshpar.runtime.distributed import is_main, on_interrupt
 
@@ -45,10 +48,6 @@ def make_console(stderr: bool = False):
 def _matmuls(facts: dict) -> str:
     """` (matmuls in float32)` when the run's matmuls are not in its policy's compute dtype (a model
     that sets its own dtypes: `meshpar.train.noops`), else nothing."""
-    import jax.numpy as jnp
-
-    from meshpar.core.precision import get_policy
-
     used = facts.get("matmul_dtypes") or []
     want = jnp.dtype(get_policy(facts["precision"]).compute_dtype).name if facts.get("precision") else None
     return f" (matmuls in {' / '.join(used)})" if used and want not in used else ""

@@ -34,7 +34,6 @@ from meshpar.core.sharding import (
     batch_shardings,
     building,
     context_unsplit,
-    mesh_axis_names,
     opt_state_shardings,
     param_shardings,
     sharding_table,
@@ -47,9 +46,9 @@ from meshpar.nn.stages import check_protocol, check_state, protocol_weight, stag
 from meshpar.parallel import pipeline
 from meshpar.runtime.placed import PlacedModel
 from meshpar.train.data import packs_documents
-from meshpar.train.flops import loss_forward, model_flops_per_step
+from meshpar.train.flops import model_flops_per_step
 from meshpar.train.loss import lm_loss
-from meshpar.train.noops import matmul_dtypes, notices
+from meshpar.train.noops import Notices
 from meshpar.train.optimizer import make_optimizer
 
 
@@ -132,7 +131,6 @@ class TrainSetup:
         if self.batch_spec is None:
             self.batch_spec = lm_batch_spec(cfg.batch.global_size, cfg.batch.length, packs_documents(cfg.data))
         self.batch_warnings = _batch_warnings(self.batch_spec, self.layout, cfg.train.require_annotations, self.is_lm)
-        self.batch_warnings += _named_by_mesh_axes(self.spec, self.layout, cfg.train.require_annotations)
         self.idle_rules = check_rule_names(self.layout.user_rules, _names_used(self.spec, self.batch_spec))
         self.pipelined = self.layout.shape.get("pipeline", 1) > 1
         if self.pipelined:
@@ -144,25 +142,11 @@ class TrainSetup:
         self.state_shardings = _state_shardings(self, NamedSharding(self.mesh, P()))
         self.batch_sharding = batch_shardings(self.batch_spec, self.layout)
         self._init = jax.jit(self._init_fn, out_shardings=self.state_shardings)
-        self._forward = None
+        self.notices = Notices(self, cfg.strategy, cfg.train.seed, cfg.train.require_annotations)
 
     def warnings(self) -> list[str]:
-        """One line each: the config's (`meshpar.core.notices`: keys it does not read, a warmup longer
-        than the run), user rules that name no parameter, variable or batch leaf (they can only reach
-        activations), batch axes no rule maps, a `context` axis that splits no batch leaf of a user's
-        loss, the padded exchange dropless expert parallelism falls back to, and settings that would
-        change nothing (`meshpar.train.noops`: an idle mesh axis, sequence parallelism that splits no
-        activation, a precision no matmul uses)."""
-        return _warnings(self.cfg, self.layout, self.pipelined, self.idle_rules, self.batch_warnings) + notices(
-            self, self.cfg.strategy, self.cfg.train.seed
-        )
-
-    def forward(self):
-        """The loss's forward on the whole batch as a jaxpr, traced once (`meshpar.train.flops.loss_forward`):
-        what the run's notices (`meshpar.train.noops`) and its header read."""
-        if self._forward is None:
-            self._forward = loss_forward(self, self.cfg.train.seed)
-        return self._forward
+        """The run's warning lines, one each (`_warnings` lists them)."""
+        return _warnings(self.cfg, self.layout, self.pipelined, self.idle_rules, self.batch_warnings, self.notices)
 
     def sharding_table(self) -> list[dict]:
         """The sharding table of this run: parameters, other state, batch leaves, and with the
@@ -230,11 +214,9 @@ class TrainSetup:
         }
 
     def describe(self) -> dict:
-        """The run's facts for its logs: mesh, strategy, precision (and the dtypes its matmuls really
-        run in), devices, parameters, batch."""
+        """The run's facts for its logs: mesh, strategy, precision, devices, parameters, batch."""
         c = self.cfg
-        facts = _describe(c.batch, c.strategy, c.precision, self.mesh, self.spec.num_params, self.is_lm)
-        return {**facts, "matmul_dtypes": sorted(matmul_dtypes(self.forward()))}
+        return _describe(c.batch, c.strategy, c.precision, self.mesh, self.spec.num_params, self.is_lm)
 
 
 def _state_around(setup, params, key):
@@ -247,9 +229,14 @@ def _state_around(setup, params, key):
     return jax.jit(fn, out_shardings=setup.state_shardings, donate_argnums=(0,))(params, key)
 
 
-def _warnings(cfg, layout: Layout, pipelined: bool, idle_rules: list, batch_warnings: list) -> list[str]:
-    """`TrainSetup.warnings`: the config's, idle user rules, the notes on dropless MoE and staged
-    attention, the batch's."""
+def _warnings(cfg, layout: Layout, pipelined: bool, idle_rules: list, batch_warnings: list, notices) -> list[str]:
+    """`TrainSetup.warnings`: the config's (`meshpar.core.notices`: keys it does not read, a warmup
+    longer than the run), user rules that name no parameter, variable or batch leaf (they can only
+    reach activations), the padded exchange of dropless expert parallelism, staged attention's
+    kernel, the batch's (axes no rule maps, a `context` axis that splits no batch leaf of a user's
+    loss), and settings that would change nothing (`notices`, `meshpar.train.noops.Notices`: names
+    that are mesh axes, an idle mesh axis, sequence parallelism that splits nothing, a precision no
+    matmul uses)."""
 
     out = config_warnings(cfg)
     if idle_rules:
@@ -262,6 +249,7 @@ def _warnings(cfg, layout: Layout, pipelined: bool, idle_rules: list, batch_warn
         + _dropless_note(cfg.model.name, cfg.moe.capacity_factor, layout)
         + _staged_attention_note(pipelined, layout.mesh, cfg.model.attention)
         + [f"warning: {w}" for w in batch_warnings]
+        + notices.lines()
     )
 
 
@@ -288,14 +276,6 @@ def _batch_warnings(batch_spec, layout: Layout, strict: bool, is_lm: bool) -> li
     if found and strict:
         raise ShardingError(f"{found[0]} (train.require_annotations=true)")
     return found + ([] if is_lm else context_unsplit(batch_spec, layout))
-
-
-def _named_by_mesh_axes(spec, layout: Layout, strict: bool) -> list[str]:
-    """Variables named by mesh axes, replicated (`mesh_axis_names`): a warning, an error when `strict`."""
-    found = mesh_axis_names(spec, layout)
-    if found and strict:
-        raise ShardingError(f"{found[0]} (train.require_annotations=true)")
-    return found
 
 
 def _names_used(spec, batch_spec) -> set[str]:

@@ -99,9 +99,7 @@ class Trainer(TrainSetup):
 
         def loss_fn(p, b):
             model = self.spec.merge(p, vars)
-            loss, metrics = check_loss(self.loss(model, b), self.loss_name)
-            if total is not None:
-                loss, metrics = objective.scaled((loss, dict(metrics)), objective.share(self.weight(b), total))
+            loss, metrics = objective.counted(check_loss(self.loss(model, b), self.loss_name), self.weight, b, total)
             return precision_lib.LossScale.scale(loss, loss_scale), (
                 loss,
                 {**metrics, "vars": self.spec.vars_of(model)},

@@ -57,8 +57,8 @@ def test_a_precision_no_matmul_uses_is_said_and_the_header_names_the_dtypes_used
     tr = _fixed("precision=bf16", "strategy=fsdp_tp", mesh={"data": 2, "fsdp": 2, "tensor": 2})
     (line,) = _lines(tr, "changes nothing")
     assert "precision=bf16 changes nothing here" in line and "float32" in line
-    facts = tr.describe()
+    facts = {**tr.describe(), "matmul_dtypes": tr.notices.matmul_dtypes()}  # the run's start record
     assert facts["matmul_dtypes"] == ["float32"] and _matmuls(facts) == " (matmuls in float32)"
     ref = Trainer(make_cfg("precision=bf16", "strategy=fsdp_tp"), devices=devices(8))
-    assert not _lines(ref, "changes nothing") and ref.describe()["matmul_dtypes"] == ["bfloat16"]
-    assert _matmuls(ref.describe()) == ""
+    assert not _lines(ref, "changes nothing") and ref.notices.matmul_dtypes() == ["bfloat16"]
+    assert _matmuls({**ref.describe(), "matmul_dtypes": ref.notices.matmul_dtypes()}) == ""
