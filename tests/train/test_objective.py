@@ -7,7 +7,9 @@ so does a user's loss that declares its weights (`meshpar.weighted`), pipelined.
 on the whole batch. An equal mean of the parts' means (the old objective) misses by far more.
 
 What is compared after one step: the logged loss and grad norm, and AdamW's first moment, which after
-one step is (1 - b1) x the (clipped) gradient: the gradients themselves, not the sign-like update."""
+one step is (1 - b1) x the (clipped) gradient: the gradients themselves, not the sign-like update.
+(Accumulation under ZeRO-2 of unweighted rows, which test_equivalence.py held, is the case of equal
+weights.)"""
 
 import jax
 import jax.numpy as jnp
