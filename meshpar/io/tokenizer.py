@@ -5,6 +5,7 @@ Face `tokenizers` tokenizer (`HFTokenizer`), with documents packed BOS doc EOS B
 from __future__ import annotations
 
 from meshpar.core.errors import ConfigError
+from meshpar.io import chat as chat_lib
 
 
 class ByteTokenizer:
@@ -86,9 +87,10 @@ class HFTokenizer:
 
     def chat(self, messages: list[dict], split_special: bool = True) -> list[int]:
         """[{"role", "content"}, ...] -> the ids of tokenizer_config.json's `chat_template` rendered with
-        the generation prompt (the template writes any BOS itself). With `split_special`, a special
-        token's text typed inside a message's content (`<|im_end|>`, which would close the turn) is
-        tokenized as plain text; the template's own markers stay special."""
+        the generation prompt (the template writes any BOS itself). With `split_special`, what a
+        message says is text: a special token's text typed inside it (`<|im_end|>`, which would close
+        the turn) is tokenized as plain text, the template's own markers stay special, whatever the
+        template does with the content (`meshpar.io.chat`)."""
         template = self.config.get("chat_template")
         if isinstance(template, list):  # named templates: the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
@@ -97,23 +99,10 @@ class HFTokenizer:
                 "data.tokenizer has no chat_template in its tokenizer_config.json: drop --chat, or "
                 "use the tokenizer of a chat (instruct) model"
             )
-        text = render_chat(template, messages, self.config)
-        enc = self.tok.encode(text, add_special_tokens=False)
         if not split_special:
-            return enc.ids
-        spans, at = [], 0  # where each message's content sits in the rendered text, in order
-        for m in messages:
-            start = text.find(m["content"], at) if m["content"] else -1
-            if start >= 0:
-                spans.append((start, start + len(m["content"])))
-                at = start + len(m["content"])
-        out = []
-        for i, (a, b) in zip(enc.ids, enc.offsets):
-            if i in self.special_ids and any(s <= a and b <= e for s, e in spans):
-                out += self._plain().encode(text[a:b], add_special_tokens=False).ids
-            else:
-                out.append(i)
-        return out
+            return self.tok.encode(chat_lib.render_chat(template, messages, self.config), add_special_tokens=False).ids
+        text, spans = chat_lib.layout(template, messages, self.config)
+        return chat_lib.tokenize(self.tok, self._plain(), self.special_ids, text, spans)
 
     def _plain(self):
         """A copy of the tokenizer that reads special tokens' text as plain text (made once)."""
@@ -136,34 +125,6 @@ class HFTokenizer:
 
     def decode(self, ids) -> str:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
-
-
-def render_chat(template: str, messages: list[dict], config: dict) -> str:
-    """A chat template rendered as transformers' `apply_chat_template(..., add_generation_prompt=True)`
-    does: jinja2's sandboxed environment, trim_blocks and lstrip_blocks, loop controls, the special
-    tokens of tokenizer_config.json as variables, `raise_exception`, `strftime_now` and a `tojson`
-    that keeps non-ASCII text."""
-    import datetime
-    import json
-
-    from jinja2 import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise TemplateError(message)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
-    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
-    special = {
-        k: (v.get("content") if isinstance(v, dict) else v)
-        for k, v in config.items()
-        if k.endswith("_token") and (v is None or isinstance(v, (str, dict)))
-    }
-    try:
-        return env.from_string(template).render(messages=messages, add_generation_prompt=True, **special)
-    except TemplateError as e:
-        raise ConfigError(f"data.tokenizer's chat_template failed: {e}") from None
 
 
 def load_tokenizer(data, model_vocab: int):
