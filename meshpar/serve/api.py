@@ -34,7 +34,6 @@ What is not implemented gets 400 naming the field: `response_format` other than 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 from fastapi import FastAPI
@@ -45,8 +44,9 @@ from meshpar.core.errors import ConfigError
 from meshpar.serve import completions as completions_lib
 from meshpar.serve.detokenizer import Detokenizer
 from meshpar.serve.engine import Engine
-from meshpar.serve.fields import Fields
+from meshpar.serve.fields import Fields, Limits
 from meshpar.serve.guard import APIError, Guard, api_keys, exposed
+from meshpar.serve.intake import Intake
 from meshpar.serve.metrics import Observed, ServeMetrics
 from meshpar.serve.multihost import Replicas
 from meshpar.serve.requests import Request
@@ -60,8 +60,19 @@ class Server:
 
     def __init__(self, engine, serve_cfg, tokenizer, name: str, eos: list[int], replicas=None):
         self.engine, self.tok, self.name, self.eos = engine, tokenizer, name, eos
-        self.fields = Fields(engine, tokenizer, name, eos, serve_cfg)
-        self.parse = self.fields.parse  # a request body -> (Request, options)
+        limits = Limits(
+            engine.vocab,
+            engine.length,
+            name,
+            tuple(eos),
+            engine.slots,
+            serve_cfg.max_waiting,
+            serve_cfg.max_new_tokens,
+            serve_cfg.max_messages,
+            serve_cfg.allow_special_tokens_in_content,
+        )
+        # request bodies are read in worker processes (meshpar.serve.intake), queued as requests are
+        self.intake = Intake(Fields(limits, tokenizer), serve_cfg.parse_workers, serve_cfg.max_waiting + engine.slots)
         self.scheduler = Scheduler.for_config(engine, serve_cfg, bounded=True, replicas=replicas)
         self.metrics = ServeMetrics(self.scheduler, engine)
         self.created = int(time.time())
@@ -96,15 +107,17 @@ class Server:
             raise APIError(400, str(e)) from None
         return list(zip(tickets, queues))
 
-    async def events(self, opened, stop: list[str], disconnected):
-        """The request `opened` (`open`): yield ("text", delta, log probabilities of the tokens it
-        holds) as text becomes final and one ("done", finish, tokens) (finish "error": the tick that
-        ran it failed, "shutdown": a draining server's deadline cut it; then the error's message in
-        place of tokens). Returns early when the client has gone."""
+    async def events(self, opened, stop: list[str], disconnected, timing):
+        """The request `opened` (`open`): yield ("text", delta, log probabilities of the tokens whose
+        text is now sent, each with where its text begins) as text becomes final, and one ("done",
+        finish, tokens) (finish "error": the tick that ran it failed, "shutdown": a draining server's
+        deadline cut it, "lost": a process of the server was lost; then the error's message in place
+        of tokens). The tokens of a stop string cut from the text have no log probabilities, as
+        OpenAI's. Returns early when the client has gone. `timing`: its request's `RequestTiming`."""
         ticket, q = opened
         req = ticket.request
         text, checked = Detokenizer(self.tok, req.tokens, self.eos, stop), time.monotonic()
-        m, start, last, pending = self.metrics, time.perf_counter(), None, []
+        m, last, pending = self.metrics, None, []
         try:
             while True:
                 try:
@@ -116,36 +129,35 @@ class Server:
                     if await disconnected():
                         return
                 if kind == "done":
-                    if value.finish in ("error", "shutdown"):
+                    if value.finish in completions_lib.FAILED:
                         yield "done", value.finish, value.error
                         return
                     break
                 if kind == "tok":
                     now = time.perf_counter()
-                    if last is None:
-                        m.ttft.observe(now - start)
-                        m.prompt_tokens.inc(len(req.tokens))
-                    else:
+                    timing.token(now, len(req.tokens))
+                    if last is not None:
                         m.itl.observe(now - last)
                     last = now
                     m.generation_tokens.inc()
-                    index = len(text.tokens)
+                    index, at = len(text.tokens), len(text.all)  # where this token's text begins
                     delta, stopped = text.add(value)
-                    if req.logprobs is not None and value not in self.eos and not stopped:
-                        pending.append((value, *ticket.completion.logprobs[index]))
-                    if delta:
-                        yield "text", delta, pending
-                        pending = []
+                    if req.logprobs is not None and value not in self.eos:
+                        pending.append((value, *ticket.completion.logprobs[index], at))
+                    sent = [e for e in pending if e[3] < len(text.sent)]  # their text is out: never cut now
+                    if delta or sent:
+                        yield "text", delta, sent
+                        pending = pending[len(sent) :]
                     if stopped:
                         self.scheduler.cancel(ticket)
                         break
             delta = text.flush()
-            if delta or pending:
-                yield "text", delta, pending
+            end = len(text.all) if text.stopped else float("inf")  # a stop string's tokens lie past its cut
+            rest = [e for e in pending if e[3] < end]
+            if delta or rest:
+                yield "text", delta, rest
             yield "done", "stop" if text.stopped else FINISH.get(value.finish, "stop"), len(text.tokens)
         finally:
-            if last is not None:
-                m.e2e.observe(last - start)
             self.scheduler.cancel(ticket)  # a no-op once finished; frees a vanished client's slot
 
 
@@ -225,15 +237,8 @@ def _routes(server: Server, openapi: bool = False):
             )
         return card()
 
-    async def body_of(http: HTTPRequest):
-        raw = await http.body()
-        try:
-            return json.loads(raw)
-        except (ValueError, UnicodeDecodeError, RecursionError) as e:
-            raise APIError(400, f"the request body is not valid JSON ({str(e).splitlines()[0]})") from None
-
     async def complete(http: HTTPRequest, chat: bool):
-        return await completions_lib.complete(server, http, chat, body_of)
+        return await completions_lib.complete(server, http, chat)
 
     @app.post("/v1/completions")
     async def completions(http: HTTPRequest):
@@ -310,6 +315,7 @@ def serve_http(cfg, host: str, sock, model_name: str | None = None, keys: list[s
         drain.server(config).run(sockets=[sock])
     finally:
         drain.done()
+        server.intake.close()
         stop.set()  # the scheduler finishes what it took, then (other processes) says stop
         worker.join()
     if drain.cut:

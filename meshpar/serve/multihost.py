@@ -22,8 +22,7 @@ import json
 
 import numpy as np
 
-from meshpar.serve.requests import Completion, Request
-from meshpar.serve.sampling import Sampling
+from meshpar.serve.requests import Completion, Request, Sampling
 from meshpar.serve.scheduler import Ticket
 
 

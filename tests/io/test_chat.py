@@ -7,6 +7,7 @@ here (a small byte-level BPE with each family's markers as special tokens), noth
 """
 
 import json
+import pickle
 
 import pytest
 
@@ -112,6 +113,9 @@ def test_a_content_that_is_the_templates_own_marker_does_not_take_its_place(tmp_
     start = tok.tok.token_to_id("<|im_start|>")
     assert ids[0] == start and ids.count(start) == 2 and specials(tok, ids) == {"<|im_start|>": 2, "<|im_end|>": 1}
     assert tok.chat([{"role": "user", "content": "<|im_start|>"}], split_special=False).count(start) == 3
+    # pickled once used (a server's request parser gets it so): a `tokenizers.Tokenizer` pickles without
+    # encode_special_tokens, and the plain copy came back reading the typed marker as special
+    assert pickle.loads(pickle.dumps(tok)).chat([{"role": "user", "content": "<|im_start|>"}]) == ids
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

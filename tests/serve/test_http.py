@@ -91,6 +91,7 @@ SERVER = [
     "serve.cache_length=256",
     "serve.max_body_bytes=65536",
     "serve.cors_origins=[http://allowed.example]",
+    "serve.max_messages=64",
 ]
 KEY, OTHER_KEY = "none", "second-key"  # the module's server takes two keys (MESHPAR_API_KEY)
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -719,6 +720,119 @@ def test_echo_returns_the_prompt_before_the_completion(served):
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == "abcdefgh"
 
 
+def test_a_chat_request_is_bounded_before_it_is_read_and_text_parts_are_read(served):
+    """serve.max_messages=64: 1,500 empty messages (under the body limit) are refused naming the bound,
+    before any is rendered (a rendered one was refused by its tokens); so are 2 messages of 40 parts.
+    Content given as text parts (OpenAI's array form) is read as their text joined by newlines; a part
+    that is not text is refused naming it."""
+    url = served[0]
+    for messages in (
+        [{"role": "user", "content": ""}] * 1500,
+        [{"role": "user", "content": [{"type": "text", "text": "a"}] * 40}] * 2,
+    ):
+        code, err, _ = post(url, "/v1/chat/completions", {"model": "abc", "messages": messages, "max_tokens": 1})
+        assert code == 400 and err["error"]["param"] == "messages", err
+        assert "at most 64 (serve.max_messages)" in err["error"]["message"], err
+    say = {"model": "abc", "max_tokens": 4, "temperature": 0}
+    parts = [{"type": "text", "text": "ab"}, {"type": "text", "text": "cd"}]
+    code, got, _ = post(url, "/v1/chat/completions", say | {"messages": [{"role": "user", "content": parts}]})
+    code2, want, _ = post(url, "/v1/chat/completions", say | {"messages": [{"role": "user", "content": "ab\ncd"}]})
+    assert code == code2 == 200 and got["choices"][0]["message"] == want["choices"][0]["message"]
+    assert got["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"]
+    image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
+    code, err, _ = post(url, "/v1/chat/completions", say | {"messages": [{"role": "user", "content": [image]}]})
+    assert (
+        code == 400
+        and "messages[0].content[0]" in err["error"]["message"]
+        and "'image_url' parts" in err["error"]["message"]
+    )
+
+
+def test_logprobs_of_a_cut_stop_string_are_left_out_as_openai_leaves_them(served):
+    """stop "ghi" after "abcd": the text is "ef" and so are its logprobs' tokens (g and h, held back
+    while the stop string could still come, are cut with it), streamed or not, completions and chat."""
+    url = served[0]
+    c = client(url)
+    out = c.completions.create(model="abc", prompt="abcd", max_tokens=8, temperature=0, stop="ghi", logprobs=1)
+    lp = out.choices[0].logprobs
+    assert out.choices[0].text == "ef" and lp.tokens == ["e", "f"] and lp.text_offset == [0, 1], lp
+    assert len(lp.token_logprobs) == len(lp.top_logprobs) == 2
+    chunks = list(
+        c.completions.create(
+            model="abc", prompt="abcd", max_tokens=8, temperature=0, stop="ghi", logprobs=1, stream=True
+        )
+    )
+    streamed = [t for ch in chunks if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.tokens]
+    assert streamed == ["e", "f"], streamed
+    chat = c.chat.completions.create(
+        model="abc", messages=[{"role": "user", "content": "abc"}], max_tokens=8, temperature=0, logprobs=True
+    )
+    text = chat.choices[0].message.content
+    assert len(text) >= 3, text
+    stop = text[2:4] if len(text) >= 4 else text[2:]
+    cut = c.chat.completions.create(
+        model="abc",
+        messages=[{"role": "user", "content": "abc"}],
+        max_tokens=8,
+        temperature=0,
+        logprobs=True,
+        stop=stop,
+    )
+    assert cut.choices[0].message.content == text[: text.index(stop)]
+    assert "".join(x.token for x in cut.choices[0].logprobs.content) == cut.choices[0].message.content
+
+
+def test_sampling_fields_mean_what_openais_documentation_says(served):
+    """top_p 1e-46 (0 in float32) keeps the most likely token, as 1e-30 does: every seed gives the
+    greedy text. max_completion_tokens: null leaves max_tokens in force. `n` beyond slots + queue
+    (2 + 2 here) can never be admitted: 400 naming `n`, not a 429 to retry forever."""
+    url = served[0]
+    c = client(url)
+    greedy = c.completions.create(model="abc", prompt="mno", max_tokens=6, temperature=0).choices[0].text
+    for top_p in (1e-46, 1e-30):
+        texts = {
+            c.completions.create(model="abc", prompt="mno", max_tokens=6, temperature=1.5, top_p=top_p, seed=s)
+            .choices[0]
+            .text
+            for s in range(4)
+        }
+        assert texts == {greedy}, (top_p, texts)
+    code, body, _ = post(
+        url,
+        "/v1/chat/completions",
+        {
+            "model": "abc",
+            "messages": [{"role": "user", "content": "abc"}],
+            "max_tokens": 3,
+            "max_completion_tokens": None,
+            "temperature": 0,
+        },
+    )
+    assert code == 200 and body["usage"]["completion_tokens"] == 3, body
+    code, err, _ = post(url, "/v1/completions", {"model": "abc", "prompt": "ab", "max_tokens": 2, "n": 5})
+    assert code == 400 and err["error"]["param"] == "n" and "can never be admitted" in err["error"]["message"], err
+    assert post(url, "/v1/completions", {"model": "abc", "prompt": "ab", "max_tokens": 2, "n": 4})[0] == 200
+
+
+def test_logit_bias_keys_are_token_ids_and_unsupported_fields_are_refused_by_name(served):
+    """A logit_bias key is a token id as OpenAI writes one: " 5 ", Arabic-Indic digits, "1_0", "+5"
+    and "05" (which with "5" named one token twice, summed) are refused; `suffix` (completions) and
+    `echo` (chat) are refused by name like every other field this server does not implement."""
+    url = served[0]
+    good = {"model": "abc", "prompt": "abcd", "max_tokens": 2, "temperature": 0}
+    for key in (" 5 ", "\u0665", "1_0", "+5", "05", "-1", "5.0"):
+        code, err, _ = post(url, "/v1/completions", good | {"logit_bias": {key: 1}})
+        assert code == 400 and err["error"]["param"] == "logit_bias" and "token ids" in err["error"]["message"], key
+    assert post(url, "/v1/completions", good | {"logit_bias": {"0": 1, "101": -1}})[0] == 200
+    code, err, _ = post(url, "/v1/completions", good | {"suffix": "xyz"})
+    assert code == 400 and err["error"]["param"] == "suffix", err
+    code, err, _ = post(
+        url, "/v1/chat/completions", {"model": "abc", "messages": [{"role": "user", "content": "a"}], "echo": True}
+    )
+    assert code == 400 and err["error"]["param"] == "echo", err
+    assert post(url, "/v1/completions", good | {"suffix": None})[0] == 200
+
+
 def scrape(url) -> dict:
     """GET /metrics (no key), parsed by prometheus_client's own parser -> {sample name{labels}: value}."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -755,6 +869,15 @@ def test_metrics_count_requests_tokens_and_latencies_in_prometheus_format(served
     assert after["meshpar_requests_waiting"] == 0 and after["meshpar_kv_cache_slots_in_use"] == 0
     assert moved("meshpar_prefix_cache_hits_total") + moved("meshpar_prefix_cache_misses_total") == 1
     assert after["meshpar_compilations_total"] >= 1 and moved("meshpar_decode_steps_total") >= 7
+    before = scrape(url)  # n=3: one request, its prompt's 4 tokens once, 3 x 5 tokens generated (as its usage)
+    code, body, _ = post(
+        url, "/v1/completions", {"model": "abc", "prompt": "abcd", "max_tokens": 5, "n": 3, "temperature": 0}
+    )
+    after = scrape(url)
+    assert code == 200 and (body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"]) == (4, 15)
+    assert moved("meshpar_requests_total{status=200}") == 1 and moved("meshpar_prompt_tokens_total") == 4
+    assert moved("meshpar_generation_tokens_total") == 15 and moved("meshpar_time_to_first_token_seconds_count") == 1
+    assert moved("meshpar_e2e_request_latency_seconds_count") == 1
 
 
 def test_a_drain_deadline_answers_what_remains_with_503_and_exits_0(served):
@@ -898,3 +1021,75 @@ def test_the_guard_replays_a_body_within_the_limit_and_refuses_the_rest_in_one_l
     status, body = call(ok + [(b"content-length", b"abc")], [(b"{}", False)])
     assert status == 400 and b"Content-Length header is not a number" in body
     assert call(ok[1:], [(b"{}", False)])[0] == 401
+
+
+def streamed_logprobs(tok, ids, stop=(), chat=False):
+    """`Server.events` (the API's reading of one choice's tokens) over a ticket whose tokens are `ids`,
+    each with a made-up log probability, as the scheduler posts them -> (the text, the logprobs object)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from meshpar.serve.api import Server
+    from meshpar.serve.completions import logprobs_object
+    from meshpar.serve.metrics import ServeMetrics
+    from meshpar.serve.requests import Completion, Request
+
+    req = Request([ord("x")], len(ids), logprobs=1)
+    done = Completion(req.tokens, finish="max_tokens", logprobs=[(-1.0 - k, [(t, -0.5)]) for k, t in enumerate(ids)])
+    queue = asyncio.Queue()
+    for t in ids:
+        queue.put_nowait(("tok", t))
+    queue.put_nowait(("done", done))
+    metrics = ServeMetrics(None, None)
+    server = SimpleNamespace(tok=tok, eos=[], metrics=metrics, scheduler=SimpleNamespace(cancel=lambda t: None))
+
+    async def here():
+        return False
+
+    async def run():
+        ticket = SimpleNamespace(request=req, completion=done)
+        return [ev async for ev in Server.events(server, (ticket, queue), list(stop), here, metrics.timing())]
+
+    events = asyncio.run(run())
+    text = "".join(ev[1] for ev in events if ev[0] == "text")
+    return text, logprobs_object(tok, [e for ev in events if ev[0] == "text" for e in ev[2]], chat)
+
+
+def test_logprobs_of_characters_split_over_byte_tokens_and_of_a_cut_stop_string():
+    """Byte-level tokens: a piece of a character is written `bytes:\\xc3` (chat: its own `bytes`), never
+    U+FFFD, and every text_offset is where the token's character begins, within the text; the
+    tokens of a stop string cut from the text have no logprobs."""
+    from meshpar.io.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer(256)
+    text, lp = streamed_logprobs(tok, list("aé😀b".encode()))
+    assert text == "aé😀b"
+    assert lp["tokens"] == [
+        "a",
+        "bytes:\\xc3",
+        "bytes:\\xa9",
+        "bytes:\\xf0",
+        "bytes:\\x9f",
+        "bytes:\\x98",
+        "bytes:\\x80",
+        "b",
+    ]
+    assert lp["text_offset"] == [0, 1, 1, 2, 2, 2, 2, 3] and max(lp["text_offset"]) < len(text)
+    assert list(lp["top_logprobs"][1]) == ["bytes:\\xc3"] and lp["token_logprobs"][:2] == [-1.0, -2.0]
+    _, chat = streamed_logprobs(tok, list("é!".encode()), chat=True)
+    assert [x["bytes"] for x in chat["content"]] == [[0xC3], [0xA9], [ord("!")]]
+    assert bytes(b for x in chat["content"] for b in x["bytes"]).decode() == "é!"
+    text, lp = streamed_logprobs(tok, list(b"efghij"), stop=["ghi"])
+    assert text == "ef" and lp["tokens"] == ["e", "f"] and lp["text_offset"] == [0, 1]
+
+
+def test_byte_level_bpe_tokens_give_their_own_bytes(tmp_path):
+    """A byte-level BPE tokenizer (GPT-2's alphabet, as Llama 3's and Qwen's): `token_bytes` maps a
+    token's characters back to the bytes they stand for, so the pieces of "ü" are its two bytes."""
+    from meshpar.io.tokenizer import HFTokenizer
+    from tests.io.test_hf import save_tokenizer
+
+    tok = HFTokenizer(str(save_tokenizer(tmp_path / "tok")))
+    ids = tok.encode("ü the")
+    assert b"".join(tok.token_bytes(i) for i in ids) == "ü the".encode()
+    assert [tok.token_bytes(i) for i in ids[:2]] == [b"\xc3", b"\xbc"]
