@@ -41,9 +41,13 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse
 
 from meshpar.core.errors import ConfigError
+from meshpar.runtime import distributed, peers
 from meshpar.serve import completions as completions_lib
+from meshpar.serve.connections import policed
 from meshpar.serve.detokenizer import Detokenizer
+from meshpar.serve.drain import Drain
 from meshpar.serve.engine import Engine
+from meshpar.serve.failures import Unavailable
 from meshpar.serve.fields import Fields, Limits
 from meshpar.serve.guard import APIError, Guard, api_keys, exposed
 from meshpar.serve.intake import Intake
@@ -56,7 +60,11 @@ FINISH = {"eos": "stop", "max_tokens": "length", "cache_full": "length", "cancel
 
 
 class Server:
-    """The routes' state: the scheduler (running on its own thread), the tokenizer, the served name."""
+    """The routes' state: the scheduler (running on its own thread), the request parser (`intake`), the
+    tokenizer, the served name; `guard`: the app's `Guard` once `create_app` made it (a drain tells it
+    its deadline)."""
+
+    guard: Guard | None = None
 
     def __init__(self, engine, serve_cfg, tokenizer, name: str, eos: list[int], replicas=None):
         self.engine, self.tok, self.name, self.eos = engine, tokenizer, name, eos
@@ -95,6 +103,10 @@ class Server:
                     for r, q in zip(reqs, queues)
                 ]
             )
+        except Unavailable as e:
+            raise APIError(
+                503, f"this server is stopping: a process of it was lost ({e})", code="peer_lost", kind="server_error"
+            ) from None
         except QueueFull as e:
             raise APIError(
                 429,
@@ -106,6 +118,14 @@ class Server:
         except ConfigError as e:
             raise APIError(400, str(e)) from None
         return list(zip(tickets, queues))
+
+    def peer_lost(self, what: str) -> None:
+        """The peer watchdog's verdict (`meshpar.runtime.peers.on_peer_lost`, before it exits the
+        process): every request still open is answered 503, and given up to 2 s to be written."""
+        self.scheduler.lose(what)
+        deadline = time.monotonic() + 2.0
+        while self.metrics.in_flight and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     async def events(self, opened, stop: list[str], disconnected, timing):
         """The request `opened` (`open`): yield ("text", delta, log probabilities of the tokens whose
@@ -162,13 +182,19 @@ class Server:
 
 
 def create_app(
-    server: Server, keys: list[str] = (), max_body: int = 4 * 2**20, cors_origins: list[str] = (), openapi: bool = False
+    server: Server,
+    keys: list[str] = (),
+    max_body: int = 4 * 2**20,
+    cors_origins: list[str] = (),
+    openapi: bool = False,
+    body_timeout_s: float = 60.0,
 ):
     """The ASGI application of `server`: its FastAPI routes (the schema at /openapi.json with `openapi`)
-    behind `Guard` (API keys, body type and size), behind CORS for `cors_origins` (none: a browser
-    page of another origin may not read the answers; its preflights pass before the key check)."""
-    app = Guard(_routes(server, openapi), list(keys), max_body)
+    behind `Guard` (API keys, body type, size and deadline), behind CORS for `cors_origins` (none: a
+    browser page of another origin may not read the answers; its preflights pass before the key check)."""
+    app = guard = Guard(_routes(server, openapi), list(keys), max_body, body_timeout_s)
     if server is not None:  # (None: the routes alone, for their schema)
+        server.guard = guard
         app = Observed(app, server.metrics)
     if cors_origins:
         from starlette.middleware.cors import CORSMiddleware
@@ -204,6 +230,8 @@ def _routes(server: Server, openapi: bool = False):
     @app.get("/health")
     async def health():
         sched = server.scheduler
+        if sched.lost:  # a process of the server is gone: it answers every request 503 until it exits
+            return JSONResponse({"status": "peer_lost", "error": sched.lost}, status_code=503)
         return {
             "status": "ok",
             "waiting": len(sched.waiting) + len(sched.inbox),
@@ -270,11 +298,13 @@ def serve_http(cfg, host: str, sock, model_name: str | None = None, keys: list[s
     tok = HFTokenizer(cfg.data.tokenizer) if cfg.data.tokenizer else None  # on every process: fails alike
     engine = Engine(cfg, info=lambda m: print(m, file=sys.stderr))
     replicas = Replicas() if jax.process_count() > 1 else None
+    peers.stopping = "stops serving. Relaunch the same command to serve again"
     if not leader:  # another process of the server: tick with process 0 until it says stop
         for sig in (signal.SIGTERM, signal.SIGINT):  # process 0 drains, then says stop
             signal.signal(sig, lambda signum, frame: None)
         engine.warmup()
-        Scheduler.for_config(engine, cfg.serve, replicas=replicas).follow()
+        with peers.coordinator_loss_exits():  # process 0's death: one line and status 3, not JAX's abort
+            Scheduler.for_config(engine, cfg.serve, replicas=replicas).follow()
         return
     for note in engine.notes:
         print(note, file=sys.stderr)
@@ -286,6 +316,7 @@ def serve_http(cfg, host: str, sock, model_name: str | None = None, keys: list[s
     source = cfg.checkpoint.dir or (cfg.model.init_from or "")[3:]
     name = model_name or (Path(source).name if source else cfg.model.name)
     server = Server(engine, cfg.serve, tok, name, end_tokens(tok, cfg.model.init_from), replicas)
+    peers.on_peer_lost.append(server.peer_lost)  # the open requests answered 503 before the exit (3)
     engine.warmup()
     stop = threading.Event()
     worker = threading.Thread(target=server.scheduler.serve, args=(stop,), name="meshpar-scheduler", daemon=True)
@@ -302,15 +333,20 @@ def serve_http(cfg, host: str, sock, model_name: str | None = None, keys: list[s
     warning = exposed(host, keys)
     if warning:
         print(warning, file=sys.stderr, flush=True)
+    s = cfg.serve
     config = uvicorn.Config(
-        create_app(server, keys, cfg.serve.max_body_bytes, cfg.serve.cors_origins, cfg.serve.openapi),
+        create_app(server, keys, s.max_body_bytes, s.cors_origins, s.openapi, s.body_timeout_s),
         log_level="warning",
-        timeout_graceful_shutdown=None,
+        http=policed(s.header_timeout_s, s.max_connections_per_client),  # headers' deadline, connections per client
+        # past the drain's deadline (and its 503s written), uvicorn ends what still holds a connection
+        timeout_graceful_shutdown=None if s.drain_timeout_s is None else s.drain_timeout_s + 2.0,
     )
-    # uvicorn drains on SIGTERM, then raises it again under the handler it found: make that one a no-op,
-    # so a drained server exits 0 (Ctrl-C still ends with 130, through interrupts_exit's handler)
-    signal.signal(signal.SIGTERM, lambda signum, frame: None)
-    drain = Drain(server.scheduler, cfg.serve.drain_timeout_s)
+    # uvicorn drains on SIGTERM and SIGINT, then raises them again under the handlers it found: make those
+    # no-ops, so the scheduler stops in order (and tells the other processes) before the exit: 0 for
+    # SIGTERM, 130 for SIGINT (Preempted, as a shell expects of Ctrl-C)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: None)
+    drain = Drain(server.scheduler, s.drain_timeout_s, server.guard)
     try:
         drain.server(config).run(sockets=[sock])
     finally:
@@ -330,46 +366,8 @@ def serve_http(cfg, host: str, sock, model_name: str | None = None, keys: list[s
         + (f", prefix cache {p.hits} hits / {p.misses} misses" if p is not None else ""),
         file=sys.stderr,
     )
-
-
-class Drain:
-    """SIGTERM's deadline (`serve.drain_timeout_s`): uvicorn stops taking connections and waits for the
-    requests in flight; once `timeout_s` has passed since the signal, every request not yet finished
-    is cut (`Scheduler.cut`): a response not yet begun is a 503 in OpenAI's shape, a stream ends with
-    that error and `[DONE]`, so no client is left with a reset connection. `cut`: how many."""
-
-    def __init__(self, scheduler, timeout_s: float | None):
-        self.scheduler, self.timeout_s, self.cut, self.timer = scheduler, timeout_s, 0, None
-
-    def server(self, config):
-        import uvicorn
-
-        drain = self
-
-        class Draining(uvicorn.Server):
-            def handle_exit(self, sig, frame):
-                drain.start()
-                super().handle_exit(sig, frame)
-
-        return Draining(config)
-
-    def start(self) -> None:
-        import threading
-
-        if self.timeout_s is not None and self.timer is None:
-            self.timer = threading.Timer(self.timeout_s, self._cut)
-            self.timer.daemon = True
-            self.timer.start()
-
-    def _cut(self) -> None:
-        self.cut = self.scheduler.cut(
-            f"the server is shutting down: serve.drain_timeout_s={self.timeout_s:g} passed "
-            "before this request finished; send it again (to another replica)"
-        )
-
-    def done(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
+    if drain.signal == signal.SIGINT:
+        raise distributed.Preempted(signal.SIGINT, "interrupted: drained and stopped")
 
 
 def listen(host: str, port: int):

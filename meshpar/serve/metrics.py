@@ -47,6 +47,7 @@ class ServeMetrics:
             "meshpar_e2e_request_latency_seconds", "Submission to last token", buckets=LATENCY, registry=r
         )
         r.register(_Live(scheduler, engine))
+        self.in_flight = 0  # HTTP requests to /v1/* not yet answered whole (`Observed`)
 
     def timing(self) -> RequestTiming:
         """The latencies of one request (all its `n` choices), from now."""
@@ -108,7 +109,7 @@ class _Live:
 
 class Observed:
     """ASGI middleware: counts each answer to /v1/* by status code (refusals of the guard in front of
-    the routes too: 401, 413, 415)."""
+    the routes too: 401, 413, 415), and the requests not yet answered whole (`in_flight`)."""
 
     def __init__(self, app, metrics: ServeMetrics):
         self.app, self.metrics = app, metrics
@@ -122,4 +123,8 @@ class Observed:
                 self.metrics.requests.labels(status=str(message["status"])).inc()
             await send(message)
 
-        return await self.app(scope, receive, observed)
+        self.metrics.in_flight += 1
+        try:
+            return await self.app(scope, receive, observed)
+        finally:
+            self.metrics.in_flight -= 1

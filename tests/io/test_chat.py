@@ -53,19 +53,23 @@ MARKERS = [
 
 
 def family_tokenizer(path, template, bos, extra=()):
-    """tests/io/test_hf.py's byte-level BPE with every family's markers (and `extra`) as special tokens."""
-    from tokenizers import Tokenizer
+    """A small byte-level BPE (trained here) with <unk>, <s>, </s>, every family's markers and `extra`
+    as special tokens, and `template` as its chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from tests.io.test_hf import save_tokenizer
-
-    d = save_tokenizer(path)
-    tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    texts = ["the quick brown fox jumps over the lazy dog", "hello world, hello meshpar"] * 20
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"], initial_alphabet=alphabet)
+    tok.train_from_iterator(texts, trainer)
     tok.add_special_tokens([*MARKERS, *extra])
-    tok.save(str(d / "tokenizer.json"))
-    (d / "tokenizer_config.json").write_text(
-        json.dumps({"bos_token": bos, "eos_token": "</s>", "chat_template": template})
-    )
-    return d
+    path.mkdir(parents=True)
+    tok.save(str(path / "tokenizer.json"))
+    config = {"bos_token": bos, "eos_token": "</s>", "chat_template": template}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
 
 
 def specials(tok, ids):

@@ -881,11 +881,14 @@ def test_metrics_count_requests_tokens_and_latencies_in_prometheus_format(served
 
 
 def test_a_drain_deadline_answers_what_remains_with_503_and_exits_0(served):
-    """serve.drain_timeout_s: SIGTERM with a stream and a request decoding and two queued behind them
-    (two slots); past the deadline each unfinished one is answered 503 in OpenAI's shape (a stream
-    already begun: that error, then [DONE]), none is left with a reset connection, the server says
-    how many it cut and exits 0."""
+    """serve.drain_timeout_s=2: SIGTERM with a stream and a request decoding and two queued behind them
+    (two slots), and a client that sent its headers and 4 of its 100 body bytes; past the deadline
+    each unfinished one is answered 503 in OpenAI's shape (a stream already begun: that error, then
+    [DONE]; the trickling client too), none is left with a reset connection, the server says how many
+    it cut and exits 0 within 5 s of the signal. Before that, a connection that sends nothing is
+    closed at serve.header_timeout_s (2 s)."""
     import signal
+    import socket
 
     _, _, _, common, _ = served
     proc, url, lines = start(
@@ -900,13 +903,19 @@ def test_a_drain_deadline_answers_what_remains_with_503_and_exits_0(served):
             "mesh.fsdp=1",
             "mesh.tensor=4",
             "serve.slots=2",
-            "serve.cache_length=256",
-            "serve.drain_timeout_s=0.5",
+            "serve.cache_length=1024",
+            "serve.drain_timeout_s=2",
+            "serve.header_timeout_s=2",
         ],
         env={"MESHPAR_API_KEY": KEY},
     )
+    host, port = url.split("//")[1].split(":")
     try:
-        body = {"model": "abc", "prompt": "abcd", "max_tokens": 250, "temperature": 0}
+        idle = socket.create_connection((host, int(port)), timeout=30)
+        t = time.monotonic()
+        assert idle.recv(100) == b"" and time.monotonic() - t < 10  # closed, having sent nothing
+        # 1000 tokens each: at more than 2 ms a token, still running (or queued) at the deadline
+        body = {"model": "abc", "prompt": "abcd", "max_tokens": 1000, "temperature": 0}
         out = [{}, {}, {}, {}]
 
         def streamed(o):
@@ -931,21 +940,35 @@ def test_a_drain_deadline_answers_what_remains_with_503_and_exits_0(served):
             if h["active"] == 2 and h["waiting"] == 2:
                 break
             time.sleep(0.05)
+        trickler = socket.create_connection((host, int(port)), timeout=30)
+        trickler.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: a\r\nContent-Type: application/json\r\n"
+            + f"Authorization: Bearer {KEY}\r\nContent-Length: 100\r\n\r\n".encode()
+            + b'{"mo'
+        )
+        time.sleep(0.2)
+        signalled = time.monotonic()
         proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, "".join(lines)
+        exited = time.monotonic() - signalled
         for t in threads:
             t.join(60)
-        assert proc.wait(60) == 0, "".join(lines)
+        answer = b""
+        while chunk := trickler.recv(4096):
+            answer += chunk
     finally:
         if proc.poll() is None:
             proc.kill()
+    assert exited < 5, exited  # 2 s of drain, then each one left answered or ended
+    assert answer.startswith(b"HTTP/1.1 503") and b"server_shutting_down" in answer, answer
     answers = [o["r"] for o in out[1:]]
-    assert [code for code, _, _ in answers[1:]] == [503, 503]  # queued behind 250 decode steps
+    assert [code for code, _, _ in answers[1:]] == [503, 503]  # queued behind 1000 decode steps
     assert all(code in (200, 503) for code, _, _ in answers)
     cut = [b for code, b, _ in answers if code == 503]
     assert all(
-        b["error"]["code"] == "server_shutting_down" and "drain_timeout_s=0.5" in b["error"]["message"] for b in cut
+        b["error"]["code"] == "server_shutting_down" and "drain_timeout_s=2" in b["error"]["message"] for b in cut
     )
-    assert all(b["usage"]["completion_tokens"] == 250 for code, b, _ in answers if code == 200)
+    assert all(b["usage"]["completion_tokens"] == 1000 for code, b, _ in answers if code == 200)
     events = out[0]["events"]
     last = json.loads(events[-2][6:])
     assert events[-1] == "data: [DONE]" and (
@@ -955,8 +978,10 @@ def test_a_drain_deadline_answers_what_remains_with_503_and_exits_0(served):
     assert any(f"{n} requests in flight were cut (answered 503)" in line for line in lines), "".join(lines)
 
 
-def test_sigterm_finishes_the_requests_in_flight_and_exits_0(served):
-    """Last in this file: it stops the module's server."""
+def test_ctrl_c_finishes_the_requests_in_flight_and_exits_130(served):
+    """Ctrl-C (SIGINT) drains as SIGTERM does (the request in flight completes, the scheduler stops
+    in order) and exits 130, as the README says (SIGTERM: 0, the drain test and the two-process one).
+    Last of the module server's tests: it stops it."""
     import signal
 
     url, proc, _, _, lines = served
@@ -972,13 +997,17 @@ def test_sigterm_finishes_the_requests_in_flight_and_exits_0(served):
             if json.loads(r.read())["active"]:
                 break
         time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signal.SIGINT)
     t.join(120)
-    assert proc.wait(60) == 0, "".join(lines)
+    assert proc.wait(60) == 130, "".join(lines)
     code, body, _ = out["r"]
     assert code == 200 and body["usage"]["completion_tokens"] == 200
     assert body["choices"][0]["text"] == ((ALPHABET * 10)[4:])[:200]
-    assert any(line.startswith("stopped:") for line in lines)
+    for _ in range(50):  # the last lines, as the pipe's reader takes them
+        if "meshpar: interrupted: drained and stopped\n" in lines:
+            break
+        time.sleep(0.1)
+    assert any(line.startswith("stopped:") for line in lines) and "meshpar: interrupted: drained and stopped\n" in lines
 
 
 def test_the_guard_replays_a_body_within_the_limit_and_refuses_the_rest_in_one_line():
@@ -1086,10 +1115,131 @@ def test_logprobs_of_characters_split_over_byte_tokens_and_of_a_cut_stop_string(
 def test_byte_level_bpe_tokens_give_their_own_bytes(tmp_path):
     """A byte-level BPE tokenizer (GPT-2's alphabet, as Llama 3's and Qwen's): `token_bytes` maps a
     token's characters back to the bytes they stand for, so the pieces of "ü" are its two bytes."""
-    from meshpar.io.tokenizer import HFTokenizer
-    from tests.io.test_hf import save_tokenizer
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    tok = HFTokenizer(str(save_tokenizer(tmp_path / "tok")))
+    from meshpar.io.tokenizer import HFTokenizer
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    bpe.train_from_iterator(["the lazy dog"] * 20, trainers.BpeTrainer(vocab_size=280, initial_alphabet=alphabet))
+    (tmp_path / "tok").mkdir()
+    bpe.save(str(tmp_path / "tok" / "tokenizer.json"))
+    tok = HFTokenizer(str(tmp_path / "tok"))
     ids = tok.encode("ü the")
     assert b"".join(tok.token_bytes(i) for i in ids) == "ü the".encode()
     assert [tok.token_bytes(i) for i in ids[:2]] == [b"\xc3", b"\xbc"]
+
+
+def test_connections_have_a_header_deadline_and_a_bound_per_client():
+    """meshpar.serve.connections on uvicorn (in this process, a trivial app): a connection that sends
+    nothing is closed at serve.header_timeout_s (0.5 s here), one trickling its headers a byte at a
+    time is answered 408 then (the deadline is for the whole headers), a fourth connection from one
+    address beyond max_connections_per_client=3 is answered 429; a prompt request is served, and
+    another on the same connection after a pause shorter than the deadline."""
+    import socket
+
+    import uvicorn
+
+    from meshpar.serve.api import listen
+    from meshpar.serve.connections import policed
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    sock = listen("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, http=policed(0.5, 3), log_level="warning", timeout_keep_alive=30))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        for _ in range(100):
+            if server.started:
+                break
+            time.sleep(0.05)
+
+        def connect():
+            s = socket.create_connection(("127.0.0.1", port), timeout=10)
+            return s
+
+        def closed_after(s):
+            t = time.monotonic()
+            data = b""
+            while chunk := s.recv(4096):
+                data += chunk
+            return data, time.monotonic() - t
+
+        idle = connect()
+        data, waited = closed_after(idle)
+        assert data == b"" and 0.3 < waited < 5, (data, waited)
+        slow = connect()
+        t = time.monotonic()
+        slow.settimeout(0.2)
+        data = b""
+        for ch in b"GET /x HTTP/1.1\r\nHost: a\r\nX-Long: " + b"y" * 200:
+            try:
+                slow.send(bytes([ch]))
+                data += slow.recv(4096)
+                break
+            except TimeoutError:
+                continue
+            except OSError:
+                break
+        assert data.startswith(b"HTTP/1.1 408") and b"serve.header_timeout_s=0.5" in data, data
+        assert time.monotonic() - t < 5
+        held = [connect() for _ in range(3)]
+        extra = connect()
+        data, _ = closed_after(extra)
+        assert data.startswith(b"HTTP/1.1 429") and b"serve.max_connections_per_client" in data, data
+        fine = held[0]
+        for _ in range(2):
+            fine.sendall(b"GET /x HTTP/1.1\r\nHost: a\r\n\r\n")
+            assert fine.recv(4096).startswith(b"HTTP/1.1 200")
+            time.sleep(0.3)
+        for s in held:
+            s.close()
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def test_the_guard_answers_a_late_body_408_and_a_body_still_arriving_at_the_drains_deadline_503():
+    """serve.body_timeout_s: a body that has not arrived whole by then is refused 408 (and the
+    connection closed); once a draining server's deadline passed (`Guard.drain`), 503."""
+    import asyncio
+
+    from meshpar.serve.guard import Guard
+
+    async def never(scope, receive, send):
+        raise AssertionError("the app must not be reached")
+
+    def call(guard):
+        sent = []
+
+        async def receive():
+            if not sent:
+                sent.append(None)
+                return {"type": "http.request", "body": b'{"mo', "more_body": True}
+            await asyncio.sleep(60)  # the rest never comes
+
+        async def send(message):
+            sent.append(message)
+
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"100")]
+        t = time.monotonic()
+        asyncio.run(
+            guard({"type": "http", "method": "POST", "path": "/v1/completions", "headers": headers}, receive, send)
+        )
+        start = sent[1]
+        return start["status"], dict(start["headers"]), json.loads(sent[2]["body"]), time.monotonic() - t
+
+    status, headers, body, waited = call(Guard(never, [], 1000, body_timeout_s=0.3))
+    assert status == 408 and headers[b"connection"] == b"close" and body["error"]["code"] == "request_timeout"
+    assert "serve.body_timeout_s=0.3" in body["error"]["message"] and waited < 5
+    guard = Guard(never, [], 1000, body_timeout_s=30)
+    guard.drain(time.monotonic() + 0.3, "the server is shutting down: serve.drain_timeout_s=0.3 passed")
+    status, headers, body, waited = call(guard)
+    assert status == 503 and body["error"]["code"] == "server_shutting_down" and waited < 5
