@@ -5,8 +5,9 @@ thread keeps decoding while requests come and go. A body's fields are read by
     POST /v1/completions        {"model", "prompt": text | [ids], "max_tokens", "temperature", "top_p",
                                  "top_k" (extension), "stop", "seed", "n", "stream", "logprobs": k <= 5,
                                  "echo", "logit_bias", "presence_penalty", "frequency_penalty"}
-    POST /v1/chat/completions   {"model", "messages": [{"role", "content"}], ... the same, but
-                                 "logprobs": bool and "top_logprobs": k <= 20, no "echo"}
+    POST /v1/chat/completions   {"model", "messages": [{"role", "content": text or text parts}], ... the
+                                 same, but "max_completion_tokens", "logprobs": bool and "top_logprobs":
+                                 k <= 20, no "echo"}
     GET  /v1/models             the one model served;  GET /health
     GET  /metrics               Prometheus's text format (`meshpar.serve.metrics`); open, as /health is
 
@@ -15,20 +16,24 @@ Responses and stream chunks follow OpenAI's shapes (`text_completion`, `chat.com
 counts (in a stream: a last chunk when `stream_options.include_usage`). finish_reason: `stop` (an
 end token or a stop string), `length` (max_tokens, or the KV cache full). Errors are
 `{"error": {"message", "type", "param", "code"}}`: 400 for a bad body (malformed JSON, text that is
-not valid Unicode, a field of the wrong type or out of range, a prompt and max_tokens beyond the
-cache), 401 without a valid API key (`--api-key`, `MESHPAR_API_KEY`; `/health` stays open), 404 for
-an unknown model, 413 for a body over serve.max_body_bytes (refused before it is read whole), 415 for
-a body that is not `application/json` (so a web page cannot post to a local server without a CORS
-preflight), 429 with Retry-After when serve.max_waiting requests already wait, 503 for a request
-still running when a draining server's serve.drain_timeout_s passed (a stream ends with it).
-Prompts are tokenized off the event loop, and a text longer than the cache could hold at the tokenizer's most characters
-per token is refused before it is. A client that goes away frees its slot at the next tick.
-Temperature defaults to 1, as OpenAI's does (0 is greedy). `n` choices are submitted together and
-share one prefill (each sibling recomputes the prompt's last position only, with seed + i);
-logprobs are the model's own (log_softmax of its logits, before bias, penalties and temperature);
-logit_bias and the penalties act inside the compiled sampling step (`meshpar.serve.sampling`).
-What is not implemented gets 400 naming the field: `response_format` other than text, `tools`,
-`functions`, `tool_choice`, `best_of` > 1, and `echo` with `logprobs`.
+not valid Unicode, a field of the wrong type or out of range, more than serve.max_messages messages,
+`n` beyond the slots and queue, a prompt and max_tokens beyond the cache), 401 without a valid API
+key (`--api-key`, `MESHPAR_API_KEY`; `/health` stays open), 404 for an unknown model, 408 for
+headers or a body that did not arrive in time (serve.header_timeout_s, serve.body_timeout_s), 413
+for a body over serve.max_body_bytes (refused before it is read whole), 415 for a body that is not
+`application/json` (so a web page cannot post to a local server without a CORS preflight), 429
+with Retry-After when serve.max_waiting requests already wait (or a client holds
+serve.max_connections_per_client connections), 503 for a request still running when a draining
+server's serve.drain_timeout_s passed (a stream ends with it) and for every request once a process
+of a multi-process server is lost. Bodies are read in worker processes (`meshpar.serve.intake`), the
+work they may cost bounded before it is done (`meshpar.serve.fields`). A client that goes away frees
+its slot at the next tick. Temperature defaults to 1, as OpenAI's does (0 is greedy). `n` choices
+are submitted together and share one prefill (each sibling recomputes the prompt's last position
+only, with seed + i); logprobs are the model's own (log_softmax of its logits, before bias,
+penalties and temperature); logit_bias and the penalties act inside the compiled sampling step
+(`meshpar.serve.sampling`). What is not implemented gets 400 naming the field: `response_format`
+other than text, `tools`, `functions`, `tool_choice`, `best_of` > 1, `echo` with `logprobs`,
+`suffix`, and chat's `echo`.
 """
 
 from __future__ import annotations

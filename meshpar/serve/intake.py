@@ -2,8 +2,8 @@
 fields (`meshpar.serve.fields`), the chat template and the tokenizer. Reading a body is Python work
 that holds the interpreter's lock the whole time (`json.loads` of 4 MiB of small objects: about
 0.1 s; a chat template over 2,048 messages as long): in the serving process it would stall the
-scheduler's decode loop and the event loop that streams every client's tokens. In a worker, at a
-lower CPU priority (nice +10), a body costs the server its bytes only; decoding keeps its pace
+scheduler's decode loop and the event loop that streams every client's tokens. In a worker, at the
+lowest CPU priority (nice +19), a body costs the server its bytes only; decoding keeps its pace
 whatever the clients send.
 
     intake = Intake(fields, workers=1, queue=264)
@@ -14,7 +14,9 @@ A worker is `sys.executable -m meshpar.serve.intake` (the server's own interpret
 stdin and answering over a private copy of its stdout, each message `[4-byte length][data]`: first
 the pickled `Fields` (its limits and tokenizer), then per body one byte (1: chat) and the body as
 it came; each answer is pickled ("ok", request, options) or ("error", APIError's arguments).
-One thread per worker hands it the bodies in order. A body whose client has gone before its turn
+One thread per worker hands it the bodies, the smallest first (by powers of two of their size,
+in order of arrival within one): reading a body costs about its size, so a request of a few hundred
+bytes never waits behind megabytes of someone else's. A body whose client has gone before its turn
 is skipped, one being read is let finish (the work is bounded) and its answer dropped. A worker that
 dies is started again and its body answered 500. More than `queue` bodies waiting: 429, as a full
 request queue. `workers=0` reads bodies on a thread of the serving process.
@@ -23,6 +25,7 @@ request queue. `workers=0` reads bodies on a thread of the serving process.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import pickle
 import queue as queue_lib
@@ -87,8 +90,10 @@ class Intake:
 
     def __init__(self, fields: Fields, workers: int = 1, queue: int = 256):
         self.fields, self.workers, self.bound = fields, workers, queue
-        self.jobs: queue_lib.Queue = queue_lib.Queue()
+        self.jobs: queue_lib.PriorityQueue = queue_lib.PriorityQueue()  # (size class, arrival, job)
+        self.arrivals = itertools.count()
         self.procs: list = []
+        self.skipped = 0  # bodies not read: their clients had gone before their turn
         self.setup = pickle.dumps(fields) if workers else b""
         self.threads = [
             threading.Thread(target=self._serve, name=f"meshpar-intake-{i}", daemon=True) for i in range(workers)
@@ -98,6 +103,9 @@ class Intake:
 
     async def parse(self, raw: bytes, chat: bool, gone=None):
         """A body -> (Request, options), APIError, or None when `await gone()` said the client left."""
+        if gone is not None and await gone():
+            self.skipped += 1
+            return None
         if not self.workers:
             return await asyncio.to_thread(self.fields.parse_raw, raw, chat)
         if self.jobs.qsize() >= self.bound:
@@ -110,7 +118,7 @@ class Intake:
             )
         loop = asyncio.get_running_loop()
         job = _Job(raw, chat, loop, loop.create_future())
-        self.jobs.put(job)
+        self.jobs.put((len(raw).bit_length(), next(self.arrivals), job))
         try:
             while not job.future.done():
                 await asyncio.wait({job.future}, timeout=0.25)
@@ -136,10 +144,11 @@ class Intake:
         """One worker's thread: start it, hand it the bodies in order, set their answers."""
         proc = self._start()
         while True:
-            job = self.jobs.get()
+            *_, job = self.jobs.get()
             if job is None:
                 break
             if job.dropped:
+                self.skipped += 1
                 continue
             try:
                 proc = proc or self._start()
@@ -166,7 +175,7 @@ class Intake:
     def close(self) -> None:
         """Stop the threads and the workers (each ends when its stdin closes)."""
         for _ in self.threads:
-            self.jobs.put(None)
+            self.jobs.put((-1, next(self.arrivals), None))
         for p in self.procs:
             try:
                 p.stdin.close()
@@ -181,11 +190,14 @@ def main() -> None:
     inp = sys.stdin.buffer
     fields = pickle.loads(_read(inp) or b"")
     try:
-        os.nice(10)  # the serving process's decode loop comes first
+        os.nice(19)  # the serving process's decode loop comes first
     except (OSError, AttributeError):
         pass
-    while (frame := _read(inp)) is not None:
-        _write(out, pickle.dumps(answer(fields, frame[1:], frame[:1] == b"\x01")))
+    try:
+        while (frame := _read(inp)) is not None:
+            _write(out, pickle.dumps(answer(fields, frame[1:], frame[:1] == b"\x01")))
+    except BrokenPipeError:  # the server has gone (stopping, or killed): so does its parser
+        pass
 
 
 if __name__ == "__main__":

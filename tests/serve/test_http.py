@@ -1243,3 +1243,46 @@ def test_the_guard_answers_a_late_body_408_and_a_body_still_arriving_at_the_drai
     guard.drain(time.monotonic() + 0.3, "the server is shutting down: serve.drain_timeout_s=0.3 passed")
     status, headers, body, waited = call(guard)
     assert status == 503 and body["error"]["code"] == "server_shutting_down" and waited < 5
+
+
+def test_bodies_are_read_in_a_worker_smallest_first_and_skipped_once_their_client_has_gone():
+    """meshpar.serve.intake with one worker process: while it reads a costly body (1.3 M nested empty
+    objects in an unknown field, then refused for its empty prompt), bodies whose clients have gone
+    are never read (counted skipped) and a small body queued behind two large ones is read first."""
+    import asyncio
+
+    from meshpar.io.tokenizer import ByteTokenizer
+    from meshpar.serve.fields import Fields, Limits
+    from meshpar.serve.guard import APIError
+    from meshpar.serve.intake import Intake
+
+    intake = Intake(Fields(Limits(256, 256, "m", (), 2, 2), ByteTokenizer(256)), workers=1, queue=16)
+    costly = json.dumps({"model": "m", "prompt": "", "x": [{}] * 1_300_000}).encode()
+    small = json.dumps({"model": "m", "prompt": "abc", "max_tokens": 2}).encode()
+    done, asked = [], []
+
+    async def gone():  # here when queued (the first ask), gone by the next
+        asked.append(None)
+        return len(asked) > 3
+
+    async def timed(name, body, left=None):
+        try:
+            out = await intake.parse(body, False, left)
+        except APIError as e:
+            out = e.status
+        done.append(name)
+        return out
+
+    async def run():
+        first = asyncio.create_task(timed("first", costly))
+        await asyncio.sleep(0.1)  # the worker is reading it
+        left = [timed(f"left{i}", costly, gone) for i in range(3)]  # queued, then gone while the worker reads
+        queued = [asyncio.create_task(timed(n, b)) for n, b in (("big", costly), ("small", small))]
+        return await first, await asyncio.gather(*left), [await q for q in queued]
+
+    try:
+        first, left, (big, (req, _)) = asyncio.run(run())
+    finally:
+        intake.close()
+    assert first == big == 400 and left == [None] * 3 and req.tokens == list(b"abc")
+    assert intake.skipped == 3 and done.index("small") < done.index("big"), done
