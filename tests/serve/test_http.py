@@ -1246,9 +1246,10 @@ def test_the_guard_answers_a_late_body_408_and_a_body_still_arriving_at_the_drai
 
 
 def test_bodies_are_read_in_a_worker_smallest_first_and_skipped_once_their_client_has_gone():
-    """meshpar.serve.intake with one worker process: while it reads a costly body (1.3 M nested empty
-    objects in an unknown field, then refused for its empty prompt), bodies whose clients have gone
-    are never read (counted skipped) and a small body queued behind two large ones is read first."""
+    """meshpar.serve.intake with one worker process: while it reads costly bodies (1.3 M nested empty
+    objects in an unknown field, each then refused for its empty prompt), three queued behind them
+    whose clients go away are never read (counted skipped), and a small body queued last is read
+    before the costly ones still waiting."""
     import asyncio
 
     from meshpar.io.tokenizer import ByteTokenizer
@@ -1261,7 +1262,7 @@ def test_bodies_are_read_in_a_worker_smallest_first_and_skipped_once_their_clien
     small = json.dumps({"model": "m", "prompt": "abc", "max_tokens": 2}).encode()
     done, asked = [], []
 
-    async def gone():  # here when queued (the first ask), gone by the next
+    async def gone():  # here when queued (the first ask of each), gone by the next
         asked.append(None)
         return len(asked) > 3
 
@@ -1274,15 +1275,16 @@ def test_bodies_are_read_in_a_worker_smallest_first_and_skipped_once_their_clien
         return out
 
     async def run():
-        first = asyncio.create_task(timed("first", costly))
-        await asyncio.sleep(0.1)  # the worker is reading it
-        left = [timed(f"left{i}", costly, gone) for i in range(3)]  # queued, then gone while the worker reads
-        queued = [asyncio.create_task(timed(n, b)) for n, b in (("big", costly), ("small", small))]
-        return await first, await asyncio.gather(*left), [await q for q in queued]
+        ahead = [asyncio.create_task(timed(f"ahead{i}", costly)) for i in range(8)]  # a second or more of its time
+        await asyncio.sleep(0.05)
+        left = [asyncio.create_task(timed(f"left{i}", costly, gone)) for i in range(3)]
+        await asyncio.sleep(0.05)
+        small_one = asyncio.create_task(timed("small", small))
+        return [await t for t in ahead], [await t for t in left], await small_one
 
     try:
-        first, left, (big, (req, _)) = asyncio.run(run())
+        ahead, left, (req, _) = asyncio.run(run())
     finally:
         intake.close()
-    assert first == big == 400 and left == [None] * 3 and req.tokens == list(b"abc")
-    assert intake.skipped == 3 and done.index("small") < done.index("big"), done
+    assert ahead == [400] * 8 and left == [None] * 3 and req.tokens == list(b"abc")
+    assert intake.skipped == 3 and done.index("small") < done.index("ahead7"), done
