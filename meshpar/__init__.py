@@ -73,7 +73,7 @@ _API = {
     "Engine": "meshpar.serve.engine",
     "Request": "meshpar.serve.requests",
     "Completion": "meshpar.serve.requests",
-    "Sampling": "meshpar.serve.sampling",
+    "Sampling": "meshpar.serve.requests",
     # errors
     "MeshparError": "meshpar.core.errors",
     "ConfigError": "meshpar.core.errors",

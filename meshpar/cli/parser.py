@@ -84,7 +84,8 @@ def _parser() -> argparse.ArgumentParser:
         "serve",
         parents=[common],
         help="an OpenAI-compatible HTTP server (/v1/completions, "
-        "/v1/chat/completions, /v1/models, /health) over the serving engine; SIGTERM drains it",
+        "/v1/chat/completions, /v1/models, /health, /metrics) over the serving engine; SIGTERM drains it "
+        "(exit 0; Ctrl-C: 130)",
     )
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     sv.add_argument("--port", type=int, default=8000, help="port, 1..65535 (default 8000; 0: any free one, printed)")

@@ -4,7 +4,21 @@ Face `tokenizers` tokenizer (`HFTokenizer`), with documents packed BOS doc EOS B
 
 from __future__ import annotations
 
+import json
+
 from meshpar.core.errors import ConfigError
+from meshpar.io import chat as chat_lib
+
+
+def _byte_of() -> dict:
+    """GPT-2's byte-level alphabet (`bytes_to_unicode`) read backwards: character -> byte. Printable
+    bytes are themselves; the others are the characters from U+0100 on, in byte order."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)]
+    shifted = [b for b in range(256) if b not in keep]
+    return {chr(b): b for b in keep} | {chr(256 + n): b for n, b in enumerate(shifted)}
+
+
+_BYTE_OF = _byte_of()
 
 
 class ByteTokenizer:
@@ -28,6 +42,11 @@ class ByteTokenizer:
 
     def prompt(self, text: str) -> list[int]:
         return self.encode(text)
+
+    @staticmethod
+    def token_bytes(i: int) -> bytes:
+        """The UTF-8 bytes token i stands for: the byte i (a piece of a character, alone)."""
+        return bytes([int(i)]) if 0 <= int(i) < 256 else b""
 
     max_chars_per_token = 1  # a character is one byte or more: a text has at least as many tokens
 
@@ -60,6 +79,7 @@ class HFTokenizer:
             ) from None
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
         self.special_ids = {i for i, t in self.tok.get_added_tokens_decoder().items() if t.special}
+        self.byte_level = '"ByteLevel"' in json.dumps(json.loads(self.tok.to_str()).get("decoder"))
         if model_vocab is not None and self.vocab_size > model_vocab:
             raise ConfigError(
                 f"data.tokenizer '{file}' has {self.vocab_size} tokens, more than model.vocab={model_vocab}"
@@ -86,9 +106,10 @@ class HFTokenizer:
 
     def chat(self, messages: list[dict], split_special: bool = True) -> list[int]:
         """[{"role", "content"}, ...] -> the ids of tokenizer_config.json's `chat_template` rendered with
-        the generation prompt (the template writes any BOS itself). With `split_special`, a special
-        token's text typed inside a message's content (`<|im_end|>`, which would close the turn) is
-        tokenized as plain text; the template's own markers stay special."""
+        the generation prompt (the template writes any BOS itself). With `split_special`, what a
+        message says is text: a special token's text typed inside it (`<|im_end|>`, which would close
+        the turn) is tokenized as plain text, the template's own markers stay special, whatever the
+        template does with the content (`meshpar.io.chat`)."""
         template = self.config.get("chat_template")
         if isinstance(template, list):  # named templates: the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
@@ -97,23 +118,31 @@ class HFTokenizer:
                 "data.tokenizer has no chat_template in its tokenizer_config.json: drop --chat, or "
                 "use the tokenizer of a chat (instruct) model"
             )
-        text = render_chat(template, messages, self.config)
-        enc = self.tok.encode(text, add_special_tokens=False)
         if not split_special:
-            return enc.ids
-        spans, at = [], 0  # where each message's content sits in the rendered text, in order
-        for m in messages:
-            start = text.find(m["content"], at) if m["content"] else -1
-            if start >= 0:
-                spans.append((start, start + len(m["content"])))
-                at = start + len(m["content"])
-        out = []
-        for i, (a, b) in zip(enc.ids, enc.offsets):
-            if i in self.special_ids and any(s <= a and b <= e for s, e in spans):
-                out += self._plain().encode(text[a:b], add_special_tokens=False).ids
-            else:
-                out.append(i)
-        return out
+            return self.tok.encode(chat_lib.render_chat(template, messages, self.config), add_special_tokens=False).ids
+        text, spans = chat_lib.layout(template, messages, self.config)
+        return chat_lib.tokenize(self.tok, self._plain(), self.special_ids, text, spans)
+
+    def token_bytes(self, i: int) -> bytes:
+        """The UTF-8 bytes token i stands for, also when they are a piece of a character that decoding
+        it alone turns into U+FFFD: a byte-fallback token `<0xE2>` is that byte, a byte-level BPE token
+        (GPT-2's, Llama 3's) maps its characters back to bytes; any other is its decoded text."""
+        piece = self.tok.id_to_token(int(i)) or ""
+        if int(i) not in self.special_ids:
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                try:
+                    return bytes([int(piece[3:5], 16)])
+                except ValueError:
+                    pass
+            if self.byte_level and all(c in _BYTE_OF for c in piece):
+                return bytes(_BYTE_OF[c] for c in piece)
+        return self.decode([int(i)]).encode()
+
+    def __getstate__(self) -> dict:
+        """Pickled (a server's request parser gets its tokenizer so) without the copies made on use: a
+        `tokenizers.Tokenizer` pickles without `encode_special_tokens`, so the plain copy would come
+        back reading special tokens as special."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("_plain_tok", "_max_chars")}
 
     def _plain(self):
         """A copy of the tokenizer that reads special tokens' text as plain text (made once)."""
@@ -138,34 +167,6 @@ class HFTokenizer:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
 
-def render_chat(template: str, messages: list[dict], config: dict) -> str:
-    """A chat template rendered as transformers' `apply_chat_template(..., add_generation_prompt=True)`
-    does: jinja2's sandboxed environment, trim_blocks and lstrip_blocks, loop controls, the special
-    tokens of tokenizer_config.json as variables, `raise_exception`, `strftime_now` and a `tojson`
-    that keeps non-ASCII text."""
-    import datetime
-    import json
-
-    from jinja2 import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise TemplateError(message)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
-    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
-    special = {
-        k: (v.get("content") if isinstance(v, dict) else v)
-        for k, v in config.items()
-        if k.endswith("_token") and (v is None or isinstance(v, (str, dict)))
-    }
-    try:
-        return env.from_string(template).render(messages=messages, add_generation_prompt=True, **special)
-    except TemplateError as e:
-        raise ConfigError(f"data.tokenizer's chat_template failed: {e}") from None
-
-
 def load_tokenizer(data, model_vocab: int):
     """`data.tokenizer` (of `cfg.data`) if set, else the byte-level tokenizer."""
     if data.tokenizer:
@@ -176,7 +177,6 @@ def load_tokenizer(data, model_vocab: int):
 def documents(path: str):
     """The documents of `data.path` for tokenized text: each file of a folder (or the file) is one
     document, except `.jsonl` files, whose lines are documents (their "text" field)."""
-    import json
     from pathlib import Path
 
     p = Path(path)
@@ -210,8 +210,6 @@ def _special_ids(tok, folder) -> tuple[dict, dict, list]:
     """The folder's tokenizer_config.json, config.json and generation_config.json (later files win) ->
     (tokenizer_config.json, {"bos", "eos": id}, every end id named: Llama 3 and Gemma 3 chat models
     list their turn ends)."""
-    import json
-
     config, meta, ends = {}, {}, []
     for name in ("tokenizer_config.json", "config.json", "generation_config.json"):
         f = folder / name

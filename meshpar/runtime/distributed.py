@@ -17,13 +17,10 @@ On CPU every process fakes `devices / num_processes` devices and collectives go 
 `launch/local.sh 2` is a real two-process run on one machine. Each process builds only the rows of
 the batch its devices hold (meshpar.train.batches.Batches) and only process 0 writes logs and metrics.
 
-Failure of a peer: every process bumps a counter in the coordination service's key-value store once
-a second; a watchdog thread in process 0 checks them all. A peer silent for `MESHPAR_PEER_TIMEOUT`
-seconds (default 10) is published by number, and every surviving process prints it and exits with
-status 3 (no hang: the main thread may be blocked inside a collective). If the lost process is 0,
-the coordination service goes with it and JAX itself aborts the others at once, naming the
-coordinator; JAX's heartbeat timeout (`MESHPAR_HEARTBEAT_TIMEOUT`, default 30 s) is the backstop.
-Either way the next launch resumes from the last complete checkpoint.
+Failure of a peer (`meshpar.runtime.peers`): a watchdog names a process silent for
+`MESHPAR_PEER_TIMEOUT` seconds (default 10), and every surviving process exits with status 3 in one
+line; JAX's heartbeat timeout (`MESHPAR_HEARTBEAT_TIMEOUT`, default 30 s) is the backstop. The next
+launch resumes from the last complete checkpoint.
 
 Preemption: SIGTERM / SIGINT ask the loop to save a checkpoint and stop (`PreemptionGuard`). With
 several processes the stop step must be the same everywhere; JAX's preemption sync manager (which
@@ -32,19 +29,16 @@ owns SIGTERM once `jax.distributed` is up) agrees on it, and SIGINT is forwarded
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import os
 import signal
 import sys
 import threading
-import time
 from dataclasses import dataclass
 
 from meshpar.core.errors import ConfigError, MeshparError
 from meshpar.core.mesh import fake_cpu_devices
-
-EXIT_PEER_LOST = 3
+from meshpar.runtime import peers
 
 
 @dataclass(frozen=True)
@@ -161,121 +155,13 @@ def initialize(settings: Settings, local_devices: int | None = None) -> None:
             f"could not join the job as {settings.describe()}: {str(e).splitlines()[0]}; check that "
             "every process got the same coordinator address and process count"
         ) from None
-    if jax.process_count() > 1:
-        global _watchdog
-        try:
-            _watchdog = _Watchdog(settings.peer_timeout)
-        except Exception:  # noqa: BLE001 - JAX internals moved: its heartbeat timeout remains the backstop
-            _watchdog = None
-        else:
-            _watchdog.start()
-            atexit.register(_watchdog.stop)  # after JAX's own exit hook was registered: runs before it
+    peers.watch(settings.peer_timeout, settings.coordinator)
 
 
 def is_main() -> bool:
     import jax
 
     return jax.process_index() == 0
-
-
-# ----------------------------------------------------------------------------------------------
-# Peer watchdog.
-
-progress = {"step": 0}  # the loop's last finished step, for the watchdog's message
-_watchdog = None
-DONE = "done"  # a process's last heartbeat value, once its run has ended
-
-
-class _Watchdog(threading.Thread):
-    """Peer liveness through the coordination service's key-value store, O(processes) requests a
-    second in all: every process bumps `meshpar/alive/<id>`; process 0 reads them all in one request
-    and, when one stops moving for `timeout` seconds, publishes `meshpar/lost` naming it and exits;
-    the others read that one key and exit with the same message. Runs beside the main thread, which
-    may be blocked inside a collective with the dead peer."""
-
-    def __init__(self, timeout: float, period: float = 1.0):
-        super().__init__(name="meshpar-peer-watchdog", daemon=True)
-        import jax
-        from jax._src import distributed  # the client JAX already connected (no public handle)
-
-        self.client = distributed.global_state.client
-        if self.client is None:
-            raise RuntimeError("jax.distributed has no client")
-        self.me, self.n = jax.process_index(), jax.process_count()
-        self.timeout, self.period = timeout, period
-        self.done = threading.Event()
-
-    def run(self) -> None:
-        beat, seen, start = 0, {}, time.monotonic()
-        while not self.done.is_set():
-            beat += 1
-            try:
-                self.client.key_value_set(f"meshpar/alive/{self.me}", str(beat), allow_overwrite=True)
-                if self.me == 0:
-                    self._watch_peers(seen, start)
-                else:
-                    self._read_verdict()
-            except Exception as e:  # noqa: BLE001 - the coordination service (in process 0) is gone
-                if self.me != 0 and not self.done.is_set():
-                    _peer_lost(f"process 0 (the coordinator) is unreachable: {str(e).splitlines()[0][:160]}", self.me)
-            self.done.wait(self.period)
-
-    def stop(self) -> None:
-        """At exit (`atexit`, before JAX's own shutdown of the client): end the loop, wait for it to leave
-        the coordination client, and mark this process finished (`done`), which process 0 does not count
-        as a lost peer. A daemon thread still inside a C++ call of that client when the interpreter
-        finalizes is unwound by force there and the process aborts (SIGABRT, "terminate called after
-        throwing an instance of ''", "FATAL: exception not rethrown"), as a resumed 2-process run's
-        process 1 once did."""
-        self.done.set()
-        self.join(timeout=2 * self.period + 5)
-        try:
-            self.client.key_value_set(f"meshpar/alive/{self.me}", DONE, allow_overwrite=True)
-        except Exception:  # noqa: BLE001 - the coordination service is already gone: nothing to tell
-            pass
-
-    def _watch_peers(self, seen: dict, start: float) -> None:
-        now = time.monotonic()
-        beats = dict(self.client.key_value_dir_get("meshpar/alive/"))
-        for peer in range(1, self.n):
-            value = beats.get(f"meshpar/alive/{peer}")
-            if value == DONE:  # finished its run and exiting: its beat stopped on purpose
-                continue
-            if peer not in seen or value != seen[peer][0]:
-                seen[peer] = (value, now)
-            elif now - max(seen[peer][1], start) > self.timeout:
-                what = f"process {peer} stopped responding (no heartbeat for {now - seen[peer][1]:.0f} s)"
-                self.client.key_value_set("meshpar/lost", what, allow_overwrite=True)
-                time.sleep(2 * self.period)  # let the others read it before the service goes down
-                _peer_lost(what, self.me)
-
-    def _read_verdict(self) -> None:
-        try:
-            what = self.client.key_value_try_get("meshpar/lost")
-        except Exception as e:  # noqa: BLE001
-            if "NOT_FOUND" in str(e):
-                return
-            raise
-        _peer_lost(what, self.me)
-
-
-def await_peer_verdict(error: BaseException) -> None:
-    """After a failed collective: give the watchdog time to name a lost peer (it exits the process);
-    return if every peer is still alive, so the caller re-raises `error`."""
-    if _watchdog is None:
-        return
-    deadline = time.monotonic() + _watchdog.timeout + 3 * _watchdog.period
-    while time.monotonic() < deadline:
-        time.sleep(0.2)
-
-
-def _peer_lost(what: str, me: int) -> None:
-    sys.stderr.write(
-        f"meshpar: error: lost a peer: {what}; process {me} stops after step {progress['step']}. "
-        "Relaunch the same command to resume from the last checkpoint\n"
-    )
-    sys.stderr.flush()
-    os._exit(EXIT_PEER_LOST)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,22 +1,45 @@
-"""What an OpenAI request body asks for: its fields checked and read into a `Request` (the
-prompt tokenized: text through the tokenizer, chat through its template), or an `APIError` naming
-the field at fault. What this server does not implement is refused by name, never ignored.
+"""What an OpenAI request body asks for: its fields checked and read into a `Request` (the prompt
+tokenized: text through the tokenizer, chat through its template), or an `APIError` naming the
+field at fault. What this server does not implement is refused by name, never ignored.
+
+The work a body costs is bounded before the costly steps: the messages are counted
+(`serve.max_messages`) before any is read, every list is measured before it is walked, a text is
+measured against the context before it is tokenized, and the Unicode check reads only the fields
+that are used. Nothing here needs JAX: `meshpar.serve.intake` runs it in a process of its own.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from meshpar.core.errors import ConfigError
 from meshpar.serve.guard import APIError, invalid_text
-from meshpar.serve.requests import Request
-from meshpar.serve.sampling import TOP_LOGPROBS, Sampling
+from meshpar.serve.requests import MAX_BIAS, TOP_LOGPROBS, Request, Sampling
 
 ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's message roles
 MAX_N = 16  # choices per request (`n`)
+TOKEN_ID = re.compile(r"0|[1-9][0-9]*")  # a logit_bias key: a token id in ASCII digits, no sign, space or leading 0
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a body is checked against: the model's vocabulary and context (serve.cache_length), the
+    server's model id and end ids, its slots and queue, and the serve.* settings that read bodies."""
+
+    vocab: int
+    length: int
+    name: str
+    eos: tuple
+    slots: int
+    max_waiting: int
+    max_new_tokens: int = 32
+    max_messages: int = 2048
+    special_in_content: bool = False
 
 
 def _field(body: dict, key: str, kinds: tuple, default: Any = None, check=None, why: str = ""):
@@ -31,7 +54,21 @@ def _field(body: dict, key: str, kinds: tuple, default: Any = None, check=None, 
     return v
 
 
-def _unsupported(body: dict) -> None:
+def _choices(body: dict, lim: Limits) -> int:
+    """`n`: 1..MAX_N, and no more than the server could ever admit together (its slots and queue: a
+    429 would say to retry what can never be taken)."""
+    n = _field(body, "n", (int,), 1, lambda v: 1 <= v <= MAX_N, f"must be between 1 and {MAX_N}")
+    if n > lim.slots + lim.max_waiting:
+        raise APIError(
+            400,
+            f"'n'={n} choices can never be admitted together: this server has {lim.slots} slots and queues "
+            f"{lim.max_waiting} more (serve.slots, serve.max_waiting); ask for at most {lim.slots + lim.max_waiting}",
+            "n",
+        )
+    return n
+
+
+def _unsupported(body: dict, chat: bool) -> None:
     """The OpenAI fields this server does not implement: 400 naming the field, never ignored."""
     fmt = body.get("response_format")
     if fmt is not None and fmt != {"type": "text"}:
@@ -45,24 +82,30 @@ def _unsupported(body: dict) -> None:
         raise APIError(400, "'tool_choice' is not supported (no tools)", "tool_choice")
     if body.get("best_of") not in (None, 1):
         raise APIError(400, "'best_of' is not supported; use 'n' for several choices", "best_of")
+    if not chat and body.get("suffix") not in (None, ""):
+        raise APIError(400, "'suffix' (text after the completion, insertion) is not supported", "suffix")
+    if chat and body.get("echo") not in (None, False):
+        raise APIError(400, "'echo' is a field of /v1/completions; chat completions do not echo", "echo")
 
 
 def _logit_bias(body: dict, vocab: int) -> tuple:
-    """`logit_bias` {token id: -100..100} -> ((id, value), ...), or 400 naming what is wrong (the ids,
-    values and count against `Sampling.check`'s own bounds)."""
+    """`logit_bias` {token id: -100..100} -> ((id, value), ...), or 400 naming what is wrong: a key is
+    a token id as OpenAI writes one (ASCII digits, no sign, space, underscore or leading zero, so no
+    two keys name one token), a value a number; the count, ids and values against `Sampling.check`."""
+    bias = _field(body, "logit_bias", (dict,), {})
+    if len(bias) > MAX_BIAS:
+        raise APIError(400, f"'logit_bias' has {len(bias)} entries; at most {MAX_BIAS}", "logit_bias")
     out = []
-    for k, v in _field(body, "logit_bias", (dict,), {}).items():
-        try:
-            tok = int(k)
-        except ValueError:
+    for k, v in bias.items():
+        if not TOKEN_ID.fullmatch(k):
             raise APIError(
-                400, f"'logit_bias' keys must be token ids, got {json.dumps(k)[:40]}", "logit_bias"
-            ) from None
+                400, f"'logit_bias' keys must be token ids such as \"50256\", got {json.dumps(k)[:40]}", "logit_bias"
+            )
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise APIError(
-                400, f"'logit_bias' values must be numbers, got {json.dumps(v)[:40]} for token {tok}", "logit_bias"
+                400, f"'logit_bias' values must be numbers, got {json.dumps(v)[:40]} for token {k}", "logit_bias"
             )
-        out.append((tok, float(v)))
+        out.append((int(k), float(v)))
     try:
         Sampling(bias=tuple(out)).check(vocab)
     except ConfigError as e:
@@ -70,48 +113,108 @@ def _logit_bias(body: dict, vocab: int) -> tuple:
     return tuple(out)
 
 
-class Fields:
-    """The request side of `meshpar serve`: `parse` a body for this engine and tokenizer."""
+def _unicode(value, param: str) -> None:
+    """400 naming `param` if a string in `value` is not valid Unicode (a lone surrogate)."""
+    bad = invalid_text(value, param)
+    if bad:
+        raise APIError(
+            400,
+            f"the request body holds text that is not valid Unicode at '{bad}' (a lone surrogate such as "
+            "\\ud800); send UTF-8 text",
+            param,
+        )
 
-    def __init__(self, engine, tokenizer, name: str, eos: list[int], serve_cfg):
-        self.engine, self.tok, self.name, self.eos = engine, tokenizer, name, eos
-        self.default_tokens = serve_cfg.max_new_tokens
-        self.special_in_content = serve_cfg.allow_special_tokens_in_content
+
+def _messages(body: dict, most: int) -> list[dict]:
+    """The chat messages as [{"role", "content": str}], content given as text parts joined (by "\\n",
+    as vLLM joins them); 400 for more than `most` messages and parts, or anything else."""
+    msgs = body.get("messages")
+    shape = '\'messages\' must be a non-empty list of {"role": str, "content": str or [{"type": "text", "text": str}]}'
+    if not isinstance(msgs, list) or not msgs:
+        raise APIError(400, shape, "messages")
+    parts = sum(len(m["content"]) for m in msgs if isinstance(m, dict) and isinstance(m.get("content"), list))
+    if len(msgs) + parts > most:
+        raise APIError(
+            400,
+            f"'messages' has {len(msgs)} messages and {parts} content parts; this server takes at most {most} "
+            "(serve.max_messages)",
+            "messages",
+        )
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise APIError(400, shape, "messages")
+        content = m.get("content")
+        if isinstance(content, list):
+            for j, p in enumerate(content):
+                if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
+                    kind = p.get("type") if isinstance(p, dict) else None
+                    raise APIError(
+                        400,
+                        f'messages[{i}].content[{j}] must be a text part {{"type": "text", "text": str}}'
+                        + (f"; '{str(kind)[:20]}' parts are not supported (this model reads text)" if kind else ""),
+                        "messages",
+                    )
+            content = "\n".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise APIError(400, shape, "messages")
+        out.append({"role": m["role"], "content": content})
+    _unicode(out, "messages")
+    role = next((m["role"] for m in out if m["role"] not in ROLES), None)
+    if role is not None:
+        raise APIError(400, f"unknown message role '{role[:40]}': use one of {', '.join(ROLES)}", "messages")
+    return out
+
+
+class Fields:
+    """The request side of `meshpar serve`: `parse` a body against `limits` with `tokenizer`."""
+
+    def __init__(self, limits: Limits, tokenizer):
+        self.limits, self.tok = limits, tokenizer
+
+    def parse_raw(self, raw: bytes, chat: bool) -> tuple[Request, dict]:
+        """A request body's bytes -> `parse` of its JSON (400 for JSON that is not)."""
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
+            raise APIError(400, f"the request body is not valid JSON ({str(e).splitlines()[0]})") from None
+        return self.parse(body, chat)
 
     def parse(self, body: Any, chat: bool) -> tuple[Request, dict]:
-        """-> (Request, options {stream, stop, include_usage}); APIError naming the field at fault."""
-        _check_body(body, self.name)
-        n_choices = _field(body, "n", (int,), 1, lambda v: 1 <= v <= MAX_N, f"must be between 1 and {MAX_N}")
-        _unsupported(body)
+        """-> (Request, options {stream, stop, include_usage, n, echo, echo_text, logprobs}); APIError
+        naming the field at fault."""
+        lim = self.limits
+        _check_body(body, lim.name)
+        n_choices = _choices(body, lim)
+        _unsupported(body, chat)
         logprobs, echo = _logprob_fields(body, chat)
-        bias = _logit_bias(body, self.engine.vocab)
+        bias = _logit_bias(body, lim.vocab)
+        stop, stream, usage = _stream_fields(body)
         tokens = self._prompt(body, chat)
-        room = self.engine.length - len(tokens) + 1  # the last token is never written to the cache
+        room = lim.length - len(tokens) + 1  # the last token is never written to the cache
         if room < 1:
             raise APIError(
                 400,
-                f"the prompt has {len(tokens)} tokens; this server's context (serve.cache_length) "
-                f"holds {self.engine.length}",
+                f"the prompt has {len(tokens)} tokens; this server's context (serve.cache_length) holds {lim.length}",
                 "messages" if chat else "prompt",
                 "context_length_exceeded",
             )
-        key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
+        # chat's max_completion_tokens replaces max_tokens (deprecated there); null means not given
+        key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
         n = _field(body, key, (int,), None, lambda v: v >= 1, "must be >= 1")
         if n is not None and n > room:
             raise APIError(
                 400,
                 f"'{key}'={n} with a prompt of {len(tokens)} tokens exceeds this server's context of "
-                f"{self.engine.length} tokens (serve.cache_length): at most {room}",
+                f"{lim.length} tokens (serve.cache_length): at most {room}",
                 key,
                 "context_length_exceeded",
             )
-        samp = _sampling(body, self.engine.vocab, bias)
-        stop, stream, usage = _stream_fields(body)
         req = Request(
             tokens,
-            n or min(self.default_tokens, room),
-            samp,
-            eos=self.eos,
+            n or min(lim.max_new_tokens, room),
+            _sampling(body, lim.vocab, bias),
+            eos=list(lim.eos),
             logprobs=logprobs,
             share=uuid.uuid4().hex if n_choices > 1 else None,
         )
@@ -129,22 +232,9 @@ class Fields:
         }
 
     def _prompt(self, body: dict, chat: bool) -> list[int]:
+        lim = self.limits
         if chat:
-            msgs = body.get("messages")
-            if (
-                not isinstance(msgs, list)
-                or not msgs
-                or not all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                    for m in msgs
-                )
-            ):
-                raise APIError(
-                    400, '\'messages\' must be a non-empty list of {"role": str, "content": str}', "messages"
-                )
-            role = next((m["role"] for m in msgs if m["role"] not in ROLES), None)
-            if role is not None:
-                raise APIError(400, f"unknown message role '{role[:40]}': use one of {', '.join(ROLES)}", "messages")
+            msgs = _messages(body, lim.max_messages)
             if not hasattr(self.tok, "chat"):
                 raise APIError(
                     400,
@@ -154,22 +244,28 @@ class Fields:
                 )
             self._fits(sum(len(m["content"]) for m in msgs), "messages")
             try:
-                return self.tok.chat(
-                    [{"role": m["role"], "content": m["content"]} for m in msgs],
-                    split_special=not self.special_in_content,
-                )
+                return self.tok.chat(msgs, split_special=not lim.special_in_content)
             except Exception as e:  # noqa: BLE001 - a template's own error (ConfigError) or its Python's
                 raise APIError(400, str(e).splitlines()[0] if str(e) else type(e).__name__, "messages") from None
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str) and prompt:
+            _unicode(prompt, "prompt")
             self._fits(len(prompt), "prompt")
             return self.tok.prompt(prompt)
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            if not all(0 <= t < self.engine.vocab for t in prompt):
-                raise APIError(400, f"'prompt' token ids must be in 0..{self.engine.vocab - 1}", "prompt")
-            return list(prompt)
+        if isinstance(prompt, list) and 0 < len(prompt) <= lim.length + 1:
+            if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                if not all(0 <= t < lim.vocab for t in prompt):
+                    raise APIError(400, f"'prompt' token ids must be in 0..{lim.vocab - 1}", "prompt")
+                return list(prompt)
+        elif isinstance(prompt, list) and prompt:
+            raise APIError(
+                400,
+                f"the prompt has {len(prompt)} tokens; this server's context (serve.cache_length) holds {lim.length}",
+                "prompt",
+                "context_length_exceeded",
+            )
         raise APIError(
             400, "'prompt' must be a non-empty string or list of token ids (one prompt per request)", "prompt"
         )
@@ -177,32 +273,25 @@ class Fields:
     def _fits(self, chars: int, param: str) -> None:
         """Refuse, before tokenizing, a text longer than the cache could hold even at the tokenizer's
         most characters per token (twice that: a normalizer may drop characters)."""
-        most = 2 * self.engine.length * getattr(self.tok, "max_chars_per_token", 1)
-        if chars > most:
+        length = self.limits.length
+        if chars > 2 * length * getattr(self.tok, "max_chars_per_token", 1):
             raise APIError(
                 400,
                 f"the {param} has {chars} characters, more than this server's context of "
-                f"{self.engine.length} tokens (serve.cache_length) can hold",
+                f"{length} tokens (serve.cache_length) can hold",
                 param,
                 "context_length_exceeded",
             )
 
 
 def _check_body(body: Any, name: str) -> None:
-    """The body is a JSON object of valid Unicode, for the model this server serves (`name`)."""
+    """The body is a JSON object, for the model this server serves (`name`)."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
-    bad = invalid_text(body)
-    if bad:
-        raise APIError(
-            400,
-            f"the request body holds text that is not valid Unicode at '{bad}' (a lone "
-            "surrogate such as \\ud800); send UTF-8 text",
-            bad.split(".")[0].split("[")[0],
-        )
     model = _field(body, "model", (str,))
     if model is None:
         raise APIError(400, "'model' is required", "model")
+    _unicode(model, "model")
     if model != name:
         raise APIError(
             404, f"the model '{model}' does not exist; this server serves '{name}'", "model", "model_not_found"
@@ -271,6 +360,7 @@ def _stream_fields(body: dict) -> tuple:
     stop = [stop] if isinstance(stop, str) else stop
     if len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
         raise APIError(400, "'stop' must be a string or a list of up to 4 non-empty strings", "stop")
+    _unicode(stop, "stop")
     stream = _field(body, "stream", (bool,), False)
     if body.get("stream_options") is not None and not stream:
         raise APIError(400, "'stream_options' is only allowed with 'stream': true", "stream_options")

@@ -1,15 +1,18 @@
 """What an HTTP request to `meshpar serve` must pass before the routes (`meshpar.serve.api`) see it:
-an API key on `/v1/*`, a JSON content type, a body within `serve.max_body_bytes`, text that is valid
-Unicode; and `APIError`, the refusals' shape (OpenAI's `{"error": {"message", "type", "param",
-"code"}}`). As vLLM's `--api-key`: keys from the command line and `MESHPAR_API_KEY`, compared in
-constant time; `/health` stays open.
+an API key on `/v1/*`, a JSON content type, a body within `serve.max_body_bytes` that arrives
+within `serve.body_timeout_s` of its headers (and, once a draining server's deadline has passed,
+not at all), text that is valid Unicode; and `APIError`, the refusals' shape (OpenAI's `{"error":
+{"message", "type", "param", "code"}}`). As vLLM's `--api-key`: keys from the command line and
+`MESHPAR_API_KEY`, compared in constant time; `/health` stays open.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import os
+import time
 
 
 class APIError(Exception):
@@ -73,10 +76,22 @@ def invalid_text(value, where: str = "") -> str | None:
 class Guard:
     """ASGI middleware in front of the routes: the API key of `/v1/*` (compared in constant time), then
     a POST's content type and size, before the body reaches JSON parsing. A body is read only up to
-    `max_body` bytes: a larger one is refused (413) without being read whole."""
+    `max_body` bytes: a larger one is refused (413) without being read whole; one still arriving
+    `body_timeout_s` after its headers gets 408, and after a draining server's deadline (`drain`) 503."""
 
-    def __init__(self, app, keys: list[str], max_body: int):
-        self.app, self.keys, self.max_body = app, [k.encode() for k in keys], max_body
+    def __init__(self, app, keys: list[str], max_body: int, body_timeout_s: float = 60.0):
+        self.app, self.keys, self.max_body, self.body_timeout_s = (
+            app,
+            [k.encode() for k in keys],
+            max_body,
+            body_timeout_s,
+        )
+        self.drain_at: float | None = None  # time.monotonic() from which a body still arriving is refused
+        self.drain_why = ""
+
+    def drain(self, at: float, why: str) -> None:
+        """A draining server's deadline (time.monotonic()): bodies still arriving then get 503 `why`."""
+        self.drain_at, self.drain_why = at, why
 
     @staticmethod
     async def refuse(send, e: APIError) -> None:
@@ -84,6 +99,8 @@ class Guard:
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         if e.status == 401:
             headers.append((b"www-authenticate", b"Bearer"))
+        if e.status in (408, 503):  # the body was not read whole: the connection cannot carry another request
+            headers.append((b"connection", b"close"))
         await send({"type": "http.response.start", "status": e.status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
@@ -131,8 +148,11 @@ class Guard:
         if int(length) > self.max_body:
             return await self.refuse(send, too_big)
         chunks, size, more = [], 0, True
+        deadline = time.monotonic() + self.body_timeout_s
         while more:  # chunked bodies: read up to the limit, then replay
-            message = await receive()
+            message = await self._next(receive, deadline)
+            if isinstance(message, APIError):
+                return await self.refuse(send, message)
             if message["type"] == "http.disconnect":
                 return
             chunks.append(message.get("body", b""))
@@ -149,3 +169,22 @@ class Guard:
             return await receive()  # then the client's disconnect, as the app expects
 
         return await self.app(scope, replay, send)
+
+    async def _next(self, receive, deadline: float):
+        """The body's next message, or the APIError of a deadline passed first (its own: 408; a
+        draining server's: 503), waited for in slices so that a drain begun meanwhile is seen."""
+        while True:
+            now = time.monotonic()
+            if self.drain_at is not None and now >= self.drain_at:
+                return APIError(503, self.drain_why, code="server_shutting_down", kind="server_error")
+            if now >= deadline:
+                return APIError(
+                    408,
+                    f"the request's body did not arrive within serve.body_timeout_s={self.body_timeout_s:g} seconds "
+                    "of its headers",
+                    code="request_timeout",
+                )
+            try:
+                return await asyncio.wait_for(receive(), min(deadline - now, 0.25))
+            except TimeoutError:
+                continue

@@ -1,11 +1,11 @@
 """`GET /metrics` of `meshpar serve`: Prometheus's text format, written by `prometheus_client`.
 
     meshpar_requests_total{status}                  HTTP answers to /v1/* by status code
-    meshpar_prompt_tokens_total                     prompt tokens of the requests served
-    meshpar_generation_tokens_total                 tokens generated
-    meshpar_time_to_first_token_seconds             histogram: submission -> first token
-    meshpar_inter_token_latency_seconds             histogram: between two tokens of one request
-    meshpar_e2e_request_latency_seconds             histogram: submission -> last token
+    meshpar_prompt_tokens_total                     prompt tokens of the requests served (once each, whatever its n)
+    meshpar_generation_tokens_total                 tokens generated (every choice's)
+    meshpar_time_to_first_token_seconds             histogram: submission -> a request's first token (of any choice)
+    meshpar_inter_token_latency_seconds             histogram: between two tokens of one choice
+    meshpar_e2e_request_latency_seconds             histogram: submission -> a request's last token
     meshpar_requests_running / _waiting             gauges: requests in a slot / queued
     meshpar_kv_cache_slots / _slots_in_use          gauges: the decode batch's KV-cache slots, and those busy
     meshpar_prefix_cache_hits_total / _misses_total prompts that reused a cached prefix, and that did not
@@ -18,6 +18,8 @@ time by a collector, not copied. The latencies are what the API's event loop see
 """
 
 from __future__ import annotations
+
+import time
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -45,10 +47,35 @@ class ServeMetrics:
             "meshpar_e2e_request_latency_seconds", "Submission to last token", buckets=LATENCY, registry=r
         )
         r.register(_Live(scheduler, engine))
+        self.in_flight = 0  # HTTP requests to /v1/* not yet answered whole (`Observed`)
+
+    def timing(self) -> RequestTiming:
+        """The latencies of one request (all its `n` choices), from now."""
+        return RequestTiming(self)
 
     def exposition(self) -> tuple[bytes, str]:
         """-> (the text a scrape reads, its content type)."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class RequestTiming:
+    """One HTTP request's share of the metrics, its `n` choices together (as its `usage` counts them):
+    its prompt's tokens once, the time to its first token (of any choice), and to its last."""
+
+    def __init__(self, metrics: ServeMetrics):
+        self.metrics, self.start, self.first, self.last = metrics, time.perf_counter(), None, None
+
+    def token(self, now: float, prompt_tokens: int) -> None:
+        """A token of any of its choices came at `now` (perf_counter)."""
+        if self.first is None:
+            self.first = now
+            self.metrics.ttft.observe(now - self.start)
+            self.metrics.prompt_tokens.inc(prompt_tokens)
+        self.last = now
+
+    def done(self) -> None:
+        if self.first is not None:
+            self.metrics.e2e.observe(self.last - self.start)
 
 
 class _Live:
@@ -82,7 +109,7 @@ class _Live:
 
 class Observed:
     """ASGI middleware: counts each answer to /v1/* by status code (refusals of the guard in front of
-    the routes too: 401, 413, 415)."""
+    the routes too: 401, 413, 415), and the requests not yet answered whole (`in_flight`)."""
 
     def __init__(self, app, metrics: ServeMetrics):
         self.app, self.metrics = app, metrics
@@ -96,4 +123,8 @@ class Observed:
                 self.metrics.requests.labels(status=str(message["status"])).inc()
             await send(message)
 
-        return await self.app(scope, receive, observed)
+        self.metrics.in_flight += 1
+        try:
+            return await self.app(scope, receive, observed)
+        finally:
+            self.metrics.in_flight -= 1

@@ -22,8 +22,8 @@ import json
 
 import numpy as np
 
-from meshpar.serve.requests import Completion, Request
-from meshpar.serve.sampling import Sampling
+from meshpar.serve.failures import PeerLost
+from meshpar.serve.requests import Completion, Request, Sampling
 from meshpar.serve.scheduler import Ticket
 
 
@@ -72,11 +72,15 @@ class Replicas:
 
     def share(self, new: list, cancels: set, stop: bool) -> tuple[list, set, bool]:
         """Process 0's (new tickets, cancelled ids, stop) -> the same on every process (tickets rebuilt
-        from their requests elsewhere, without callbacks)."""
-        msg = broadcast_json(
-            {"new": [encode(t) for t in new], "cancel": sorted(cancels), "stop": stop} if self.leader else None,
-            self.leader,
-        )
+        from their requests elsewhere, without callbacks); `PeerLost` if it cannot be shared (a
+        broadcast of a few bytes fails only when a process is gone)."""
+        try:
+            msg = broadcast_json(
+                {"new": [encode(t) for t in new], "cancel": sorted(cancels), "stop": stop} if self.leader else None,
+                self.leader,
+            )
+        except Exception as e:  # noqa: BLE001 - gloo's, NCCL's or the runtime's error, whatever its type
+            raise PeerLost(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
         if self.leader:
             return new, cancels, stop
         return [decode(d) for d in msg["new"]], set(msg["cancel"]), bool(msg["stop"])

@@ -15,6 +15,8 @@ A request finishes at its end token (`eos`), its token budget (`max_tokens`), a 
 (`cache_full`), when cancelled (`cancelled`: a client that went away, or a stop string its
 reader saw) or when cut (`shutdown`: a draining server's deadline passed, `Scheduler.cut`).
 Requests beyond `max_waiting` queued are refused with `QueueFull` (HTTP 429).
+A tick that raises fails the requests it held, and on several processes a tick whose intake
+cannot be shared loses the server (`meshpar.serve.failures`).
 Callbacks run on the scheduler's thread, in token order. Submissions and cancellations take
 effect only at the start of a tick, so that on several processes (`meshpar.serve.multihost`) process
 0 can hand every tick's intake to the others, whose schedulers then make the same calls.
@@ -31,6 +33,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from meshpar.runtime import peers
+from meshpar.serve.failures import Failures, Unavailable
 from meshpar.serve.prefill import Prefills, logprobs_of
 from meshpar.serve.prefix import PrefixCache
 from meshpar.serve.requests import Completion, Request
@@ -95,8 +99,9 @@ class TickLoop(Prefills):
         with self.cv:
             new, self.inbox = self.inbox, []
             cancels, self.cancels = self.cancels, set()
+            self.tickets.update((t.id, t) for t in new)  # before the share: if it fails, they are answered
         if self.replicas is not None:
-            new, cancels, halt = self.replicas.share(new, cancels, halt)
+            new, cancels, halt = self.replicas.share(new, cancels, halt)  # PeerLost: a process is gone
         for t in new:
             self.tickets[t.id] = t
             self.waiting.append(t)
@@ -175,9 +180,10 @@ class TickLoop(Prefills):
             _call(t.on_done, t.completion)
 
 
-class Scheduler(TickLoop):
-    """Requests -> an engine's slots (see the module docstring): `TickLoop` plus what other threads call
-    (submit, cancel) and the loops a server runs (`serve` on process 0, `follow` elsewhere)."""
+class Scheduler(TickLoop, Failures):
+    """Requests -> an engine's slots (see the module docstring): `TickLoop` and its `Failures`, plus what
+    other threads call (submit, cancel, cut) and the loops a server runs (`serve` on process 0,
+    `follow` elsewhere)."""
 
     @classmethod
     def for_config(cls, engine, serve, bounded: bool = False, replicas=None) -> Scheduler:
@@ -192,34 +198,6 @@ class Scheduler(TickLoop):
             prefill_chunk=serve.prefill_chunk,
         )
 
-    def _fail(self, error: BaseException) -> None:
-        """A tick raised: every request taken finishes with the error, the slots and the decode state
-        start afresh, and serving goes on (a shape that cannot compile fails its requests, not the server)."""
-        import traceback
-
-        traceback.print_exception(error)
-        self.errors += 1
-        message = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-        with self.cv:
-            taken = list(self.tickets.values())  # waiting, active, and admitted this tick but not placed
-            self.queued -= len(self.waiting)
-            self.waiting.clear()
-        for t in taken:
-            t.completion.error = message
-            self._finish(t, None, "error")
-        self.active.clear()
-        self.partial.clear()
-        self.free = list(range(self.engine.slots))
-        self.state = None
-
-    def safe_step(self, halt: bool = False) -> bool:
-        """`step`, with a failing tick turned into failed requests (`_fail`)."""
-        try:
-            return self.step(halt)
-        except Exception as e:  # noqa: BLE001 - reported to each request, and on stderr
-            self._fail(e)
-            return self.busy()
-
     def submit(self, request: Request, on_token=None, on_done=None) -> Ticket:
         """Queue a request (checked first: ConfigError names what is wrong) -> its ticket."""
         return self.submit_all([(request, on_token, on_done)])[0]
@@ -231,6 +209,8 @@ class Scheduler(TickLoop):
             self.engine.check(request)
         tickets = [Ticket(r, Completion(list(r.tokens)), on_token, on_done) for r, on_token, on_done in items]
         with self.cv:
+            if self.lost:
+                raise Unavailable(self.lost)
             if self.max_waiting is not None and self.queued + len(tickets) > self.max_waiting + len(self.free):
                 raise QueueFull(f"{self.queued} requests are waiting for {self.engine.slots} slots")
             for ticket in tickets:
@@ -270,6 +250,8 @@ class Scheduler(TickLoop):
                     self.cv.wait(min(0.05, wait))
                 halt = stop.is_set() and not self.busy()
             self.safe_step(halt=halt)
+            if self.lost:
+                peers.exit_lost(self.lost)  # the watchdog's verdict, else this: exit 3
             if halt:
                 return
 
@@ -277,6 +259,8 @@ class Scheduler(TickLoop):
         """A process > 0 of a multi-process server: tick on process 0's intake until it says stop."""
         while not self.halted:
             self.safe_step()
+            if self.lost:
+                peers.exit_lost(self.lost)
 
 
 def _call(fn, *args) -> None:

@@ -24,7 +24,8 @@ import numpy as np
 
 from meshpar.core import precision as precision_lib
 from meshpar.core.errors import ConfigError, MeshparError
-from meshpar.runtime.distributed import Preempted, PreemptionGuard, await_peer_verdict, progress, scheduler_job
+from meshpar.runtime.distributed import Preempted, PreemptionGuard, scheduler_job
+from meshpar.runtime.peers import await_peer_verdict, progress
 from meshpar.train.batches import Batches, Prefetch
 from meshpar.train.data import floor_gap_closed, make_eval_source, make_source
 from meshpar.train.evaluate import Evaluator

@@ -170,7 +170,7 @@ def test_the_watchdog_leaves_the_client_before_exit_and_a_finished_peer_is_not_l
     done; process 0 does not call a done peer lost, however long it runs on (a fake client, no JAX)."""
     import threading
 
-    from meshpar.runtime import distributed
+    from meshpar.runtime import peers
 
     class Client:  # the coordination service's key-value store, as the watchdog uses it
         def __init__(self):
@@ -191,20 +191,20 @@ def test_the_watchdog_leaves_the_client_before_exit_and_a_finished_peer_is_not_l
             return self.kv[key]
 
     def watchdog(me, client):
-        w = distributed._Watchdog.__new__(distributed._Watchdog)
+        w = peers._Watchdog.__new__(peers._Watchdog)
         threading.Thread.__init__(w, daemon=True)
         w.client, w.me, w.n, w.timeout, w.period, w.done = client, me, 2, 0.3, 0.05, threading.Event()
         return w
 
     lost = []
-    monkeypatch.setattr(distributed, "_peer_lost", lambda what, me: lost.append(what))
+    monkeypatch.setattr(peers, "_peer_lost", lambda what, me: lost.append(what))
     client = Client()
     peer = watchdog(1, client)
     peer.start()
     time.sleep(0.3)
     peer.stop()
     assert not peer.is_alive() and not client.inside.is_set()  # out of the client's call, for good
-    assert client.kv["meshpar/alive/1"] == distributed.DONE
+    assert client.kv["meshpar/alive/1"] == peers.DONE
     seen, start = {}, time.monotonic() - 10
     watchdog(0, client)._watch_peers(seen, start)  # long past the timeout: a done peer is not lost
     assert lost == []

@@ -91,6 +91,7 @@ SERVER = [
     "serve.cache_length=256",
     "serve.max_body_bytes=65536",
     "serve.cors_origins=[http://allowed.example]",
+    "serve.max_messages=64",
 ]
 KEY, OTHER_KEY = "none", "second-key"  # the module's server takes two keys (MESHPAR_API_KEY)
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -719,6 +720,119 @@ def test_echo_returns_the_prompt_before_the_completion(served):
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == "abcdefgh"
 
 
+def test_a_chat_request_is_bounded_before_it_is_read_and_text_parts_are_read(served):
+    """serve.max_messages=64: 1,500 empty messages (under the body limit) are refused naming the bound,
+    before any is rendered (a rendered one was refused by its tokens); so are 2 messages of 40 parts.
+    Content given as text parts (OpenAI's array form) is read as their text joined by newlines; a part
+    that is not text is refused naming it."""
+    url = served[0]
+    for messages in (
+        [{"role": "user", "content": ""}] * 1500,
+        [{"role": "user", "content": [{"type": "text", "text": "a"}] * 40}] * 2,
+    ):
+        code, err, _ = post(url, "/v1/chat/completions", {"model": "abc", "messages": messages, "max_tokens": 1})
+        assert code == 400 and err["error"]["param"] == "messages", err
+        assert "at most 64 (serve.max_messages)" in err["error"]["message"], err
+    say = {"model": "abc", "max_tokens": 4, "temperature": 0}
+    parts = [{"type": "text", "text": "ab"}, {"type": "text", "text": "cd"}]
+    code, got, _ = post(url, "/v1/chat/completions", say | {"messages": [{"role": "user", "content": parts}]})
+    code2, want, _ = post(url, "/v1/chat/completions", say | {"messages": [{"role": "user", "content": "ab\ncd"}]})
+    assert code == code2 == 200 and got["choices"][0]["message"] == want["choices"][0]["message"]
+    assert got["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"]
+    image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
+    code, err, _ = post(url, "/v1/chat/completions", say | {"messages": [{"role": "user", "content": [image]}]})
+    assert (
+        code == 400
+        and "messages[0].content[0]" in err["error"]["message"]
+        and "'image_url' parts" in err["error"]["message"]
+    )
+
+
+def test_logprobs_of_a_cut_stop_string_are_left_out_as_openai_leaves_them(served):
+    """stop "ghi" after "abcd": the text is "ef" and so are its logprobs' tokens (g and h, held back
+    while the stop string could still come, are cut with it), streamed or not, completions and chat."""
+    url = served[0]
+    c = client(url)
+    out = c.completions.create(model="abc", prompt="abcd", max_tokens=8, temperature=0, stop="ghi", logprobs=1)
+    lp = out.choices[0].logprobs
+    assert out.choices[0].text == "ef" and lp.tokens == ["e", "f"] and lp.text_offset == [0, 1], lp
+    assert len(lp.token_logprobs) == len(lp.top_logprobs) == 2
+    chunks = list(
+        c.completions.create(
+            model="abc", prompt="abcd", max_tokens=8, temperature=0, stop="ghi", logprobs=1, stream=True
+        )
+    )
+    streamed = [t for ch in chunks if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.tokens]
+    assert streamed == ["e", "f"], streamed
+    chat = c.chat.completions.create(
+        model="abc", messages=[{"role": "user", "content": "abc"}], max_tokens=8, temperature=0, logprobs=True
+    )
+    text = chat.choices[0].message.content
+    assert len(text) >= 3, text
+    stop = text[2:4] if len(text) >= 4 else text[2:]
+    cut = c.chat.completions.create(
+        model="abc",
+        messages=[{"role": "user", "content": "abc"}],
+        max_tokens=8,
+        temperature=0,
+        logprobs=True,
+        stop=stop,
+    )
+    assert cut.choices[0].message.content == text[: text.index(stop)]
+    assert "".join(x.token for x in cut.choices[0].logprobs.content) == cut.choices[0].message.content
+
+
+def test_sampling_fields_mean_what_openais_documentation_says(served):
+    """top_p 1e-46 (0 in float32) keeps the most likely token, as 1e-30 does: every seed gives the
+    greedy text. max_completion_tokens: null leaves max_tokens in force. `n` beyond slots + queue
+    (2 + 2 here) can never be admitted: 400 naming `n`, not a 429 to retry forever."""
+    url = served[0]
+    c = client(url)
+    greedy = c.completions.create(model="abc", prompt="mno", max_tokens=6, temperature=0).choices[0].text
+    for top_p in (1e-46, 1e-30):
+        texts = {
+            c.completions.create(model="abc", prompt="mno", max_tokens=6, temperature=1.5, top_p=top_p, seed=s)
+            .choices[0]
+            .text
+            for s in range(4)
+        }
+        assert texts == {greedy}, (top_p, texts)
+    code, body, _ = post(
+        url,
+        "/v1/chat/completions",
+        {
+            "model": "abc",
+            "messages": [{"role": "user", "content": "abc"}],
+            "max_tokens": 3,
+            "max_completion_tokens": None,
+            "temperature": 0,
+        },
+    )
+    assert code == 200 and body["usage"]["completion_tokens"] == 3, body
+    code, err, _ = post(url, "/v1/completions", {"model": "abc", "prompt": "ab", "max_tokens": 2, "n": 5})
+    assert code == 400 and err["error"]["param"] == "n" and "can never be admitted" in err["error"]["message"], err
+    assert post(url, "/v1/completions", {"model": "abc", "prompt": "ab", "max_tokens": 2, "n": 4})[0] == 200
+
+
+def test_logit_bias_keys_are_token_ids_and_unsupported_fields_are_refused_by_name(served):
+    """A logit_bias key is a token id as OpenAI writes one: " 5 ", Arabic-Indic digits, "1_0", "+5"
+    and "05" (which with "5" named one token twice, summed) are refused; `suffix` (completions) and
+    `echo` (chat) are refused by name like every other field this server does not implement."""
+    url = served[0]
+    good = {"model": "abc", "prompt": "abcd", "max_tokens": 2, "temperature": 0}
+    for key in (" 5 ", "\u0665", "1_0", "+5", "05", "-1", "5.0"):
+        code, err, _ = post(url, "/v1/completions", good | {"logit_bias": {key: 1}})
+        assert code == 400 and err["error"]["param"] == "logit_bias" and "token ids" in err["error"]["message"], key
+    assert post(url, "/v1/completions", good | {"logit_bias": {"0": 1, "101": -1}})[0] == 200
+    code, err, _ = post(url, "/v1/completions", good | {"suffix": "xyz"})
+    assert code == 400 and err["error"]["param"] == "suffix", err
+    code, err, _ = post(
+        url, "/v1/chat/completions", {"model": "abc", "messages": [{"role": "user", "content": "a"}], "echo": True}
+    )
+    assert code == 400 and err["error"]["param"] == "echo", err
+    assert post(url, "/v1/completions", good | {"suffix": None})[0] == 200
+
+
 def scrape(url) -> dict:
     """GET /metrics (no key), parsed by prometheus_client's own parser -> {sample name{labels}: value}."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -755,14 +869,26 @@ def test_metrics_count_requests_tokens_and_latencies_in_prometheus_format(served
     assert after["meshpar_requests_waiting"] == 0 and after["meshpar_kv_cache_slots_in_use"] == 0
     assert moved("meshpar_prefix_cache_hits_total") + moved("meshpar_prefix_cache_misses_total") == 1
     assert after["meshpar_compilations_total"] >= 1 and moved("meshpar_decode_steps_total") >= 7
+    before = scrape(url)  # n=3: one request, its prompt's 4 tokens once, 3 x 5 tokens generated (as its usage)
+    code, body, _ = post(
+        url, "/v1/completions", {"model": "abc", "prompt": "abcd", "max_tokens": 5, "n": 3, "temperature": 0}
+    )
+    after = scrape(url)
+    assert code == 200 and (body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"]) == (4, 15)
+    assert moved("meshpar_requests_total{status=200}") == 1 and moved("meshpar_prompt_tokens_total") == 4
+    assert moved("meshpar_generation_tokens_total") == 15 and moved("meshpar_time_to_first_token_seconds_count") == 1
+    assert moved("meshpar_e2e_request_latency_seconds_count") == 1
 
 
 def test_a_drain_deadline_answers_what_remains_with_503_and_exits_0(served):
-    """serve.drain_timeout_s: SIGTERM with a stream and a request decoding and two queued behind them
-    (two slots); past the deadline each unfinished one is answered 503 in OpenAI's shape (a stream
-    already begun: that error, then [DONE]), none is left with a reset connection, the server says
-    how many it cut and exits 0."""
+    """serve.drain_timeout_s=2: SIGTERM with a stream and a request decoding and two queued behind them
+    (two slots), and a client that sent its headers and 4 of its 100 body bytes; past the deadline
+    each unfinished one is answered 503 in OpenAI's shape (a stream already begun: that error, then
+    [DONE]; the trickling client too), none is left with a reset connection, the server says how many
+    it cut and exits 0 within 5 s of the signal. Before that, a connection that sends nothing is
+    closed at serve.header_timeout_s (2 s)."""
     import signal
+    import socket
 
     _, _, _, common, _ = served
     proc, url, lines = start(
@@ -777,13 +903,19 @@ def test_a_drain_deadline_answers_what_remains_with_503_and_exits_0(served):
             "mesh.fsdp=1",
             "mesh.tensor=4",
             "serve.slots=2",
-            "serve.cache_length=256",
-            "serve.drain_timeout_s=0.5",
+            "serve.cache_length=1024",
+            "serve.drain_timeout_s=2",
+            "serve.header_timeout_s=2",
         ],
         env={"MESHPAR_API_KEY": KEY},
     )
+    host, port = url.split("//")[1].split(":")
     try:
-        body = {"model": "abc", "prompt": "abcd", "max_tokens": 250, "temperature": 0}
+        idle = socket.create_connection((host, int(port)), timeout=30)
+        t = time.monotonic()
+        assert idle.recv(100) == b"" and time.monotonic() - t < 10  # closed, having sent nothing
+        # 1000 tokens each: at more than 2 ms a token, still running (or queued) at the deadline
+        body = {"model": "abc", "prompt": "abcd", "max_tokens": 1000, "temperature": 0}
         out = [{}, {}, {}, {}]
 
         def streamed(o):
@@ -808,21 +940,35 @@ def test_a_drain_deadline_answers_what_remains_with_503_and_exits_0(served):
             if h["active"] == 2 and h["waiting"] == 2:
                 break
             time.sleep(0.05)
+        trickler = socket.create_connection((host, int(port)), timeout=30)
+        trickler.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: a\r\nContent-Type: application/json\r\n"
+            + f"Authorization: Bearer {KEY}\r\nContent-Length: 100\r\n\r\n".encode()
+            + b'{"mo'
+        )
+        time.sleep(0.2)
+        signalled = time.monotonic()
         proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, "".join(lines)
+        exited = time.monotonic() - signalled
         for t in threads:
             t.join(60)
-        assert proc.wait(60) == 0, "".join(lines)
+        answer = b""
+        while chunk := trickler.recv(4096):
+            answer += chunk
     finally:
         if proc.poll() is None:
             proc.kill()
+    assert exited < 5, exited  # 2 s of drain, then each one left answered or ended
+    assert answer.startswith(b"HTTP/1.1 503") and b"server_shutting_down" in answer, answer
     answers = [o["r"] for o in out[1:]]
-    assert [code for code, _, _ in answers[1:]] == [503, 503]  # queued behind 250 decode steps
+    assert [code for code, _, _ in answers[1:]] == [503, 503]  # queued behind 1000 decode steps
     assert all(code in (200, 503) for code, _, _ in answers)
     cut = [b for code, b, _ in answers if code == 503]
     assert all(
-        b["error"]["code"] == "server_shutting_down" and "drain_timeout_s=0.5" in b["error"]["message"] for b in cut
+        b["error"]["code"] == "server_shutting_down" and "drain_timeout_s=2" in b["error"]["message"] for b in cut
     )
-    assert all(b["usage"]["completion_tokens"] == 250 for code, b, _ in answers if code == 200)
+    assert all(b["usage"]["completion_tokens"] == 1000 for code, b, _ in answers if code == 200)
     events = out[0]["events"]
     last = json.loads(events[-2][6:])
     assert events[-1] == "data: [DONE]" and (
@@ -832,8 +978,10 @@ def test_a_drain_deadline_answers_what_remains_with_503_and_exits_0(served):
     assert any(f"{n} requests in flight were cut (answered 503)" in line for line in lines), "".join(lines)
 
 
-def test_sigterm_finishes_the_requests_in_flight_and_exits_0(served):
-    """Last in this file: it stops the module's server."""
+def test_ctrl_c_finishes_the_requests_in_flight_and_exits_130(served):
+    """Ctrl-C (SIGINT) drains as SIGTERM does (the request in flight completes, the scheduler stops
+    in order) and exits 130, as the README says (SIGTERM: 0, the drain test and the two-process one).
+    Last of the module server's tests: it stops it."""
     import signal
 
     url, proc, _, _, lines = served
@@ -849,13 +997,17 @@ def test_sigterm_finishes_the_requests_in_flight_and_exits_0(served):
             if json.loads(r.read())["active"]:
                 break
         time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signal.SIGINT)
     t.join(120)
-    assert proc.wait(60) == 0, "".join(lines)
+    assert proc.wait(60) == 130, "".join(lines)
     code, body, _ = out["r"]
     assert code == 200 and body["usage"]["completion_tokens"] == 200
     assert body["choices"][0]["text"] == ((ALPHABET * 10)[4:])[:200]
-    assert any(line.startswith("stopped:") for line in lines)
+    for _ in range(50):  # the last lines, as the pipe's reader takes them
+        if "meshpar: interrupted: drained and stopped\n" in lines:
+            break
+        time.sleep(0.1)
+    assert any(line.startswith("stopped:") for line in lines) and "meshpar: interrupted: drained and stopped\n" in lines
 
 
 def test_the_guard_replays_a_body_within_the_limit_and_refuses_the_rest_in_one_line():
@@ -898,3 +1050,245 @@ def test_the_guard_replays_a_body_within_the_limit_and_refuses_the_rest_in_one_l
     status, body = call(ok + [(b"content-length", b"abc")], [(b"{}", False)])
     assert status == 400 and b"Content-Length header is not a number" in body
     assert call(ok[1:], [(b"{}", False)])[0] == 401
+
+
+def streamed_logprobs(tok, ids, stop=(), chat=False):
+    """`Server.events` (the API's reading of one choice's tokens) over a ticket whose tokens are `ids`,
+    each with a made-up log probability, as the scheduler posts them -> (the text, the logprobs object)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from meshpar.serve.api import Server
+    from meshpar.serve.completions import logprobs_object
+    from meshpar.serve.metrics import ServeMetrics
+    from meshpar.serve.requests import Completion, Request
+
+    req = Request([ord("x")], len(ids), logprobs=1)
+    done = Completion(req.tokens, finish="max_tokens", logprobs=[(-1.0 - k, [(t, -0.5)]) for k, t in enumerate(ids)])
+    queue = asyncio.Queue()
+    for t in ids:
+        queue.put_nowait(("tok", t))
+    queue.put_nowait(("done", done))
+    metrics = ServeMetrics(None, None)
+    server = SimpleNamespace(tok=tok, eos=[], metrics=metrics, scheduler=SimpleNamespace(cancel=lambda t: None))
+
+    async def here():
+        return False
+
+    async def run():
+        ticket = SimpleNamespace(request=req, completion=done)
+        return [ev async for ev in Server.events(server, (ticket, queue), list(stop), here, metrics.timing())]
+
+    events = asyncio.run(run())
+    text = "".join(ev[1] for ev in events if ev[0] == "text")
+    return text, logprobs_object(tok, [e for ev in events if ev[0] == "text" for e in ev[2]], chat)
+
+
+def test_logprobs_of_characters_split_over_byte_tokens_and_of_a_cut_stop_string():
+    """Byte-level tokens: a piece of a character is written `bytes:\\xc3` (chat: its own `bytes`), never
+    U+FFFD, and every text_offset is where the token's character begins, within the text; the
+    tokens of a stop string cut from the text have no logprobs."""
+    from meshpar.io.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer(256)
+    text, lp = streamed_logprobs(tok, list("aé😀b".encode()))
+    assert text == "aé😀b"
+    assert lp["tokens"] == [
+        "a",
+        "bytes:\\xc3",
+        "bytes:\\xa9",
+        "bytes:\\xf0",
+        "bytes:\\x9f",
+        "bytes:\\x98",
+        "bytes:\\x80",
+        "b",
+    ]
+    assert lp["text_offset"] == [0, 1, 1, 2, 2, 2, 2, 3] and max(lp["text_offset"]) < len(text)
+    assert list(lp["top_logprobs"][1]) == ["bytes:\\xc3"] and lp["token_logprobs"][:2] == [-1.0, -2.0]
+    _, chat = streamed_logprobs(tok, list("é!".encode()), chat=True)
+    assert [x["bytes"] for x in chat["content"]] == [[0xC3], [0xA9], [ord("!")]]
+    assert bytes(b for x in chat["content"] for b in x["bytes"]).decode() == "é!"
+    text, lp = streamed_logprobs(tok, list(b"efghij"), stop=["ghi"])
+    assert text == "ef" and lp["tokens"] == ["e", "f"] and lp["text_offset"] == [0, 1]
+
+
+def test_byte_level_bpe_tokens_give_their_own_bytes(tmp_path):
+    """A byte-level BPE tokenizer (GPT-2's alphabet, as Llama 3's and Qwen's): `token_bytes` maps a
+    token's characters back to the bytes they stand for, so the pieces of "ü" are its two bytes."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from meshpar.io.tokenizer import HFTokenizer
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    bpe.train_from_iterator(["the lazy dog"] * 20, trainers.BpeTrainer(vocab_size=280, initial_alphabet=alphabet))
+    (tmp_path / "tok").mkdir()
+    bpe.save(str(tmp_path / "tok" / "tokenizer.json"))
+    tok = HFTokenizer(str(tmp_path / "tok"))
+    ids = tok.encode("ü the")
+    assert b"".join(tok.token_bytes(i) for i in ids) == "ü the".encode()
+    assert [tok.token_bytes(i) for i in ids[:2]] == [b"\xc3", b"\xbc"]
+
+
+def test_connections_have_a_header_deadline_and_a_bound_per_client():
+    """meshpar.serve.connections on uvicorn (in this process, a trivial app): a connection that sends
+    nothing is closed at serve.header_timeout_s (0.5 s here), one trickling its headers a byte at a
+    time is answered 408 then (the deadline is for the whole headers), a fourth connection from one
+    address beyond max_connections_per_client=3 is answered 429; a prompt request is served, and
+    another on the same connection after a pause shorter than the deadline."""
+    import socket
+
+    import uvicorn
+
+    from meshpar.serve.api import listen
+    from meshpar.serve.connections import policed
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    sock = listen("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, http=policed(0.5, 3), log_level="warning", timeout_keep_alive=30))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        for _ in range(100):
+            if server.started:
+                break
+            time.sleep(0.05)
+
+        def connect():
+            s = socket.create_connection(("127.0.0.1", port), timeout=10)
+            return s
+
+        def closed_after(s):
+            t = time.monotonic()
+            data = b""
+            while chunk := s.recv(4096):
+                data += chunk
+            return data, time.monotonic() - t
+
+        idle = connect()
+        data, waited = closed_after(idle)
+        assert data == b"" and 0.3 < waited < 5, (data, waited)
+        slow = connect()
+        t = time.monotonic()
+        slow.settimeout(0.2)
+        data = b""
+        for ch in b"GET /x HTTP/1.1\r\nHost: a\r\nX-Long: " + b"y" * 200:
+            try:
+                slow.send(bytes([ch]))
+                data += slow.recv(4096)
+                break
+            except TimeoutError:
+                continue
+            except OSError:
+                break
+        assert data.startswith(b"HTTP/1.1 408") and b"serve.header_timeout_s=0.5" in data, data
+        assert time.monotonic() - t < 5
+        held = [connect() for _ in range(3)]
+        extra = connect()
+        data, _ = closed_after(extra)
+        assert data.startswith(b"HTTP/1.1 429") and b"serve.max_connections_per_client" in data, data
+        fine = held[0]
+        for _ in range(2):
+            fine.sendall(b"GET /x HTTP/1.1\r\nHost: a\r\n\r\n")
+            assert fine.recv(4096).startswith(b"HTTP/1.1 200")
+            time.sleep(0.3)
+        for s in held:
+            s.close()
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def test_the_guard_answers_a_late_body_408_and_a_body_still_arriving_at_the_drains_deadline_503():
+    """serve.body_timeout_s: a body that has not arrived whole by then is refused 408 (and the
+    connection closed); once a draining server's deadline passed (`Guard.drain`), 503."""
+    import asyncio
+
+    from meshpar.serve.guard import Guard
+
+    async def never(scope, receive, send):
+        raise AssertionError("the app must not be reached")
+
+    def call(guard):
+        sent = []
+
+        async def receive():
+            if not sent:
+                sent.append(None)
+                return {"type": "http.request", "body": b'{"mo', "more_body": True}
+            await asyncio.sleep(60)  # the rest never comes
+
+        async def send(message):
+            sent.append(message)
+
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"100")]
+        t = time.monotonic()
+        asyncio.run(
+            guard({"type": "http", "method": "POST", "path": "/v1/completions", "headers": headers}, receive, send)
+        )
+        start = sent[1]
+        return start["status"], dict(start["headers"]), json.loads(sent[2]["body"]), time.monotonic() - t
+
+    status, headers, body, waited = call(Guard(never, [], 1000, body_timeout_s=0.3))
+    assert status == 408 and headers[b"connection"] == b"close" and body["error"]["code"] == "request_timeout"
+    assert "serve.body_timeout_s=0.3" in body["error"]["message"] and waited < 5
+    guard = Guard(never, [], 1000, body_timeout_s=30)
+    guard.drain(time.monotonic() + 0.3, "the server is shutting down: serve.drain_timeout_s=0.3 passed")
+    status, headers, body, waited = call(guard)
+    assert status == 503 and body["error"]["code"] == "server_shutting_down" and waited < 5
+
+
+def test_bodies_are_read_in_a_worker_smallest_first_and_skipped_once_their_client_has_gone():
+    """meshpar.serve.intake with one worker process: while it reads costly bodies (1.3 M nested empty
+    objects in an unknown field, each then refused for its empty prompt), three queued behind them
+    whose clients go away are never read (counted skipped), and a small body queued last is read
+    before the costly ones still waiting."""
+    import asyncio
+
+    from meshpar.io.tokenizer import ByteTokenizer
+    from meshpar.serve.fields import Fields, Limits
+    from meshpar.serve.guard import APIError
+    from meshpar.serve.intake import Intake
+
+    intake = Intake(Fields(Limits(256, 256, "m", (), 2, 2), ByteTokenizer(256)), workers=1, queue=16)
+    costly = json.dumps({"model": "m", "prompt": "", "x": [{}] * 1_300_000}).encode()
+    small = json.dumps({"model": "m", "prompt": "abc", "max_tokens": 2}).encode()
+    done, asked = [], []
+
+    async def gone():  # here when queued (the first ask of each), gone by the next
+        asked.append(None)
+        return len(asked) > 3
+
+    async def timed(name, body, left=None):
+        try:
+            out = await intake.parse(body, False, left)
+        except APIError as e:
+            out = e.status
+        done.append(name)
+        return out
+
+    async def run():
+        ahead = [asyncio.create_task(timed(f"ahead{i}", costly)) for i in range(8)]  # a second or more of its time
+        await asyncio.sleep(0.05)
+        left = [asyncio.create_task(timed(f"left{i}", costly, gone)) for i in range(3)]
+        await asyncio.sleep(0.05)
+        small_one = asyncio.create_task(timed("small", small))
+        return [await t for t in ahead], [await t for t in left], await small_one
+
+    try:
+        ahead, left, (req, _) = asyncio.run(run())
+        for _ in range(200):  # the worker's thread comes to the three after the others
+            if intake.skipped == 3:
+                break
+            time.sleep(0.05)
+    finally:
+        intake.close()
+    assert ahead == [400] * 8 and left == [None] * 3 and req.tokens == list(b"abc")
+    assert intake.skipped == 3 and done.index("small") < done.index("ahead7"), done

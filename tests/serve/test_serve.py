@@ -300,6 +300,64 @@ def test_a_failing_tick_fails_its_requests_and_serving_goes_on():
     assert good.completion.finish == "max_tokens" and good.completion.tokens == e.run([Request([5, 9, 2], 4)])[0].tokens
 
 
+def test_a_lost_process_answers_every_request_and_a_failed_step_is_told_from_it(capsys):
+    """Several processes (a stand-in for `Replicas`): a share that fails (a process gone) finishes the
+    requests it was handing over (they were swapped out of the inbox: once never answered), the
+    queued and the running ones, all `lost`, and refuses new ones; no traceback. A step that fails
+    is probed with one intake more: shared, it was the step's own error (its requests get it, those
+    the probe took stay queued); not shared, the server is lost."""
+    from meshpar.serve.failures import PeerLost, Unavailable
+    from meshpar.serve.scheduler import Scheduler
+
+    class Replicas:  # process 0's side: shares pass through until `gone`
+        gone = False
+
+        def share(self, new, cancels, stop):
+            if self.gone:
+                raise PeerLost("Gloo all-reduce failed: Connection reset by peer")
+            return new, cancels, stop
+
+    e = engine("mha", "1")
+    replicas = Replicas()
+    sched = Scheduler(e, prefill_batch=2, replicas=replicas)
+    running = sched.submit(Request([5, 9, 2], 40))
+    sched.safe_step()
+    assert running.id in {t.id for t in sched.active.values()}
+    waiting = [sched.submit(Request([5, 9, 2], 4)) for _ in range(e.slots)]
+    replicas.gone = True
+    assert sched.safe_step() is False
+    assert [t.completion.finish for t in (running, *waiting)] == ["lost"] * (1 + e.slots)
+    assert "send the request again" in waiting[0].completion.error and "Gloo" in waiting[0].completion.error
+    with pytest.raises(Unavailable):
+        sched.submit(Request([5, 9, 2], 4))
+    assert "Traceback" not in capsys.readouterr().err
+
+    replicas.gone = False
+    sched = Scheduler(e, prefill_batch=2, replicas=replicas)
+    real, newcomer = e.generate, []
+
+    def failing(*a, **k):  # the step fails; meanwhile a request comes in (the probe takes it)
+        newcomer.append(sched.submit(Request([7, 7], 4)))
+        raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
+
+    def dying(*a, **k):  # the step fails as a process dies: the probe cannot be shared
+        replicas.gone = True
+        raise RuntimeError("Gloo all-reduce failed")
+
+    try:
+        e.generate = failing
+        bad = sched.submit(Request([5, 9, 2], 4))
+        sched.safe_step()
+        assert bad.completion.finish == "error" and "RESOURCE_EXHAUSTED" in bad.completion.error
+        assert newcomer[0].completion.finish == "" and newcomer[0] in sched.waiting and not sched.lost
+        capsys.readouterr()
+        e.generate = dying
+        sched.safe_step()  # admits the newcomer and fails
+    finally:
+        e.generate = real
+    assert sched.lost and newcomer[0].completion.finish == "lost" and "Traceback" not in capsys.readouterr().err
+
+
 def test_text_streams_whole_characters_and_stops_across_tokens():
     """The API's detokenizer: a character split over byte tokens (UTF-8 as one replacement character,
     a byte-fallback tokenizer as one per pending byte) is held back until whole, never sent broken;
@@ -491,6 +549,7 @@ def test_sampling_greedy_top_k_top_p_and_seeds():
     assert set(_rows(logits, top_k=2)) == {0, 1}  # only the 2 most likely
     assert set(_rows(logits, top_p=0.7)) == {0, 1}  # 0.5 < 0.7 <= 0.8: nucleus {0, 1}
     assert set(_rows(logits, top_p=0.4)) == {0}
+    assert set(_rows(logits, top_p=1e-46)) == set(_rows(logits, top_p=1e-30)) == {0}  # 0 in float32: the most likely
     draws = _rows(logits)  # plain sampling follows the softmax
     assert np.allclose(np.bincount(draws, minlength=4) / len(draws), [0.5, 0.3, 0.15, 0.05], atol=0.03)
     hot = np.bincount(_rows(logits, temperature=0.25), minlength=4) / len(draws)  # T < 1 sharpens

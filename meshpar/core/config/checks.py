@@ -149,6 +149,8 @@ def validate(cfg: Config) -> None:
         ("checkpoint.every", cfg.checkpoint.every, "only at the end"),
         ("eval.every", cfg.eval.every, "no evaluation"),
         ("serve.prefix_cache", cfg.serve.prefix_cache, "off"),
+        ("serve.parse_workers", cfg.serve.parse_workers, "bodies read on a thread of the server's process"),
+        ("serve.max_connections_per_client", cfg.serve.max_connections_per_client, "no bound"),
     ]:
         if v < 0:
             raise ConfigError(f"config key '{key}' must be >= 0 (0: {zero}), got {v}")
@@ -175,6 +177,7 @@ def validate(cfg: Config) -> None:
         ("serve.prefix_block", cfg.serve.prefix_block),
         ("serve.max_waiting", cfg.serve.max_waiting),
         ("serve.max_body_bytes", cfg.serve.max_body_bytes),
+        ("serve.max_messages", cfg.serve.max_messages),
         ("profile.start_step", cfg.profile.start_step),
         ("profile.steps", cfg.profile.steps),
         ("eval.batches", cfg.eval.batches),
@@ -189,6 +192,12 @@ def validate(cfg: Config) -> None:
     )
     if cfg.train.lr <= 0:
         raise ConfigError(f"config key 'train.lr' must be > 0, got {cfg.train.lr}")
+    for key, seconds in (
+        ("serve.header_timeout_s", cfg.serve.header_timeout_s),
+        ("serve.body_timeout_s", cfg.serve.body_timeout_s),
+    ):
+        if not seconds > 0:
+            raise ConfigError(f"config key '{key}' must be > 0 seconds, got {seconds}")
     for key, bound, least, null in (
         ("serve.prefill_chunk", cfg.serve.prefill_chunk, 1, "prefill whole"),
         ("serve.drain_timeout_s", cfg.serve.drain_timeout_s, 0, "drain however long"),

@@ -207,6 +207,13 @@ class ServeConfig:
     # where a scanned step copies every layer's weights out of the stack: meshpar.nn.layers.decode_loop)
     drain_timeout_s: float | None = None  # SIGTERM: finish the requests in flight at most this long, then end
     # the rest with 503 (None: however long)
+    max_messages: int = 2048  # messages (and content parts) a chat request may hold, as OpenAI's limit; more: 400
+    parse_workers: int = 1  # processes that read request bodies (JSON, chat template, tokenizer) beside the
+    # server's, so no body stalls decoding (0: a thread of the server's own process)
+    header_timeout_s: float = 10.0  # a connection's request headers must arrive within this (from its start or
+    # its last answer); else it is closed (408 if it had begun)
+    body_timeout_s: float = 60.0  # a request's body must arrive within this of its headers; else 408
+    max_connections_per_client: int = 128  # open connections per client address; more are answered 429 (0: no bound)
 
 
 @dataclass
